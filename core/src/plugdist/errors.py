@@ -1,0 +1,60 @@
+"""The one error tree of plugdist.
+
+    RuntimeError
+    └── DistError                  anything plugdist raises on purpose
+        ├── DistBackendError       a backend failed an op (its own message kept)
+        ├── DistStoreError         a key-value store refused or failed a request
+        │   └── DistTimeoutError   (also a DistError) a wait ran past its timeout
+        └── DistNetworkError       a connection could not be made or was lost
+
+Messages name what the user needs to act: rank, group, op, backend, and the fix.
+``DistTimeoutError`` is also raised by collectives (a peer that never answered), hence
+it is a ``DistError`` first and a ``DistStoreError`` second: ``except DistStoreError``
+around a store call still catches store timeouts.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DistError",
+    "DistBackendError",
+    "DistStoreError",
+    "DistNetworkError",
+    "DistTimeoutError",
+    "where",
+]
+
+
+class DistError(RuntimeError):
+    """Base of every error plugdist raises on purpose."""
+
+
+class DistBackendError(DistError):
+    """A backend failed an operation; the backend's own message is kept."""
+
+
+class DistStoreError(DistError):
+    """A key-value store refused or failed a request."""
+
+
+class DistNetworkError(DistError):
+    """A connection could not be made, or was lost."""
+
+
+class DistTimeoutError(DistStoreError):
+    """A wait (store key, collective, barrier) ran past its timeout."""
+
+
+def where(*, rank: int | None = None, group: str | None = None, op: str | None = None,
+          backend: str | None = None) -> str:
+    """Format the 'where' part of an error message: ``[rank 1, group 'world', op all_reduce]``."""
+    parts = []
+    if rank is not None:
+        parts.append(f"rank {rank}")
+    if group is not None:
+        parts.append(f"group {group!r}")
+    if backend is not None:
+        parts.append(f"backend {backend!r}")
+    if op is not None:
+        parts.append(f"op {op}")
+    return "[" + ", ".join(parts) + "]" if parts else ""

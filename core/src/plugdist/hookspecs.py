@@ -1,0 +1,70 @@
+"""Hook specifications for ``plugdist.plugins`` (pluggy). Each docstring is the contract.
+
+Hooks are always called with keyword arguments, so a spec can grow new arguments without
+breaking plugins that do not take them. A plugin module listed under the ``plugdist.plugins``
+entry-point group is registered the first time the core needs its plugins.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import argparse
+
+    from .debug_level import DebugLevel
+    from .process_group import ProcessGroup
+    from .store import Store
+
+PROJECT = "plugdist"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+__all__ = ["hookspec", "hookimpl", "PROJECT"]
+
+
+@hookspec
+def plugdist_wrap_process_group(group: "ProcessGroup", store: "Store",
+                                debug_level: "DebugLevel") -> "ProcessGroup | None":
+    """Return a ProcessGroup that wraps ``group`` (used exactly like it), or None to leave it.
+
+    Called on every member rank for every group built by ``init_process_group`` and
+    ``new_group``, after the backend group exists and before anyone uses it. Wrappers chain:
+    each plugin receives the group returned by the one before. ``store`` is a store private to
+    this group (for side channels independent of the backend).
+    """
+
+
+@hookspec
+def plugdist_group_created(group: "ProcessGroup", global_ranks: tuple[int, ...],
+                           backend: str) -> None:
+    """Observe a new group (after wrapping). Must not run collectives."""
+
+
+@hookspec
+def plugdist_group_destroyed(group: "ProcessGroup") -> None:
+    """Observe a group being destroyed, before its backend is shut down."""
+
+
+@hookspec
+def plugdist_debug_level_changed(level: "DebugLevel") -> None:
+    """Observe a change of the debug level (from the environment or ``set_debug_level``)."""
+
+
+@hookspec
+def plugdist_ddp_constructed(module: Any, logging_data: dict[str, Any]) -> None:
+    """Observe a DistributedDataParallel model after construction, with its logging data."""
+
+
+@hookspec
+def plugdist_ddp_iteration(module: Any, iteration: int, stats: dict[str, Any]) -> None:
+    """Observe one DDP iteration's runtime statistics (times in ns) after backward finished."""
+
+
+@hookspec
+def plugdist_add_cli_commands(subparsers: "argparse._SubParsersAction") -> None:
+    """Add subcommands to the ``plugdist`` command line (e.g. ``plugdist debug analyze``).
+    A subparser must set ``func`` (``set_defaults(func=...)``) taking the parsed args and
+    returning an exit code."""

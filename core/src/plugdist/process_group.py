@@ -1,0 +1,391 @@
+"""``ProcessGroup``: what a backend implements, and what every caller uses.
+
+Two layers in one class (the template-method pattern):
+
+* **Public ops** (``all_reduce``, ``broadcast``, ... ``send``, ``recv``): what the frontend, DDP,
+  the debug wrapper and users of the explicit object API call. They validate arguments (clear
+  errors naming rank, group, op and backend, raised before anything is sent), then run the op
+  natively if the backend can, or compose it from the backend's native ops
+  (:mod:`plugdist.composition`). Every public op returns a :class:`~plugdist.work.Work`.
+* **Native hooks** (``native_all_reduce``, ...): what a backend overrides. Each receives already
+  validated arguments in *group* ranks and returns a Work. A backend overrides only what it does
+  natively; ``capabilities()`` is derived from which hooks it overrides (override it for finer
+  control, e.g. an op native on CUDA only).
+
+Contract for every op: all members of the group call it, in the same order, with matching
+arguments. Public ops never block on the network unless the backend is synchronous; the returned
+Work's ``wait`` does, bounded by the group's timeout.
+
+A backend class is constructed as ``Backend(store, rank, size, options)`` where ``store`` is a
+store private to this group, ``rank``/``size`` are the group rank and size and ``options`` a
+:class:`GroupOptions`. Optional class attributes/methods: ``device_types``, ``native_reduce_ops``,
+``supports_any_source``, ``is_available() -> (bool, reason)`` and ``rendezvous(timeout) ->
+(store, rank, world_size)`` for backends that know the world themselves (MPI).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from . import composition
+from .errors import where
+from .reduce_op import ReduceOp, check_reduce_op
+from .work import Work
+
+__all__ = ["ProcessGroup", "GroupOptions", "Capabilities", "OPS", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+OPS: tuple[str, ...] = (
+    "send", "recv", "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
+    "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+    "all_to_all_single", "barrier",
+)
+
+_ALL_REDUCE_OPS = frozenset(ReduceOp) - {ReduceOp.AVG}
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """What the core tells a backend about the group it is building."""
+
+    group_name: str = "0"
+    timeout: timedelta = DEFAULT_TIMEOUT
+    global_ranks: tuple[int, ...] = ()
+    backend_options: Any = None  # the user's ``pg_options``, passed through untouched
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Which ``(op, device_type)`` pairs a backend does natively, and which reductions."""
+
+    native: frozenset[tuple[str, str]]
+    reduce_ops: frozenset[ReduceOp] = field(default=_ALL_REDUCE_OPS)
+    any_source_recv: bool = False
+    device_types: tuple[str, ...] = ("cpu",)
+
+    def is_native(self, op: str, device_type: str) -> bool:
+        return (op, device_type) in self.native
+
+
+class ProcessGroup:
+    """A group of processes and the collectives among them. See the module docstring."""
+
+    backend_name: ClassVar[str] = "unknown"
+    device_types: ClassVar[tuple[str, ...]] = ("cpu",)
+    native_reduce_ops: ClassVar[frozenset[ReduceOp]] = _ALL_REDUCE_OPS
+    supports_any_source: ClassVar[bool] = False
+
+    def __init__(self, rank: int, size: int, options: GroupOptions | None = None) -> None:
+        self._rank = rank
+        self._size = size
+        self.options = options or GroupOptions(global_ranks=tuple(range(size)))
+
+    # -- identity ----------------------------------------------------------------------------
+    def rank(self) -> int:
+        """This process's rank within the group."""
+        return self._rank
+
+    def size(self) -> int:
+        """Number of processes in the group."""
+        return self._size
+
+    @property
+    def group_name(self) -> str:
+        return self.options.group_name
+
+    @property
+    def timeout(self) -> timedelta:
+        return self.options.timeout
+
+    @property
+    def backend(self) -> str:
+        return self.backend_name
+
+    def capabilities(self) -> Capabilities:
+        """Native ``(op, device)`` pairs, derived from the ``native_*`` hooks this class overrides."""
+        native = frozenset(
+            (op, dev) for op in OPS for dev in self.device_types
+            if getattr(type(self), "native_" + op) is not getattr(ProcessGroup, "native_" + op))
+        return Capabilities(native=native, reduce_ops=frozenset(self.native_reduce_ops),
+                            any_source_recv=self.supports_any_source,
+                            device_types=tuple(self.device_types))
+
+    def shutdown(self) -> None:
+        """Release sockets, threads and communicators. Idempotent; called by destroy_process_group."""
+
+    def work(self, op: str, **kwargs: Any) -> Work:
+        """A fresh pending Work carrying this group's context, for backends to complete."""
+        return Work(op=op, rank=self._rank, group=self.group_name, backend=self.backend_name,
+                    timeout=self.timeout, **kwargs)
+
+    def where(self, op: str) -> str:
+        return where(rank=self._rank, group=self.group_name, op=op, backend=self.backend_name)
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} backend={self.backend_name!r} group={self.group_name!r} "
+                f"rank={self._rank}/{self._size}>")
+
+    # -- public ops: validate, then run natively or composed --------------------------------
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Work:
+        self._check_tensor("broadcast", tensor)
+        self._check_rank("broadcast", src, "src")
+        return self._run("broadcast", tensor, tensor=tensor, src=src)
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
+        self._check_tensor("all_reduce", tensor)
+        self._check_reduce("all_reduce", op, tensor)
+        return self._run_reduction("all_reduce", tensor, tensor, tensor=tensor, op=op)
+
+    def reduce(self, tensor: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM) -> Work:
+        self._check_tensor("reduce", tensor)
+        self._check_rank("reduce", dst, "dst")
+        self._check_reduce("reduce", op, tensor)
+        out = tensor if self._rank == dst else None
+        return self._run_reduction("reduce", tensor, out, tensor=tensor, dst=dst, op=op)
+
+    def all_gather(self, output_tensors: Sequence[torch.Tensor], tensor: torch.Tensor) -> Work:
+        self._check_tensor("all_gather", tensor)
+        self._check_list("all_gather", "output_tensors", output_tensors, tensor)
+        return self._run("all_gather", tensor, output_tensors=list(output_tensors), tensor=tensor)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
+        self._check_tensor("all_gather_into_tensor", tensor)
+        self._check_tensor("all_gather_into_tensor", output, "output")
+        self._check_flat("all_gather_into_tensor", output, tensor, output.numel() == tensor.numel() * self._size,
+                         f"output must hold world_size x input = {self._size} x {tensor.numel()} elements")
+        return self._run("all_gather_into_tensor", tensor, output=output, tensor=tensor)
+
+    def gather(self, tensor: torch.Tensor, gather_list: Sequence[torch.Tensor] | None = None,
+               dst: int = 0) -> Work:
+        self._check_tensor("gather", tensor)
+        self._check_rank("gather", dst, "dst")
+        if self._rank == dst:
+            self._check_list("gather", "gather_list", gather_list, tensor)
+        elif gather_list:
+            raise ValueError(f"{self.where('gather')} gather_list must be None or empty on ranks "
+                             f"other than dst={dst}")
+        gl = list(gather_list) if self._rank == dst and gather_list is not None else None
+        return self._run("gather", tensor, tensor=tensor, gather_list=gl, dst=dst)
+
+    def scatter(self, tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = None,
+                src: int = 0) -> Work:
+        self._check_tensor("scatter", tensor)
+        self._check_rank("scatter", src, "src")
+        if self._rank == src:
+            self._check_list("scatter", "scatter_list", scatter_list, tensor)
+        elif scatter_list:
+            raise ValueError(f"{self.where('scatter')} scatter_list must be None or empty on "
+                             f"ranks other than src={src}")
+        sl = list(scatter_list) if self._rank == src and scatter_list is not None else None
+        return self._run("scatter", tensor, tensor=tensor, scatter_list=sl, src=src)
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: Sequence[torch.Tensor],
+                       op: ReduceOp = ReduceOp.SUM) -> Work:
+        self._check_tensor("reduce_scatter", output, "output")
+        self._check_list("reduce_scatter", "input_list", input_list, output)
+        self._check_reduce("reduce_scatter", op, output)
+        return self._run_reduction("reduce_scatter", output, output, output=output,
+                                   input_list=list(input_list), op=op)
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
+                              op: ReduceOp = ReduceOp.SUM) -> Work:
+        self._check_tensor("reduce_scatter_tensor", output, "output")
+        self._check_tensor("reduce_scatter_tensor", input, "input")
+        self._check_flat("reduce_scatter_tensor", input, output, input.numel() == output.numel() * self._size,
+                         f"input must hold world_size x output = {self._size} x {output.numel()} elements")
+        self._check_reduce("reduce_scatter_tensor", op, output)
+        return self._run_reduction("reduce_scatter_tensor", output, output, output=output,
+                                   input=input, op=op)
+
+    def all_to_all(self, output_tensors: Sequence[torch.Tensor],
+                   input_tensors: Sequence[torch.Tensor]) -> Work:
+        for name, lst in (("output_tensors", output_tensors), ("input_tensors", input_tensors)):
+            if len(lst) != self._size:
+                raise ValueError(f"{self.where('all_to_all')} {name} has {len(lst)} tensors; "
+                                 f"it needs one per rank ({self._size})")
+            for t in lst:
+                self._check_tensor("all_to_all", t, name)
+        if any(t.dtype != input_tensors[0].dtype for t in [*output_tensors, *input_tensors]):
+            raise ValueError(f"{self.where('all_to_all')} all tensors must share one dtype")
+        return self._run("all_to_all", input_tensors[0], output_tensors=list(output_tensors),
+                         input_tensors=list(input_tensors))
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: Sequence[int] | None = None,
+                          input_split_sizes: Sequence[int] | None = None) -> Work:
+        op = "all_to_all_single"
+        self._check_tensor(op, output, "output")
+        self._check_tensor(op, input, "input")
+        if output.dtype != input.dtype:
+            raise ValueError(f"{self.where(op)} output dtype {output.dtype} != input dtype {input.dtype}")
+        out_splits = self._splits(op, "output", output, output_split_sizes)
+        in_splits = self._splits(op, "input", input, input_split_sizes)
+        return self._run(op, input, output=output, input=input, output_split_sizes=out_splits,
+                         input_split_sizes=in_splits)
+
+    def barrier(self) -> Work:
+        device = self.device_types[0] if self.device_types else "cpu"
+        return self._dispatch("barrier", device, {})
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        self._check_tensor("send", tensor)
+        self._check_peer("send", dst, "dst")
+        return self._run("send", tensor, tensor=tensor, dst=dst, tag=tag)
+
+    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
+        """Receive into ``tensor`` from ``src`` (group rank), or from any rank when ``src`` is None:
+        then ``work.source_rank()`` names the sender."""
+        self._check_tensor("recv", tensor)
+        if src is None:
+            if not self.capabilities().any_source_recv:
+                raise RuntimeError(f"{self.where('recv')} this backend cannot receive from any "
+                                   f"source; pass src=")
+        else:
+            self._check_peer("recv", src, "src")
+        return self._run("recv", tensor, tensor=tensor, src=src, tag=tag)
+
+    # -- native hooks: a backend overrides those it does natively ---------------------------
+    def native_broadcast(self, *, tensor: torch.Tensor, src: int) -> Work:
+        raise NotImplementedError
+
+    def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        raise NotImplementedError
+
+    def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
+        raise NotImplementedError
+
+    def native_all_gather(self, *, output_tensors: list[torch.Tensor], tensor: torch.Tensor) -> Work:
+        raise NotImplementedError
+
+    def native_all_gather_into_tensor(self, *, output: torch.Tensor, tensor: torch.Tensor) -> Work:
+        raise NotImplementedError
+
+    def native_gather(self, *, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None,
+                      dst: int) -> Work:
+        raise NotImplementedError
+
+    def native_scatter(self, *, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None,
+                       src: int) -> Work:
+        raise NotImplementedError
+
+    def native_reduce_scatter(self, *, output: torch.Tensor, input_list: list[torch.Tensor],
+                              op: ReduceOp) -> Work:
+        raise NotImplementedError
+
+    def native_reduce_scatter_tensor(self, *, output: torch.Tensor, input: torch.Tensor,
+                                     op: ReduceOp) -> Work:
+        raise NotImplementedError
+
+    def native_all_to_all(self, *, output_tensors: list[torch.Tensor],
+                          input_tensors: list[torch.Tensor]) -> Work:
+        raise NotImplementedError
+
+    def native_all_to_all_single(self, *, output: torch.Tensor, input: torch.Tensor,
+                                 output_split_sizes: list[int], input_split_sizes: list[int]) -> Work:
+        raise NotImplementedError
+
+    def native_barrier(self) -> Work:
+        raise NotImplementedError
+
+    def native_send(self, *, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        raise NotImplementedError
+
+    def native_recv(self, *, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
+        raise NotImplementedError
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def _run(self, op: str, sample: torch.Tensor, **kwargs: Any) -> Work:
+        return self._dispatch(op, sample.device.type, kwargs)
+
+    def _dispatch(self, op: str, device: str, kwargs: dict[str, Any]) -> Work:
+        caps = self.capabilities()
+        if caps.is_native(op, device):
+            return getattr(self, "native_" + op)(**kwargs)
+        return composition.compose(self, caps, op, device, kwargs)
+
+    def _run_reduction(self, op: str, sample: torch.Tensor, out: torch.Tensor | None,
+                       **kwargs: Any) -> Work:
+        """Reductions: AVG becomes SUM then a local divide when the backend lacks AVG; any other
+        reduction the backend lacks is composed from all_gather plus a local reduce."""
+        caps = self.capabilities()
+        device = sample.device.type
+        red = kwargs["op"]
+        if red in caps.reduce_ops:
+            return self._dispatch(op, device, kwargs)
+        if red is ReduceOp.AVG and ReduceOp.SUM in caps.reduce_ops:
+            kwargs["op"] = ReduceOp.SUM
+            work = self._dispatch(op, device, kwargs)
+            size = self._size
+
+            def divide(result: Any) -> Any:
+                if out is not None:
+                    out.div_(size)
+                return result
+
+            return work.then(divide)
+        return composition.reduce_by_gathering(self, caps, op, device, kwargs)
+
+    # -- validation --------------------------------------------------------------------------
+    def _check_tensor(self, op: str, tensor: Any, name: str = "tensor") -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{self.where(op)} {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{self.where(op)} {name} is not contiguous (shape {list(tensor.shape)}, "
+                             f"stride {list(tensor.stride())}); pass tensor.contiguous()")
+        if tensor.device.type not in self.capabilities().device_types:
+            raise ValueError(f"{self.where(op)} {name} is on {tensor.device}, but backend "
+                             f"{self.backend_name!r} handles {', '.join(self.device_types)} tensors; "
+                             f"move it, or use a backend for {tensor.device.type}")
+        if tensor.is_sparse:
+            raise ValueError(f"{self.where(op)} sparse tensors are not supported")
+
+    def _check_rank(self, op: str, rank: int, name: str) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self._size:
+            raise ValueError(f"{self.where(op)} {name}={rank!r} is not a rank of this group "
+                             f"(valid: 0..{self._size - 1})")
+
+    def _check_peer(self, op: str, rank: int, name: str) -> None:
+        self._check_rank(op, rank, name)
+        if rank == self._rank:
+            raise ValueError(f"{self.where(op)} {name}={rank} is this process's own rank; "
+                             f"point-to-point needs another rank")
+
+    def _check_reduce(self, op: str, red: ReduceOp, tensor: torch.Tensor) -> None:
+        check_reduce_op(red, tensor.dtype, context=self.where(op))
+
+    def _check_list(self, op: str, name: str, tensors: Sequence[torch.Tensor] | None,
+                    like: torch.Tensor) -> None:
+        if tensors is None or len(tensors) != self._size:
+            n = "None" if tensors is None else len(tensors)
+            raise ValueError(f"{self.where(op)} {name} has {n} tensors; it needs one per rank "
+                             f"({self._size})")
+        for i, t in enumerate(tensors):
+            self._check_tensor(op, t, f"{name}[{i}]")
+            if t.shape != like.shape or t.dtype != like.dtype:
+                raise ValueError(f"{self.where(op)} {name}[{i}] is {t.dtype}{list(t.shape)} but must "
+                                 f"match {like.dtype}{list(like.shape)}")
+
+    def _check_flat(self, op: str, a: torch.Tensor, b: torch.Tensor, ok: bool, why: str) -> None:
+        if a.dtype != b.dtype:
+            raise ValueError(f"{self.where(op)} dtypes differ: {a.dtype} vs {b.dtype}")
+        if not ok:
+            raise ValueError(f"{self.where(op)} {why}")
+
+    def _splits(self, op: str, name: str, tensor: torch.Tensor,
+                splits: Sequence[int] | None) -> list[int]:
+        rows = tensor.shape[0] if tensor.dim() else 1
+        if splits is None or len(splits) == 0:
+            if rows % self._size:
+                raise ValueError(f"{self.where(op)} {name} has {rows} rows, not divisible by the "
+                                 f"group size {self._size}; pass {name}_split_sizes")
+            return [rows // self._size] * self._size
+        splits = [int(s) for s in splits]
+        if len(splits) != self._size or sum(splits) != rows or min(splits) < 0:
+            raise ValueError(f"{self.where(op)} {name}_split_sizes={splits} must have {self._size} "
+                             f"non-negative entries summing to {name}.shape[0]={rows}")
+        return splits

@@ -1,0 +1,67 @@
+"""``ReduceOp``: the reductions every backend is asked for, as in torch.distributed."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = ["ReduceOp", "reduce_op", "check_reduce_op"]
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    AVG = "avg"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+    def __repr__(self) -> str:
+        return f"ReduceOp.{self.name}"
+
+
+reduce_op = ReduceOp  # deprecated alias kept for old scripts
+
+_BITWISE = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
+_ORDERED = {ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT}
+
+
+def check_reduce_op(op: ReduceOp, dtype: torch.dtype, *, context: str = "") -> None:
+    """Raise ``ValueError`` when ``op`` has no meaning for ``dtype`` (bitwise on floats, MAX on complex)."""
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"{context} expected a plugdist.ReduceOp, got {op!r}".strip())
+    if op in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{context} ReduceOp.{op.name} is bitwise and needs an integer or bool "
+                         f"tensor, got {dtype}; use SUM/MIN/MAX for floating types".strip())
+    if op in _ORDERED and dtype.is_complex:
+        raise ValueError(f"{context} ReduceOp.{op.name} is not defined for complex tensors "
+                         f"({dtype}); only SUM and AVG are".strip())
+    if op is ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"{context} ReduceOp.AVG needs a floating or complex tensor, got {dtype}; "
+                         f"reduce with SUM and divide yourself".strip())
+
+
+def apply_local(op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Reduce ``tensors`` elementwise in this process (used by composed ops and backends)."""
+    out = tensors[0].clone()
+    for t in tensors[1:]:
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
+            out.add_(t)
+        elif op is ReduceOp.PRODUCT:
+            out.mul_(t)
+        elif op is ReduceOp.MIN:
+            torch.minimum(out, t, out=out)
+        elif op is ReduceOp.MAX:
+            torch.maximum(out, t, out=out)
+        elif op is ReduceOp.BAND:
+            out.bitwise_and_(t)
+        elif op is ReduceOp.BOR:
+            out.bitwise_or_(t)
+        elif op is ReduceOp.BXOR:
+            out.bitwise_xor_(t)
+    if op is ReduceOp.AVG:
+        out.div_(len(tensors))
+    return out

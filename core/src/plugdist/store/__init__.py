@@ -1,0 +1,9 @@
+"""Key-value stores: the interface and the four implementations shipped with the core."""
+
+from .api import DEFAULT_STORE_TIMEOUT, Store
+from .file_store import FileStore
+from .hash_store import HashStore
+from .prefix_store import PrefixStore
+from .tcp_store import TCPStore
+
+__all__ = ["Store", "TCPStore", "FileStore", "HashStore", "PrefixStore", "DEFAULT_STORE_TIMEOUT"]

@@ -1,0 +1,2 @@
+"""(being written)"""
+class FileStore: pass

@@ -1,0 +1,60 @@
+"""``PrefixStore``: a namespace inside another store."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Sequence
+
+from .api import Store
+
+__all__ = ["PrefixStore"]
+
+
+class PrefixStore(Store):
+    """Every key is stored as ``f"{prefix}/{key}"`` in ``store``; the timeout is the inner store's."""
+
+    def __init__(self, prefix: str, store: Store) -> None:
+        super().__init__(store.timeout)
+        self.prefix = prefix
+        self.underlying_store = store
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    @property
+    def timeout(self) -> timedelta:
+        return self.underlying_store.timeout
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.underlying_store.set_timeout(timeout)
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self.underlying_store.set(self._k(key), value)
+
+    def get(self, key: str) -> bytes:
+        return self.underlying_store.get(self._k(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return self.underlying_store.add(self._k(key), amount)
+
+    def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:
+        return self.underlying_store.compare_set(self._k(key), expected_value, desired_value)
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        self.underlying_store.wait([self._k(k) for k in keys], timeout)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self.underlying_store.check([self._k(k) for k in keys])
+
+    def num_keys(self) -> int:
+        # the inner store counts every namespace; this is what torch reports too
+        return self.underlying_store.num_keys()
+
+    def delete_key(self, key: str) -> bool:
+        return self.underlying_store.delete_key(self._k(key))
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        return self.underlying_store.multi_get([self._k(k) for k in keys])
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
+        self.underlying_store.multi_set([self._k(k) for k in keys], values)

@@ -1,0 +1,140 @@
+"""``Work``: the handle every op returns.
+
+A Work is backed by a ``torch.futures.Future`` that a backend completes (from any thread) with
+the op's output tensors, or with an exception. ``wait`` never blocks forever: with no timeout it
+uses the group's timeout, and raises ``DistTimeoutError`` naming rank, group and op.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+from .errors import DistBackendError, DistError, DistTimeoutError, where
+
+__all__ = ["Work", "completed_work", "failed_work"]
+
+
+class Work:
+    """Handle on an issued op.
+
+    Thread-safe. ``wait`` blocks the calling thread until the op finished or ``timeout``
+    (default: the group's timeout) passed; it re-raises the op's error as a ``DistError`` whose
+    message names rank, group and op.
+    """
+
+    def __init__(self, future: torch.futures.Future | None = None, *, op: str = "", rank: int = -1,
+                 group: str = "", backend: str = "", timeout: timedelta | None = None,
+                 source_rank: int | Callable[[], int] = -1) -> None:
+        self._future: torch.futures.Future = future if future is not None else torch.futures.Future()
+        self._done = threading.Event()
+        self._future.add_done_callback(lambda _f: self._done.set())
+        self.op, self.rank, self.group, self.backend = op, rank, group, backend
+        self.timeout = timeout
+        self._source_rank = source_rank
+
+    # -- completion, for backends ------------------------------------------------------------
+    def set_result(self, value: Any) -> None:
+        """Mark the op done with ``value`` (usually the output tensors). Call once, any thread."""
+        self._future.set_result(value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        """Mark the op failed. Call once, from any thread."""
+        self._future.set_exception(self._with_context(exc))
+
+    # -- the user-facing contract ------------------------------------------------------------
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        """Block until done; True on success. Raises the op's error, or DistTimeoutError."""
+        limit = timeout if timeout is not None else self.timeout
+        seconds = limit.total_seconds() if isinstance(limit, timedelta) else limit
+        if not self._done.wait(seconds):
+            raise DistTimeoutError(
+                f"{self._where()} did not complete within {seconds:.1f}s: a peer may have died, "
+                f"be stuck, or be running a different op; check every rank's logs (the debug "
+                f"plugin's TORCH_DISTRIBUTED_DEBUG=DETAIL names the ranks that never arrived)")
+        exc = self.exception()
+        if exc is not None:
+            raise exc
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self._future.done() and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        if not self._future.done():
+            return None
+        try:
+            self._future.value()
+        except BaseException as exc:  # noqa: BLE001 - the op's own error, handed back
+            return self._with_context(exc)
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def result(self) -> Any:
+        """The op's output tensors, after a successful ``wait``."""
+        self.wait()
+        return self._future.value()
+
+    def source_rank(self) -> int:
+        """For a receive from any source: the group rank the message came from."""
+        if callable(self._source_rank):
+            return self._source_rank()
+        return self._source_rank
+
+    def then(self, fn: Callable[[Any], Any], *, op: str | None = None) -> "Work":
+        """A new Work completed with ``fn(result)`` once this one succeeds (errors pass through)."""
+        return Work(self._future.then(lambda f: fn(f.value())), op=op or self.op, rank=self.rank,
+                    group=self.group, backend=self.backend, timeout=self.timeout,
+                    source_rank=self.source_rank)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _where(self) -> str:
+        return where(rank=self.rank if self.rank >= 0 else None, group=self.group or None,
+                     op=self.op or None, backend=self.backend or None)
+
+    def _with_context(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, DistError):
+            return exc
+        err = DistBackendError(f"{self._where()} failed: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        return err
+
+    def __repr__(self) -> str:
+        state = "done" if self.is_completed() else "pending"
+        return f"<Work {self._where()} {state}>"
+
+
+def completed_work(value: Any = None, **context: Any) -> Work:
+    """A Work that is already done with ``value``."""
+    work = Work(**context)
+    work.set_result(value)
+    return work
+
+
+def failed_work(exc: BaseException, **context: Any) -> Work:
+    """A Work that already failed with ``exc``."""
+    work = Work(**context)
+    work.set_exception(exc)
+    return work
+
+
+def gather_works(works: list[Work], value: Any, **context: Any) -> Work:
+    """A Work done (with ``value``) when every one of ``works`` is; fails with the first error."""
+    if not works:
+        return completed_work(value, **context)
+    futures = torch.futures.collect_all([w.get_future() for w in works])
+
+    def finish(fut: torch.futures.Future) -> Any:
+        for f in fut.value():
+            f.value()  # re-raises the first failure
+        return value
+
+    return Work(futures.then(finish), **context)
