@@ -1,17 +1,22 @@
 """Composing the ops a backend lacks from the ones it has.
 
-Each op has an ordered list of recipes; a recipe names the *native* ops it needs and is used only
-when all of them are native for the tensor's device. Recipes call ``native_*`` hooks directly, so
-composition never recurses and cannot cycle. Every recipe issues all its native ops at once
-(nothing blocks) and finishes with a future callback, so composed ops stay asynchronous.
+Each op has an ordered list of recipes, each naming the ops it needs. :func:`plan` decides, per
+device, how every op runs: native ops first; then, repeatedly, an op whose recipe needs only ops
+already decided becomes composed from that recipe, until nothing changes. A recipe therefore only
+calls ops decided before it, so composition cannot cycle, and a backend with ``send``/``recv``
+alone gets every op. Every recipe issues all its ops at once (nothing blocks) and finishes with a
+future callback, so composed ops stay asynchronous.
 
-This relies on the one ordering rule every backend must keep: the ops of one group run in the
-order they were issued. Point-to-point messages sent by recipes use tags from ``COMPOSED_TAG``
-upward, which user code should leave alone.
+A recipe never issues an op that reads what an earlier op of the same recipe writes: a backend
+matches ops across ranks in issue order, but may run two issued ops at once (Gloo does), so a
+dependent second step could read stale data. Dependent work happens in the final callback, on
+local data only. Point-to-point messages sent by recipes use tags from ``COMPOSED_TAG`` upward,
+which user code should leave alone.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -61,11 +66,9 @@ def _row_views(t: torch.Tensor, splits: list[int]) -> list[torch.Tensor]:
 # -- point-to-point based recipes ------------------------------------------------------------
 def _p2p_exchange(pg: "ProcessGroup", sends: dict[int, torch.Tensor],
                   recvs: dict[int, torch.Tensor], tag: int) -> list[Work]:
-    works = []
-    for peer, t in recvs.items():
-        works.append(pg.native_recv(tensor=t, src=peer, tag=tag))
-    for peer, t in sends.items():
-        works.append(pg.native_send(tensor=t.contiguous(), dst=peer, tag=tag))
+    # sends first: a simple backend may complete sends eagerly and park each receive
+    works = [_do(pg, "send", tensor=t.contiguous(), dst=peer, tag=tag) for peer, t in sends.items()]
+    works += [_do(pg, "recv", tensor=t, src=peer, tag=tag) for peer, t in recvs.items()]
     return works
 
 
@@ -83,19 +86,12 @@ def _broadcast_allreduce(pg, kw):
     t = kw["tensor"]
     if pg.rank() != kw["src"]:
         t.zero_()
-    return pg.native_all_reduce(tensor=t, op=ReduceOp.SUM)
-
-
-def _all_reduce_reduce_bcast(pg, kw):
-    t = kw["tensor"]
-    w1 = pg.native_reduce(tensor=t, dst=0, op=kw["op"])
-    w2 = pg.native_broadcast(tensor=t, src=0)
-    return gather_works([w1, w2], [t], **_ctx(pg, "all_reduce"))
+    return _do(pg, "all_reduce", tensor=t, op=ReduceOp.SUM)
 
 
 def _gathered_reduce(pg, op_name, tensor, red):
     bufs = [torch.empty_like(tensor) for _ in range(pg.size())]
-    work = pg.native_all_gather(output_tensors=bufs, tensor=tensor)
+    work = _do(pg, "all_gather", output_tensors=bufs, tensor=tensor)
     return work.then(lambda _v: apply_local(red, bufs), op=op_name)
 
 
@@ -108,7 +104,7 @@ def _all_reduce_allgather(pg, kw):
 def _reduce_allreduce(pg, kw):
     t = kw["tensor"]
     buf = t if pg.rank() == kw["dst"] else t.clone()
-    return pg.native_all_reduce(tensor=buf, op=kw["op"]).then(lambda _v: [t])
+    return _do(pg, "all_reduce", tensor=buf, op=kw["op"]).then(lambda _v: [t])
 
 
 def _reduce_p2p(pg, kw):
@@ -130,7 +126,7 @@ def _reduce_p2p(pg, kw):
 def _all_gather_into(pg, kw):
     outs, t = kw["output_tensors"], kw["tensor"]
     flat = torch.empty((pg.size() * t.numel(),), dtype=t.dtype, device=t.device)
-    work = pg.native_all_gather_into_tensor(output=flat, tensor=t)
+    work = _do(pg, "all_gather_into_tensor", output=flat, tensor=t)
 
     def finish(_v):
         _copy_into(outs, _chunks(flat, pg.size(), t.shape))
@@ -142,7 +138,7 @@ def _all_gather_into(pg, kw):
 def _all_gather_bcast(pg, kw):
     outs, t, me = kw["output_tensors"], kw["tensor"], pg.rank()
     outs[me].copy_(t)
-    works = [pg.native_broadcast(tensor=outs[r], src=r) for r in range(pg.size())]
+    works = [_do(pg, "broadcast", tensor=outs[r], src=r) for r in range(pg.size())]
     return gather_works(works, outs, **_ctx(pg, "all_gather"))
 
 
@@ -172,7 +168,7 @@ def _into_tensor_from(recipe: Recipe) -> Recipe:
 def _all_gather_list_native(pg, kw):
     out, t = kw["output"], kw["tensor"]
     views = _chunks(out, pg.size(), t.shape)
-    return pg.native_all_gather(output_tensors=views, tensor=t).then(lambda _v: [out])
+    return _do(pg, "all_gather", output_tensors=views, tensor=t).then(lambda _v: [out])
 
 
 def _gather_p2p(pg, kw):
@@ -189,7 +185,7 @@ def _gather_p2p(pg, kw):
 def _gather_allgather(pg, kw):
     t, gl = kw["tensor"], kw["gather_list"]
     bufs = gl if gl is not None else [torch.empty_like(t) for _ in range(pg.size())]
-    return pg.native_all_gather(output_tensors=bufs, tensor=t).then(
+    return _do(pg, "all_gather", output_tensors=bufs, tensor=t).then(
         lambda _v: gl if gl is not None else [])
 
 
@@ -209,7 +205,7 @@ def _scatter_bcast(pg, kw):
     works = []
     for r in range(pg.size()):
         buf = kw["scatter_list"][r].clone() if me == src else torch.empty_like(t)
-        works.append(pg.native_broadcast(tensor=buf, src=src))
+        works.append(_do(pg, "broadcast", tensor=buf, src=src))
         if r == me:
             mine = buf
     return gather_works(works, None, **_ctx(pg, "scatter")).then(lambda _v: [t.copy_(mine)])
@@ -218,26 +214,26 @@ def _scatter_bcast(pg, kw):
 def _reduce_scatter_via_tensor(pg, kw):
     out, inputs = kw["output"], kw["input_list"]
     flat = torch.cat([i.reshape(-1) for i in inputs])
-    return pg.native_reduce_scatter_tensor(output=out, input=flat, op=kw["op"]).then(lambda _v: [out])
+    return _do(pg, "reduce_scatter_tensor", output=out, input=flat, op=kw["op"]).then(lambda _v: [out])
 
 
 def _reduce_scatter_allreduce(pg, kw):
     out, inputs = kw["output"], kw["input_list"]
     flat = torch.cat([i.reshape(-1) for i in inputs])
-    return pg.native_all_reduce(tensor=flat, op=kw["op"]).then(
+    return _do(pg, "all_reduce", tensor=flat, op=kw["op"]).then(
         lambda _v: [out.copy_(_chunks(flat, pg.size(), out.shape)[pg.rank()])])
 
 
 def _rs_tensor_via_list(pg, kw):
     out, inp = kw["output"], kw["input"]
     views = _chunks(inp, pg.size(), out.shape)
-    return pg.native_reduce_scatter(output=out, input_list=views, op=kw["op"]).then(lambda _v: [out])
+    return _do(pg, "reduce_scatter", output=out, input_list=views, op=kw["op"]).then(lambda _v: [out])
 
 
 def _rs_tensor_allreduce(pg, kw):
     out, inp = kw["output"], kw["input"]
     flat = inp.clone()
-    return pg.native_all_reduce(tensor=flat, op=kw["op"]).then(
+    return _do(pg, "all_reduce", tensor=flat, op=kw["op"]).then(
         lambda _v: [out.copy_(_chunks(flat, pg.size(), out.shape)[pg.rank()])])
 
 
@@ -254,7 +250,7 @@ def _a2a_single_via_list(pg, kw):
     out, inp = kw["output"], kw["input"]
     outs = _row_views(out, kw["output_split_sizes"])
     ins = _row_views(inp, kw["input_split_sizes"])
-    return pg.native_all_to_all(output_tensors=outs, input_tensors=ins).then(lambda _v: [out])
+    return _do(pg, "all_to_all", output_tensors=outs, input_tensors=ins).then(lambda _v: [out])
 
 
 def _a2a_single_p2p(pg, kw):
@@ -271,7 +267,7 @@ def _a2a_list_via_single(pg, kw):
     flat_in = torch.cat(ins)
     flat_out = torch.empty((sum(t.shape[0] for t in outs), *ins[0].shape[1:]),
                            dtype=ins[0].dtype, device=ins[0].device)
-    work = pg.native_all_to_all_single(output=flat_out, input=flat_in,
+    work = _do(pg, "all_to_all_single", output=flat_out, input=flat_in,
                                        output_split_sizes=[t.shape[0] for t in outs],
                                        input_split_sizes=[t.shape[0] for t in ins])
 
@@ -286,7 +282,7 @@ def _barrier_allreduce(pg, kw):
     dev = pg.device_types[0]
     device = torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device(dev)
     flag = torch.zeros(1, device=device)
-    return pg.native_all_reduce(tensor=flag, op=ReduceOp.SUM).then(lambda _v: [], op="barrier")
+    return _do(pg, "all_reduce", tensor=flag, op=ReduceOp.SUM).then(lambda _v: [], op="barrier")
 
 
 class _NotApplicable(Exception):
@@ -298,8 +294,7 @@ RECIPES: dict[str, list[Recipe]] = {
     "recv": [],
     "broadcast": [Recipe(frozenset({"send", "recv"}), _broadcast_p2p),
                   Recipe(frozenset({"all_reduce"}), _broadcast_allreduce)],
-    "all_reduce": [Recipe(frozenset({"reduce", "broadcast"}), _all_reduce_reduce_bcast),
-                   Recipe(frozenset({"all_gather"}), _all_reduce_allgather)],
+    "all_reduce": [Recipe(frozenset({"all_gather"}), _all_reduce_allgather)],
     "reduce": [Recipe(frozenset({"all_reduce"}), _reduce_allreduce),
                Recipe(frozenset({"send", "recv"}), _reduce_p2p)],
     "all_gather": _ALL_GATHER_LIST,
@@ -321,26 +316,63 @@ RECIPES: dict[str, list[Recipe]] = {
 }
 
 
+@functools.lru_cache(maxsize=256)
+def _plans(caps: "Capabilities", device: str) -> dict[str, list[Recipe] | None]:
+    """op -> None (native) or the usable recipes in preference order; missing ops: unsupported."""
+    decided: dict[str, list[Recipe] | None] = {op: None for op in RECIPES if caps.is_native(op, device)}
+    changed = True
+    while changed:
+        changed = False
+        for op, recipes in RECIPES.items():
+            if op in decided:
+                continue
+            usable = [r for r in recipes if r.needs <= decided.keys()]
+            if usable:
+                decided[op] = usable
+                changed = True
+    return decided
+
+
 def plan(caps: "Capabilities", op: str, device: str) -> tuple[str, frozenset[str]]:
     """How ``op`` runs on ``device``: ``("native", {})``, ``("composed", needs)`` or
     ``("unsupported", {})``. Used by ``plugdist info``."""
-    if caps.is_native(op, device):
-        return "native", frozenset()
-    for recipe in RECIPES[op]:
-        if all(caps.is_native(n, device) for n in recipe.needs):
-            return "composed", recipe.needs
-    return "unsupported", frozenset()
+    plans = _plans(caps, device)
+    if op not in plans:
+        return "unsupported", frozenset()
+    recipes = plans[op]
+    return ("native", frozenset()) if recipes is None else ("composed", recipes[0].needs)
+
+
+def is_available(caps: "Capabilities", op: str, device: str) -> bool:
+    return op in _plans(caps, device)
+
+
+def _device_of(pg: "ProcessGroup", kw: dict[str, Any]) -> str:
+    for v in kw.values():
+        if isinstance(v, torch.Tensor):
+            return v.device.type
+        if isinstance(v, list) and v and isinstance(v[0], torch.Tensor):
+            return v[0].device.type
+    return pg.device_types[0]
+
+
+def _do(pg: "ProcessGroup", op_name: str, /, **kw: Any) -> Work:
+    """Run ``op_name`` as planned: the native hook, or composed."""
+    caps = pg.capabilities()
+    device = _device_of(pg, kw)
+    if caps.is_native(op_name, device):
+        return getattr(pg, "native_" + op_name)(**kw)
+    return compose(pg, caps, op_name, device, kw)
 
 
 def compose(pg: "ProcessGroup", caps: "Capabilities", op: str, device: str,
             kwargs: dict[str, Any]) -> Work:
-    """Run ``op`` from the first recipe whose needs are native on ``device``."""
-    for recipe in RECIPES[op]:
-        if all(caps.is_native(n, device) for n in recipe.needs):
-            try:
-                return recipe.run(pg, kwargs)
-            except _NotApplicable:
-                continue
+    """Run ``op`` from the first usable recipe for ``device`` (see :func:`plan`)."""
+    for recipe in _plans(caps, device).get(op) or []:
+        try:
+            return recipe.run(pg, kwargs)
+        except _NotApplicable:
+            continue
     alternatives = " or ".join("+".join(sorted(r.needs)) for r in RECIPES[op]) or "nothing"
     raise DistBackendError(
         f"{pg.where(op)} is not supported for {device} tensors: the backend does not implement "
@@ -352,10 +384,10 @@ def reduce_by_gathering(pg: "ProcessGroup", caps: "Capabilities", op: str, devic
                         kwargs: dict[str, Any]) -> Work:
     """A reduction the backend lacks (e.g. PRODUCT): all_gather the inputs, reduce locally."""
     red = kwargs["op"]
-    if not caps.is_native("all_gather", device):
+    if not is_available(caps, "all_gather", device):
         raise DistBackendError(
             f"{pg.where(op)} ReduceOp.{red.name} is not supported by backend {pg.backend_name!r} "
-            f"and cannot be composed (it lacks a native all_gather)")
+            f"and cannot be composed (it has no all_gather)")
     me, n = pg.rank(), pg.size()
     if op == "all_reduce":
         t = kwargs["tensor"]

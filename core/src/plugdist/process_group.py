@@ -25,6 +25,7 @@ store private to this group, ``rank``/``size`` are the group rank and size and `
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, ClassVar, Sequence
@@ -72,6 +73,16 @@ class Capabilities:
         return (op, device_type) in self.native
 
 
+@functools.cache
+def _derived_capabilities(cls: type["ProcessGroup"]) -> Capabilities:
+    native = frozenset(
+        (op, dev) for op in OPS for dev in cls.device_types
+        if getattr(cls, "native_" + op) is not getattr(ProcessGroup, "native_" + op))
+    return Capabilities(native=native, reduce_ops=frozenset(cls.native_reduce_ops),
+                        any_source_recv=cls.supports_any_source,
+                        device_types=tuple(cls.device_types))
+
+
 class ProcessGroup:
     """A group of processes and the collectives among them. See the module docstring."""
 
@@ -107,13 +118,9 @@ class ProcessGroup:
         return self.backend_name
 
     def capabilities(self) -> Capabilities:
-        """Native ``(op, device)`` pairs, derived from the ``native_*`` hooks this class overrides."""
-        native = frozenset(
-            (op, dev) for op in OPS for dev in self.device_types
-            if getattr(type(self), "native_" + op) is not getattr(ProcessGroup, "native_" + op))
-        return Capabilities(native=native, reduce_ops=frozenset(self.native_reduce_ops),
-                            any_source_recv=self.supports_any_source,
-                            device_types=tuple(self.device_types))
+        """Native ``(op, device)`` pairs, derived from the ``native_*`` hooks this class overrides.
+        Called on every op: an override should return a cached object."""
+        return _derived_capabilities(type(self))
 
     def shutdown(self) -> None:
         """Release sockets, threads and communicators. Idempotent; called by destroy_process_group."""
@@ -308,7 +315,7 @@ class ProcessGroup:
             return getattr(self, "native_" + op)(**kwargs)
         return composition.compose(self, caps, op, device, kwargs)
 
-    def _run_reduction(self, op: str, sample: torch.Tensor, out: torch.Tensor | None,
+    def _run_reduction(self, op_name: str, sample: torch.Tensor, out: torch.Tensor | None,
                        **kwargs: Any) -> Work:
         """Reductions: AVG becomes SUM then a local divide when the backend lacks AVG; any other
         reduction the backend lacks is composed from all_gather plus a local reduce."""
@@ -316,10 +323,10 @@ class ProcessGroup:
         device = sample.device.type
         red = kwargs["op"]
         if red in caps.reduce_ops:
-            return self._dispatch(op, device, kwargs)
+            return self._dispatch(op_name, device, kwargs)
         if red is ReduceOp.AVG and ReduceOp.SUM in caps.reduce_ops:
             kwargs["op"] = ReduceOp.SUM
-            work = self._dispatch(op, device, kwargs)
+            work = self._dispatch(op_name, device, kwargs)
             size = self._size
 
             def divide(result: Any) -> Any:
@@ -328,7 +335,7 @@ class ProcessGroup:
                 return result
 
             return work.then(divide)
-        return composition.reduce_by_gathering(self, caps, op, device, kwargs)
+        return composition.reduce_by_gathering(self, caps, op_name, device, kwargs)
 
     # -- validation --------------------------------------------------------------------------
     def _check_tensor(self, op: str, tensor: Any, name: str = "tensor") -> None:

@@ -90,10 +90,21 @@ class Work:
         return self._source_rank
 
     def then(self, fn: Callable[[Any], Any], *, op: str | None = None) -> "Work":
-        """A new Work completed with ``fn(result)`` once this one succeeds (errors pass through)."""
-        return Work(self._future.then(lambda f: fn(f.value())), op=op or self.op, rank=self.rank,
-                    group=self.group, backend=self.backend, timeout=self.timeout,
-                    source_rank=self.source_rank)
+        """A new Work completed with ``fn(result)`` once this one succeeds (errors pass through).
+        ``fn`` runs on whichever thread completes this Work."""
+        nxt = Work(op=op or self.op, rank=self.rank, group=self.group, backend=self.backend,
+                   timeout=self.timeout, source_rank=self.source_rank)
+
+        def chain(fut: torch.futures.Future) -> None:
+            try:
+                value = fn(fut.value())
+            except BaseException as exc:  # noqa: BLE001 - handed on to whoever waits
+                nxt.set_exception(exc)
+            else:
+                nxt.set_result(value)
+
+        self._future.add_done_callback(chain)
+        return nxt
 
     # -- helpers -----------------------------------------------------------------------------
     def _where(self) -> str:
@@ -130,11 +141,25 @@ def gather_works(works: list[Work], value: Any, **context: Any) -> Work:
     """A Work done (with ``value``) when every one of ``works`` is; fails with the first error."""
     if not works:
         return completed_work(value, **context)
-    futures = torch.futures.collect_all([w.get_future() for w in works])
+    done = Work(**context)
+    left = [len(works)]
+    lock = threading.Lock()
+    failed: list[BaseException] = []
 
-    def finish(fut: torch.futures.Future) -> Any:
-        for f in fut.value():
-            f.value()  # re-raises the first failure
-        return value
+    def one_done(fut: torch.futures.Future) -> None:
+        try:
+            fut.value()
+        except BaseException as exc:  # noqa: BLE001
+            failed.append(exc)
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            if failed:
+                done.set_exception(failed[0])
+            else:
+                done.set_result(value)
 
-    return Work(futures.then(finish), **context)
+    for w in works:
+        w.get_future().add_done_callback(one_done)
+    return done

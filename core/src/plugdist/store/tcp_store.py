@@ -1,2 +1,358 @@
-"""(being written)"""
-class TCPStore: pass
+"""``TCPStore``: a key-value store served over TCP by the master process.
+
+The master (``is_master=True``) runs the server (see ``_tcp_server``) in a daemon thread and talks
+to it through a client connection like everyone else. Blocking calls are answered by the server
+when the keys arrive or the timeout passes; clients never poll. The wire protocol is in ``_wire``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import Sequence
+
+from ..errors import DistNetworkError, DistStoreError, DistTimeoutError
+from . import _wire as w
+from ._tcp_server import StoreServer
+from ._util import check_amount, check_key, check_keys
+from .api import DEFAULT_STORE_TIMEOUT, Store, to_bytes, to_seconds
+
+__all__ = ["TCPStore"]
+
+# extra seconds a client waits beyond a blocking call's timeout for the server's own answer
+_REPLY_GRACE = 10.0
+# least time a non-blocking request waits for its reply: a store timeout of a fraction of a
+# second is meant for get/wait, and must not fail a set on a loaded machine
+_MIN_IO_TIMEOUT = 5.0
+_OP_SET, _OP_GET, _OP_ADD = int(w.Op.SET), int(w.Op.GET), int(w.Op.ADD)
+
+
+def _resolve(host: str, port: int) -> list[tuple[int, tuple]]:
+    """Addresses to try for ``host``: a numeric address as is; a name through one getaddrinfo."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        pass
+    else:
+        if ip.version == 6:
+            return [(socket.AF_INET6, (str(ip), port, 0, 0))]
+        return [(socket.AF_INET, (str(ip), port))]
+    try:
+        infos = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise DistNetworkError(f"TCPStore: cannot resolve host {host!r} ({e}); set MASTER_ADDR "
+                               f"to the master's IP address or a resolvable name") from e
+    out: list[tuple[int, tuple]] = []
+    for family, _, _, _, sockaddr in infos:
+        if (family, sockaddr) not in out and family in (socket.AF_INET, socket.AF_INET6):
+            out.append((family, sockaddr))
+    return out
+
+
+class _Connection:
+    """One client socket. Not thread-safe: the store hands it to one request at a time."""
+
+    __slots__ = ("sock", "buf", "view", "sock_timeout")
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self.sock = sock
+        self.buf = bytearray(64 * 1024)
+        self.view = memoryview(self.buf)
+        self.sock_timeout = timeout
+
+    def roundtrip(self, frame: bytes, timeout: float) -> tuple[int, bytes]:
+        """Send one request frame, read one response frame. Raises OSError/ConnectionError."""
+        sock = self.sock
+        if timeout != self.sock_timeout:
+            sock.settimeout(timeout)
+            self.sock_timeout = timeout
+        sock.sendall(frame)
+        n = sock.recv_into(self.buf)
+        while n < 5:
+            if n == 0 or (got := sock.recv_into(self.view[n:])) == 0:
+                raise ConnectionError("server closed the connection")
+            n += got
+        length, status = w.HEADER.unpack_from(self.buf)
+        total = 5 + length
+        if total > len(self.buf):
+            if length > w.MAX_FRAME:
+                raise ConnectionError(f"server sent a {length}-byte frame")
+            grown = bytearray(total)
+            grown[:n] = self.view[:n]
+            self.buf, self.view = grown, memoryview(grown)
+        view = self.view
+        while n < total:
+            got = sock.recv_into(view[n:total])
+            if got == 0:
+                raise ConnectionError("server closed the connection")
+            n += got
+        return status, bytes(view[5:total])
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _close_all(conns: list[_Connection], server: StoreServer | None, pid: int) -> None:
+    if os.getpid() != pid:
+        # a forked child (e.g. a DataLoader worker) inherited this store: the sockets and the
+        # server belong to the parent, which is still using them
+        return
+    for c in conns:
+        c.close()
+    conns.clear()
+    if server is not None:
+        server.stop()
+
+
+class TCPStore(Store):
+    """A store whose data lives in the master process and is reached over TCP.
+
+    ``TCPStore(host_name, port, world_size=None, is_master=False, timeout=timedelta(seconds=300),
+    wait_for_workers=True)``: the master binds ``port`` (0 picks a free one: read ``.port``) on
+    every interface and serves from a daemon thread; every store (the master's too) connects to
+    ``host_name:port``, retrying with backoff until ``timeout``, then raises DistNetworkError.
+    With a fixed ``world_size`` (clients + the master) and ``wait_for_workers``, the master's
+    constructor blocks until that many stores connected, or raises DistTimeoutError.
+
+    Thread safety: one store object may be shared by threads; each request borrows a connection
+    from a small pool (a second connection opens only while another thread's request, e.g. a
+    blocking ``get``, holds the first), so a thread blocked in ``get`` never stalls a ``set``.
+    The server stops, and its port is freed, on the master's ``close()``, when the master store is
+    garbage collected, or at interpreter exit.
+    """
+
+    def __init__(self, host_name: str, port: int, world_size: int | None = None,
+                 is_master: bool = False, timeout: timedelta = DEFAULT_STORE_TIMEOUT,
+                 wait_for_workers: bool = True) -> None:
+        super().__init__(timeout)
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"TCPStore port must be an int in [0, 65535], got {port!r}")
+        if port == 0 and not is_master:
+            raise ValueError("TCPStore: port 0 (pick a free port) only makes sense for the master; "
+                             "clients need the master's actual port (master_store.port)")
+        if world_size is not None and world_size != -1 and world_size < 1:
+            raise ValueError(f"TCPStore world_size must be >= 1, or None/-1 for a variable number "
+                             f"of users; got {world_size}")
+        self.host = host_name
+        self.world_size = world_size if world_size is not None and world_size > 0 else None
+        self.is_master = is_master
+        self._addrs = _resolve(host_name, port)
+        self._idle: list[_Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._server: StoreServer | None = None
+        if is_master:
+            self._server = StoreServer(self._addrs[0][0], port, host_name)
+            self._server.start()
+            port = self._server.port
+            self._addrs = [(fam, (sa[0], port) + tuple(sa[2:])) for fam, sa in self._addrs]
+        self.port = port
+        self._finalizer = weakref.finalize(self, _close_all, self._idle, self._server,
+                                          os.getpid())
+        try:
+            self._idle.append(self._connect(join=True, timeout=max(to_seconds(timeout), 1.0)))
+            if is_master and self.world_size is not None and wait_for_workers:
+                self._wait_workers(self.world_size, to_seconds(timeout))
+        except BaseException:
+            self.close()
+            raise
+
+    def __repr__(self) -> str:
+        role = "master" if self.is_master else "client"
+        return f"TCPStore({self.host}:{self.port}, {role})"
+
+    # ---- connections -----------------------------------------------------------------------
+
+    def _connect(self, join: bool, timeout: float) -> _Connection:
+        """Connect and handshake, retrying refused/failed attempts with backoff until timeout."""
+        deadline = time.monotonic() + timeout
+        delay = 0.01
+        last: BaseException | None = None
+        while True:
+            for family, sockaddr in self._addrs:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                    sock.settimeout(min(left, 30.0))
+                    sock.connect(sockaddr)
+                    return self._handshake(sock, join, timeout)
+                except DistStoreError:
+                    sock.close()
+                    raise
+                except OSError as e:
+                    sock.close()
+                    last = e
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DistNetworkError(
+                    f"TCPStore: could not connect to {self.host}:{self.port} within "
+                    f"{timeout:.3g}s (last error: {last}); is the master store running there and "
+                    f"is the port right? (MASTER_ADDR/MASTER_PORT, or the master's store.port)"
+                ) from last
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 1.0)
+
+    def _handshake(self, sock: socket.socket, join: bool, timeout: float) -> _Connection:
+        sock.sendall(w.PREAMBLE.pack(w.MAGIC, w.VERSION, w.FLAG_JOIN if join else 0))
+        got = b""
+        while len(got) < w.PREAMBLE.size:
+            chunk = sock.recv(w.PREAMBLE.size - len(got))
+            if not chunk:
+                raise ConnectionError("closed during handshake")
+            got += chunk
+        magic, version, status = w.PREAMBLE.unpack(got)
+        if magic != w.MAGIC:
+            raise DistStoreError(f"TCPStore: {self.host}:{self.port} is not a plugdist TCPStore "
+                                 f"server (bad handshake)")
+        if status != w.HELLO_OK:
+            raise DistStoreError(f"TCPStore: server at {self.host}:{self.port} speaks protocol "
+                                 f"version {version}, this client {w.VERSION}; install the same "
+                                 f"plugdist version on every node")
+        sock.settimeout(timeout)
+        return _Connection(sock, timeout)
+
+    def _request(self, op: str, frame: bytes, wait: float | None = None) -> bytes:
+        """One request/response on a pooled connection; maps failures to Dist* errors."""
+        with self._lock:
+            if self._closed:
+                raise DistStoreError(f"{self!r} is closed; {op} needs an open store")
+            conn = self._idle.pop() if self._idle else None
+        io_timeout = (max(to_seconds(self._timeout), _MIN_IO_TIMEOUT) if wait is None
+                      else max(wait, 0.0) + _REPLY_GRACE)
+        try:
+            if conn is None:
+                conn = self._connect(join=False, timeout=max(to_seconds(self._timeout), 1.0))
+            status, body = conn.roundtrip(frame, io_timeout)
+        except DistStoreError:
+            raise
+        except (OSError, ConnectionError) as e:
+            if conn is not None:
+                conn.close()
+            if isinstance(e, TimeoutError):
+                raise DistNetworkError(
+                    f"TCPStore {self.host}:{self.port}: no reply to {op} within {io_timeout:.3g}s; "
+                    f"the master process may be hung or unreachable") from e
+            raise DistNetworkError(
+                f"TCPStore {self.host}:{self.port}: connection lost during {op} ({e}); the "
+                f"master process (which serves the store) may have exited") from e
+        except BaseException:
+            # e.g. KeyboardInterrupt mid-request: the reply is still on its way, so this
+            # connection is out of step with the server and must not be reused
+            if conn is not None:
+                conn.close()
+            raise
+        with self._lock:
+            if self._closed:
+                conn.close()
+            else:
+                self._idle.append(conn)
+        if status == w.Status.OK:
+            return body
+        msg = body.decode(errors="replace")
+        if status == w.Status.TIMEOUT:
+            raise DistTimeoutError(f"TCPStore {self.host}:{self.port}: {op}: {msg}")
+        raise DistStoreError(f"TCPStore {self.host}:{self.port}: {op}: {msg}")
+
+    def _wait_workers(self, count: int, timeout: float) -> None:
+        frame = w.HDR_F64_I64.pack(16, w.Op.WAIT_WORKERS, timeout, count)
+        try:
+            self._request("wait_for_workers", frame, wait=timeout)
+        except DistTimeoutError as e:
+            raise DistTimeoutError(
+                f"{e}; start the other ranks with the same master address and port, or check "
+                f"world_size ({count} = clients + 1 for the master)") from None
+
+    # ---- Store API -------------------------------------------------------------------------
+
+    def set(self, key: str, value: bytes | str) -> None:
+        """Write ``value`` under ``key``; wakes every client waiting on ``key``."""
+        k = check_key(key).encode()
+        v = to_bytes(value)
+        self._request("set", b"".join((w.HDR_BLOB.pack(8 + len(k) + len(v), _OP_SET, len(k)),
+                                       k, w.U32.pack(len(v)), v)))
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``; blocks (server-side) until it exists or the store timeout."""
+        k = check_key(key).encode()
+        t = to_seconds(self._timeout)
+        return self._request("get", w.HDR_F64_BLOB.pack(12 + len(k), _OP_GET, t, len(k)) + k,
+                             wait=t)
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the counter ``key`` (created at 0); returns the sum."""
+        k = check_key(key).encode()
+        frame = w.HDR_I64_BLOB.pack(12 + len(k), _OP_ADD, check_amount(amount), len(k)) + k
+        body = self._request("add", frame)
+        return w.I64.unpack(body)[0]
+
+    def compare_set(self, key: str, expected_value: bytes | str,
+                    desired_value: bytes | str) -> bytes:
+        """See ``Store.compare_set``; atomic on the server."""
+        k = check_key(key).encode()
+        e, d = to_bytes(expected_value), to_bytes(desired_value)
+        body = b"".join((w.U32.pack(len(k)), k, w.U32.pack(len(e)), e, w.U32.pack(len(d)), d))
+        return self._request("compare_set", w.request(w.Op.COMPARE_SET, body))
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        """Block until every key exists; DistTimeoutError names the missing ones."""
+        t = to_seconds(timeout if timeout is not None else self._timeout)
+        body = w.F64.pack(t) + w.pack_blobs(_encoded(keys))
+        self._request("wait", w.request(w.Op.WAIT, body), wait=t)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """True when every key exists now. Does not block."""
+        frame = w.request(w.Op.CHECK, w.pack_blobs(_encoded(keys)))
+        return self._request("check", frame) == b"\x01"
+
+    def num_keys(self) -> int:
+        """Number of keys held by the server (every user's, every prefix's)."""
+        return w.I64.unpack(self._request("num_keys", w.request(w.Op.NUM_KEYS, b"")))[0]
+
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; True if it existed."""
+        k = check_key(key).encode()
+        frame = w.request(w.Op.DELETE_KEY, w.U32.pack(len(k)) + k)
+        return self._request("delete_key", frame) == b"\x01"
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """All values in one round trip; blocks like ``get`` until every key exists."""
+        t = to_seconds(self._timeout)
+        body = w.F64.pack(t) + w.pack_blobs(_encoded(keys))
+        reply = self._request("multi_get", w.request(w.Op.MULTI_GET, body), wait=t)
+        values, _ = w.unpack_blobs(reply, 0, len(reply))
+        return values
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
+        """Set every key in one round trip (applied in order, atomically for other clients)."""
+        ks = _encoded(keys)
+        if len(ks) != len(values):
+            raise ValueError(f"multi_set got {len(ks)} keys but {len(values)} values")
+        blobs: list[bytes] = []
+        for k, v in zip(ks, values):
+            blobs.append(k)
+            blobs.append(to_bytes(v))
+        self._request("multi_set", w.request(w.Op.MULTI_SET, w.pack_blobs(blobs)))
+
+    def close(self) -> None:
+        """Close this store's connections; on the master also stop the server (other clients
+        then get DistNetworkError). Idempotent."""
+        with self._lock:
+            self._closed = True
+        self._finalizer()
+
+
+def _encoded(keys: Sequence[str]) -> list[bytes]:
+    return [k.encode() for k in check_keys(keys)]

@@ -1,0 +1,412 @@
+"""Creating, finding and destroying groups: the torch.distributed-compatible functions.
+
+Every function here that creates a group must be called by every rank of the world, in the same
+order (the group's name is its position in that order). Non-members of a group get
+``GroupMember.NON_GROUP_MEMBER``; queries on it answer -1 and collectives on it do nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from datetime import timedelta
+from typing import Any, Sequence
+from urllib.parse import urlparse
+
+from .debug_level import DebugLevel, get_debug_level
+from .errors import DistError, DistTimeoutError, where
+from .log import get_logger
+from .process_group import DEFAULT_TIMEOUT, GroupOptions, ProcessGroup
+from .registry import BACKENDS, RENDEZVOUS, Backend, PluginNotFoundError, registry
+from .store import PrefixStore, Store
+from .world import GroupInfo, NotInitializedError, world
+
+__all__ = [
+    "init_process_group", "destroy_process_group", "is_initialized", "is_available",
+    "new_group", "new_subgroups", "new_subgroups_by_enumeration", "get_rank", "get_world_size",
+    "get_backend", "get_global_rank", "get_group_rank", "get_process_group_ranks",
+    "get_node_local_rank", "is_backend_available", "is_gloo_available", "is_mpi_available",
+    "is_nccl_available", "is_torchelastic_launched", "get_default_backend_for_device",
+    "register_rendezvous_handler", "group", "GroupMember", "resolve_group",
+]
+
+
+class _NonMember:
+    """The handle non-members get from ``new_group``."""
+
+    def __repr__(self) -> str:
+        return "GroupMember.NON_GROUP_MEMBER"
+
+
+_NON_MEMBER = _NonMember()
+
+
+class _GroupNamespace:
+    """``group.WORLD`` is the default group (None before init), as in torch.distributed."""
+
+    @property
+    def WORLD(self) -> ProcessGroup | None:  # noqa: N802 - torch's spelling
+        return world.default
+
+
+class _GroupMemberNamespace(_GroupNamespace):
+    NON_GROUP_MEMBER = _NON_MEMBER
+
+
+group = _GroupNamespace()
+GroupMember = _GroupMemberNamespace()
+
+_warned_no_debug_plugin = False
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return world.initialized
+
+
+def is_torchelastic_launched() -> bool:
+    """True when started by ``plugdist-run`` (or torchrun): the launcher sets a run id."""
+    return bool(os.environ.get("PLUGDIST_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
+def is_backend_available(backend: str) -> bool:
+    """True when the backend's plugin is installed and its library works here."""
+    try:
+        factory = registry.load(BACKENDS, Backend(backend))
+    except PluginNotFoundError:
+        return False
+    check = getattr(factory, "is_available", None)
+    return bool(check()[0]) if callable(check) else True
+
+
+def is_gloo_available() -> bool:
+    return is_backend_available("gloo")
+
+
+def is_mpi_available() -> bool:
+    return is_backend_available("mpi")
+
+
+def is_nccl_available() -> bool:
+    return is_backend_available("nccl")
+
+
+def get_default_backend_for_device(device: Any) -> str:
+    """The installed backend that volunteers as default for ``device``'s type (its factory's
+    ``default_for`` attribute), e.g. 'cpu' -> 'gloo' when plugdist-gloo is installed."""
+    dev = device.type if hasattr(device, "type") else str(device).split(":")[0]
+    for name in registry.names(BACKENDS):
+        try:
+            factory = registry.load(BACKENDS, name)
+        except PluginNotFoundError:
+            continue
+        if dev in getattr(factory, "default_for", ()) and is_backend_available(name):
+            return name
+    raise DistError(f"no installed backend volunteers as default for {dev!r} devices (installed: "
+                    f"{', '.join(registry.names(BACKENDS)) or 'none'}); pass backend= explicitly "
+                    f"or install one, e.g. pip install plugdist-gloo")
+
+
+def register_rendezvous_handler(scheme: str, handler: Any) -> None:
+    """Register ``handler(url, rank, world_size, timeout) -> (store, rank, world_size)`` for
+    ``scheme://`` URLs in this process; wins over an installed entry point."""
+    registry.register(RENDEZVOUS, scheme, handler)
+
+
+# -- init / destroy -------------------------------------------------------------------------------
+def init_process_group(backend: str | None = None, init_method: str | None = None,
+                       timeout: timedelta | None = None, world_size: int = -1, rank: int = -1,
+                       store: Store | None = None, group_name: str = "", pg_options: Any = None,
+                       device_id: Any = None) -> None:
+    """Join the world: rendezvous, build the default group, wait until every rank has joined.
+
+    Blocks until all ``world_size`` ranks called it (bounded by ``timeout``, default 30 min);
+    raises DistTimeoutError naming the ranks that did not arrive. ``init_method`` and ``store``
+    are exclusive; with neither, ``env://`` is used, unless the backend knows the world itself
+    (MPI under mpiexec) and the environment names no master.
+    """
+    if world.initialized:
+        raise DistError("init_process_group was already called in this process; call "
+                        "destroy_process_group() first to re-initialize")
+    timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+    if store is not None and init_method is not None:
+        raise ValueError("pass either init_method or store to init_process_group, not both")
+    name = Backend(backend) if backend else get_default_backend_for_device("cpu")
+    factory = registry.load(BACKENDS, name)
+    if store is not None:
+        if rank < 0 or world_size < 1:
+            raise ValueError(f"init_process_group with an explicit store needs rank= and "
+                             f"world_size= (got rank={rank}, world_size={world_size})")
+        if rank >= world_size:
+            raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+        owned = False
+    elif init_method is None and "MASTER_ADDR" not in os.environ and hasattr(factory, "rendezvous"):
+        store, r, ws = factory.rendezvous(timeout)
+        if (rank >= 0 and rank != r) or (world_size > 0 and world_size != ws):
+            raise ValueError(f"backend {name!r} found rank {r} of {ws} processes, but "
+                             f"init_process_group was given rank={rank}, world_size={world_size}; "
+                             f"drop the arguments or make them agree")
+        rank, world_size, owned = r, ws, True
+    else:
+        url = init_method or "env://"
+        scheme = urlparse(url).scheme
+        if not scheme:
+            raise ValueError(f"init_method {url!r} has no scheme; use env://, tcp://HOST:PORT or "
+                             f"file:///PATH (registered: {', '.join(registry.names(RENDEZVOUS))})")
+        try:
+            handler = registry.load(RENDEZVOUS, scheme)
+        except PluginNotFoundError as err:
+            raise ValueError(f"init_method {url!r}: no rendezvous handler for scheme "
+                             f"{scheme + '://'!r}; registered: "
+                             f"{', '.join(s + '://' for s in registry.names(RENDEZVOUS))}") from err
+        store, rank, world_size = handler(url, rank=rank, world_size=world_size, timeout=timeout)
+        owned = True
+    store.set_timeout(timeout)
+    world.reset()
+    world.store, world.rank, world.size, world.backend = store, rank, world_size, name
+    world.owned_store = owned
+    try:
+        pg = _build_group(name, tuple(range(world_size)), group_name or "0", timeout, pg_options)
+    except BaseException:
+        _close_store()
+        world.reset()
+        raise
+    world.default = pg
+    get_logger(rank=rank, group=pg.group_name).info("init_process_group", backend=name,
+                                                    world_size=world_size)
+
+
+def _build_group(backend: str, global_ranks: tuple[int, ...], name: str, timeout: timedelta,
+                 pg_options: Any) -> ProcessGroup:
+    """Build this process's member of a group, wrap it, and wait for the other members."""
+    assert world.store is not None  # callers hold an initialized world
+    base = PrefixStore(f"plugdist/group/{name}", world.store)
+    group_rank = global_ranks.index(world.rank)
+    options = GroupOptions(group_name=name, timeout=timeout, global_ranks=global_ranks,
+                           backend_options=pg_options)
+    factory = registry.load(BACKENDS, backend)
+    try:
+        pg = factory(PrefixStore("backend", base), group_rank, len(global_ranks), options)
+    except DistError:
+        raise
+    except Exception as err:
+        raise DistError(f"{where(rank=world.rank, group=name, backend=backend)} could not create "
+                        f"the group: {type(err).__name__}: {err}") from err
+    level = get_debug_level()
+    pg = registry.wrap_group(pg, store=PrefixStore("debug", base), debug_level=level)
+    _warn_if_detail_unserved(level)
+    info = GroupInfo(name=name, backend=backend, global_ranks=global_ranks, store=base,
+                     timeout=timeout)
+    world.add(pg, info)
+    try:
+        _store_barrier(base, "created", group_rank, len(global_ranks), timeout, name)
+    except BaseException:
+        world.remove(pg)
+        pg.shutdown()
+        raise
+    registry.plugins().hook.plugdist_group_created(group=pg, global_ranks=global_ranks,
+                                                   backend=backend)
+    return pg
+
+
+def _warn_if_detail_unserved(level: DebugLevel) -> None:
+    global _warned_no_debug_plugin
+    if level is DebugLevel.DETAIL and not _warned_no_debug_plugin \
+            and not registry.has_hook("plugdist_wrap_process_group"):
+        _warned_no_debug_plugin = True
+        warnings.warn("TORCH_DISTRIBUTED_DEBUG=DETAIL asks for collective checks, but no debug "
+                      "plugin is installed: pip install plugdist-debug", RuntimeWarning, stacklevel=3)
+
+
+def _store_barrier(store: Store, tag: str, group_rank: int, size: int, timeout: timedelta,
+                   name: str) -> None:
+    store.set(f"{tag}/{group_rank}", b"1")
+    keys = [f"{tag}/{r}" for r in range(size)]
+    try:
+        store.wait(keys, timeout)
+    except DistTimeoutError as err:
+        missing = [r for r in range(size) if not store.check([f"{tag}/{r}"])]
+        raise DistTimeoutError(f"{where(rank=group_rank, group=name)} timed out after "
+                               f"{timeout.total_seconds():.0f}s waiting for group ranks {missing} "
+                               f"to join; are they running, and calling the same group "
+                               f"constructors in the same order?") from err
+
+
+_LEAVE_WAIT = timedelta(seconds=10)
+
+
+def _close_store() -> None:
+    if world.owned_store and world.store is not None:
+        world.store.close()
+
+
+def _leave() -> None:
+    """Tell the others this rank is done; the rank that serves the store waits (at most
+    ``_LEAVE_WAIT``) for the rest, so peers still reading their last messages are not cut off."""
+    store = world.store
+    if store is None or not world.owned_store or world.size <= 1:
+        return
+    try:
+        if store.add("plugdist/leaving", 1) == world.size:
+            store.set("plugdist/left", b"1")
+        if getattr(store, "is_master", False):
+            store.wait(["plugdist/left"], _LEAVE_WAIT)
+    except DistError as err:
+        get_logger(rank=world.rank).warning("destroy_process_group: peers did not all leave",
+                                            error=str(err))
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Destroy ``group``, or (default) every group and the world. Not collective; releases
+    sockets and threads. Afterwards ``init_process_group`` may be called again."""
+    if group is _NON_MEMBER:
+        return
+    hook = registry.plugins().hook
+    if group is None or group is world.default:
+        for pg in reversed(world.members()):
+            hook.plugdist_group_destroyed(group=pg)
+            pg.shutdown()
+        _leave()
+        _close_store()
+        world.reset()
+        return
+    world.info(group)
+    hook.plugdist_group_destroyed(group=group)
+    group.shutdown()
+    world.remove(group)
+
+
+# -- new groups -----------------------------------------------------------------------------------
+def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = None,
+              backend: str | None = None, pg_options: Any = None,
+              use_local_synchronization: bool = False, group_desc: str | None = None) -> Any:
+    """A group of ``ranks`` (global ranks; default all). Every rank of the world must call it,
+    in the same order; members get the group, non-members ``GroupMember.NON_GROUP_MEMBER``.
+    Blocks until every member has built its side (bounded by ``timeout``)."""
+    world.require("new_group")
+    members = tuple(sorted(range(world.size) if ranks is None else ranks))
+    if len(set(members)) != len(members):
+        raise ValueError(f"new_group: ranks {list(ranks or [])} contain duplicates")
+    bad = [r for r in members if not 0 <= r < world.size]
+    if bad:
+        raise ValueError(f"new_group: ranks {bad} are not in the world (valid: 0..{world.size - 1})")
+    if not members:
+        raise ValueError("new_group: ranks must not be empty")
+    name = world.next_group_name()
+    if world.rank not in members:
+        return _NON_MEMBER
+    default_info = world.info(world.require("new_group"))
+    return _build_group(Backend(backend) if backend else default_info.backend, members, name,
+                        timeout or default_info.timeout, pg_options)
+
+
+def new_subgroups(group_size: int | None = None, group: Any = None, timeout: timedelta | None = None,
+                  backend: str | None = None, pg_options: Any = None) -> tuple[Any, list[Any]]:
+    """Split the world into consecutive subgroups of ``group_size`` ranks (default: the ranks of
+    one node, LOCAL_WORLD_SIZE). Returns (this rank's subgroup, every subgroup handle)."""
+    world.require("new_subgroups")
+    if group_size is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        if env is None:
+            raise ValueError("new_subgroups: pass group_size= (LOCAL_WORLD_SIZE is not set)")
+        group_size = int(env)
+    if group_size <= 0 or world.size % group_size:
+        raise ValueError(f"new_subgroups: group_size={group_size} must divide the world size "
+                         f"{world.size}")
+    enumeration = [list(range(s, s + group_size)) for s in range(0, world.size, group_size)]
+    return new_subgroups_by_enumeration(enumeration, timeout=timeout, backend=backend,
+                                        pg_options=pg_options)
+
+
+def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]],
+                                 timeout: timedelta | None = None, backend: str | None = None,
+                                 pg_options: Any = None) -> tuple[Any, list[Any]]:
+    """One group per listed rank set (sets must not overlap). Returns (this rank's subgroup or
+    None, every subgroup handle)."""
+    seen: set[int] = set()
+    for ranks in ranks_per_subgroup_list:
+        overlap = seen & set(ranks)
+        if overlap:
+            raise ValueError(f"new_subgroups_by_enumeration: ranks {sorted(overlap)} appear in "
+                             f"more than one subgroup")
+        seen |= set(ranks)
+    subgroups, mine = [], None
+    for ranks in ranks_per_subgroup_list:
+        handle = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options)
+        subgroups.append(handle)
+        if world.rank in ranks:
+            mine = handle
+    return mine, subgroups
+
+
+# -- queries --------------------------------------------------------------------------------------
+def resolve_group(group: Any, what: str) -> ProcessGroup | None:
+    """The ProcessGroup for ``group`` (None: the default); None for a non-member handle."""
+    if group is None:
+        return world.require(what)
+    if group is _NON_MEMBER:
+        return None
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"{what}: group must be a ProcessGroup from new_group/init_process_group, "
+                        f"got {type(group).__name__}")
+    return group
+
+
+def get_rank(group: Any = None) -> int:
+    pg = resolve_group(group, "get_rank")
+    return -1 if pg is None else pg.rank()
+
+
+def get_world_size(group: Any = None) -> int:
+    pg = resolve_group(group, "get_world_size")
+    return -1 if pg is None else pg.size()
+
+
+def get_backend(group: Any = None) -> str:
+    pg = resolve_group(group, "get_backend")
+    if pg is None:
+        raise ValueError("get_backend: this process is not a member of the group")
+    return world.info(pg).backend
+
+
+def get_process_group_ranks(group: Any) -> list[int]:
+    pg = resolve_group(group, "get_process_group_ranks")
+    if pg is None:
+        raise ValueError("get_process_group_ranks: this process is not a member of the group")
+    return list(world.info(pg).global_ranks)
+
+
+def get_global_rank(group: Any, group_rank: int) -> int:
+    ranks = get_process_group_ranks(group)
+    if not 0 <= group_rank < len(ranks):
+        raise ValueError(f"get_global_rank: group rank {group_rank} is not in a group of "
+                         f"{len(ranks)}")
+    return ranks[group_rank]
+
+
+def get_group_rank(group: Any, global_rank: int) -> int:
+    pg = resolve_group(group, "get_group_rank")
+    if pg is None:
+        raise ValueError("get_group_rank: this process is not a member of the group")
+    r = world.info(pg).group_rank(global_rank)
+    if r is None:
+        raise ValueError(f"get_group_rank: global rank {global_rank} is not in group "
+                         f"{pg.group_name!r} (ranks {list(world.info(pg).global_ranks)})")
+    return r
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """LOCAL_RANK from the launcher, or ``fallback_rank`` when it is not set."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    if fallback_rank is not None:
+        return fallback_rank
+    raise RuntimeError("LOCAL_RANK is not set (start with plugdist-run) and no fallback_rank given")
+
+
+__all__ += ["NotInitializedError"]

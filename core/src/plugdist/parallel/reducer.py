@@ -1,0 +1,689 @@
+"""The Reducer: the gradient-synchronisation engine under DistributedDataParallel.
+
+:class:`Reducer` is what DDP needs from such an engine; :class:`BucketedReducer` (entry point
+``plugdist.reducers: bucketed``) is the default one:
+
+* parameters are grouped into buckets (one dtype and device each; a small first bucket, then
+  ``bucket_cap_bytes``), in reverse registration order at first and, after the first
+  iteration, once more in the order their gradients actually became ready (rank 0's order,
+  broadcast, so every rank agrees);
+* a post-accumulate-grad hook on each parameter copies its gradient into the bucket (divided by
+  the world size on the way) and, once a bucket is full, launches its all-reduce asynchronously
+  while backward goes on;
+* a callback queued on the autograd engine at the end of backward waits for every bucket and
+  writes the averaged gradients back into ``.grad`` (or leaves ``.grad`` as a view of the bucket
+  with ``gradient_as_bucket_view``).
+
+Threading: the hooks and the end-of-backward callback run on autograd's threads; every entry
+point takes the reducer's lock. Every wait is bounded by the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+
+from ..debug_level import DebugLevel, get_debug_level
+from ..errors import DistError, DistTimeoutError
+from ..log import get_logger
+from ..work import Work
+from .bucketing import DEFAULT_FIRST_BUCKET_BYTES, compute_bucket_assignment
+from .comm_hooks import CommHook, GradBucket
+from .logging_data import DDPLogger
+
+if TYPE_CHECKING:
+    from ..process_group import ProcessGroup
+
+__all__ = ["Reducer", "ReducerOptions", "BucketedReducer"]
+
+
+@dataclass(frozen=True)
+class ReducerOptions:
+    """How DDP asks a reducer to behave (the DDP constructor arguments that concern it)."""
+
+    bucket_cap_bytes: int = 25 * 1024 * 1024
+    first_bucket_cap_bytes: int = DEFAULT_FIRST_BUCKET_BYTES
+    find_unused_parameters: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    param_names: Mapping[int, str] = field(default_factory=dict)
+
+
+class Reducer(abc.ABC):
+    """What DistributedDataParallel needs from a gradient-synchronisation engine.
+
+    Constructed once per DDP model as ``Reducer(parameters, process_group, options, logger)``
+    after parameters were synchronised. Every method that runs collectives must be called by
+    every rank of the group, in the same order; which ones do is stated per method.
+    """
+
+    def __init__(self, parameters: Sequence[torch.nn.Parameter], process_group: "ProcessGroup",
+                 options: ReducerOptions, logger: DDPLogger) -> None:
+        self.parameters = list(parameters)
+        self.process_group = process_group
+        self.options = options
+        self.logger = logger
+
+    @abc.abstractmethod
+    def prepare_for_forward(self) -> None:
+        """A forward pass whose backward will synchronise gradients starts. Local."""
+
+    @abc.abstractmethod
+    def rebuild_buckets(self) -> bool:
+        """Before a forward in grad mode: raise if the previous backward never finished its
+        reduction (naming the parameters that got no gradient); then, once in a run, regroup
+        the buckets. Returns True when it regrouped, which is collective (same iteration on
+        every rank)."""
+
+    @abc.abstractmethod
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor]) -> None:
+        """The next backward must synchronise. ``outputs`` are the forward's output tensors when
+        unused parameters must be searched for, else empty. Local."""
+
+    @abc.abstractmethod
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Reduce each bucket with ``hook(state, bucket)`` instead of the built-in average.
+        Once, before the first backward."""
+
+    @abc.abstractmethod
+    def shadow_backward(self) -> None:
+        """For a rank that ran out of inputs (join): issue, with zero gradients, every collective
+        a synchronising backward issues on the other ranks, and wait for them. Collective."""
+
+    @abc.abstractmethod
+    def push_all_rebuilt_params(self) -> None:
+        """For a joined rank that never ran a backward: record a bucket order so that it regroups
+        its buckets in step with the other ranks. Local."""
+
+    def set_forward_pass_work(self, work: Work, use_static_world_size: bool) -> None:
+        """Join support: ``work`` all-reduces the number of ranks still training this iteration;
+        unless ``use_static_world_size``, gradients are averaged over that number."""
+
+    def bucket_indices(self) -> list[list[int]]:
+        """Parameter indices of each bucket, in reduction order."""
+        return []
+
+    def close(self) -> None:
+        """Remove hooks; the reducer does nothing afterwards. Idempotent."""
+
+
+class _Bucket:
+    __slots__ = ("index", "indices", "params", "offsets", "buffer", "views", "pending", "work",
+                 "future")
+
+    def __init__(self, index: int, indices: list[int], params: list[torch.Tensor],
+                 offsets: list[int], buffer: torch.Tensor, views: list[torch.Tensor]) -> None:
+        self.index = index
+        self.indices = indices
+        self.params = params
+        self.offsets = offsets
+        self.buffer = buffer
+        self.views = views
+        self.pending = len(indices)
+        self.work: Work | None = None
+        self.future: torch.futures.Future | None = None
+
+
+def _view_like(buffer: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
+    # Match the parameter's layout where it is dense, as AccumulateGrad does for its grads,
+    # so copies in and out of the bucket stay sequential.
+    if param.is_non_overlapping_and_dense():
+        return buffer.as_strided(param.size(), param.stride(), offset)
+    return buffer.narrow(0, offset, param.numel()).view(param.size())
+
+
+def _aliases(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
+
+
+class BucketedReducer(Reducer):
+    """The default reducer: bucketed, overlapped with backward. See the module docstring."""
+
+    def __init__(self, parameters: Sequence[torch.nn.Parameter], process_group: "ProcessGroup",
+                 options: ReducerOptions, logger: DDPLogger) -> None:
+        super().__init__(parameters, process_group, options, logger)
+        n = len(self.parameters)
+        self._lock = threading.RLock()
+        self._rank = process_group.rank()
+        self._world_size = process_group.size()
+        self._timeout = process_group.timeout.total_seconds()
+        self._find_unused = options.find_unused_parameters
+        self._static = options.static_graph
+        self._as_view = options.gradient_as_bucket_view
+        cap = max(1, int(options.bucket_cap_bytes))
+        self._size_limits = [min(max(1, int(options.first_bucket_cap_bytes)), cap), cap]
+        self._log = get_logger(rank=self._rank, group=process_group.group_name)
+
+        self._comm_hook: CommHook | None = None
+        self._comm_hook_state: Any = None
+        self._iterations = 0              # backward passes prepared so far
+        self._expect_hooks = False
+        self._require_finalize = False
+        self._ready = bytearray(n)        # marked ready in this iteration
+        self._next_bucket = 0
+        self._div_factor: int | None = None
+        self._forward_work: tuple[Work, bool] | None = None
+        self._finalize_queued = False
+
+        # unused-parameter accounting
+        self._unused: list[int] = []
+        self._marked_unused = False
+        self._local_used = bytearray(n)
+        self._local_used_work: Work | None = None
+        self._local_used_tensor: torch.Tensor | None = None
+        self._global_used: list[int] | None = None  # static graph: fixed after iteration 1
+        self._hook_counts = [0] * n                   # static graph: hooks per param, iteration 1
+        self._hook_counts_left = [0] * n
+
+        # bucket regrouping
+        self._has_rebuilt = False
+        self._rebuilt_order: list[int] = []
+
+        self._buckets: list[_Bucket] = []
+        self._locators: list[tuple[_Bucket, torch.Tensor]] = []
+        self._init_buckets(compute_bucket_assignment(
+            self.parameters, list(range(n - 1, -1, -1)), self._size_limits))
+
+        self._handles: list[Any] = []
+        self_ref = weakref.ref(self)
+        for index, param in enumerate(self.parameters):
+            self._handles.append(param.register_post_accumulate_grad_hook(
+                _make_hook(self_ref, index)))
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+        self._expect_hooks = False
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # -- buckets -----------------------------------------------------------------------------------
+    def _init_buckets(self, assignment: list[list[int]]) -> None:
+        buckets: list[_Bucket] = []
+        locators: list[tuple[_Bucket, torch.Tensor] | None] = [None] * len(self.parameters)
+        for bucket_index, indices in enumerate(assignment):
+            params = [self.parameters[i] for i in indices]
+            first = params[0]
+            for p in params:
+                if p.dtype != first.dtype or p.device != first.device:
+                    raise DistError(f"{self._where()} bucket {bucket_index} mixes "
+                                    f"{first.dtype}/{first.device} and {p.dtype}/{p.device}; "
+                                    f"a bucket holds one dtype on one device")
+            offsets, total = [], 0
+            for p in params:
+                offsets.append(total)
+                total += p.numel()
+            buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+            views = [_view_like(buffer, p, o) for p, o in zip(params, offsets)]
+            bucket = _Bucket(bucket_index, list(indices), params, offsets, buffer, views)
+            for i, view in zip(indices, views):
+                locators[i] = (bucket, view)
+                p = self.parameters[i]
+                if self._as_view and p.grad is not None and not _aliases(p.grad, view):
+                    # Regrouping after grads exist: keep them, now living in the new bucket.
+                    view.copy_(p.grad)
+                    p.grad = view
+            buckets.append(bucket)
+        missing = [i for i, loc in enumerate(locators) if loc is None]
+        if missing:
+            raise DistError(f"{self._where()} bucket assignment leaves parameters {missing} out")
+        self._buckets = buckets
+        self._locators = locators  # type: ignore[assignment]
+
+    def bucket_indices(self) -> list[list[int]]:
+        return [list(b.indices) for b in self._buckets]
+
+    def bucket_sizes(self) -> list[int]:
+        """Bytes of each bucket, in reduction order."""
+        return [b.buffer.numel() * b.buffer.element_size() for b in self._buckets]
+
+    @property
+    def has_rebuilt_buckets(self) -> bool:
+        return self._has_rebuilt
+
+    # -- per-iteration entry points (DDP side) -----------------------------------------------------
+    def prepare_for_forward(self) -> None:
+        self.logger.forward_start()
+
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor]) -> None:
+        with self._lock:
+            self.logger.forward_end()
+            self.logger.backward_start()
+            self._iterations += 1
+            self._expect_hooks = True
+            self._require_finalize = False
+            self._finalize_queued = False
+            self._next_bucket = 0
+            for b in self._buckets:
+                b.pending = len(b.indices)
+                b.work = b.future = None
+            self._ready = bytearray(len(self.parameters))
+            self._marked_unused = False
+            if self._static and self._iterations > 1:
+                self._hook_counts_left = list(self._hook_counts)
+            if self._dynamic_find_unused():
+                self._local_used = bytearray(len(self.parameters))
+                self._unused = self._search_unused(outputs)
+
+    def set_forward_pass_work(self, work: Work, use_static_world_size: bool) -> None:
+        with self._lock:
+            self._forward_work = (work, use_static_world_size)
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        with self._lock:
+            if self._comm_hook is not None:
+                raise RuntimeError(f"{self._where()} register_comm_hook can only be called once "
+                                   f"per DDP model (a {self._hook_name()} hook is registered)")
+            if self._iterations:
+                raise RuntimeError(f"{self._where()} register a comm hook before the first "
+                                   f"backward pass")
+            self._comm_hook, self._comm_hook_state = hook, state
+
+    def _hook_name(self) -> str:
+        return getattr(self._comm_hook, "__qualname__", repr(self._comm_hook))
+
+    # -- unused parameters -------------------------------------------------------------------------
+    def _dynamic_find_unused(self) -> bool:
+        return self._find_unused and not self._static
+
+    def _static_first_iteration(self) -> bool:
+        return self._static and self._iterations == 1
+
+    def _should_rebuild(self) -> bool:
+        return not self._has_rebuilt and (self._static or not self._find_unused)
+
+    def _search_unused(self, outputs: Sequence[torch.Tensor]) -> list[int]:
+        """Indices of parameters whose AccumulateGrad node the outputs' graph does not reach."""
+        index_of = {id(p): i for i, p in enumerate(self.parameters)}
+        used: set[int] = set()
+        seen: set[Any] = set()
+        stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        seen.update(stack)
+        for t in outputs:
+            if t.grad_fn is None and t.requires_grad and id(t) in index_of:
+                used.add(index_of[id(t)])  # a parameter returned as is
+        while stack:
+            node = stack.pop()
+            variable = getattr(node, "variable", None)
+            if variable is not None:
+                i = index_of.get(id(variable))
+                if i is not None:
+                    used.add(i)
+            for nxt, _ in node.next_functions:
+                if nxt is not None and nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        unused = [i for i in range(len(self.parameters)) if i not in used]
+        if not unused:
+            warnings.warn("find_unused_parameters=True was passed to DistributedDataParallel, but "
+                          "this forward pass used every parameter; the graph walk it costs every "
+                          "iteration is wasted unless other iterations leave parameters unused. "
+                          "If none ever do, drop the flag.", RuntimeWarning, stacklevel=4)
+        elif get_debug_level() is DebugLevel.DETAIL:
+            self._log.info("ddp_unused_parameters", names=[self._name(i) for i in unused])
+        return unused
+
+    # -- autograd side -----------------------------------------------------------------------------
+    def _on_grad_ready(self, index: int) -> None:
+        """Runs in autograd after ``.grad`` of parameter ``index`` was accumulated."""
+        with self._lock:
+            if not self._expect_hooks:
+                return  # no_sync, or a backward DDP's forward did not prepare
+            if self._dynamic_find_unused() or self._static_first_iteration():
+                if self.parameters[index].grad is not None:
+                    self._local_used[index] = 1
+            if self._static_first_iteration():
+                # The graph is learned in the first iteration; everything is reduced at its end.
+                self._hook_counts[index] += 1
+                if not self._finalize_queued:
+                    self._finalize_queued = True
+                    torch.autograd.Variable._execution_engine.queue_callback(
+                        self._delayed_reduce_callback)
+                return
+            if not self._marked_unused:
+                self._marked_unused = True
+                for u in self._unused:
+                    self._mark_ready(u)
+            if self._static:
+                left = self._hook_counts_left[index]
+                if left <= 0:
+                    raise RuntimeError(
+                        f"{self._where()} parameter {self._describe(index)} got a gradient in this "
+                        f"iteration but none in the first one: the training graph changed, which "
+                        f"static_graph=True does not allow; drop static_graph")
+                self._hook_counts_left[index] = left - 1
+                if left > 1:
+                    return
+            if self._should_rebuild():
+                self._rebuilt_order.append(index)
+            self._mark_ready(index)
+
+    def _mark_ready(self, index: int) -> None:
+        if self._ready[index]:
+            self._raise_marked_twice(index)
+        self._ready[index] = 1
+        self._require_finalize = True
+        self._copy_grad_in(index)
+        bucket = self._locators[index][0]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready_buckets()
+        if self._next_bucket == len(self._buckets) and not self._finalize_queued:
+            self._finalize_queued = True
+            self._launch_local_used_reduction()
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_callback)
+
+    def _copy_grad_in(self, index: int) -> None:
+        param = self.parameters[index]
+        view = self._locators[index][1]
+        grad = param.grad
+        divide = self._comm_hook is None and self._divisor() != 1
+        if grad is None:
+            view.zero_()
+        elif _aliases(grad, view):
+            if divide:
+                view.div_(self._div_factor)  # type: ignore[arg-type]
+        else:
+            if grad.requires_grad:
+                _warn_create_graph()
+                grad = grad.detach()
+            if divide:
+                torch.div(grad, self._div_factor, out=view)  # type: ignore[arg-type]
+            else:
+                view.copy_(grad)
+            if self._as_view:
+                param.grad = view
+
+    def _divisor(self) -> int:
+        if self._div_factor is None:
+            factor = self._world_size
+            if self._forward_work is not None:
+                work, static = self._forward_work
+                self._forward_work = None
+                if not static:
+                    result = work.result()
+                    if isinstance(result, (list, tuple)):
+                        result = result[0]
+                    factor = int(result.item())
+            self._div_factor = max(1, factor)
+        return self._div_factor
+
+    def _launch_ready_buckets(self) -> None:
+        # Buckets are reduced strictly in order so that every rank issues the same sequence.
+        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
+            bucket = self._buckets[self._next_bucket]
+            self.logger.comm_start()
+            self._launch(bucket, bucket.buffer)
+            self._next_bucket += 1
+
+    def _launch(self, bucket: _Bucket, buffer: torch.Tensor) -> None:
+        if self._comm_hook is None:
+            bucket.work = self.process_group.all_reduce(buffer)
+            return
+        grad_bucket = GradBucket(bucket.index, len(self._buckets), buffer, bucket.params,
+                                 bucket.offsets, self.process_group)
+        fut = self._comm_hook(self._comm_hook_state, grad_bucket)
+        if not isinstance(fut, torch.futures.Future):
+            raise TypeError(f"{self._where()} comm hook {self._hook_name()} returned "
+                            f"{type(fut).__name__}; it must return a torch.futures.Future whose "
+                            f"value is the reduced bucket tensor")
+        bucket.future = fut
+
+    def _launch_local_used_reduction(self) -> None:
+        if not (self._dynamic_find_unused() or self._static_first_iteration()):
+            return
+        self._local_used_tensor = torch.frombuffer(self._local_used, dtype=torch.uint8).to(torch.int32)
+        self._local_used_work = self.process_group.all_reduce(self._local_used_tensor)
+
+    def _delayed_reduce_callback(self) -> None:
+        """Static graph, first iteration: reduce everything once backward is over."""
+        with self._lock:
+            self.logger.backward_compute_end()
+            self._unused = [i for i, c in enumerate(self._hook_counts) if c == 0]
+            if self._unused and get_debug_level() >= DebugLevel.INFO:
+                self._log.info("ddp_static_graph_unused", names=[self._name(i) for i in self._unused],
+                               note="expected to stay unused for the rest of training")
+            for index in range(len(self.parameters)):
+                self._ready[index] = 1
+                self._copy_grad_in(index)
+            self._require_finalize = True
+            self._launch_local_used_reduction()
+            for bucket in self._buckets:
+                bucket.pending = 0
+            self._launch_ready_buckets()
+            self._finalize_backward()
+
+    def _finalize_callback(self) -> None:
+        with self._lock:
+            self.logger.backward_compute_end()
+            if self._static and self._iterations > 1 and self._should_rebuild():
+                self._rebuilt_order.extend(self._unused)
+            self._finalize_backward()
+
+    def _finalize_backward(self) -> None:
+        self._expect_hooks = False
+        self._require_finalize = False
+        used = self._wait_global_used()
+        for bucket in self._buckets:
+            result = self._wait_bucket(bucket)
+            if result is not bucket.buffer:
+                if result.numel() != bucket.buffer.numel():
+                    raise RuntimeError(
+                        f"{self._where()} comm hook {self._hook_name()} returned a tensor of "
+                        f"{result.numel()} elements for bucket {bucket.index}, which has "
+                        f"{bucket.buffer.numel()}; return the reduced bucket buffer")
+                bucket.buffer.copy_(result.reshape(-1))
+            for index, view in zip(bucket.indices, bucket.views):
+                if used is not None and not used[index]:
+                    continue  # unused on every rank: leave .grad alone
+                param = self.parameters[index]
+                grad = param.grad
+                if self._as_view:
+                    if grad is None:
+                        param.grad = view
+                    elif not _aliases(grad, view):
+                        raise RuntimeError(
+                            f"{self._where()} the gradient of {self._describe(index)} is not the "
+                            f"bucket view that gradient_as_bucket_view=True makes it; was .grad "
+                            f"replaced during backward, or a second reducer hooked the same "
+                            f"parameter?")
+                elif grad is None:
+                    param.grad = view.clone()
+                else:
+                    grad.copy_(view)
+        self._div_factor = None
+        if self._dynamic_find_unused():
+            self._local_used = bytearray(len(self.parameters))
+        self.logger.data["unused_parameter_size"] = sum(
+            self.parameters[i].numel() * self.parameters[i].element_size() for i in self._unused)
+        self.logger.comm_end()
+
+    def _wait_global_used(self) -> list[int] | bytearray | None:
+        if self._local_used_work is not None:
+            self._local_used_work.wait()
+            self._global_used = self._local_used_tensor.tolist()  # type: ignore[union-attr]
+            self._local_used_work = self._local_used_tensor = None
+            return self._global_used
+        if self._static:
+            return self._global_used
+        return None
+
+    def _wait_bucket(self, bucket: _Bucket) -> torch.Tensor:
+        if bucket.work is not None:
+            bucket.work.wait()
+            return bucket.buffer
+        fut = bucket.future
+        if fut is None:
+            raise DistError(f"{self._where()} bucket {bucket.index} was never reduced")
+        value = _wait_future(fut, self._timeout, f"{self._where()} comm hook "
+                                                 f"{self._hook_name()} for bucket {bucket.index}")
+        if isinstance(value, (list, tuple)):
+            value = value[0] if len(value) == 1 else None
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{self._where()} comm hook {self._hook_name()}'s future holds "
+                            f"{type(value).__name__}; it must hold the reduced bucket tensor")
+        return value
+
+    # -- between iterations ------------------------------------------------------------------------
+    def rebuild_buckets(self) -> bool:
+        with self._lock:
+            self._ensure_prior_reduction_finished()
+            if not self._should_rebuild() or not self._rebuilt_order:
+                return False
+            order = self._rebuilt_order
+            if sorted(order) != list(range(len(self.parameters))):
+                raise DistError(f"{self._where()} the recorded gradient order covers "
+                                f"{len(set(order))} of {len(self.parameters)} parameters; cannot "
+                                f"regroup buckets")
+            assignment = compute_bucket_assignment(self.parameters, order, self._size_limits)
+            assignment = self._agree_on_assignment(assignment)
+            self._has_rebuilt = True
+            self._rebuilt_order = []
+            self._init_buckets(assignment)
+            self.logger.data["has_rebuilt_buckets"] = 1
+            self.logger.data["rebuilt_bucket_sizes"] = self.bucket_sizes()
+            self.logger.data["rebuilt_per_bucket_size_limits"] = list(self._size_limits)
+            if get_debug_level() >= DebugLevel.INFO:
+                self._log.info("ddp_buckets_rebuilt", buckets=len(assignment),
+                               size_limits=self._size_limits)
+            return True
+
+    def _agree_on_assignment(self, assignment: list[list[int]]) -> list[list[int]]:
+        """Rank 0's bucket assignment, on every rank (one broadcast)."""
+        n = len(self.parameters)
+        if self._world_size == 1:
+            return assignment
+        flat = torch.empty(2 * n, dtype=torch.int64)
+        if self._rank == 0:
+            order = [i for members in assignment for i in members]
+            ids = [b for b, members in enumerate(assignment) for _ in members]
+            flat.copy_(torch.tensor(order + ids, dtype=torch.int64))
+        self.process_group.broadcast(flat, 0).wait()
+        values = flat.tolist()
+        result: list[list[int]] = []
+        for index, bucket_id in zip(values[:n], values[n:]):
+            if bucket_id == len(result):
+                result.append([])
+            result[bucket_id].append(index)
+        return result
+
+    def push_all_rebuilt_params(self) -> None:
+        with self._lock:
+            if self._should_rebuild() and not self._rebuilt_order:
+                self._rebuilt_order = list(range(len(self.parameters) - 1, -1, -1))
+
+    def _ensure_prior_reduction_finished(self) -> None:
+        if not self._require_finalize:
+            return
+        unmarked = [i for i in range(len(self.parameters)) if not self._ready[i]]
+        if self._static:
+            what = ("the training graph changed in this iteration (a parameter that got a "
+                    "gradient in the first iteration got none now), which static_graph=True "
+                    "does not allow. ")
+        elif not self._find_unused:
+            what = ("your module has parameters that were not used in producing the loss. "
+                    "Pass find_unused_parameters=True to DistributedDataParallel to have "
+                    "unused parameters detected, and make sure every output of forward "
+                    "takes part in computing the loss. ")
+        else:
+            what = ("with find_unused_parameters=True this usually means that not every output "
+                    "of forward took part in computing the loss; make sure it does (or detach "
+                    "outputs you do not use). ")
+        msg = (f"{self._where()} expected the previous iteration's gradient reduction to have "
+               f"finished before a new forward pass: {what}")
+        if get_debug_level() >= DebugLevel.INFO:
+            names = ", ".join(self._name(i) for i in unmarked)
+            msg += f"\nParameters that did not receive a gradient on rank {self._rank}: {names}"
+        msg += f"\nParameter indices that did not receive a gradient on rank {self._rank}: {unmarked}"
+        if get_debug_level() is DebugLevel.OFF:
+            msg += ("\nSet TORCH_DISTRIBUTED_DEBUG=INFO (or DETAIL) to see the names of these "
+                    "parameters in this error.")
+        raise RuntimeError(msg)
+
+    # -- join --------------------------------------------------------------------------------------
+    def shadow_backward(self) -> None:
+        with self._lock:
+            for bucket in self._buckets:
+                bucket.work = bucket.future = None
+                self._launch(bucket, torch.zeros_like(bucket.buffer))
+            used_work = None
+            if self._dynamic_find_unused():
+                used_work = self.process_group.all_reduce(
+                    torch.zeros(len(self.parameters), dtype=torch.int32))
+            for bucket in self._buckets:
+                if bucket.work is not None:
+                    bucket.work.wait()
+                else:
+                    _wait_future(bucket.future, self._timeout,  # type: ignore[arg-type]
+                                 f"{self._where()} comm hook for bucket {bucket.index} (joined)")
+                bucket.work = bucket.future = None
+            if used_work is not None:
+                used_work.wait()
+
+    # -- messages ----------------------------------------------------------------------------------
+    def _where(self) -> str:
+        return self.process_group.where("DistributedDataParallel")
+
+    def _name(self, index: int) -> str:
+        return self.options.param_names.get(index, f"parameters[{index}]")
+
+    def _describe(self, index: int) -> str:
+        name = self.options.param_names.get(index)
+        return f"{name!r} (index {index})" if name else f"index {index}"
+
+    def _raise_marked_twice(self, index: int) -> None:
+        msg = (f"{self._where()} parameter {self._describe(index)} got its gradient twice in one "
+               f"backward pass. Common causes: (1) the parameter is used outside forward, or by "
+               f"several forward/backward passes running at the same time; (2) the same part of "
+               f"the model is re-run by several reentrant backward passes (e.g. several "
+               f"checkpoint() calls over the same layers). If the graph does not change between "
+               f"iterations, static_graph=True supports these cases.")
+        if self._marked_unused and index in self._unused:
+            msg += (" Here the forward pass's outputs did not reach this parameter, so it was "
+                    "treated as unused, yet a gradient arrived later (e.g. from a reentrant "
+                    "backward): if every parameter takes part, pass find_unused_parameters=False.")
+        raise RuntimeError(msg)
+
+
+def _make_hook(reducer_ref: "weakref.ReferenceType[BucketedReducer]",
+               index: int) -> Callable[[torch.Tensor], None]:
+    def hook(_param: torch.Tensor) -> None:
+        reducer = reducer_ref()
+        if reducer is not None:
+            reducer._on_grad_ready(index)
+    return hook
+
+
+def _wait_future(fut: torch.futures.Future, timeout: float, what: str) -> Any:
+    """``fut.value()``, waiting at most ``timeout`` seconds (torch futures have no timed wait)."""
+    if not fut.done():
+        done = threading.Event()
+        fut.add_done_callback(lambda _f: done.set())
+        if not done.wait(timeout):
+            raise DistTimeoutError(f"{what} did not complete within {timeout:.1f}s: a peer may "
+                                   f"have died or be running a different collective")
+    return fut.value()
+
+
+_warned_create_graph = False
+
+
+def _warn_create_graph() -> None:
+    global _warned_create_graph
+    if not _warned_create_graph:
+        _warned_create_graph = True
+        warnings.warn("DistributedDataParallel with create_graph=True: gradients are averaged "
+                      "across ranks, but higher-order gradients are not synchronised and do not "
+                      "flow through the all-reduce", RuntimeWarning, stacklevel=3)

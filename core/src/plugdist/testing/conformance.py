@@ -1,0 +1,33 @@
+"""The plugdist backend conformance suite, as a pytest module.
+
+Run it against any installed backend (yours included) with::
+
+    pytest --pyargs plugdist.testing.conformance --plugdist-backend NAME [--plugdist-world-sizes 1,2,3,4]
+
+Each (backend, world size) starts one real world that runs every check of
+:mod:`plugdist.testing.checks` on every rank; each check is then reported as its own test, failing
+with the message of every rank where it failed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from plugdist.testing.checks import check_names, run_checks
+from plugdist.testing.harness import run_world
+
+WORLD_TIMEOUT = 240.0
+
+
+@pytest.fixture(scope="module")
+def conformance_results(plugdist_backend: str, plugdist_world_size: int) -> list[dict]:
+    return run_world(run_checks, plugdist_world_size, backend=plugdist_backend,
+                     timeout=WORLD_TIMEOUT, group_timeout=60.0)
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 60)
+@pytest.mark.parametrize("check", check_names())
+def test_conformance(conformance_results: list[dict], check: str) -> None:
+    failures = [r[check] for r in conformance_results if r.get(check)]
+    assert not failures, "\n".join(failures)
+    assert all(check in r for r in conformance_results)

@@ -1,0 +1,208 @@
+"""Run a function on N real processes and collect what each rank returned.
+
+Each rank is a fresh ``python -m plugdist.testing.worker`` process (or all ranks one ``mpiexec``),
+so nothing is shared but the loopback network and a scratch directory. The function is passed by
+reference (module and name), so it must be defined at module level; the parent's ``sys.path``
+is handed to the children so test modules import the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..errors import DistError
+
+__all__ = ["run_world", "RankResult", "WorldError", "free_port", "mpiexec_path"]
+
+
+@dataclass
+class RankResult:
+    """What one rank did: its return value, or its traceback, or that it never finished."""
+
+    rank: int
+    value: Any = None
+    error: str | None = None      # formatted traceback of an exception raised by the function
+    exception_type: str | None = None
+    exitcode: int | None = None   # None: still running when the world was stopped
+    stderr_tail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.exitcode == 0
+
+
+class WorldError(DistError):
+    """One or more ranks failed or hung; ``results`` holds every rank's :class:`RankResult`."""
+
+    def __init__(self, message: str, results: list[RankResult]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mpiexec_path() -> str:
+    """The ``mpiexec`` next to this interpreter (the one a pip-installed MPI provides), else PATH's."""
+    candidate = Path(sys.executable).with_name("mpiexec")
+    return str(candidate) if candidate.exists() else "mpiexec"
+
+
+def _launcher_for(backend: str | None) -> str:
+    if backend is None:
+        return "subprocess"
+    from ..registry import BACKENDS, registry
+    try:
+        factory = registry.load(BACKENDS, backend)
+    except DistError:
+        return "subprocess"
+    return getattr(factory, "launcher", "subprocess")
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *, backend: str | None = None,
+              init_method: str | None = None, timeout: float = 120.0, args: Sequence[Any] = (),
+              kwargs: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+              launcher: str | None = None, expect_errors: bool = False,
+              group_timeout: float | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh processes.
+
+    With ``backend``, each rank first calls ``plugdist.init_process_group(backend, ...)`` and
+    afterwards ``destroy_process_group()``. Blocks until every rank exited or ``timeout`` seconds
+    passed; then stops the stragglers (SIGTERM, then SIGKILL). Returns each rank's return value,
+    in rank order. Raises :class:`WorldError` with a per-rank report when a rank raised, crashed
+    or hung — unless ``expect_errors``, which returns the :class:`RankResult` list instead.
+    ``launcher`` is ``"subprocess"`` or ``"mpiexec"``; by default the backend's ``launcher``
+    attribute decides.
+    """
+    launcher = launcher or _launcher_for(backend)
+    with tempfile.TemporaryDirectory(prefix="plugdist-world-") as tmp:
+        spec = dict(module=fn.__module__, name=fn.__qualname__, args=tuple(args),
+                    kwargs=dict(kwargs or {}), backend=backend, init_method=init_method,
+                    sys_path=list(sys.path), out_dir=tmp, group_timeout=group_timeout)
+        if fn.__module__ == "__main__":
+            raise ValueError("run_world needs a function importable by module name, not one "
+                             "defined in __main__")
+        spec_path = os.path.join(tmp, "spec.pkl")
+        with open(spec_path, "wb") as f:
+            pickle.dump(spec, f)
+        base_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        cmd = [sys.executable, "-m", "plugdist.testing.worker", spec_path]
+        procs: list[subprocess.Popen] = []
+        err_files = []
+        if launcher == "mpiexec":
+            err = open(os.path.join(tmp, "mpiexec.err"), "wb")
+            err_files.append(err)
+            procs.append(subprocess.Popen([mpiexec_path(), "-n", str(world_size), *cmd],
+                                          env=base_env, stdout=err, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        else:
+            port = free_port()
+            for rank in range(world_size):
+                err = open(os.path.join(tmp, f"rank{rank}.err"), "wb")
+                err_files.append(err)
+                rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                            "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                procs.append(subprocess.Popen(cmd, env=rank_env, stdout=err,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        hung = False
+        try:
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    hung = True
+                    break
+                time.sleep(0.02)
+        finally:
+            _stop(procs)
+            for f in err_files:
+                f.close()
+        results = _collect(tmp, world_size, procs, launcher)
+    failed = [r for r in results if not r.ok]
+    if expect_errors:
+        return results
+    if failed or hung:
+        raise WorldError(_report(results, hung, timeout), results)
+    return [r.value for r in results]
+
+
+def _stop(procs: list[subprocess.Popen], grace: float = 3.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        live = [p for p in procs if p.poll() is None]
+        if not live:
+            break
+        for p in live:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + grace
+        while time.monotonic() < end and any(p.poll() is None for p in live):
+            time.sleep(0.02)
+    for p in procs:
+        if p.poll() is None:
+            p.wait()
+
+
+def _tail(path: str, lines: int = 60) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _collect(tmp: str, world_size: int, procs: list[subprocess.Popen],
+             launcher: str) -> list[RankResult]:
+    results = []
+    for rank in range(world_size):
+        proc = procs[0] if launcher == "mpiexec" else procs[rank]
+        err_path = os.path.join(tmp, "mpiexec.err" if launcher == "mpiexec" else f"rank{rank}.err")
+        res = RankResult(rank=rank, stderr_tail=_tail(err_path))
+        out = os.path.join(tmp, f"rank{rank}.pkl")
+        if os.path.exists(out):
+            with open(out, "rb") as f:
+                status, payload, etype = pickle.load(f)
+            res.exitcode = proc.returncode if launcher != "mpiexec" else 0
+            if status == "ok":
+                res.value = payload
+            else:
+                res.error, res.exception_type = payload, etype
+            if launcher != "mpiexec" and proc.returncode not in (0, None) and status == "ok":
+                res.error = f"exited with {proc.returncode} after returning"
+        else:
+            res.exitcode = proc.returncode if proc.returncode is not None else None
+            if res.exitcode is None or res.exitcode < 0 or res.exitcode > 0:
+                res.exitcode = res.exitcode if res.exitcode is not None else -1
+            res.error = "no result: the rank crashed, was killed, or hung"
+        results.append(res)
+    return results
+
+
+def _report(results: list[RankResult], hung: bool, timeout: float) -> str:
+    lines = [f"world of {len(results)} ranks failed" + (f" (stopped after {timeout:.0f}s)" if hung else "")]
+    for r in results:
+        if r.ok:
+            lines.append(f"--- rank {r.rank}: ok")
+            continue
+        lines.append(f"--- rank {r.rank}: exit {r.exitcode}: {r.error.strip().splitlines()[-1] if r.error else ''}")
+        if r.error and "\n" in r.error:
+            lines.append(r.error.rstrip())
+        if r.stderr_tail:
+            lines.append("    output tail:\n" + "\n".join("    " + s for s in r.stderr_tail.splitlines()))
+    return "\n".join(lines)

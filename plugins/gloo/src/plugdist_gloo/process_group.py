@@ -1,0 +1,356 @@
+"""``GlooProcessGroup``: plugdist's ProcessGroup over torch's built-in Gloo.
+
+Each native hook issues the matching op on a private ``torch.distributed.ProcessGroupGloo`` and
+returns a plugdist Work completed (on a Gloo worker thread) from torch's future. Rendezvous goes
+through the plugdist store handed to the constructor; torch.distributed's global state (default
+group, group registry) is never touched, so both can run side by side in one process.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from typing import Any, Callable, ClassVar, Sequence
+
+import torch
+
+from plugdist.errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError, where
+from plugdist.log import get_logger
+from plugdist.process_group import GroupOptions, ProcessGroup
+from plugdist.reduce_op import ReduceOp
+from plugdist.store import Store
+from plugdist.work import Work
+
+from .dtypes import Staged, movable, rows, stage_reduction
+from .options import GlooOptions, make_devices
+from .store_bridge import StoreBridge
+from .waiters import Waiters
+
+__all__ = ["GlooProcessGroup"]
+
+_TIMEOUT_HINTS = ("timed out", "timeout")
+_PEER_LOST_HINTS = ("connection closed", "connection reset", "broken pipe", "connection refused",
+                    "read error", "write error", "socket closed", "end of file")
+
+
+_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d+)")
+
+
+def _c10d() -> Any:
+    # the op option classes live only in the C extension (torch.distributed re-exports a few)
+    from torch._C import _distributed_c10d
+    return _distributed_c10d
+
+
+def _reduce_op_map() -> dict[ReduceOp, Any]:
+    red = _c10d().ReduceOp
+    return {ReduceOp.SUM: red.SUM, ReduceOp.PRODUCT: red.PRODUCT, ReduceOp.MIN: red.MIN,
+            ReduceOp.MAX: red.MAX, ReduceOp.BAND: red.BAND, ReduceOp.BOR: red.BOR,
+            ReduceOp.BXOR: red.BXOR}
+
+
+def _peer_addresses(store: Store, size: int, devices: int) -> dict[int, list[bytes]]:
+    """Each rank's serialized Gloo listening addresses, as its rendezvous left them in the store
+    (keys ``"<device>/<rank>"``), used only to name the rank behind an address in an error.
+    Best effort: an empty map when the layout is not the expected one."""
+    keys = [f"{d}/{r}" for r in range(size) for d in range(devices)]
+    try:
+        if not store.check(keys):
+            return {}
+        blobs = store.multi_get(keys)
+    except Exception:  # noqa: BLE001 - only error messages lose detail
+        return {}
+    peers: dict[int, list[bytes]] = {}
+    for key, blob in zip(keys, blobs):
+        peers.setdefault(int(key.split("/")[1]), []).append(bytes(blob))
+    return peers
+
+
+def _rank_of_peer(message: str, peers: dict[int, list[bytes]]) -> int | None:
+    """The rank whose Gloo listening address appears in ``message`` ("... peer
+    [127.0.0.1]:4242 ..."), when exactly one rank matches. (A peer that connected to us shows
+    its ephemeral port instead, and stays unnamed.)"""
+    m = _ADDRESS.search(message)
+    if m is None or not peers:
+        return None
+    host, port = m.group(1), int(m.group(2))
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        ip = socket.inet_pton(family, host)
+    except OSError:
+        return None
+    # a serialized sockaddr_in holds the port right before the address; sockaddr_in6 does not
+    needle = port.to_bytes(2, "big") + ip if family == socket.AF_INET else ip
+    port_bytes = port.to_bytes(2, "big")
+    found = {r for r, blobs in peers.items()
+             if any(needle in b and port_bytes in b for b in blobs)}
+    return found.pop() if len(found) == 1 else None
+
+
+def _absent_ranks(store: Store, size: int) -> list[int]:
+    """Ranks that never published their Gloo address (best effort; [] if the store fails)."""
+    try:
+        return [r for r in range(size) if not store.check([f"0/{r}"])]
+    except Exception:  # noqa: BLE001
+        return []
+
+
+class GlooProcessGroup(ProcessGroup):
+    """A group of CPU processes talking through Gloo (TCP).
+
+    Construction is collective and blocking: every rank of the group must construct it with the
+    same store (one private to this group: Gloo's rendezvous keys are not namespaced) within
+    ``options.timeout``, else ``DistTimeoutError``. Ops are asynchronous; each is bounded by
+    ``options.timeout`` inside Gloo as well as in ``Work.wait``. Thread-safe to issue ops from
+    several threads, but all ranks must issue them in the same order.
+    """
+
+    backend_name: ClassVar[str] = "gloo"
+    device_types: ClassVar[tuple[str, ...]] = ("cpu",)
+    native_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset(
+        {ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR,
+         ReduceOp.BXOR})
+    supports_any_source: ClassVar[bool] = True
+
+    def __init__(self, store: Store, rank: int, size: int,
+                 options: GroupOptions | None = None) -> None:
+        super().__init__(rank, size, options)
+        here = where(rank=rank, group=self.group_name, backend=self.backend_name)
+        ok, reason = self.is_available()
+        if not ok:
+            raise DistBackendError(f"{here} {reason}")
+        gloo_opts = self.options.backend_options
+        if gloo_opts is None:
+            gloo_opts = GlooOptions()
+        elif not isinstance(gloo_opts, GlooOptions):
+            raise TypeError(f"{here} pg_options must be a plugdist_gloo.GlooOptions, got "
+                            f"{type(gloo_opts).__name__}")
+        self.gloo_options: GlooOptions = gloo_opts
+        self._log = get_logger(rank=rank, group=self.group_name)
+        self._red = _reduce_op_map()
+        tdist = _c10d()
+        native_opts = tdist.ProcessGroupGloo._Options()
+        native_opts._devices = make_devices(gloo_opts, here)
+        native_opts._threads = gloo_opts.threads
+        native_opts._timeout = self.timeout
+        self._pg: Any = None
+        self._peers: dict[int, list[bytes]] = {}
+        self._waiters = Waiters(f"plugdist-gloo-{self.group_name}-r{rank}")
+        self._bridge: StoreBridge | None = StoreBridge(store, self.timeout)
+        try:
+            self._pg = tdist.ProcessGroupGloo(self._bridge, rank, size, native_opts)
+        except Exception as exc:
+            self._bridge = None
+            err = self._translate("rendezvous", exc)
+            if isinstance(err, DistTimeoutError):
+                missing = _absent_ranks(store, size)
+                absent = f"; ranks that never arrived: {missing}" if missing else ""
+                err = DistTimeoutError(
+                    f"{here} rendezvous: not all {size} ranks connected within "
+                    f"{self.timeout.total_seconds():.1f}s{absent} ({exc}); start every rank with "
+                    f"the same store and world size, and give each group a fresh store prefix")
+            raise err from exc
+        self._peers = _peer_addresses(store, size, len(native_opts._devices))
+        self._log.debug("gloo group created", size=size, devices=len(native_opts._devices))
+
+    # -- plugin metadata ------------------------------------------------------------------------
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """Whether this torch build has Gloo, and why not."""
+        try:
+            import torch.distributed as tdist
+        except ImportError as exc:  # pragma: no cover - torch built without distributed
+            return False, f"torch.distributed cannot be imported: {exc}"
+        if not tdist.is_available():
+            return False, "this torch build has no torch.distributed"
+        if not tdist.is_gloo_available():
+            return False, "this torch build has no Gloo; install a torch wheel built with Gloo"
+        return True, "torch.distributed.ProcessGroupGloo"
+
+    def shutdown(self) -> None:
+        """Close Gloo's connections and join its threads. Idempotent; ops still pending fail."""
+        pg, self._pg, self._bridge = getattr(self, "_pg", None), None, None
+        if pg is None:
+            return
+        for name in ("shutdown", "abort"):
+            fn = getattr(pg, name, None)
+            if fn is not None:
+                try:
+                    fn()
+                    break
+                except Exception as exc:  # noqa: BLE001 - best effort, the group is going anyway
+                    self._log.debug("gloo shutdown step failed", step=name, error=str(exc))
+        self._waiters.close()
+        self._log.debug("gloo group shut down")
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _native(self, op: str) -> Any:
+        if self._pg is None:
+            raise DistBackendError(f"{self.where(op)} this group was shut down; create a new one")
+        return self._pg
+
+    def _opts(self, kind: str, **fields: Any) -> Any:
+        opts = getattr(_c10d(), kind)()
+        opts.timeout = self.timeout
+        for name, value in fields.items():
+            setattr(opts, name, value)
+        return opts
+
+    def _issue(self, op: str, call: Callable[[Any], Any], result: Any,
+               staged: Sequence[Staged] = (), any_source: bool = False) -> Work:
+        """Run ``call(native_pg)``, and return a Work completed with ``result`` (after writing
+        back ``staged`` tensors) when torch's future is."""
+        pg = self._native(op)
+        source: list[int] = []
+        work = self.work(op, source_rank=(lambda: source[0] if source else -1))
+        try:
+            native_work = call(pg)
+        except Exception as exc:
+            raise self._translate(op, exc) from exc
+
+        def done(fut: torch.futures.Future | None) -> None:
+            try:
+                if fut is None:
+                    native_work.wait()
+                else:
+                    fut.value()
+                for s in staged:
+                    s.finish()
+                if any_source:
+                    source.append(int(native_work._source_rank()))
+            except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the Work
+                work.set_exception(self._translate(op, exc))
+                return
+            work.set_result(result)
+
+        try:
+            future = native_work.get_future()
+        except RuntimeError:  # Gloo's send/recv Works have no future: wait on a pool thread
+            self._waiters.submit(lambda: done(None))
+        else:
+            future.add_done_callback(done)
+        return work
+
+    def _translate(self, op: str, exc: BaseException, during: str | None = None) -> DistError:
+        """A DistError carrying rank, group, op and backend for an error raised by Gloo."""
+        if isinstance(exc, DistError):
+            return exc
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        low = msg.lower()
+        here = self.where(op)
+        seconds = self.timeout.total_seconds()
+        err: DistError
+        if any(h in low for h in _TIMEOUT_HINTS):
+            err = DistTimeoutError(
+                f"{here} timed out after {seconds:.1f}s waiting for a peer (gloo: {msg}); a rank "
+                f"may have died, be stuck, or be running a different op")
+        elif any(h in low for h in _PEER_LOST_HINTS):
+            peer = _rank_of_peer(msg, self._peers)
+            if peer is None and self._size == 2:
+                peer = 1 - self._rank
+            who = "a peer" if peer is None else f"rank {peer}"
+            err = DistNetworkError(
+                f"{here} lost its connection to {who} (gloo: {msg}); that rank probably died "
+                f"or shut its group down early: check its logs")
+        else:
+            what = f"during {during}" if during else "failed"
+            err = DistBackendError(f"{here} {what} (gloo: {type(exc).__name__}: {msg})")
+        err.__cause__ = exc
+        return err
+
+    # -- native hooks ---------------------------------------------------------------------------
+    def native_broadcast(self, *, tensor: torch.Tensor, src: int) -> Work:
+        opts = self._opts("BroadcastOptions", rootRank=src, rootTensor=0)
+        return self._issue("broadcast", lambda pg: pg.broadcast([movable(tensor)], opts), [tensor])
+
+    def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        s = self._stage("all_reduce", tensor, op)
+        opts = self._opts("AllreduceOptions", reduceOp=self._red[op])
+        return self._issue("all_reduce", lambda pg: pg.allreduce([s.buf], opts), [tensor], [s])
+
+    def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
+        s = self._stage("reduce", tensor, op)
+        opts = self._opts("ReduceOptions", reduceOp=self._red[op], rootRank=dst, rootTensor=0)
+        # staged copies are written back on dst only: elsewhere the input stays as it was
+        back = [s] if self._rank == dst else []
+        return self._issue("reduce", lambda pg: pg.reduce([s.buf], opts), [tensor], back)
+
+    def native_all_gather(self, *, output_tensors: list[torch.Tensor], tensor: torch.Tensor) -> Work:
+        outs = [movable(t) for t in output_tensors]
+        opts = self._opts("AllgatherOptions")
+        return self._issue("all_gather", lambda pg: pg.allgather([outs], [movable(tensor)], opts),
+                           output_tensors)
+
+    def native_all_gather_into_tensor(self, *, output: torch.Tensor, tensor: torch.Tensor) -> Work:
+        out, inp = movable(output), movable(tensor)
+        opts = self._opts("AllgatherOptions")
+        return self._issue("all_gather_into_tensor",
+                           lambda pg: pg._allgather_base(out.reshape(-1), inp.reshape(-1), opts),
+                           [output])
+
+    def native_gather(self, *, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None,
+                      dst: int) -> Work:
+        outs = [[movable(t) for t in gather_list]] if self._rank == dst and gather_list else []
+        opts = self._opts("GatherOptions", rootRank=dst)
+        return self._issue("gather", lambda pg: pg.gather(outs, [movable(tensor)], opts),
+                           gather_list if self._rank == dst and gather_list else [])
+
+    def native_scatter(self, *, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None,
+                       src: int) -> Work:
+        ins = [[movable(t) for t in scatter_list]] if self._rank == src and scatter_list else []
+        opts = self._opts("ScatterOptions", rootRank=src)
+        return self._issue("scatter", lambda pg: pg.scatter([movable(tensor)], ins, opts), [tensor])
+
+    def native_reduce_scatter(self, *, output: torch.Tensor, input_list: list[torch.Tensor],
+                              op: ReduceOp) -> Work:
+        s = self._stage("reduce_scatter", output, op)
+        ins = [self._stage("reduce_scatter", t, op).buf for t in input_list]
+        opts = self._opts("ReduceScatterOptions", reduceOp=self._red[op])
+        return self._issue("reduce_scatter", lambda pg: pg.reduce_scatter([s.buf], [ins], opts),
+                           [output], [s])
+
+    def native_reduce_scatter_tensor(self, *, output: torch.Tensor, input: torch.Tensor,
+                                     op: ReduceOp) -> Work:
+        s = self._stage("reduce_scatter_tensor", output, op)
+        inp = self._stage("reduce_scatter_tensor", input, op).buf
+        opts = self._opts("ReduceScatterOptions", reduceOp=self._red[op])
+        return self._issue("reduce_scatter_tensor",
+                           lambda pg: pg._reduce_scatter_base(s.buf.reshape(-1), inp.reshape(-1), opts),
+                           [output], [s])
+
+    def native_all_to_all(self, *, output_tensors: list[torch.Tensor],
+                          input_tensors: list[torch.Tensor]) -> Work:
+        outs = [movable(t) for t in output_tensors]
+        ins = [movable(t) for t in input_tensors]
+        opts = self._opts("AllToAllOptions")
+        return self._issue("all_to_all", lambda pg: pg.alltoall(outs, ins, opts), output_tensors)
+
+    def native_all_to_all_single(self, *, output: torch.Tensor, input: torch.Tensor,
+                                 output_split_sizes: list[int], input_split_sizes: list[int]) -> Work:
+        out, inp = movable(rows(output)), movable(rows(input))
+        opts = self._opts("AllToAllOptions")
+        return self._issue("all_to_all_single",
+                           lambda pg: pg.alltoall_base(out, inp, list(output_split_sizes),
+                                                       list(input_split_sizes), opts),
+                           [output])
+
+    def native_barrier(self) -> Work:
+        opts = self._opts("BarrierOptions")
+        return self._issue("barrier", lambda pg: pg.barrier(opts), [])
+
+    def native_send(self, *, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        return self._issue("send", lambda pg: pg.send([movable(tensor)], dst, tag), [tensor])
+
+    def native_recv(self, *, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
+        buf = movable(tensor)
+        if src is None:
+            return self._issue("recv", lambda pg: pg.recv_anysource([buf], tag), [tensor],
+                               any_source=True)
+        return self._issue("recv", lambda pg: pg.recv([buf], src, tag), [tensor])
+
+    def _stage(self, op: str, tensor: torch.Tensor, red: ReduceOp) -> Staged:
+        try:
+            return stage_reduction(tensor, red)
+        except TypeError as exc:
+            raise TypeError(f"{self.where(op)} {exc}; convert the tensor (e.g. .float()) first") \
+                from None

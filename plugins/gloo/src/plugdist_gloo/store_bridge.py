@@ -1,0 +1,69 @@
+"""``StoreBridge``: a plugdist Store seen through torch's ``Store`` interface.
+
+torch's Gloo rendezvous takes a ``torch.distributed.Store``. A Python subclass of it is called
+back from C++ (gloo's connect code, on whatever thread runs it) with ``str`` keys, ``bytes``
+values and ``timedelta`` timeouts; each call is passed on to the plugdist store, whose errors come
+back to C++ as Python exceptions (the constructor that triggered them re-raises them).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Sequence
+
+import torch.distributed as tdist
+
+from plugdist.store import Store
+
+__all__ = ["StoreBridge"]
+
+
+def _as_bytes(value: bytes | bytearray | str | Sequence[int]) -> bytes:
+    # pybind hands values over as bytes; older torch releases passed std::vector<uint8_t> as a
+    # list of ints, which bytes() also accepts.
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+class StoreBridge(tdist.Store):
+    """Adapts a plugdist :class:`~plugdist.store.Store` to ``torch.distributed.Store``.
+
+    Thread-safe as far as the wrapped store is. Blocking calls (``get``, ``wait``) block for at
+    most the given timeout, or the wrapped store's timeout, and raise its ``DistTimeoutError``.
+    """
+
+    def __init__(self, store: Store, timeout: timedelta | None = None) -> None:
+        super().__init__()
+        self.store = store
+        if timeout is not None:
+            self.set_timeout(timeout)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        # torch keeps its own copy of the timeout on the C++ side; keep both in step
+        tdist.Store.set_timeout(self, timeout)
+        self.store.set_timeout(timeout)
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self.store.set(key, _as_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        return self.store.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        return self.store.add(key, int(value))
+
+    def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:
+        return self.store.compare_set(key, _as_bytes(expected_value), _as_bytes(desired_value))
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        self.store.wait(list(keys), timeout)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self.store.check(list(keys))
+
+    def num_keys(self) -> int:
+        return self.store.num_keys()
+
+    def delete_key(self, key: str) -> bool:
+        return self.store.delete_key(key)

@@ -1,0 +1,140 @@
+"""A worker for tests/test_launcher.py: ``launcher_worker.py OUTDIR MODE [extra args...]``.
+
+Imports only the standard library so that starting it costs little. Every mode writes what it
+saw to files in OUTDIR (the test's tmp_path, which also makes the command line unique, so the
+test can tell these processes from unrelated ones in /proc). Modes:
+
+env         write the launcher's variables and argv to rank<R>.json; ``exit=R:CODE`` in the
+            extra args makes rank R exit with CODE once every other rank has written its file
+fail        rank 0 starts a grandchild that ignores SIGTERM, rank 2 ignores SIGTERM itself,
+            rank 1 raises ValueError once the others are up; the rest sleep
+sigkill     rank 1 kills itself with SIGKILL once rank 0 is up; rank 0 sleeps
+hang        every rank starts a grandchild that ignores SIGTERM, records SIGTERM when it
+            arrives, and otherwise sleeps
+rendezvous  ranks meet over a socket at MASTER_ADDR:MASTER_PORT (rank 0 listens) and each
+            writes the set of ranks it heard of, plus its variables, to rank<R>.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+        "MASTER_ADDR", "MASTER_PORT", "PLUGDIST_RUN_ID", "TORCHELASTIC_RUN_ID",
+        "PLUGDIST_LAUNCHED", "OMP_NUM_THREADS")
+GRANDCHILD = ("import signal, sys, time, pathlib; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "pathlib.Path(sys.argv[1]).write_text('ready'); time.sleep(300)")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def wait_for(paths: list[Path], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"never appeared: {[str(p) for p in paths if not p.exists()]}")
+        time.sleep(0.02)
+
+
+def start_grandchild(out: Path, rank: int) -> None:
+    ready = out / f"gc{rank}.ready"
+    proc = subprocess.Popen([sys.executable, "-c", GRANDCHILD, str(ready)])
+    wait_for([ready])  # its SIGTERM handler is in place from here on
+    write_atomic(out / f"gc{rank}.pid", str(proc.pid))
+
+
+def main() -> None:
+    out, mode, extra = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    info = {"env": {k: os.environ.get(k) for k in VARS}, "argv": sys.argv[1:], "pid": os.getpid()}
+    print(f"worker rank {rank} mode {mode} up", flush=True)
+
+    if mode == "env":
+        write_atomic(out / f"rank{rank}.json", json.dumps(info))
+        for item in extra:
+            if item.startswith("exit="):
+                bad, code = (int(x) for x in item[len("exit="):].split(":"))
+                if rank == bad:
+                    wait_for([out / f"rank{r}.json" for r in range(world)])
+                    sys.exit(code)
+        return
+
+    if mode == "fail":
+        if rank == 0:
+            start_grandchild(out, rank)
+        if rank == 2:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        write_atomic(out / f"rank{rank}.pid", str(os.getpid()))
+        if rank == 1:
+            wait_for([out / "rank0.pid", out / "rank2.pid", out / "gc0.pid"])
+            print("rank 1 about to fail", file=sys.stderr, flush=True)
+            raise ValueError(f"boom from rank {rank}")
+        time.sleep(300)
+        return
+
+    if mode == "sigkill":
+        write_atomic(out / f"rank{rank}.pid", str(os.getpid()))
+        if rank == 1:
+            wait_for([out / "rank0.pid"])
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(300)
+        return
+
+    if mode == "hang":
+        def on_term(signum: int, frame: object) -> None:
+            write_atomic(out / f"rank{rank}.sigterm", "got SIGTERM")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, on_term)
+        start_grandchild(out, rank)
+        write_atomic(out / f"rank{rank}.pid", str(os.getpid()))
+        time.sleep(300)
+        return
+
+    if mode == "rendezvous":
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        if rank == 0:
+            heard = {0}
+            with socket.create_server((addr, port)) as server:
+                server.settimeout(60)
+                conns = []
+                for _ in range(world - 1):
+                    conn, _ = server.accept()
+                    conns.append(conn)
+                    heard.add(int(conn.makefile().readline()))
+                for conn in conns:
+                    conn.sendall((json.dumps(sorted(heard)) + "\n").encode())
+                    conn.close()
+            ranks = sorted(heard)
+        else:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    conn = socket.create_connection((addr, port), timeout=60)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            with conn:
+                conn.sendall(f"{rank}\n".encode())
+                ranks = json.loads(conn.makefile().readline())
+        info["ranks"] = ranks
+        write_atomic(out / f"rank{rank}.json", json.dumps(info))
+        return
+
+    raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main()

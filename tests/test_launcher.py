@@ -1,0 +1,270 @@
+"""plugdist-run: real launcher processes starting real workers (tests/launcher_scripts/).
+
+Workers import only the standard library, except the one end-to-end test that runs a real
+gloo all_reduce, so most launches cost little beyond the launcher's own start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from plugdist.launcher import (LaunchConfig, _split_argv, extract_traceback, free_port,
+                               is_launched, parse_args)
+
+SCRIPTS = Path(__file__).parent / "launcher_scripts"
+WORKER = str(SCRIPTS / "launcher_worker.py")
+LAUNCHER = [sys.executable, "-m", "plugdist.launcher"]
+
+
+def launch(*args: str, timeout: float = 60, env: dict[str, str] | None = None,
+           cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*LAUNCHER, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=cwd)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def wait_for(paths: list[Path], proc: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"launcher exited early with {proc.returncode}:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"never appeared: {[str(p) for p in paths if not p.exists()]}")
+        time.sleep(0.02)
+
+
+def alive(pid: int, marker: str) -> bool:
+    """Whether ``pid`` is still a live (non-zombie) process whose command line has ``marker``.
+
+    The marker (the test's tmp_path) guards against the pid having been reused meanwhile.
+    """
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    state = stat[stat.rfind(b")") + 2:].split()[0]
+    return state not in (b"Z", b"X") and marker.encode() in cmdline
+
+
+def pids(tmp_path: Path, pattern: str) -> list[int]:
+    return [int(p.read_text()) for p in sorted(tmp_path.glob(pattern))]
+
+
+def summary_of(stderr: str) -> str:
+    """The launcher's failure summary: everything from its header line on."""
+    start = stderr.find("plugdist-run: ")
+    lines = stderr[start:].splitlines()
+    head = next(i for i, line in enumerate(lines) if "workers failed" in line)
+    return "\n".join(lines[head:])
+
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(),
+                                reason="the orphan checks read /proc (Linux)")
+
+
+# --------------------------------------------------------------------------- in-process checks
+
+
+@pytest.mark.timeout(30)
+def test_parse_args_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = parse_args(["--nproc-per-node", "3", "--standalone", WORKER, "--", "-m", "--nnodes"])
+    assert (cfg.nproc_per_node, cfg.nnodes, cfg.master_addr) == (3, 1, "127.0.0.1")
+    assert cfg.args == ("--", "-m", "--nnodes")       # everything after the script, untouched
+    assert cfg.master_port != 29500 and len(cfg.run_id) == 12
+    cfg = parse_args(["--nnodes=2", "--node_rank", "1", "--master-port", "1234", WORKER])
+    assert (cfg.nnodes, cfg.node_rank, cfg.master_port, cfg.run_id) == (2, 1, 1234, "none")
+    assert cfg.world_size == 2 and cfg.global_rank(0) == 1
+    assert parse_args(["-m", "pkg.mod", "x"]).command()[1:] == ["-m", "pkg.mod", "x"]
+    assert _split_argv(["--run-id", "r", "--", "-x.py", "a"],
+                       {"--run-id"}) == (["--run-id", "r"], ["-x.py", "a"])
+
+    bad = {
+        ("--standalone", "--nnodes", "2", WORKER): "--standalone is for a single node",
+        ("--standalone", "--master-port", "5", WORKER): "drop --master-addr/--master-port",
+        ("--nnodes", "2", "--node-rank", "2", WORKER): "--node-rank must be in [0, 1]",
+        ("--nproc-per-node", "0", WORKER): "--nproc-per-node must be >= 1",
+        ("--grace-period", "-1", WORKER): "--grace-period must be >= 0",
+        ("--nproc-per-node", "2",): "missing the script",
+        ("no_such_script.py",): "script 'no_such_script.py' not found",
+    }
+    for argv, message in bad.items():
+        with pytest.raises(SystemExit) as exc:
+            parse_args(list(argv))
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err, argv
+    with pytest.raises(ValueError, match="exclude each other"):
+        LaunchConfig(entrypoint="x", module=True, no_python=True)
+
+
+@pytest.mark.timeout(30)
+def test_is_launched_and_traceback_extraction(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PLUGDIST_RUN_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert not is_launched()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert is_launched()
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("PLUGDIST_RUN_ID", "y")
+    assert is_launched()
+
+    lines = ["noise", "Traceback (most recent call last):", '  File "a.py", line 1',
+             "KeyError: 1", "", "During handling of the above exception, another exception "
+             "occurred:", "", "Traceback (most recent call last):", '  File "a.py", line 3',
+             "ValueError: 2", "atexit noise"]
+    assert extract_traceback(lines) == lines[1:]
+    assert extract_traceback(["a", "b"]) == []
+    assert extract_traceback(lines[7:]) == lines[7:]
+
+
+# --------------------------------------------------------------------------- real launches
+
+
+@pytest.mark.timeout(60)
+def test_env_vars_args_and_tee(tmp_path: Path) -> None:
+    args = ["--flag", "a b", "-m", "--", "--nproc-per-node", "9", ""]
+    res = launch("--standalone", "--nproc-per-node", "3", "--run-id", "run-env",
+                 WORKER, str(tmp_path), "env", *args)
+    assert res.returncode == 0, res.stderr
+    ports = set()
+    for rank in range(3):
+        info = read_json(tmp_path / f"rank{rank}.json")
+        env = info["env"]
+        assert env == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3",
+                       "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": env["MASTER_PORT"],
+                       "PLUGDIST_RUN_ID": "run-env", "TORCHELASTIC_RUN_ID": "run-env",
+                       "PLUGDIST_LAUNCHED": "1", "OMP_NUM_THREADS": "1"}, rank
+        assert info["argv"] == [str(tmp_path), "env", *args], rank
+        ports.add(env["MASTER_PORT"])
+        assert f"[rank {rank}] worker rank {rank} mode env up" in res.stdout.splitlines()
+    assert len(ports) == 1 and int(ports.pop()) > 0   # one port, picked by --standalone
+
+
+@pytest.mark.timeout(60)
+def test_module_mode_no_tee_and_exit_code(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(SCRIPTS), "OMP_NUM_THREADS": "3"}
+    env.pop("PLUGDIST_RUN_ID", None)
+    res = launch("--nproc-per-node", "2", "--master-port", str(free_port()), "--no-tee",
+                 "-m", "launcher_worker", str(tmp_path), "env", "exit=1:7", env=env)
+    assert res.returncode == 7, res.stderr                 # the failed worker's exit code
+    for rank in range(2):
+        info = read_json(tmp_path / f"rank{rank}.json")
+        assert info["argv"] == [str(tmp_path), "env", "exit=1:7"]
+        assert info["env"]["RANK"] == str(rank) and info["env"]["WORLD_SIZE"] == "2"
+        assert info["env"]["OMP_NUM_THREADS"] == "3"       # the user's choice is kept
+        assert len(info["env"]["PLUGDIST_RUN_ID"]) == 12   # random id on a single node
+        assert f"worker rank {rank} mode env up" in res.stdout.splitlines()   # no prefix
+    summary = summary_of(res.stderr)
+    assert "1 of 2 workers failed" in summary
+    assert "rank 1 (local rank 1, pid" in summary and "exit code 7" in summary
+    assert "exiting with code 7 (from rank 1)" in summary
+
+
+@pytest.mark.timeout(60)
+def test_failing_rank_stops_the_others(tmp_path: Path) -> None:
+    marker = str(tmp_path)
+    res = launch("--standalone", "--nproc-per-node", "3", "--grace-period", "1",
+                 WORKER, marker, "fail")
+    assert res.returncode == 1, res.stderr
+    summary = summary_of(res.stderr)
+    assert "1 of 3 workers failed" in summary
+    assert "rank 1 (local rank 1, pid" in summary and "): exit code 1" in summary
+    assert "Traceback (most recent call last):" in summary
+    assert 'raise ValueError(f"boom from rank {rank}")' in summary
+    assert "ValueError: boom from rank 1" in summary
+    # rank 0 obeyed SIGTERM; rank 2 ignored it and got SIGKILL after the grace period
+    assert "rank 0 (local rank 0): killed by SIGTERM (signal 15)" in summary
+    assert "rank 2 (local rank 2): killed by SIGKILL (signal 9)" in summary
+    assert "[rank 1] ValueError: boom from rank 1" in res.stderr   # tee'd live, prefixed
+    workers, grandchildren = pids(tmp_path, "rank*.pid"), pids(tmp_path, "gc*.pid")
+    assert len(workers) == 3 and len(grandchildren) == 1
+    assert not [p for p in workers + grandchildren if alive(p, marker)]
+
+
+@pytest.mark.timeout(60)
+def test_rank_killed_by_signal(tmp_path: Path) -> None:
+    marker = str(tmp_path)
+    res = launch("--standalone", "--nproc-per-node", "2", WORKER, marker, "sigkill")
+    assert res.returncode == 128 + signal.SIGKILL, res.stderr
+    summary = summary_of(res.stderr)
+    assert "rank 1 (local rank 1, pid" in summary
+    assert "killed by SIGKILL (signal 9)" in summary
+    assert "rank 0 (local rank 0): killed by SIGTERM" in summary
+    assert not [p for p in pids(tmp_path, "rank*.pid") if alive(p, marker)]
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_launcher_leaves_no_process(tmp_path: Path) -> None:
+    marker = str(tmp_path)
+    proc = subprocess.Popen([*LAUNCHER, "--standalone", "--nproc-per-node", "2",
+                             "--grace-period", "1", WORKER, marker, "hang"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for([tmp_path / f"{kind}{r}.pid" for kind in ("rank", "gc") for r in range(2)],
+                 proc)
+        workers, grandchildren = pids(tmp_path, "rank*.pid"), pids(tmp_path, "gc*.pid")
+        assert all(alive(p, marker) for p in workers + grandchildren)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "received SIGTERM; forwarded it to the workers" in err
+    for rank in range(2):   # the signal reached each worker, which ran its handler
+        assert (tmp_path / f"rank{rank}.sigterm").read_text() == "got SIGTERM"
+    # the grandchildren ignore SIGTERM: only the launcher's SIGKILL to the groups ends them
+    assert not [p for p in workers + grandchildren if alive(p, marker)]
+
+
+@pytest.mark.timeout(60)
+def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+              "--master-port", str(free_port()), "--run-id", "two-nodes"]
+    nodes = [subprocess.Popen([*LAUNCHER, *common, "--node-rank", str(node), WORKER,
+                               str(tmp_path), "rendezvous"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
+    try:
+        results = [p.communicate(timeout=50) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(nodes, results):
+        assert p.returncode == 0, err
+    for rank in range(4):
+        info = read_json(tmp_path / f"rank{rank}.json")
+        env = info["env"]
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (str(rank), "4", "2")
+        assert (env["LOCAL_RANK"], env["GROUP_RANK"]) == (str(rank % 2), str(rank // 2))
+        assert env["GROUP_WORLD_SIZE"] == "2" and env["TORCHELASTIC_RUN_ID"] == "two-nodes"
+        assert info["ranks"] == [0, 1, 2, 3], rank   # all four met at the one master address
+    assert "[rank 3] worker rank 3 mode rendezvous up" in results[1][0]
+
+
+@pytest.mark.timeout(90)
+def test_gloo_all_reduce_end_to_end(tmp_path: Path) -> None:
+    import plugdist
+    if not plugdist.is_backend_available("gloo"):
+        pytest.skip("plugdist-gloo is not installed")
+    res = launch("--standalone", "--nproc-per-node", "2", str(SCRIPTS / "gloo_allreduce.py"),
+                 str(tmp_path), timeout=80)
+    assert res.returncode == 0, res.stderr
+    for rank in range(2):
+        assert read_json(tmp_path / f"rank{rank}.json") == {
+            "rank": rank, "world": 2, "sum": 3.0, "launched": True}
