@@ -356,19 +356,33 @@ def _device_of(pg: "ProcessGroup", kw: dict[str, Any]) -> str:
     return pg.device_types[0]
 
 
-def _do(pg: "ProcessGroup", op_name: str, /, **kw: Any) -> Work:
-    """Run ``op_name`` as planned: the native hook, or composed."""
+def run_op(pg: "ProcessGroup", op: str, device: str, kwargs: dict[str, Any]) -> Work:
+    """Run ``op`` as planned: the native hook, or composed. A native hook that returns
+    ``NotImplemented`` (arguments it cannot handle) is composed from the other ops instead."""
     caps = pg.capabilities()
-    device = _device_of(pg, kw)
-    if caps.is_native(op_name, device):
-        return getattr(pg, "native_" + op_name)(**kw)
-    return compose(pg, caps, op_name, device, kw)
+    if caps.is_native(op, device):
+        work = getattr(pg, "native_" + op)(**kwargs)
+        if work is not NotImplemented:
+            return work
+    return compose(pg, caps, op, device, kwargs)
+
+
+def _do(pg: "ProcessGroup", op_name: str, /, **kw: Any) -> Work:
+    return run_op(pg, op_name, _device_of(pg, kw), kw)
+
+
+def _fallback_recipes(caps: "Capabilities", op: str, device: str) -> list[Recipe]:
+    """For a native op that declined its arguments: recipes over the other available ops."""
+    plans = _plans(caps, device)
+    return [r for r in RECIPES[op] if op not in r.needs and r.needs <= plans.keys()]
 
 
 def compose(pg: "ProcessGroup", caps: "Capabilities", op: str, device: str,
             kwargs: dict[str, Any]) -> Work:
     """Run ``op`` from the first usable recipe for ``device`` (see :func:`plan`)."""
-    for recipe in _plans(caps, device).get(op) or []:
+    planned = _plans(caps, device).get(op, [])
+    recipes = _fallback_recipes(caps, op, device) if planned is None else planned
+    for recipe in recipes:
         try:
             return recipe.run(pg, kwargs)
         except _NotApplicable:

@@ -8,7 +8,8 @@ Two layers in one class (the template-method pattern):
   natively if the backend can, or compose it from the backend's native ops
   (:mod:`plugdist.composition`). Every public op returns a :class:`~plugdist.work.Work`.
 * **Native hooks** (``native_all_reduce``, ...): what a backend overrides. Each receives already
-  validated arguments in *group* ranks and returns a Work. A backend overrides only what it does
+  validated arguments in *group* ranks and returns a Work, or ``NotImplemented`` for arguments it
+  cannot handle (e.g. uneven all_to_all lists), in which case the core composes the op. A backend overrides only what it does
   natively; ``capabilities()`` is derived from which hooks it overrides (override it for finer
   control, e.g. an op native on CUDA only).
 
@@ -117,10 +118,15 @@ class ProcessGroup:
     def backend(self) -> str:
         return self.backend_name
 
-    def capabilities(self) -> Capabilities:
+    @classmethod
+    def static_capabilities(cls) -> Capabilities:
         """Native ``(op, device)`` pairs, derived from the ``native_*`` hooks this class overrides.
-        Called on every op: an override should return a cached object."""
-        return _derived_capabilities(type(self))
+        Override (returning a cached object) for finer control; ``plugdist info`` shows it."""
+        return _derived_capabilities(cls)
+
+    def capabilities(self) -> Capabilities:
+        """What this group does natively; called on every op. Wrappers return the inner group's."""
+        return self.static_capabilities()
 
     def shutdown(self) -> None:
         """Release sockets, threads and communicators. Idempotent; called by destroy_process_group."""
@@ -310,10 +316,7 @@ class ProcessGroup:
         return self._dispatch(op, sample.device.type, kwargs)
 
     def _dispatch(self, op: str, device: str, kwargs: dict[str, Any]) -> Work:
-        caps = self.capabilities()
-        if caps.is_native(op, device):
-            return getattr(self, "native_" + op)(**kwargs)
-        return composition.compose(self, caps, op, device, kwargs)
+        return composition.run_op(self, op, device, kwargs)
 
     def _run_reduction(self, op_name: str, sample: torch.Tensor, out: torch.Tensor | None,
                        **kwargs: Any) -> Work:

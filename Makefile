@@ -1,0 +1,41 @@
+# `make test` builds everything from nothing (a virtualenv at .venv, torch pinned to the CPU
+# build on this machine's disk, every distribution of the repo in editable mode, test tools)
+# and runs every test. `make demo` runs the main example.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.plugdist-installed
+DISTS := core/pyproject.toml plugins/gloo/pyproject.toml plugins/mpi/pyproject.toml \
+         plugins/nccl/pyproject.toml plugins/debug/pyproject.toml \
+         tests/plugins/plugdist-toy/pyproject.toml pyproject.toml
+
+.PHONY: test demo bench info clean venv
+
+venv: $(STAMP)
+
+$(STAMP): $(DISTS) Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	# the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-build-isolation \
+		-e core -e plugins/gloo -e "plugins/mpi[mpich]" -e plugins/nccl -e plugins/debug \
+		-e tests/plugins/plugdist-toy -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/plugdist-run --nproc-per-node 2 examples/train_digits.py
+
+info: $(STAMP)
+	$(VENV)/bin/plugdist info
+
+bench: $(STAMP)
+	$(VENV)/bin/plugdist-bench --backend gloo --op all_reduce --nproc 2 -b 8 -e 64M -f 4 --compare torch
+
+clean:
+	rm -rf $(VENV) build */build */*/build

@@ -1,0 +1,197 @@
+"""``plugdist-bench``: nccl-tests-style collective sweeps, compared in the same run.
+
+    plugdist-bench --backend gloo --op all_reduce --nproc 2 -b 8 -e 64M -f 4 --compare torch
+
+Each rank is pinned to one CPU (rank r to CPU r mod the CPU count) with one torch thread. For each
+size, plugdist and the comparison (torch.distributed on the same backend, or raw mpi4py on the
+same buffers) are timed in alternating chunks inside the same processes, so machine drift hits
+both alike. Times are medians of per-op latencies on rank 0; bandwidths follow nccl-tests
+(algbw = bytes / time; busbw = algbw x the op's bus factor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+__all__ = ["main", "parse_size"]
+
+_BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
+
+
+def parse_size(text: str) -> int:
+    """'8', '64K', '1M', '2G' -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _sizes(begin: int, end: int, factor: int) -> list[int]:
+    out, s = [], begin
+    while s <= end:
+        out.append(s)
+        s *= factor
+    return out
+
+
+def _iters(nbytes: int) -> int:
+    return max(6, min(600, int(40e6 / (nbytes + 20_000))))
+
+
+def _ops(op: str, dist: Any) -> Callable[[Any, Any], None]:
+    """A closure running one ``op`` on tensors prepared for it, for either API (same names)."""
+    if op == "all_reduce":
+        return lambda buf, group: dist.all_reduce(buf[0], group=group)
+    if op == "broadcast":
+        return lambda buf, group: dist.broadcast(buf[0], 0, group=group)
+    if op == "reduce":
+        return lambda buf, group: dist.reduce(buf[0], 0, group=group)
+    if op == "all_gather":
+        return lambda buf, group: dist.all_gather_into_tensor(buf[1], buf[0], group=group)
+    if op == "reduce_scatter":
+        return lambda buf, group: dist.reduce_scatter_tensor(buf[1], buf[0], group=group)
+    if op == "all_to_all":
+        return lambda buf, group: dist.all_to_all_single(buf[1], buf[0], group=group)
+    raise ValueError(f"unknown op {op!r}; choose from {sorted(_BUS_FACTOR)}")
+
+
+def _buffers(op: str, count: int, dtype: Any, n: int) -> tuple[Any, Any]:
+    import torch
+
+    if op == "all_gather":
+        return torch.ones(count, dtype=dtype), torch.empty(count * n, dtype=dtype)
+    if op == "reduce_scatter":
+        per = max(1, count // n)
+        return torch.ones(per * n, dtype=dtype), torch.empty(per, dtype=dtype)
+    if op == "all_to_all":
+        per = max(1, count // n)
+        return torch.ones(per * n, dtype=dtype), torch.empty(per * n, dtype=dtype)
+    return torch.ones(count, dtype=dtype), None
+
+
+def _mpi4py_op(op: str) -> Callable[[Any, Any], None]:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if op == "all_reduce":
+        return lambda buf, _g: comm.Allreduce(MPI.IN_PLACE, buf[0].numpy(), op=MPI.SUM)
+    if op == "broadcast":
+        return lambda buf, _g: comm.Bcast(buf[0].numpy(), root=0)
+    if op == "all_gather":
+        return lambda buf, _g: comm.Allgather(buf[0].numpy(), buf[1].numpy())
+    if op == "all_to_all":
+        return lambda buf, _g: comm.Alltoall(buf[0].numpy(), buf[1].numpy())
+    raise ValueError(f"--compare mpi4py supports all_reduce, broadcast, all_gather, all_to_all; not {op}")
+
+
+def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Runs on every rank (plugdist already initialized by the harness); rank 0's rows matter."""
+    import torch
+
+    import plugdist as dist
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if cfg["pin"]:
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+    torch.set_num_threads(1)
+    dtype = getattr(torch, cfg["dtype"])
+    ours = _ops(cfg["op"], dist)
+    theirs, their_group = None, None
+    if cfg["compare"] == "torch":
+        import torch.distributed as tdist
+
+        tdist.init_process_group(cfg["backend"], init_method=f"tcp://127.0.0.1:{cfg['torch_port']}",
+                                 rank=rank, world_size=world_size, timeout=timedelta(minutes=5))
+        theirs = _ops(cfg["op"], tdist)
+    elif cfg["compare"] == "mpi4py":
+        theirs = _mpi4py_op(cfg["op"])
+    rows = []
+    for nbytes in cfg["sizes"]:
+        count = max(1, nbytes // torch.tensor([], dtype=dtype).element_size())
+        buf = _buffers(cfg["op"], count, dtype, world_size)
+        iters = _iters(nbytes)
+        samples: dict[str, list[float]] = {"ours": [], "theirs": []}
+        impls = [("ours", ours, None)] + ([("theirs", theirs, their_group)] if theirs else [])
+        for name, fn, group in impls:  # warm-up
+            for _ in range(3):
+                fn(buf, group)
+        chunk = max(2, iters // 4)
+        for _ in range(4):
+            for name, fn, group in impls:
+                dist.barrier()
+                for _ in range(chunk):
+                    t0 = time.perf_counter()
+                    fn(buf, group)
+                    samples[name].append(time.perf_counter() - t0)
+        row = {"bytes": nbytes, "count": count, "ours": statistics.median(samples["ours"])}
+        if theirs:
+            row["theirs"] = statistics.median(samples["theirs"])
+        rows.append(row)
+    if cfg["compare"] == "torch":
+        import torch.distributed as tdist
+
+        tdist.destroy_process_group()
+    return rows
+
+
+def _format(rows: list[dict[str, Any]], cfg: dict[str, Any], n: int) -> str:
+    bus = _BUS_FACTOR[cfg["op"]](n)
+    head = f"{'size(B)':>12} {'count':>10} {'type':>9} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
+    if cfg["compare"]:
+        head += f" {cfg['compare'] + '(us)':>12} {'ratio':>7}"
+    lines = [f"# plugdist-bench: op={cfg['op']} backend={cfg['backend']} nproc={n} "
+             f"dtype={cfg['dtype']} pinned={cfg['pin']} (median per-op latency on rank 0; "
+             f"ratio = plugdist time / {cfg['compare'] or '-'} time)", head]
+    for r in rows:
+        t = r["ours"]
+        algbw = r["bytes"] / t / 1e9
+        line = (f"{r['bytes']:>12} {r['count']:>10} {cfg['dtype']:>9} {t * 1e6:>10.1f} "
+                f"{algbw:>12.3f} {algbw * bus:>12.3f}")
+        if "theirs" in r:
+            line += f" {r['theirs'] * 1e6:>12.1f} {t / r['theirs']:>7.3f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="plugdist-bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="gloo")
+    p.add_argument("--op", default="all_reduce", choices=sorted(_BUS_FACTOR))
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("-b", "--minbytes", default="8")
+    p.add_argument("-e", "--maxbytes", default="64M")
+    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("--dtype", default="float32", choices=_DTYPES)
+    p.add_argument("--compare", choices=["torch", "mpi4py"], default=None)
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin ranks to CPUs")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole sweep")
+    args = p.parse_args(argv)
+    from .testing.harness import free_port, run_world
+
+    cfg = {"op": args.op, "backend": args.backend, "dtype": args.dtype, "compare": args.compare,
+           "pin": args.pin, "torch_port": free_port(),
+           "sizes": _sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)}
+    results = run_world(bench_rank, args.nproc, backend=args.backend, args=(cfg,),
+                        timeout=args.timeout)
+    print(_format(results[0], cfg, args.nproc))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

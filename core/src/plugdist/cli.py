@@ -1,0 +1,92 @@
+"""The ``plugdist`` command line: ``plugdist info`` and subcommands that plugins add."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+from . import composition
+from .process_group import OPS, ProcessGroup
+from .registry import BACKENDS, GROUPS, registry
+
+__all__ = ["main", "backend_table"]
+
+DEVICES = ("cpu", "cuda")
+_MARK = {"native": "native", "composed": "composed", "unsupported": "-"}
+
+
+def backend_table(factory: Any) -> list[tuple[str, list[str]]]:
+    """Rows ``(op, [mark per device])`` for a backend class, as in the seed document's table."""
+    if not (isinstance(factory, type) and issubclass(factory, ProcessGroup)):
+        return []
+    caps = factory.static_capabilities()
+    rows = []
+    for op in OPS:
+        marks = []
+        for dev in DEVICES:
+            if dev not in caps.device_types:
+                marks.append("-")
+            else:
+                marks.append(_MARK[composition.plan(caps, op, dev)[0]])
+        rows.append((op, marks))
+    return rows
+
+
+def _info(args: argparse.Namespace) -> int:
+    out = sys.stdout
+    plugins = registry.describe()
+    for group in GROUPS:
+        entries = [p for p in plugins if p.group == group]
+        out.write(f"{group}:\n")
+        if not entries:
+            out.write("  (none installed)\n")
+        for p in entries:
+            origin = "registered at runtime" if p.runtime else f"{p.distribution} {p.version}"
+            status = "" if p.error is None else "  FAILED TO LOAD"
+            out.write(f"  {p.name:<16} {origin:<28} {p.target}{status}\n")
+            if p.error:
+                out.write("".join(f"      {line}\n" for line in p.error.splitlines()))
+    for name in registry.names(BACKENDS):
+        try:
+            factory = registry.load(BACKENDS, name)
+        except Exception:  # noqa: BLE001 - already reported above
+            continue
+        check = getattr(factory, "is_available", None)
+        ok, why = check() if callable(check) else (True, "")
+        out.write(f"\nbackend {name}: {'available' if ok else 'NOT available: ' + why}\n")
+        rows = backend_table(factory)
+        if not rows:
+            out.write("  (a factory function: ops known only once a group exists)\n")
+            continue
+        caps = factory.static_capabilities()
+        out.write(f"  {'op':<24}" + "".join(f"{d:<11}" for d in DEVICES) + "\n")
+        for op, marks in rows:
+            out.write(f"  {op:<24}" + "".join(f"{m:<11}" for m in marks) + "\n")
+        reds = ", ".join(sorted(r.name for r in caps.reduce_ops))
+        out.write(f"  native reductions: {reds} (others composed: AVG as SUM then divide, the "
+                  f"rest via all_gather)\n  receive from any source: "
+                  f"{'yes' if caps.any_source_recv else 'no'}\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plugdist", description="plugdist command line")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    info = sub.add_parser("info", help="installed plugins, their versions, and what each backend does")
+    info.set_defaults(func=_info)
+    registry.plugins().hook.plugdist_add_cli_commands(subparsers=sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

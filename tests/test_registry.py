@@ -1,0 +1,112 @@
+"""Plugin discovery: entry points found by name, runtime registration, broken plugins reported.
+
+The broken plugin is a real distribution (tests/plugins/plugdist-broken) pip-installed by the test
+into a scratch directory that the subprocesses put on their path."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import plugdist as dist
+from plugdist.registry import BACKENDS, PluginNotFoundError, Registry, registry
+
+HERE = Path(__file__).parent
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--target", str(target),
+                    str(HERE / "plugins" / "plugdist-broken")], check=True, timeout=160)
+    return target
+
+
+def _run(code: str, site: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_info_reports_broken_plugin_and_keeps_the_rest(broken_site: Path) -> None:
+    proc = _run("from plugdist.cli import main; raise SystemExit(main(['info']))", broken_site)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "broken" in out and "FAILED TO LOAD" in out
+    assert "plugdist_dependency_that_does_not_exist" in out
+    assert "plugdist-broken 0.0.1" in out
+    assert "backend gloo: available" in out and "gloo" in out
+
+
+def test_asking_for_broken_backend_names_the_reason(broken_site: Path) -> None:
+    code = ("import plugdist as dist\n"
+            "try:\n"
+            "    dist.init_process_group('broken', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "except ValueError as e:\n"
+            "    print('ERR', e)\n"
+            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+            "import torch; t = torch.ones(1); dist.all_reduce(t); print('GLOO OK', t.item())\n")
+    proc = _run(code, broken_site)
+    assert proc.returncode == 0, proc.stderr
+    assert "ERR" in proc.stdout and "failed to load" in proc.stdout
+    assert "plugdist_dependency_that_does_not_exist" in proc.stdout
+    assert "GLOO OK 1.0" in proc.stdout
+
+
+def test_entry_point_backends_are_found_by_name() -> None:
+    names = registry.names(BACKENDS)
+    assert {"gloo", "toy"} <= set(names)
+    toy = registry.load(BACKENDS, "toy")
+    assert toy.__name__ == "ToyProcessGroup" and toy.__module__ == "plugdist_toy"
+
+
+def test_runtime_registration_wins_over_entry_point() -> None:
+    reg = Registry()
+    marker = object()
+    reg.register(BACKENDS, "gloo", marker)
+    assert reg.load(BACKENDS, "gloo") is marker
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register(BACKENDS, "gloo", object())
+    reg.unregister(BACKENDS, "gloo")
+    assert reg.load(BACKENDS, "gloo").__name__ == "GlooProcessGroup"
+
+
+def test_register_backend_is_used_by_init_process_group() -> None:
+    calls = []
+
+    def factory(store, rank, size, options):
+        calls.append((rank, size, options.group_name))
+        return registry.load(BACKENDS, "gloo")(store, rank, size, options)
+
+    dist.Backend.register_backend("mine", factory, devices=["cpu"])
+    try:
+        dist.init_process_group("MINE", store=dist.HashStore(), rank=0, world_size=1)
+        assert dist.get_backend() == "mine" and calls == [(0, 1, "0")]
+        dist.destroy_process_group()
+    finally:
+        registry.unregister(BACKENDS, "mine")
+
+
+def test_unknown_names_raise_with_what_is_installed() -> None:
+    with pytest.raises(PluginNotFoundError) as info:
+        registry.load(BACKENDS, "nope")
+    assert "gloo" in str(info.value) and "pip install plugdist-nope" in str(info.value)
+    with pytest.raises(PluginNotFoundError, match="reducer"):
+        registry.load("plugdist.reducers", "nope")
+
+
+def test_backend_name_normalisation() -> None:
+    assert dist.Backend("GLOO") == "gloo" == dist.Backend.GLOO
+    with pytest.raises(ValueError):
+        dist.Backend(3)  # type: ignore[arg-type]
+
+
+def test_importing_plugdist_loads_no_plugin() -> None:
+    code = ("import sys, plugdist\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('plugdist_', 'stevedore'))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
