@@ -7,9 +7,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.plugdist-installed
-DISTS := core/pyproject.toml plugins/gloo/pyproject.toml plugins/mpi/pyproject.toml \
-         plugins/nccl/pyproject.toml plugins/debug/pyproject.toml \
+# every distribution of the repo: the core, each plugin, the test-only toy backend, the workspace
+DISTS := core/pyproject.toml $(sort $(wildcard plugins/*/pyproject.toml)) \
          tests/plugins/plugdist-toy/pyproject.toml pyproject.toml
+EDITABLES := $(foreach d,$(filter-out pyproject.toml,$(DISTS:/pyproject.toml=)),-e $(d)) -e ".[dev]"
 
 .PHONY: test demo bench info clean venv
 
@@ -20,9 +21,7 @@ $(STAMP): $(DISTS) Makefile
 	$(PIP) install -q --upgrade pip setuptools wheel
 	# the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q --no-build-isolation \
-		-e core -e plugins/gloo -e "plugins/mpi[mpich]" -e plugins/nccl -e plugins/debug \
-		-e tests/plugins/plugdist-toy -e ".[dev]"
+	$(PIP) install -q --no-build-isolation $(EDITABLES)
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -59,6 +60,10 @@ def init_destroy_loop(rank: int, world_size: int, port_base: int, loops: int) ->
             counts["fds_start"], counts["threads_start"] = _fds(), threading.active_count()
             counts["tasks_start"] = len(os.listdir("/proc/self/task"))
     counts["fds_end"], counts["threads_end"] = _fds(), threading.active_count()
+    # Thread.join returns a moment before the OS thread is gone from /proc: allow it to finish
+    deadline = time.monotonic() + 2.0
+    while len(os.listdir("/proc/self/task")) > counts["tasks_start"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     counts["tasks_end"] = len(os.listdir("/proc/self/task"))
     return counts
 

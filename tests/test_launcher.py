@@ -66,14 +66,32 @@ def pids(tmp_path: Path, pattern: str) -> list[int]:
 
 def summary_of(stderr: str) -> str:
     """The launcher's failure summary: everything from its header line on."""
-    start = stderr.find("plugdist-run: ")
-    lines = stderr[start:].splitlines()
-    head = next(i for i, line in enumerate(lines) if "workers failed" in line)
-    return "\n".join(lines[head:])
+    lines = stderr.splitlines()
+    heads = [i for i, line in enumerate(lines)
+             if line.startswith("plugdist-run: ") and "workers failed" in line]
+    assert heads, f"no failure summary in stderr:\n{stderr}"
+    return "\n".join(lines[heads[-1]:])
 
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(),
                                 reason="the orphan checks read /proc (Linux)")
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftovers(tmp_path: Path):
+    """After each test (its assertions already made), SIGKILL any process it left behind.
+
+    A launcher bug would otherwise leave sleeping workers around for minutes after a failure.
+    """
+    yield
+    marker = str(tmp_path).encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes():
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                pass
 
 
 # --------------------------------------------------------------------------- in-process checks

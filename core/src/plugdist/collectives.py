@@ -166,6 +166,9 @@ def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -
     return _finish(pg.barrier(), async_op)
 
 
+_VERDICT_GRACE = timedelta(seconds=5)
+
+
 def monitored_barrier(group: Any = None, timeout: timedelta | None = None,
                       wait_all_ranks: bool = False) -> None:
     """A barrier through the store (so it works on every backend) that names missing ranks.
@@ -186,7 +189,8 @@ def monitored_barrier(group: Any = None, timeout: timedelta | None = None,
     if me != 0:
         store.set(f"{prefix}/arrived/{me}", b"1")
         try:
-            store.wait([f"{prefix}/release"], timeout)
+            # rank 0 decides at ``timeout``; its verdict needs a moment more to arrive here
+            store.wait([f"{prefix}/release"], timeout + _VERDICT_GRACE)
         except DistTimeoutError as err:
             raise DistTimeoutError(f"{where(rank=me, group=pg.group_name, op='monitored_barrier')} "
                                    f"rank 0 did not release the barrier within "

@@ -664,7 +664,7 @@ def launch(config: LaunchConfig, *, stdout: IO[str] | None = None,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``plugdist-run`` and ``python -m plugdist.launcher``; returns the exit code."""
+    """Entry point of ``plugdist-run`` and ``python -m plugdist.launcher``: the exit code."""
     config = parse_args(argv)
     try:
         return launch(config).exit_code

@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import DistNetworkError
 from ..log import get_logger
@@ -78,8 +78,7 @@ class StoreServer:
     caller's thread (so a busy port raises there), then serves in a daemon thread until
     ``stop()``. Only the serving thread touches the data; ``stop()`` is safe from any thread."""
 
-    def __init__(self, family: int, port: int, display_host: str) -> None:
-        self.display = f"{display_host}:{port}"
+    def __init__(self, family: int, port: int) -> None:
         self._family = family
         self._want_port = port
         self.port = 0
@@ -89,6 +88,8 @@ class StoreServer:
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
         self._joined = 0
+        self._parked = 0
+        self._accept_paused_until = 0.0
         self._conns: dict[int, _Conn] = {}
         self._resume: list[_Conn] = []
         self._stop_event = threading.Event()
@@ -121,7 +122,6 @@ class StoreServer:
                 f"another process may hold it: pick a free MASTER_PORT, or port 0 for any free "
                 f"port") from e
         self.port = lsock.getsockname()[1]
-        self.display = f"{self.display.rsplit(':', 1)[0]}:{self.port}"
         self._lsock = lsock
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -156,7 +156,10 @@ class StoreServer:
             while not self._stop_event.is_set():
                 delay = None
                 if self._deadlines:
-                    delay = max(0.0, self._deadlines[0][0] - time.monotonic())
+                    delay = min(max(0.0, self._deadlines[0][0] - time.monotonic()), 3600.0)
+                if self._accept_paused_until:
+                    pause = max(0.0, self._accept_paused_until - time.monotonic())
+                    delay = pause if delay is None else min(delay, pause)
                 for key, mask in sel.select(delay):
                     conn = key.data
                     if conn is None:
@@ -176,6 +179,9 @@ class StoreServer:
                         self._on_readable(conn)
                 if self._deadlines:
                     self._expire(time.monotonic())
+                if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
+                    self._accept_paused_until = 0.0
+                    sel.register(lsock, _READ, None)
                 while self._resume:
                     conn = self._resume.pop()
                     if not conn.closed and conn.waiter is None and conn.inbuf:
@@ -200,8 +206,12 @@ class StoreServer:
                 sock, addr = self._lsock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # e.g. EMFILE: leave it in the backlog, keep serving the rest
+            except OSError as e:
+                # e.g. EMFILE: the pending connection stays in the backlog and would make the
+                # listener readable forever; stop watching it briefly instead of spinning
                 self._log.warning("tcp_store_accept_failed", port=self.port, error=str(e))
+                self._sel.unregister(self._lsock)
+                self._accept_paused_until = time.monotonic() + 0.1
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -306,7 +316,7 @@ class StoreServer:
             self._joined += 1
             if self._worker_waiters:
                 for waiter in [x for x in self._worker_waiters if self._joined >= x.count]:
-                    self._finish(waiter, w.HEADER.pack(8, w.Status.OK) + w.I64.pack(self._joined))
+                    self._finish(waiter, _ok(w.I64.pack(self._joined)))
         return w.PREAMBLE.size
 
     # ---- output ----------------------------------------------------------------------------
@@ -365,10 +375,20 @@ class StoreServer:
         else:
             for k in waiter.missing:
                 self._waiting.setdefault(k, []).append(waiter)
-        heapq.heappush(self._deadlines, (waiter.deadline, next(self._seq), waiter))
+        self._parked += 1
+        dl = self._deadlines
+        if len(dl) > 1024 and len(dl) > 4 * self._parked:
+            # answered waiters stay in the heap until their deadline; drop them in bulk so a
+            # stream of short waits under a long timeout cannot grow it without bound
+            dl[:] = [e for e in dl if not e[2].done]
+            heapq.heapify(dl)
+        heapq.heappush(dl, (waiter.deadline, next(self._seq), waiter))
 
     def _forget(self, waiter: _Waiter) -> None:
+        if waiter.done:
+            return
         waiter.done = True
+        self._parked -= 1
         if waiter.op == w.Op.WAIT_WORKERS:
             self._worker_waiters.remove(waiter)
             return

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["check_key", "check_keys", "check_amount"]
 
@@ -17,7 +17,8 @@ def check_key(key: str) -> str:
 def check_keys(keys: Sequence[str]) -> list[str]:
     """A list of keys; a bare string (a common slip for ``[key]``) is refused."""
     if isinstance(keys, (str, bytes)):
-        raise TypeError(f"keys must be a list of str, not a single string; did you mean [{keys!r}]?")
+        raise TypeError(f"keys must be a list of str, not a single string; "
+                        f"did you mean [{keys!r}]?")
     return [check_key(k) for k in keys]
 
 

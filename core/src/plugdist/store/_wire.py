@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = [
     "MAGIC", "VERSION", "PREAMBLE", "FLAG_JOIN", "HELLO_OK", "HELLO_BAD_VERSION", "HEADER",
@@ -84,7 +84,8 @@ def pack_blobs(blobs: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
-def unpack_blobs(buf: bytes | bytearray | memoryview, pos: int, end: int) -> tuple[list[bytes], int]:
+def unpack_blobs(buf: bytes | bytearray | memoryview, pos: int,
+                 end: int) -> tuple[list[bytes], int]:
     """Inverse of ``pack_blobs`` reading ``buf[pos:end]``; raises ValueError on a malformed body."""
     if pos + 4 > end:
         raise ValueError("truncated blob count")

@@ -20,8 +20,8 @@ import struct
 import threading
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Callable, Sequence
 
 from ..errors import DistStoreError, DistTimeoutError
 from ._util import check_amount, check_key, check_keys
@@ -277,9 +277,10 @@ class FileStore(Store):
         keys = check_keys(keys)
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
-        self._log.append([(_SET, k.encode(), to_bytes(v)) for k, v in zip(keys, values)])
+        pairs = zip(keys, values, strict=True)
+        self._log.append([(_SET, k.encode(), to_bytes(v)) for k, v in pairs])
 
     def close(self) -> None:
-        """Write this user's LEAVE record (the last of ``world_size`` deletes the file). Idempotent."""
+        """Write this user's LEAVE record (the ``world_size``-th deletes the file). Idempotent."""
         self._finalizer()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 from ..errors import DistStoreError, DistTimeoutError
 from ._util import check_amount, check_key, check_keys
@@ -78,7 +78,7 @@ class HashStore(Store):
             if left <= 0:
                 raise DistTimeoutError(f"HashStore: timed out after {limit:.3g}s waiting for "
                                        f"keys {missing}")
-            self._cond.wait(left)
+            self._cond.wait(min(left, 86400.0))  # huge timeouts overflow the lock's limit
 
     def check(self, keys: Sequence[str]) -> bool:
         ks = check_keys(keys)
@@ -105,6 +105,6 @@ class HashStore(Store):
             raise ValueError(f"multi_set got {len(ks)} keys but {len(values)} values")
         vs = [to_bytes(v) for v in values]
         with self._cond:
-            self._data.update(zip(ks, vs))
+            self._data.update(zip(ks, vs, strict=True))
             self._cond.notify_all()
 

@@ -13,14 +13,15 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 from ..errors import DistNetworkError, DistStoreError, DistTimeoutError
 from . import _wire as w
 from ._tcp_server import StoreServer
 from ._util import check_amount, check_key, check_keys
-from .api import DEFAULT_STORE_TIMEOUT, Store, to_bytes, to_seconds
+from .api import DEFAULT_STORE_TIMEOUT, Store, to_bytes
+from .api import to_seconds as _to_seconds
 
 __all__ = ["TCPStore"]
 
@@ -29,6 +30,8 @@ _REPLY_GRACE = 10.0
 # least time a non-blocking request waits for its reply: a store timeout of a fraction of a
 # second is meant for get/wait, and must not fail a set on a loaded machine
 _MIN_IO_TIMEOUT = 5.0
+# longest timeout honoured (~115 days): timedelta.max would overflow socket and poll timeouts
+_MAX_TIMEOUT = 1e7
 _OP_SET, _OP_GET, _OP_ADD = int(w.Op.SET), int(w.Op.GET), int(w.Op.ADD)
 
 
@@ -80,13 +83,13 @@ class _Connection:
             n += got
         length, status = w.HEADER.unpack_from(self.buf)
         total = 5 + length
+        view = self.view
         if total > len(self.buf):
             if length > w.MAX_FRAME:
                 raise ConnectionError(f"server sent a {length}-byte frame")
-            grown = bytearray(total)
-            grown[:n] = self.view[:n]
-            self.buf, self.view = grown, memoryview(grown)
-        view = self.view
+            # a one-off buffer: a connection keeps only its small one between requests
+            view = memoryview(bytearray(total))
+            view[:n] = self.view[:n]
         while n < total:
             got = sock.recv_into(view[n:total])
             if got == 0:
@@ -151,7 +154,7 @@ class TCPStore(Store):
         self._closed = False
         self._server: StoreServer | None = None
         if is_master:
-            self._server = StoreServer(self._addrs[0][0], port, host_name)
+            self._server = StoreServer(self._addrs[0][0], port)
             self._server.start()
             port = self._server.port
             self._addrs = [(fam, (sa[0], port) + tuple(sa[2:])) for fam, sa in self._addrs]
@@ -226,6 +229,11 @@ class TCPStore(Store):
 
     def _request(self, op: str, frame: bytes, wait: float | None = None) -> bytes:
         """One request/response on a pooled connection; maps failures to Dist* errors."""
+        if len(frame) - w.HEADER.size > w.MAX_FRAME:
+            raise DistStoreError(f"TCPStore {self.host}:{self.port}: {op} request of "
+                                 f"{len(frame)} bytes exceeds the protocol's frame limit of "
+                                 f"{w.MAX_FRAME} bytes; store large data elsewhere (a file, or a "
+                                 f"collective) and put its location in the store")
         with self._lock:
             if self._closed:
                 raise DistStoreError(f"{self!r} is closed; {op} needs an open store")
@@ -341,7 +349,7 @@ class TCPStore(Store):
         if len(ks) != len(values):
             raise ValueError(f"multi_set got {len(ks)} keys but {len(values)} values")
         blobs: list[bytes] = []
-        for k, v in zip(ks, values):
+        for k, v in zip(ks, values, strict=True):
             blobs.append(k)
             blobs.append(to_bytes(v))
         self._request("multi_set", w.request(w.Op.MULTI_SET, w.pack_blobs(blobs)))
@@ -356,3 +364,8 @@ class TCPStore(Store):
 
 def _encoded(keys: Sequence[str]) -> list[bytes]:
     return [k.encode() for k in check_keys(keys)]
+
+
+def to_seconds(timeout: timedelta | float | int) -> float:
+    """Seconds in [0, _MAX_TIMEOUT]."""
+    return min(max(_to_seconds(timeout), 0.0), _MAX_TIMEOUT)

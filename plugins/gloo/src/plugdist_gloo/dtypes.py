@@ -10,19 +10,21 @@ bool. Everything else is staged here:
   reach here), int16 and uint16 widened to int32, uint32/uint64 as the signed integer of the
   same width (two's-complement SUM/PRODUCT/bitwise wrap the same way; for MIN/MAX the sign bit
   is flipped first so the signed order equals the unsigned one), and other floats (float8)
-  widened to float32. Staged copies are written back when the op completes.
+  widened to float32. Staged copies are written back when the op completes. On bool, SUM and
+  PRODUCT are asked of Gloo as OR and AND, which keeps every byte 0 or 1.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from plugdist.reduce_op import ReduceOp
 
-__all__ = ["NATIVE_DTYPES", "Staged", "movable", "rows", "stage_reduction"]
+__all__ = ["NATIVE_DTYPES", "Staged", "effective_op", "flat_bytes", "movable", "rows",
+           "stage_reduction"]
 
 NATIVE_DTYPES: frozenset[torch.dtype] = frozenset({
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -38,6 +40,15 @@ _SIGNED_TWIN: dict[torch.dtype, torch.dtype] = {
 _SIGN_BIT = {torch.int16: -(1 << 15), torch.int32: -(1 << 31), torch.int64: -(1 << 63)}
 
 
+_BOOL_OPS = {ReduceOp.SUM: ReduceOp.BOR, ReduceOp.PRODUCT: ReduceOp.BAND}
+
+
+def effective_op(op: ReduceOp, dtype: torch.dtype) -> ReduceOp:
+    """The reduction to ask Gloo for. On bool, SUM is OR and PRODUCT is AND: asked as such,
+    because some Gloo paths (reduce_scatter) add the bytes and would leave non-0/1 bools."""
+    return _BOOL_OPS.get(op, op) if dtype is torch.bool else op
+
+
 def rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` with at least one dimension (a 0-dim tensor becomes shape ``[1]``), same memory."""
     return t if t.dim() else t.reshape(1)
@@ -48,6 +59,11 @@ def movable(t: torch.Tensor) -> torch.Tensor:
     if t.dtype in NATIVE_DTYPES:
         return t
     return rows(t).view(torch.uint8)
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous ``t`` as a 1-D ``uint8`` view."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 @dataclass

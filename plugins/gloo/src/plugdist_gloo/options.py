@@ -30,7 +30,8 @@ class GlooOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.interfaces, str):
-            raise TypeError("GlooOptions.interfaces is a tuple of names, e.g. ('eth0',), not a string")
+            raise TypeError("GlooOptions.interfaces is a tuple of names, e.g. ('eth0',), "
+                            "not a string")
         if not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"GlooOptions.threads must be a positive int, got {self.threads!r}")
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 import socket
-from typing import Any, Callable, ClassVar, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -21,7 +22,7 @@ from plugdist.reduce_op import ReduceOp
 from plugdist.store import Store
 from plugdist.work import Work
 
-from .dtypes import Staged, movable, rows, stage_reduction
+from .dtypes import Staged, effective_op, flat_bytes, movable, rows, stage_reduction
 from .options import GlooOptions, make_devices
 from .store_bridge import StoreBridge
 from .waiters import Waiters
@@ -31,8 +32,6 @@ __all__ = ["GlooProcessGroup"]
 _TIMEOUT_HINTS = ("timed out", "timeout")
 _PEER_LOST_HINTS = ("connection closed", "connection reset", "broken pipe", "connection refused",
                     "read error", "write error", "socket closed", "end of file")
-
-
 _ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d+)")
 
 
@@ -87,6 +86,10 @@ def _rank_of_peer(message: str, peers: dict[int, list[bytes]]) -> int | None:
     return found.pop() if len(found) == 1 else None
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _absent_ranks(store: Store, size: int) -> list[int]:
     """Ranks that never published their Gloo address (best effort; [] if the store fails)."""
     try:
@@ -107,6 +110,7 @@ class GlooProcessGroup(ProcessGroup):
 
     backend_name: ClassVar[str] = "gloo"
     device_types: ClassVar[tuple[str, ...]] = ("cpu",)
+    default_for: ClassVar[tuple[str, ...]] = ("cpu",)  # init_process_group() with no backend
     native_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset(
         {ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR,
          ReduceOp.BXOR})
@@ -134,8 +138,12 @@ class GlooProcessGroup(ProcessGroup):
         native_opts._threads = gloo_opts.threads
         native_opts._timeout = self.timeout
         self._pg: Any = None
+        self._c10d = tdist
+        self._opts_cache: dict[tuple[Any, ...], Any] = {}
         self._peers: dict[int, list[bytes]] = {}
         self._waiters = Waiters(f"plugdist-gloo-{self.group_name}-r{rank}")
+        # held for the group's life: C++ keeps only the base object, and a collected Python
+        # subclass leaves its methods "not implemented"
         self._bridge: StoreBridge | None = StoreBridge(store, self.timeout)
         try:
             self._pg = tdist.ProcessGroupGloo(self._bridge, rank, size, native_opts)
@@ -169,7 +177,7 @@ class GlooProcessGroup(ProcessGroup):
 
     def shutdown(self) -> None:
         """Close Gloo's connections and join its threads. Idempotent; ops still pending fail."""
-        pg, self._pg, self._bridge = getattr(self, "_pg", None), None, None
+        pg, self._pg = getattr(self, "_pg", None), None
         if pg is None:
             return
         for name in ("shutdown", "abort"):
@@ -181,6 +189,8 @@ class GlooProcessGroup(ProcessGroup):
                 except Exception as exc:  # noqa: BLE001 - best effort, the group is going anyway
                     self._log.debug("gloo shutdown step failed", step=name, error=str(exc))
         self._waiters.close()
+        del pg
+        self._bridge = None  # last: Gloo may use the store until it is released
         self._log.debug("gloo group shut down")
 
     # -- plumbing -------------------------------------------------------------------------------
@@ -190,10 +200,15 @@ class GlooProcessGroup(ProcessGroup):
         return self._pg
 
     def _opts(self, kind: str, **fields: Any) -> Any:
-        opts = getattr(_c10d(), kind)()
-        opts.timeout = self.timeout
-        for name, value in fields.items():
-            setattr(opts, name, value)
+        """torch's options object for an op, cached: Gloo copies what it needs at issue time."""
+        key = (kind, *fields.items())
+        opts = self._opts_cache.get(key)
+        if opts is None:
+            opts = getattr(self._c10d, kind)()
+            opts.timeout = self.timeout
+            for name, value in fields.items():
+                setattr(opts, name, value)
+            self._opts_cache[key] = opts
         return opts
 
     def _issue(self, op: str, call: Callable[[Any], Any], result: Any,
@@ -231,7 +246,7 @@ class GlooProcessGroup(ProcessGroup):
             future.add_done_callback(done)
         return work
 
-    def _translate(self, op: str, exc: BaseException, during: str | None = None) -> DistError:
+    def _translate(self, op: str, exc: BaseException) -> DistError:
         """A DistError carrying rank, group, op and backend for an error raised by Gloo."""
         if isinstance(exc, DistError):
             return exc
@@ -253,8 +268,7 @@ class GlooProcessGroup(ProcessGroup):
                 f"{here} lost its connection to {who} (gloo: {msg}); that rank probably died "
                 f"or shut its group down early: check its logs")
         else:
-            what = f"during {during}" if during else "failed"
-            err = DistBackendError(f"{here} {what} (gloo: {type(exc).__name__}: {msg})")
+            err = DistBackendError(f"{here} failed (gloo: {type(exc).__name__}: {msg})")
         err.__cause__ = exc
         return err
 
@@ -265,17 +279,19 @@ class GlooProcessGroup(ProcessGroup):
 
     def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
         s = self._stage("all_reduce", tensor, op)
-        opts = self._opts("AllreduceOptions", reduceOp=self._red[op])
+        opts = self._opts("AllreduceOptions", reduceOp=self._gloo_op(op, tensor))
         return self._issue("all_reduce", lambda pg: pg.allreduce([s.buf], opts), [tensor], [s])
 
     def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
         s = self._stage("reduce", tensor, op)
-        opts = self._opts("ReduceOptions", reduceOp=self._red[op], rootRank=dst, rootTensor=0)
+        opts = self._opts("ReduceOptions", reduceOp=self._gloo_op(op, tensor), rootRank=dst,
+                          rootTensor=0)
         # staged copies are written back on dst only: elsewhere the input stays as it was
         back = [s] if self._rank == dst else []
         return self._issue("reduce", lambda pg: pg.reduce([s.buf], opts), [tensor], back)
 
-    def native_all_gather(self, *, output_tensors: list[torch.Tensor], tensor: torch.Tensor) -> Work:
+    def native_all_gather(self, *, output_tensors: list[torch.Tensor],
+                          tensor: torch.Tensor) -> Work:
         outs = [movable(t) for t in output_tensors]
         opts = self._opts("AllgatherOptions")
         return self._issue("all_gather", lambda pg: pg.allgather([outs], [movable(tensor)], opts),
@@ -305,7 +321,7 @@ class GlooProcessGroup(ProcessGroup):
                               op: ReduceOp) -> Work:
         s = self._stage("reduce_scatter", output, op)
         ins = [self._stage("reduce_scatter", t, op).buf for t in input_list]
-        opts = self._opts("ReduceScatterOptions", reduceOp=self._red[op])
+        opts = self._opts("ReduceScatterOptions", reduceOp=self._gloo_op(op, output))
         return self._issue("reduce_scatter", lambda pg: pg.reduce_scatter([s.buf], [ins], opts),
                            [output], [s])
 
@@ -313,20 +329,37 @@ class GlooProcessGroup(ProcessGroup):
                                      op: ReduceOp) -> Work:
         s = self._stage("reduce_scatter_tensor", output, op)
         inp = self._stage("reduce_scatter_tensor", input, op).buf
-        opts = self._opts("ReduceScatterOptions", reduceOp=self._red[op])
-        return self._issue("reduce_scatter_tensor",
-                           lambda pg: pg._reduce_scatter_base(s.buf.reshape(-1), inp.reshape(-1), opts),
-                           [output], [s])
+        opts = self._opts("ReduceScatterOptions", reduceOp=self._gloo_op(op, output))
+        return self._issue(
+            "reduce_scatter_tensor",
+            lambda pg: pg._reduce_scatter_base(s.buf.reshape(-1), inp.reshape(-1), opts),
+            [output], [s])
 
     def native_all_to_all(self, *, output_tensors: list[torch.Tensor],
                           input_tensors: list[torch.Tensor]) -> Work:
-        outs = [movable(t) for t in output_tensors]
-        ins = [movable(t) for t in input_tensors]
         opts = self._opts("AllToAllOptions")
-        return self._issue("all_to_all", lambda pg: pg.alltoall(outs, ins, opts), output_tensors)
+        shape = input_tensors[0].shape
+        if all(t.shape == shape for t in (*output_tensors, *input_tensors)):
+            outs = [movable(t) for t in output_tensors]
+            ins = [movable(t) for t in input_tensors]
+            return self._issue("all_to_all", lambda pg: pg.alltoall(outs, ins, opts),
+                               output_tensors)
+        # Gloo's list form wants one size throughout; uneven sizes go as bytes through
+        # alltoall_base (one packed copy in, one copy out per tensor)
+        packed_in = torch.cat([flat_bytes(t) for t in input_tensors])
+        out_sizes = [t.numel() * t.element_size() for t in output_tensors]
+        packed_out = torch.empty(sum(out_sizes), dtype=torch.uint8)
+        staged = [Staged(chunk, flat_bytes(t), _same)
+                  for chunk, t in zip(packed_out.split(out_sizes), output_tensors)]
+        in_sizes = [t.numel() * t.element_size() for t in input_tensors]
+        return self._issue("all_to_all",
+                           lambda pg: pg.alltoall_base(packed_out, packed_in, out_sizes,
+                                                       in_sizes, opts),
+                           output_tensors, staged)
 
     def native_all_to_all_single(self, *, output: torch.Tensor, input: torch.Tensor,
-                                 output_split_sizes: list[int], input_split_sizes: list[int]) -> Work:
+                                 output_split_sizes: list[int],
+                                 input_split_sizes: list[int]) -> Work:
         out, inp = movable(rows(output)), movable(rows(input))
         opts = self._opts("AllToAllOptions")
         return self._issue("all_to_all_single",
@@ -347,6 +380,9 @@ class GlooProcessGroup(ProcessGroup):
             return self._issue("recv", lambda pg: pg.recv_anysource([buf], tag), [tensor],
                                any_source=True)
         return self._issue("recv", lambda pg: pg.recv([buf], src, tag), [tensor])
+
+    def _gloo_op(self, op: ReduceOp, tensor: torch.Tensor) -> Any:
+        return self._red[effective_op(op, tensor.dtype)]
 
     def _stage(self, op: str, tensor: torch.Tensor, red: ReduceOp) -> Staged:
         try:

@@ -3,13 +3,15 @@
 torch's Gloo rendezvous takes a ``torch.distributed.Store``. A Python subclass of it is called
 back from C++ (gloo's connect code, on whatever thread runs it) with ``str`` keys, ``bytes``
 values and ``timedelta`` timeouts; each call is passed on to the plugdist store, whose errors come
-back to C++ as Python exceptions (the constructor that triggered them re-raises them).
+back to C++ as Python exceptions (the constructor that triggered them re-raises them). Gloo
+itself calls ``set``, ``get`` and ``wait``; the rest serve any other C++ user (torch's
+``PrefixStore`` over the bridge, for one).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 import torch.distributed as tdist
 
@@ -30,34 +32,39 @@ class StoreBridge(tdist.Store):
     """Adapts a plugdist :class:`~plugdist.store.Store` to ``torch.distributed.Store``.
 
     Thread-safe as far as the wrapped store is. Blocking calls (``get``, ``wait``) block for at
-    most the given timeout, or the wrapped store's timeout, and raise its ``DistTimeoutError``.
+    most the given timeout, else the bridge's ``timeout``, else the wrapped store's, and raise
+    its ``DistTimeoutError``. The wrapped store's own timeout is never changed: it is usually
+    shared with other groups.
     """
 
     def __init__(self, store: Store, timeout: timedelta | None = None) -> None:
         super().__init__()
         self.store = store
+        self._timeout = timeout
         if timeout is not None:
-            self.set_timeout(timeout)
+            tdist.Store.set_timeout(self, timeout)
 
     def set_timeout(self, timeout: timedelta) -> None:
-        # torch keeps its own copy of the timeout on the C++ side; keep both in step
-        tdist.Store.set_timeout(self, timeout)
-        self.store.set_timeout(timeout)
+        tdist.Store.set_timeout(self, timeout)  # torch keeps its own copy on the C++ side
+        self._timeout = timeout
 
     def set(self, key: str, value: bytes | str) -> None:
         self.store.set(key, _as_bytes(value))
 
     def get(self, key: str) -> bytes:
+        if self._timeout is not None:
+            self.store.wait([key], self._timeout)
         return self.store.get(key)
 
     def add(self, key: str, value: int) -> int:
         return self.store.add(key, int(value))
 
-    def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:
+    def compare_set(self, key: str, expected_value: bytes | str,
+                    desired_value: bytes | str) -> bytes:
         return self.store.compare_set(key, _as_bytes(expected_value), _as_bytes(desired_value))
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        self.store.wait(list(keys), timeout)
+        self.store.wait(list(keys), timeout if timeout is not None else self._timeout)
 
     def check(self, keys: Sequence[str]) -> bool:
         return self.store.check(list(keys))
@@ -67,3 +74,7 @@ class StoreBridge(tdist.Store):
 
     def delete_key(self, key: str) -> bool:
         return self.store.delete_key(key)
+
+    # torch's C++ trampoline looks these two up by their C++ names
+    getNumKeys = num_keys  # noqa: N815
+    deleteKey = delete_key  # noqa: N815

@@ -1,0 +1,251 @@
+"""Key-value store benchmark: plugdist's TCPStore against torch.distributed.TCPStore, same run.
+
+Measures
+  * set/get round-trip latency (median, p99) with client and server in different processes,
+    pinned with ``os.sched_setaffinity``: client on CPU 0 / server on CPU 1 ("split"), and both
+    on CPU 0 ("shared");
+  * a rendezvous of N clients (threads spread over a few processes; each: connect, add 1 to a
+    counter, wait for the key the last one sets), timed from "go" to the last client done.
+
+Prints one table per part and the plugdist/torch ratios (below 1 means plugdist is faster).
+
+    .venv/bin/python benchmarks/store_bench.py
+    .venv/bin/python benchmarks/store_bench.py --iters 20000 --clients 512 --no-torch-rendezvous
+
+torch's TCPStore does a reverse DNS lookup per connection, which stalls on machines without a
+resolver: its rendezvous can take tens of seconds. ``--rendezvous-timeout`` bounds it; a run
+that passes it is reported as such instead of a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+HOST = "127.0.0.1"
+IMPLS = ("plugdist", "torch")
+
+
+def make_store(impl: str, port: int, master: bool, timeout: float = 120.0) -> Any:
+    t = timedelta(seconds=timeout)
+    if impl == "plugdist":
+        from plugdist.store import TCPStore
+        return TCPStore(HOST, port, None, master, t)
+    import torch.distributed as tdist
+    return tdist.TCPStore(HOST, port, None, master, t, wait_for_workers=False)
+
+
+def pin(cpu: int | None) -> None:
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpu % os.cpu_count()})  # type: ignore[operator]
+
+
+# ---- child processes ---------------------------------------------------------------------
+
+def role_server(args: argparse.Namespace) -> None:
+    pin(args.cpu)
+    store = make_store(args.impl, 0, True)
+    print(json.dumps({"port": store.port}), flush=True)
+    sys.stdin.readline()  # serve until the parent says stop (or dies: EOF)
+    del store
+
+
+def role_latency(args: argparse.Namespace) -> None:
+    pin(args.cpu)
+    store = make_store(args.impl, args.port, False)
+    value = b"v" * args.value_size
+    store.set("key", value)
+    out = {}
+    for name, call in (("set", lambda: store.set("key", value)), ("get", lambda: store.get("key"))):
+        for _ in range(args.warmup):
+            call()
+        times = []
+        clock = time.perf_counter
+        for _ in range(args.iters):
+            t0 = clock()
+            call()
+            times.append(clock() - t0)
+        times.sort()
+        out[name] = {"median_us": statistics.median(times) * 1e6,
+                     "p99_us": times[int(len(times) * 0.99)] * 1e6}
+    print(json.dumps(out), flush=True)
+
+
+def role_rendezvous(args: argparse.Namespace) -> None:
+    if args.impl == "plugdist":
+        import plugdist.store  # noqa: F401  (import before "go": it is not part of the timing)
+    else:
+        import torch.distributed  # noqa: F401
+    go = threading.Event()
+    ends: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        go.wait()
+        try:
+            s = make_store(args.impl, args.port, False, timeout=args.timeout)
+            if s.add("count", 1) == args.total:
+                s.set("done", "1")
+            s.wait(["done"])
+            with lock:
+                ends.append(time.monotonic())
+        except Exception as e:
+            with lock:
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(args.clients)]
+    for t in threads:
+        t.start()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    go.set()
+    for t in threads:
+        t.join()
+    print(json.dumps({"ends": ends, "errors": errors}), flush=True)
+
+
+# ---- parent --------------------------------------------------------------------------------
+
+def child(role: str, impl: str, **kw: Any) -> subprocess.Popen:
+    argv = [sys.executable, os.path.abspath(__file__), "--role", role, "--impl", impl]
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def start_server(impl: str, cpu: int | None) -> tuple[subprocess.Popen, int]:
+    kw = {} if cpu is None else {"cpu": cpu}
+    proc = child("server", impl, **kw)
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    if not line:
+        raise RuntimeError(f"{impl} server did not start")
+    return proc, json.loads(line)["port"]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        proc.stdin.write("stop\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+    except (BrokenPipeError, OSError):
+        pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def latency(impl: str, client_cpu: int, server_cpu: int, a: argparse.Namespace) -> dict:
+    server, port = start_server(impl, server_cpu)
+    try:
+        proc = child("latency", impl, port=port, cpu=client_cpu, iters=a.iters, warmup=a.warmup,
+                     value_size=a.value_size)
+        out, _ = proc.communicate(timeout=600)
+        return json.loads(out.strip().splitlines()[-1])
+    finally:
+        stop(server)
+
+
+def rendezvous(impl: str, a: argparse.Namespace) -> float | str:
+    server, port = start_server(impl, None)
+    per = [a.clients // a.procs + (1 if i < a.clients % a.procs else 0) for i in range(a.procs)]
+    procs = [child("rendezvous", impl, port=port, clients=n, total=a.clients,
+                   timeout=a.rendezvous_timeout) for n in per if n]
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+                raise RuntimeError(f"{impl} rendezvous worker failed to start")
+        t0 = time.monotonic()
+        for p in procs:
+            p.stdin.write("go\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+        ends: list[float] = []
+        for p in procs:
+            left = max(1.0, a.rendezvous_timeout + 10 - (time.monotonic() - t0))
+            out, _ = p.communicate(timeout=left)
+            res = json.loads(out.strip().splitlines()[-1])
+            if res["errors"]:
+                return f"failed: {res['errors'][0]}"
+            ends += res["ends"]
+        return max(ends) - t0
+    except subprocess.TimeoutExpired:
+        return f"> {a.rendezvous_timeout:.0f} s (timed out)"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        stop(server)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=5000, help="timed round trips per op")
+    ap.add_argument("--warmup", type=int, default=500)
+    ap.add_argument("--value-size", type=int, default=16, help="bytes per value")
+    ap.add_argument("--clients", type=int, default=256, help="rendezvous clients")
+    ap.add_argument("--procs", type=int, default=4, help="processes the clients are spread over")
+    ap.add_argument("--torch-rendezvous", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time torch's rendezvous (slow where reverse DNS stalls)")
+    ap.add_argument("--rendezvous-timeout", type=float, default=90.0,
+                    help="seconds before a rendezvous run is abandoned")
+    ap.add_argument("--skip-latency", action="store_true")
+    ap.add_argument("--skip-rendezvous", action="store_true")
+    # internal: how the children are started
+    ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--impl", default="plugdist", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--total", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=float, default=120.0, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.role:
+        {"server": role_server, "latency": role_latency, "rendezvous": role_rendezvous}[a.role](a)
+        return
+
+    ncpu = os.cpu_count() or 1
+    print(f"# store_bench: {ncpu} CPUs, python {sys.version.split()[0]}, "
+          f"iters={a.iters}, value={a.value_size} B")
+    if not a.skip_latency:
+        placements = [("split (client cpu0, server cpu1)", 0, 1)] if ncpu > 1 else []
+        placements.append(("shared (both on cpu0)", 0, 0))
+        print(f"\n{'placement':34} {'op':4} {'impl':9} {'median us':>10} {'p99 us':>10}")
+        ratios = []
+        for label, ccpu, scpu in placements:
+            res = {impl: latency(impl, ccpu, scpu, a) for impl in IMPLS}
+            for op in ("set", "get"):
+                for impl in IMPLS:
+                    r = res[impl][op]
+                    print(f"{label:34} {op:4} {impl:9} {r['median_us']:10.1f} {r['p99_us']:10.1f}")
+                ratio = res["plugdist"][op]["median_us"] / res["torch"][op]["median_us"]
+                ratios.append(f"{label}: {op} median plugdist/torch = {ratio:.2f}")
+        print()
+        for line in ratios:
+            print(line)
+    if not a.skip_rendezvous:
+        print(f"\nrendezvous of {a.clients} clients over {a.procs} processes "
+              f"(connect, add, wait for the last one's key)")
+        ours = rendezvous("plugdist", a)
+        print(f"  plugdist: {ours:.3f} s" if isinstance(ours, float) else f"  plugdist: {ours}")
+        if a.torch_rendezvous:
+            theirs = rendezvous("torch", a)
+            print(f"  torch:    {theirs:.3f} s" if isinstance(theirs, float)
+                  else f"  torch:    {theirs}")
+            if isinstance(ours, float) and isinstance(theirs, float):
+                print(f"  ratio plugdist/torch = {ours / theirs:.3f}")
+        else:
+            print("  torch:    skipped (--no-torch-rendezvous)")
+
+
+if __name__ == "__main__":
+    main()
