@@ -7,9 +7,10 @@
   ``bucket_cap_bytes``), in reverse registration order at first and, after the first
   iteration, once more in the order their gradients actually became ready (rank 0's order,
   broadcast, so every rank agrees);
-* a post-accumulate-grad hook on each parameter copies its gradient into the bucket (divided by
-  the world size on the way) and, once a bucket is full, launches its all-reduce asynchronously
-  while backward goes on;
+* a post-accumulate-grad hook on each parameter marks it ready and copies a large gradient into
+  the bucket (divided by the world size on the way; small ones are copied together when their
+  bucket is launched); once a bucket is full its all-reduce is launched asynchronously while
+  backward goes on;
 * a callback queued on the autograd engine at the end of backward waits for every bucket and
   writes the averaged gradients back into ``.grad`` (or leaves ``.grad`` as a view of the bucket
   with ``gradient_as_bucket_view``).
@@ -52,7 +53,7 @@ class ReducerOptions:
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
-    param_names: Mapping[int, str] = field(default_factory=dict)
+    param_names: Mapping[int, str] = field(default_factory=dict)  # index -> name, for messages
 
 
 class Reducer(abc.ABC):
@@ -105,6 +106,16 @@ class Reducer(abc.ABC):
         """Join support: ``work`` all-reduces the number of ranks still training this iteration;
         unless ``use_static_world_size``, gradients are averaged over that number."""
 
+    def wants_backward_start(self) -> bool:
+        """Whether the coming backward should call :meth:`on_backward_start` (DDP then routes
+        the forward's outputs through a pass-through autograd node). Local."""
+        return False
+
+    def on_backward_start(self) -> None:
+        """Called by autograd when the backward reaches the forward's outputs, before any
+        parameter gradient: the place to queue end-of-backward callbacks on the outermost
+        backward. Local."""
+
     def bucket_indices(self) -> list[list[int]]:
         """Parameter indices of each bucket, in reduction order."""
         return []
@@ -113,9 +124,15 @@ class Reducer(abc.ABC):
         """Remove hooks; the reducer does nothing afterwards. Idempotent."""
 
 
+# Gradients of at least this many elements are copied into their bucket (and divided on the
+# way) by their own hook, while still hot in cache; smaller ones are copied together when the
+# bucket is launched, with two foreach calls instead of a dispatch each.
+_FUSED_COPY_NUMEL = 32768
+
+
 class _Bucket:
     __slots__ = ("index", "indices", "params", "offsets", "buffer", "views", "pending", "work",
-                 "future")
+                 "future", "deferred")
 
     def __init__(self, index: int, indices: list[int], params: list[torch.Tensor],
                  offsets: list[int], buffer: torch.Tensor, views: list[torch.Tensor]) -> None:
@@ -128,14 +145,28 @@ class _Bucket:
         self.pending = len(indices)
         self.work: Work | None = None
         self.future: torch.futures.Future | None = None
+        self.deferred = [(params[i], views[i]) for i in range(len(indices))
+                         if params[i].numel() < _FUSED_COPY_NUMEL]
 
 
 def _view_like(buffer: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
     # Match the parameter's layout where it is dense, as AccumulateGrad does for its grads,
     # so copies in and out of the bucket stay sequential.
-    if param.is_non_overlapping_and_dense():
+    if not param.is_contiguous() and _dense(param):
         return buffer.as_strided(param.size(), param.stride(), offset)
     return buffer.narrow(0, offset, param.numel()).view(param.size())
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when ``t``'s elements fill its memory exactly, in some order of dimensions."""
+    expected = 1
+    for d in sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d))):
+        if t.size(d) == 1:
+            continue
+        if t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return t.numel() > 0
 
 
 def _aliases(grad: torch.Tensor, view: torch.Tensor) -> bool:
@@ -187,6 +218,7 @@ class BucketedReducer(Reducer):
 
         self._buckets: list[_Bucket] = []
         self._locators: list[tuple[_Bucket, torch.Tensor]] = []
+        self._fused = [p.numel() >= _FUSED_COPY_NUMEL for p in self.parameters]
         self._init_buckets(compute_bucket_assignment(
             self.parameters, list(range(n - 1, -1, -1)), self._size_limits))
 
@@ -245,6 +277,11 @@ class BucketedReducer(Reducer):
     def bucket_indices(self) -> list[list[int]]:
         return [list(b.indices) for b in self._buckets]
 
+    def bucket_buffers(self) -> list[torch.Tensor]:
+        """The flat gradient buffer of each bucket, in reduction order (with
+        ``gradient_as_bucket_view`` the parameters' ``.grad`` are views of these)."""
+        return [b.buffer for b in self._buckets]
+
     def bucket_sizes(self) -> list[int]:
         """Bytes of each bucket, in reduction order."""
         return [b.buffer.numel() * b.buffer.element_size() for b in self._buckets]
@@ -280,6 +317,18 @@ class BucketedReducer(Reducer):
     def set_forward_pass_work(self, work: Work, use_static_world_size: bool) -> None:
         with self._lock:
             self._forward_work = (work, use_static_world_size)
+
+    def wants_backward_start(self) -> bool:
+        return self._static_first_iteration() and self._expect_hooks
+
+    def on_backward_start(self) -> None:
+        # Queued from the outermost backward, so that it also runs after any reentrant
+        # backward (activation checkpointing) nested inside it.
+        with self._lock:
+            if self._static_first_iteration() and self._expect_hooks and not self._finalize_queued:
+                self._finalize_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    self._delayed_reduce_callback)
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         with self._lock:
@@ -345,12 +394,11 @@ class BucketedReducer(Reducer):
                 if self.parameters[index].grad is not None:
                     self._local_used[index] = 1
             if self._static_first_iteration():
-                # The graph is learned in the first iteration; everything is reduced at its end.
+                # The graph is learned in the first iteration; everything is reduced at its end
+                # (normally queued by on_backward_start; here if the outputs bypassed DDP).
                 self._hook_counts[index] += 1
                 if not self._finalize_queued:
-                    self._finalize_queued = True
-                    torch.autograd.Variable._execution_engine.queue_callback(
-                        self._delayed_reduce_callback)
+                    self.on_backward_start()
                 return
             if not self._marked_unused:
                 self._marked_unused = True
@@ -375,7 +423,8 @@ class BucketedReducer(Reducer):
             self._raise_marked_twice(index)
         self._ready[index] = 1
         self._require_finalize = True
-        self._copy_grad_in(index)
+        if self._fused[index]:
+            self._copy_grad_in(index)
         bucket = self._locators[index][0]
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -386,6 +435,7 @@ class BucketedReducer(Reducer):
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_callback)
 
     def _copy_grad_in(self, index: int) -> None:
+        """Copy one (large) gradient into its bucket view, averaging on the way."""
         param = self.parameters[index]
         view = self._locators[index][1]
         grad = param.grad
@@ -400,11 +450,39 @@ class BucketedReducer(Reducer):
                 _warn_create_graph()
                 grad = grad.detach()
             if divide:
-                torch.div(grad, self._div_factor, out=view)  # type: ignore[arg-type]
+                # multiplying by the reciprocal is cheaper than dividing, and exact for the
+                # power-of-two world sizes that are the common case
+                torch.mul(grad, 1.0 / self._div_factor, out=view)  # type: ignore[operator]
             else:
                 view.copy_(grad)
             if self._as_view:
                 param.grad = view
+
+    def _copy_deferred_in(self, bucket: _Bucket) -> None:
+        """Copy the bucket's small gradients in, all at once, just before it is reduced."""
+        if not bucket.deferred:
+            return
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        in_place: list[torch.Tensor] = []
+        for param, view in bucket.deferred:
+            grad = param.grad
+            if grad is None:
+                view.zero_()
+            elif _aliases(grad, view):
+                in_place.append(view)
+            else:
+                if grad.requires_grad:
+                    _warn_create_graph()
+                    grad = grad.detach()
+                dst.append(view)
+                src.append(grad)
+                if self._as_view:
+                    param.grad = view
+        if dst:
+            _foreach_copy(dst, src)
+        if self._comm_hook is None and self._divisor() != 1 and (dst or in_place):
+            torch._foreach_div_(dst + in_place, self._div_factor)  # type: ignore[arg-type]
 
     def _divisor(self) -> int:
         if self._div_factor is None:
@@ -422,8 +500,10 @@ class BucketedReducer(Reducer):
 
     def _launch_ready_buckets(self) -> None:
         # Buckets are reduced strictly in order so that every rank issues the same sequence.
-        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
-            bucket = self._buckets[self._next_bucket]
+        buckets = self._buckets
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
+            bucket = buckets[self._next_bucket]
+            self._copy_deferred_in(bucket)
             self.logger.comm_start()
             self._launch(bucket, bucket.buffer)
             self._next_bucket += 1
@@ -435,7 +515,7 @@ class BucketedReducer(Reducer):
         grad_bucket = GradBucket(bucket.index, len(self._buckets), buffer, bucket.params,
                                  bucket.offsets, self.process_group)
         fut = self._comm_hook(self._comm_hook_state, grad_bucket)
-        if not isinstance(fut, torch.futures.Future):
+        if not isinstance(fut, torch._C.Future):  # torch.futures.Future and what .then() makes
             raise TypeError(f"{self._where()} comm hook {self._hook_name()} returned "
                             f"{type(fut).__name__}; it must return a torch.futures.Future whose "
                             f"value is the reduced bucket tensor")
@@ -444,7 +524,8 @@ class BucketedReducer(Reducer):
     def _launch_local_used_reduction(self) -> None:
         if not (self._dynamic_find_unused() or self._static_first_iteration()):
             return
-        self._local_used_tensor = torch.frombuffer(self._local_used, dtype=torch.uint8).to(torch.int32)
+        used = torch.frombuffer(self._local_used, dtype=torch.uint8)
+        self._local_used_tensor = used.to(torch.int32)  # a sum over ranks outgrows uint8
         self._local_used_work = self.process_group.all_reduce(self._local_used_tensor)
 
     def _delayed_reduce_callback(self) -> None:
@@ -453,16 +534,19 @@ class BucketedReducer(Reducer):
             self.logger.backward_compute_end()
             self._unused = [i for i, c in enumerate(self._hook_counts) if c == 0]
             if self._unused and get_debug_level() >= DebugLevel.INFO:
-                self._log.info("ddp_static_graph_unused", names=[self._name(i) for i in self._unused],
+                self._log.info("ddp_static_graph_unused",
+                               names=[self._name(i) for i in self._unused],
                                note="expected to stay unused for the rest of training")
             for index in range(len(self.parameters)):
                 self._ready[index] = 1
-                self._copy_grad_in(index)
+                if self._fused[index]:
+                    self._copy_grad_in(index)
             self._require_finalize = True
-            self._launch_local_used_reduction()
             for bucket in self._buckets:
                 bucket.pending = 0
             self._launch_ready_buckets()
+            # same collective order as every other iteration (and as a joined rank's shadow)
+            self._launch_local_used_reduction()
             self._finalize_backward()
 
     def _finalize_callback(self) -> None:
@@ -485,6 +569,8 @@ class BucketedReducer(Reducer):
                         f"{result.numel()} elements for bucket {bucket.index}, which has "
                         f"{bucket.buffer.numel()}; return the reduced bucket buffer")
                 bucket.buffer.copy_(result.reshape(-1))
+            dst: list[torch.Tensor] = []
+            src: list[torch.Tensor] = []
             for index, view in zip(bucket.indices, bucket.views):
                 if used is not None and not used[index]:
                     continue  # unused on every rank: leave .grad alone
@@ -502,7 +588,10 @@ class BucketedReducer(Reducer):
                 elif grad is None:
                     param.grad = view.clone()
                 else:
-                    grad.copy_(view)
+                    dst.append(grad)
+                    src.append(view)
+            if dst:
+                _foreach_copy(dst, src)
         self._div_factor = None
         if self._dynamic_find_unused():
             self._local_used = bytearray(len(self.parameters))
@@ -581,7 +670,10 @@ class BucketedReducer(Reducer):
 
     def push_all_rebuilt_params(self) -> None:
         with self._lock:
-            if self._should_rebuild() and not self._rebuilt_order:
+            # the training ranks record their order in their first synchronising iteration
+            # (the second with static_graph, whose first one only learns the graph)
+            recorded_now = self._iterations >= (2 if self._static else 1)
+            if self._should_rebuild() and not self._rebuilt_order and recorded_now:
                 self._rebuilt_order = list(range(len(self.parameters) - 1, -1, -1))
 
     def _ensure_prior_reduction_finished(self) -> None:
@@ -606,7 +698,8 @@ class BucketedReducer(Reducer):
         if get_debug_level() >= DebugLevel.INFO:
             names = ", ".join(self._name(i) for i in unmarked)
             msg += f"\nParameters that did not receive a gradient on rank {self._rank}: {names}"
-        msg += f"\nParameter indices that did not receive a gradient on rank {self._rank}: {unmarked}"
+        msg += (f"\nParameter indices that did not receive a gradient on rank {self._rank}: "
+                f"{unmarked}")
         if get_debug_level() is DebugLevel.OFF:
             msg += ("\nSet TORCH_DISTRIBUTED_DEBUG=INFO (or DETAIL) to see the names of these "
                     "parameters in this error.")
@@ -615,11 +708,14 @@ class BucketedReducer(Reducer):
     # -- join --------------------------------------------------------------------------------------
     def shadow_backward(self) -> None:
         with self._lock:
+            # counted like a real iteration, so that the static-graph and regrouping decisions
+            # below happen in the same iteration as on the ranks still training
+            self._iterations += 1
             for bucket in self._buckets:
                 bucket.work = bucket.future = None
                 self._launch(bucket, torch.zeros_like(bucket.buffer))
             used_work = None
-            if self._dynamic_find_unused():
+            if self._dynamic_find_unused() or self._static_first_iteration():
                 used_work = self.process_group.all_reduce(
                     torch.zeros(len(self.parameters), dtype=torch.int32))
             for bucket in self._buckets:
@@ -666,11 +762,20 @@ def _make_hook(reducer_ref: "weakref.ReferenceType[BucketedReducer]",
     return hook
 
 
+def _foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dst, src)
+    else:  # older torch
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
 def _wait_future(fut: torch.futures.Future, timeout: float, what: str) -> Any:
     """``fut.value()``, waiting at most ``timeout`` seconds (torch futures have no timed wait)."""
     if not fut.done():
         done = threading.Event()
-        fut.add_done_callback(lambda _f: done.set())
+        fut.then(lambda _f: done.set())  # .then exists on every torch future type
         if not done.wait(timeout):
             raise DistTimeoutError(f"{what} did not complete within {timeout:.1f}s: a peer may "
                                    f"have died or be running a different collective")

@@ -1,0 +1,19 @@
+"""Data parallelism: DistributedDataParallel, its Reducer, comm hooks and uneven-input joins.
+
+``plugdist.parallel.DistributedDataParallel`` is a drop-in for
+``torch.nn.parallel.DistributedDataParallel`` that runs over any plugdist backend.
+"""
+
+from .bucketing import DEFAULT_FIRST_BUCKET_BYTES, compute_bucket_assignment
+from .comm_hooks import (CommHook, GradBucket, allreduce_hook, bf16_compress_hook,
+                         fp16_compress_hook)
+from .ddp import DistributedDataParallel
+from .join import Join, JoinHook, Joinable
+from .logging_data import DDPLogger
+from .reducer import BucketedReducer, Reducer, ReducerOptions
+
+__all__ = [
+    "DistributedDataParallel", "Reducer", "ReducerOptions", "BucketedReducer", "GradBucket",
+    "CommHook", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "Join", "Joinable",
+    "JoinHook", "DDPLogger", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES",
+]
