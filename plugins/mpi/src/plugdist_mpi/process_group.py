@@ -1,0 +1,479 @@
+"""``MPIProcessGroup``: every plugdist op as one non-blocking MPI call on the group's communicator.
+
+Each group owns a communicator made with ``MPI_Comm_create_group`` from the members' global
+ranks (the world group too, so user traffic on ``MPI.COMM_WORLD`` never mixes with plugdist's).
+Ops are issued and progressed by :mod:`plugdist_mpi.engine`; tensors are handed to MPI in place
+(:mod:`plugdist_mpi.dtypes`). The only staging copies: the input of ``reduce_scatter`` when its
+list is not already one contiguous run, and an input that overlaps its own output.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import zlib
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+from plugdist import ReduceOp
+from plugdist.errors import DistBackendError, DistError, DistTimeoutError, where
+from plugdist.log import get_logger
+from plugdist.process_group import GroupOptions, ProcessGroup
+from plugdist.store import Store, TCPStore
+from plugdist.work import Work
+from plugdist.world import world as _world
+
+from . import dtypes
+from ._mpi import availability, load
+from .engine import MPIWork, engine
+
+__all__ = ["MPIProcessGroup", "STORE_HOST_ENV"]
+
+STORE_HOST_ENV = "PLUGDIST_MPI_STORE_HOST"
+_CREATE_TAG_SPAN = 32768  # MPI guarantees tags 0..32767 on every communicator
+
+
+class MPIProcessGroup(ProcessGroup):
+    """A group of processes started by ``mpiexec``, talking through MPI (mpi4py).
+
+    Construction is collective over the group's members only (non-members never call it) and
+    blocks until every member arrived, bounded by ``options.timeout`` (``DistTimeoutError`` names
+    the missing ranks). The group rank and size the core passes must agree with MPI's view of
+    this process, else ``DistBackendError``. Every op is asynchronous and never blocks the
+    caller; ops of a group start on the MPI communicator in the order they were issued.
+    Thread-safe: ops may be issued from several threads (MPI calls are serialized by one lock).
+    """
+
+    backend_name: ClassVar[str] = "mpi"
+    device_types: ClassVar[tuple[str, ...]] = ("cpu",)
+    # AVG is left to the core (SUM, then a local divide)
+    native_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset(ReduceOp) - {ReduceOp.AVG}
+    supports_any_source: ClassVar[bool] = True
+    launcher: ClassVar[str] = "mpiexec"  # plugdist.testing.run_world starts worlds with mpiexec
+
+    def __init__(self, store: Store, rank: int, size: int,
+                 options: GroupOptions | None = None) -> None:
+        super().__init__(rank, size, options)
+        here = where(rank=rank, group=self.group_name, backend=self.backend_name)
+        ok, reason = availability()
+        if not ok:
+            raise DistBackendError(f"{here} MPI is not usable: {reason}")
+        MPI = load()
+        self._MPI = MPI
+        self._comm: Any = None
+        self._log = get_logger(rank=rank, group=self.group_name)
+        members = tuple(self.options.global_ranks) or tuple(range(size))
+        _check_identity(MPI, here, rank, size, members, _is_world(options, size))
+        _arrive(store, here, rank, size, self.timeout, members)
+        engine.attach()
+        try:
+            self._comm = engine.call(lambda: _create_comm(MPI, members, self.group_name))
+        except BaseException:
+            engine.detach(self, "group creation failed")
+            raise
+        self._tag_ub = int(engine.call(lambda: self._comm.Get_attr(MPI.TAG_UB)))
+        self._log.debug("mpi group created", size=size, global_ranks=list(members))
+
+    # -- plugin metadata ------------------------------------------------------------------------
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """Whether mpi4py imports and MPI initializes here (this initializes MPI), and why not."""
+        return availability()
+
+    @classmethod
+    def rendezvous(cls, timeout: timedelta) -> tuple[Store, int, int]:
+        """Rank and world size from ``MPI.COMM_WORLD``, and a TCPStore served by rank 0.
+
+        Collective over COMM_WORLD, blocking: rank 0 starts the store and broadcasts its address
+        (``PLUGDIST_MPI_STORE_HOST`` overrides the host name it announces); the others connect
+        (127.0.0.1 when they run on rank 0's host), bounded by ``timeout``.
+        """
+        ok, reason = availability()
+        if not ok:
+            raise DistBackendError(f"[backend 'mpi', op rendezvous] MPI is not usable: {reason}")
+        MPI = load()
+        comm = MPI.COMM_WORLD
+        rank, size = comm.Get_rank(), comm.Get_size()
+        here = where(rank=rank, backend="mpi", op="rendezvous")
+        store: TCPStore | None = None
+        announce: tuple[str, ...]
+        if rank == 0:
+            try:
+                store = TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout,
+                                 wait_for_workers=False)
+                host = os.environ.get(STORE_HOST_ENV) or socket.gethostname()
+                announce = ("ok", host, str(store.port))
+            except Exception as exc:  # noqa: BLE001 - told to every rank, so none waits forever
+                announce = ("error", f"{type(exc).__name__}: {exc}")
+        else:
+            announce = ()
+        # the others must hear about a failure too, or they would wait in bcast forever
+        announce = engine.call(lambda: comm.bcast(announce, root=0))
+        if announce[0] != "ok":
+            raise DistBackendError(f"{here} rank 0 could not start the TCPStore: {announce[1]}")
+        if store is None:
+            host, port = announce[1], int(announce[2])
+            if host == socket.gethostname() and not os.environ.get(STORE_HOST_ENV):
+                host = "127.0.0.1"
+            store = TCPStore(host, port, size, is_master=False, timeout=timeout)
+        return store, rank, size
+
+    def shutdown(self) -> None:
+        """Fail this group's pending ops and free its communicator. Idempotent; never finalizes
+        MPI (mpi4py does at exit)."""
+        comm, self._comm = getattr(self, "_comm", None), None
+        if comm is None:
+            return
+        engine.detach(self, "the group was shut down before this op completed")
+        try:
+            engine.call(comm.Free)
+        except Exception as exc:  # noqa: BLE001 - best effort, the group is going anyway
+            self._log.debug("freeing the communicator failed", error=str(exc))
+        self._log.debug("mpi group shut down")
+
+    @property
+    def comm(self) -> Any:
+        """This group's ``mpi4py.MPI.Comm`` (for advanced users; MPI calls on it must not race
+        with plugdist's unless MPI runs at THREAD_MULTIPLE)."""
+        return self._comm
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _issue(self, op: str, start: Callable[[Any], Any], result: Any,
+               finish: Callable[[Any], None] | None = None, keep: tuple[Any, ...] = (),
+               source_rank: Callable[[], int] | int = -1, cancellable: bool = False) -> Work:
+        """Start ``start(comm)`` (a non-blocking MPI call) and return a Work completed with
+        ``result`` (after ``finish(status)``) when MPI says it is done. ``keep`` holds staging
+        tensors alive until then (MPI buffers do not own their memory)."""
+        comm = self._comm
+        if comm is None:
+            raise DistBackendError(f"{self.where(op)} this group was shut down; create a new one")
+        work = MPIWork(op=op, rank=self._rank, group=self.group_name, backend=self.backend_name,
+                       timeout=self.timeout, source_rank=source_rank)
+
+        def finished(status: Any) -> Any:
+            if finish is not None:
+                finish(status)
+            return result
+
+        done: Callable[[Any], Any] = finished if finish is not None else lambda _status: result
+        try:
+            return engine.issue(self, work, lambda: start(comm), done,
+                                lambda exc: self._translate(op, exc, keep), cancellable)
+        except (DistError, ValueError, TypeError):
+            raise
+        except Exception as exc:
+            raise self._translate(op, exc) from exc
+
+    def _translate(self, op: str, exc: BaseException, _keep: Any = None) -> BaseException:
+        """A DistBackendError naming rank, group, op and the MPI error (class and text)."""
+        if isinstance(exc, DistError):
+            return exc
+        MPI = self._MPI
+        if isinstance(exc, MPI.Exception):
+            cls = exc.Get_error_class()
+            text = exc.Get_error_string().strip().splitlines()[0]
+            hint = ""
+            if cls == MPI.ERR_TRUNCATE:
+                hint = ("; the message was larger than the receiving tensor: make it as large "
+                        "as the sender's")
+            err: BaseException = DistBackendError(
+                f"{self.where(op)} failed: MPI error class {cls} ({text}){hint}")
+        else:
+            err = DistBackendError(f"{self.where(op)} failed: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        return err
+
+    def _reduce_spec(self, op_name: str, op: ReduceOp, dtype: torch.dtype) -> dtypes.ReduceSpec:
+        spec = dtypes.cached_spec(op, dtype)
+        if spec is not None:
+            return spec
+        try:
+            return engine.call(lambda: dtypes.reduce_spec(self._MPI, op, dtype))
+        except ValueError as exc:
+            raise ValueError(f"{self.where(op_name)} {exc}") from None
+
+    def _check_tag(self, op: str, tag: int) -> None:
+        if not isinstance(tag, int) or not 0 <= tag <= self._tag_ub:
+            raise ValueError(f"{self.where(op)} tag={tag!r} is outside MPI's tag range "
+                             f"0..{self._tag_ub} on this communicator")
+
+    def _bytes(self, t: torch.Tensor) -> list[Any]:
+        """``[buffer, MPI.BYTE]``: ``t``'s bytes, for ops that only move data."""
+        return [dtypes.raw(self._MPI, t), self._MPI.BYTE]
+
+    def _typed(self, t: torch.Tensor, datatype: Any) -> list[Any]:
+        """``[buffer, count, datatype]``: ``t``'s elements, for reductions."""
+        return [dtypes.raw(self._MPI, t), t.numel(), datatype]
+
+    def _receive_into(self, tensors: list[torch.Tensor]) -> tuple[list[Any], Any, tuple[Any, ...]]:
+        """A v-collective receive spec writing straight into ``tensors``, or (when MPI cannot
+        address them all) into a staging buffer copied out by the returned ``finish``."""
+        MPI = self._MPI
+        spread = dtypes.scattered(MPI, tensors)
+        if spread is not None:
+            buf, counts, displs = spread
+            return [buf, (counts, displs), MPI.BYTE], None, ()
+        flat, counts, displs = dtypes.staged(tensors)
+
+        def finish(_status: Any) -> None:
+            for t, d, c in zip(tensors, displs, counts, strict=True):
+                t.reshape(-1).view(torch.uint8).copy_(flat[d:d + c])
+
+        return [dtypes.raw(MPI, flat), (counts, displs), MPI.BYTE], finish, (flat,)
+
+    def _send_from(self, tensors: list[torch.Tensor]) -> tuple[list[Any], tuple[Any, ...]]:
+        """A v-collective send spec reading ``tensors`` in place, or a packed copy of them."""
+        MPI = self._MPI
+        spread = dtypes.scattered(MPI, tensors)
+        if spread is not None:
+            buf, counts, displs = spread
+            return [buf, (counts, displs), MPI.BYTE], (tensors,)
+        flat, counts, displs = dtypes.staged(tensors, fill=True)
+        return [dtypes.raw(MPI, flat), (counts, displs), MPI.BYTE], (flat, tensors)
+
+    def _own_contribution(self, tensor: torch.Tensor, slot: torch.Tensor | None,
+                          outputs: list[torch.Tensor], staged: bool) -> tuple[Any, Any]:
+        """The send side of a gather-like op, and what to keep alive: ``MPI.IN_PLACE`` when
+        ``tensor`` already is this rank's ``slot`` of the output, a copy when it overlaps the
+        output any other way, else ``tensor`` itself."""
+        if not staged and slot is not None and tensor.numel() and \
+                slot.data_ptr() == tensor.data_ptr():
+            return self._MPI.IN_PLACE, None
+        if not staged and any(dtypes.overlap(tensor, o) for o in outputs):
+            tensor = tensor.clone()
+        return self._bytes(tensor), tensor
+
+    # -- native hooks ---------------------------------------------------------------------------
+    def native_broadcast(self, *, tensor: torch.Tensor, src: int) -> Work:
+        buf = self._bytes(tensor)
+        return self._issue("broadcast", lambda c: c.Ibcast(buf, root=src), [tensor])
+
+    def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        dt, mop = self._reduce_spec("all_reduce", op, tensor.dtype)
+        buf = self._typed(tensor, dt)
+        return self._issue("all_reduce", lambda c: c.Iallreduce(self._MPI.IN_PLACE, buf, mop),
+                           [tensor])
+
+    def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
+        dt, mop = self._reduce_spec("reduce", op, tensor.dtype)
+        buf = self._typed(tensor, dt)
+        if self._rank == dst:
+            start = lambda c: c.Ireduce(self._MPI.IN_PLACE, buf, mop, root=dst)  # noqa: E731
+        else:
+            start = lambda c: c.Ireduce(buf, None, mop, root=dst)  # noqa: E731
+        return self._issue("reduce", start, [tensor])
+
+    def native_all_gather(self, *, output_tensors: list[torch.Tensor],
+                          tensor: torch.Tensor) -> Work:
+        recv, finish, keep = self._receive_into(output_tensors)
+        send, mine = self._own_contribution(tensor, output_tensors[self._rank], output_tensors,
+                                            staged=finish is not None)
+        return self._issue("all_gather", lambda c: c.Iallgatherv(send, recv), output_tensors,
+                           finish, keep=(keep, mine))
+
+    def native_all_gather_into_tensor(self, *, output: torch.Tensor, tensor: torch.Tensor) -> Work:
+        flat = output.reshape(-1)
+        n = tensor.numel()
+        slot = flat[self._rank * n:(self._rank + 1) * n]
+        send, mine = self._own_contribution(tensor, slot, [output], staged=False)
+        recv = self._bytes(output)
+        return self._issue("all_gather_into_tensor", lambda c: c.Iallgather(send, recv),
+                           [output], keep=(mine,))
+
+    def native_gather(self, *, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None,
+                      dst: int) -> Work:
+        if self._rank != dst:
+            send = self._bytes(tensor)
+            return self._issue("gather", lambda c: c.Igatherv(send, None, root=dst), [])
+        if gather_list is None:  # the core checked it on dst; keeps type checkers informed
+            raise ValueError(f"{self.where('gather')} gather_list is required on dst")
+        recv, finish, keep = self._receive_into(gather_list)
+        send, mine = self._own_contribution(tensor, gather_list[self._rank], gather_list,
+                                            staged=finish is not None)
+        return self._issue("gather", lambda c: c.Igatherv(send, recv, root=dst), gather_list,
+                           finish, keep=(keep, mine))
+
+    def native_scatter(self, *, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None,
+                       src: int) -> Work:
+        MPI = self._MPI
+        if self._rank != src:
+            recv = self._bytes(tensor)
+            return self._issue("scatter", lambda c: c.Iscatterv(None, recv, root=src), [tensor])
+        if scatter_list is None:
+            raise ValueError(f"{self.where('scatter')} scatter_list is required on src")
+        items = list(scatter_list)
+        own: Any = self._bytes(tensor)
+        if tensor.numel() and items[self._rank].data_ptr() == tensor.data_ptr():
+            own = MPI.IN_PLACE  # this rank's piece already sits in its output
+        for i, t in enumerate(items):
+            if i != self._rank and dtypes.overlap(t, tensor):
+                items[i] = t.clone()  # MPI may not read and write the same bytes
+        send, keep = self._send_from(items)
+        return self._issue("scatter", lambda c: c.Iscatterv(send, own, root=src), [tensor],
+                           keep=(keep,))
+
+    def native_reduce_scatter(self, *, output: torch.Tensor, input_list: list[torch.Tensor],
+                              op: ReduceOp) -> Work:
+        first = input_list[0]
+        step = first.numel() * first.element_size()
+        if first.numel() and all(t.data_ptr() == first.data_ptr() + i * step
+                                 for i, t in enumerate(input_list)):
+            # already one run of memory (e.g. chunks of one tensor): reduce it where it lies
+            flat = first.reshape(-1).as_strided((first.numel() * self._size,), (1,))
+        else:
+            flat = torch.cat([t.reshape(-1) for t in input_list])
+        return self._reduce_scatter("reduce_scatter", output, flat, op)
+
+    def native_reduce_scatter_tensor(self, *, output: torch.Tensor, input: torch.Tensor,
+                                     op: ReduceOp) -> Work:
+        return self._reduce_scatter("reduce_scatter_tensor", output, input, op)
+
+    def _reduce_scatter(self, name: str, output: torch.Tensor, flat: torch.Tensor,
+                        op: ReduceOp) -> Work:
+        dt, mop = self._reduce_spec(name, op, output.dtype)
+        if dtypes.overlap(flat, output):
+            flat = flat.clone()
+        # mpi4py takes the send count of Reduce_scatter_block per block
+        send = [dtypes.raw(self._MPI, flat), output.numel(), dt]
+        recv = self._typed(output, dt)
+        return self._issue(name, lambda c: c.Ireduce_scatter_block(send, recv, mop), [output],
+                           keep=(flat,))
+
+    def native_all_to_all(self, *, output_tensors: list[torch.Tensor],
+                          input_tensors: list[torch.Tensor]) -> Work:
+        ins = [t.clone() if any(dtypes.overlap(t, o) for o in output_tensors) else t
+               for t in input_tensors]
+        send, keep_in = self._send_from(ins)
+        recv, finish, keep_out = self._receive_into(output_tensors)
+        return self._issue("all_to_all", lambda c: c.Ialltoallv(send, recv), output_tensors,
+                           finish, keep=(keep_in, keep_out))
+
+    def native_all_to_all_single(self, *, output: torch.Tensor, input: torch.Tensor,
+                                 output_split_sizes: list[int],
+                                 input_split_sizes: list[int]) -> Work:
+        MPI = self._MPI
+        op = "all_to_all_single"
+        in_row = _row_bytes(input, sum(input_split_sizes))
+        out_row = _row_bytes(output, sum(output_split_sizes))
+        if in_row and out_row and in_row != out_row:
+            raise ValueError(f"{self.where(op)} input rows hold {in_row} bytes but output rows "
+                             f"{out_row}; both tensors need the same shape after dim 0")
+        if dtypes.overlap(input, output):
+            input = input.clone()
+        send = [dtypes.raw(MPI, input), _counts(input_split_sizes, in_row), MPI.BYTE]
+        recv = [dtypes.raw(MPI, output), _counts(output_split_sizes, out_row), MPI.BYTE]
+        return self._issue(op, lambda c: c.Ialltoallv(send, recv), [output], keep=(input,))
+
+    def native_barrier(self) -> Work:
+        return self._issue("barrier", lambda c: c.Ibarrier(), [])
+
+    def native_send(self, *, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        self._check_tag("send", tag)
+        buf = self._bytes(tensor)
+        return self._issue("send", lambda c: c.Isend(buf, dst, tag), [tensor], source_rank=dst)
+
+    def native_recv(self, *, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
+        MPI = self._MPI
+        self._check_tag("recv", tag)
+        buf = self._bytes(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        sender: list[int] = [] if src is None else [src]
+
+        def finish(status: Any) -> None:
+            peer = status.Get_source()
+            got = status.Get_count(MPI.BYTE)
+            if got != nbytes:
+                raise DistBackendError(
+                    f"{self.where('recv')} received {got} bytes from rank {peer} but the tensor "
+                    f"holds {nbytes} ({tensor.dtype}{list(tensor.shape)}); send and receive "
+                    f"tensors of the same size")
+            if src is None:
+                sender.append(peer)
+
+        source = MPI.ANY_SOURCE if src is None else src
+        return self._issue("recv", lambda c: c.Irecv(buf, source, tag), [tensor], finish,
+                           source_rank=lambda: sender[0] if sender else -1, cancellable=True)
+
+
+def _is_world(options: GroupOptions | None, size: int) -> bool:
+    """Whether this group is meant to be the whole world: the core is building its default
+    group, or the caller named no members (object API)."""
+    if options is None or not options.global_ranks:
+        return True
+    return not _world.initialized and _world.size == size \
+        and tuple(options.global_ranks) == tuple(range(size))
+
+
+def _row_bytes(t: torch.Tensor, rows: int) -> int:
+    nbytes = t.numel() * t.element_size()
+    return nbytes // rows if rows else 0
+
+
+def _counts(splits: list[int], row: int) -> tuple[list[int], list[int]]:
+    counts = [s * row for s in splits]
+    displs, at = [], 0
+    for c in counts:
+        displs.append(at)
+        at += c
+    return counts, displs
+
+
+def _check_identity(MPI: Any, here: str, rank: int, size: int, members: tuple[int, ...],
+                    is_world: bool) -> None:
+    """Raise unless the core's view (group rank/size, members' global ranks) matches MPI's."""
+    world = MPI.COMM_WORLD
+    wrank, wsize = world.Get_rank(), world.Get_size()
+    fix = ("launch every rank with mpiexec -n N, and do not pass rank=/world_size= (or RANK/"
+           "WORLD_SIZE) that disagree with MPI's")
+    if len(members) != size or len(set(members)) != size:
+        raise DistBackendError(f"{here} global_ranks {list(members)} do not describe a group of "
+                               f"size {size}")
+    if is_world and (rank, size) != (wrank, wsize):
+        raise DistBackendError(f"{here} MPI rank/size is {wrank}/{wsize} (MPI.COMM_WORLD) but the "
+                               f"given rank/world_size is {rank}/{size}; {fix}")
+    bad = [r for r in members if not 0 <= r < wsize]
+    if bad:
+        raise DistBackendError(f"{here} global ranks {bad} do not exist: MPI.COMM_WORLD has "
+                               f"{wsize} processes; {fix}")
+    if not 0 <= rank < size or members[rank] != wrank:
+        mine = members[rank] if 0 <= rank < size else "none"
+        raise DistBackendError(
+            f"{here} MPI rank/size is {wrank}/{wsize} (MPI.COMM_WORLD) but the given group "
+            f"rank/size is {rank}/{size} with global ranks {list(members)}, which makes this "
+            f"process global rank {mine}; {fix}")
+
+
+def _arrive(store: Store, here: str, rank: int, size: int, timeout: timedelta,
+            members: tuple[int, ...]) -> None:
+    """Wait (bounded) until every member is about to create the communicator: a missing member
+    then gives DistTimeoutError instead of a hang inside MPI."""
+    if size == 1:
+        return
+    store.set(f"mpi/arrived/{rank}", b"1")
+    try:
+        store.wait([f"mpi/arrived/{r}" for r in range(size)], timeout)
+    except DistTimeoutError as err:
+        missing = [members[r] for r in range(size) if not store.check([f"mpi/arrived/{r}"])]
+        raise DistTimeoutError(f"{here} timed out after {timeout.total_seconds():.1f}s waiting "
+                               f"for global ranks {missing} to create the group; are they "
+                               f"running, and creating the same groups in the same order?") from err
+
+
+def _create_comm(MPI: Any, members: tuple[int, ...], name: str) -> Any:
+    """A communicator over ``members`` (global ranks, in group-rank order), made by the members
+    only (MPI_Comm_create_group), with errors returned rather than aborting."""
+    world = MPI.COMM_WORLD
+    group = world.Get_group()
+    try:
+        sub = group.Incl(list(members))
+    finally:
+        group.Free()
+    try:
+        # a tag per group name keeps concurrent creations of overlapping groups apart
+        comm = world.Create_group(sub, tag=zlib.crc32(name.encode()) % _CREATE_TAG_SPAN)
+    finally:
+        sub.Free()
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    return comm
