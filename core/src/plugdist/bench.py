@@ -70,18 +70,44 @@ def _ops(op: str, dist: Any) -> Callable[[Any, Any], None]:
     raise ValueError(f"unknown op {op!r}; choose from {sorted(_BUS_FACTOR)}")
 
 
-def _buffers(op: str, count: int, dtype: Any, n: int) -> tuple[Any, Any]:
+def _buffers(op: str, count: int, dtype: Any, n: int, device: Any = None) -> tuple[Any, Any]:
     import torch
 
+    kw = dict(dtype=dtype, device=device)
     if op == "all_gather":
-        return torch.ones(count, dtype=dtype), torch.empty(count * n, dtype=dtype)
+        return torch.ones(count, **kw), torch.empty(count * n, **kw)
     if op == "reduce_scatter":
         per = max(1, count // n)
-        return torch.ones(per * n, dtype=dtype), torch.empty(per, dtype=dtype)
+        return torch.ones(per * n, **kw), torch.empty(per, **kw)
     if op == "all_to_all":
         per = max(1, count // n)
-        return torch.ones(per * n, dtype=dtype), torch.empty(per * n, dtype=dtype)
-    return torch.ones(count, dtype=dtype), None
+        return torch.ones(per * n, **kw), torch.empty(per * n, **kw)
+    return torch.ones(count, **kw), None
+
+
+def _bench_device(rank: int) -> Any:
+    """This rank's GPU when the backend handles only CUDA tensors (made current), else None."""
+    import torch
+
+    import plugdist as dist
+
+    types = dist.group.WORLD.capabilities().device_types
+    if "cpu" in types or "cuda" not in types:
+        return None
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def _synchronized(fn: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    """``fn`` timed to completion: CUDA ops return once queued, so wait for the device."""
+    import torch
+
+    def run(buf: Any, group: Any) -> None:
+        fn(buf, group)
+        torch.cuda.synchronize()
+
+    return run
 
 
 def _mpi4py_op(op: str) -> Callable[[Any, Any], None]:
@@ -110,6 +136,7 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     torch.set_num_threads(1)
     dtype = getattr(torch, cfg["dtype"])
+    device = _bench_device(rank)
     ours = _ops(cfg["op"], dist)
     theirs, their_group = None, None
     if cfg["compare"] == "torch":
@@ -120,10 +147,13 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
         theirs = _ops(cfg["op"], tdist)
     elif cfg["compare"] == "mpi4py":
         theirs = _mpi4py_op(cfg["op"])
+    if device is not None:
+        ours = _synchronized(ours)
+        theirs = _synchronized(theirs) if theirs is not None else None
     rows = []
     for nbytes in cfg["sizes"]:
         count = max(1, nbytes // torch.tensor([], dtype=dtype).element_size())
-        buf = _buffers(cfg["op"], count, dtype, world_size)
+        buf = _buffers(cfg["op"], count, dtype, world_size, device)
         iters = _iters(nbytes)
         samples: dict[str, list[float]] = {"ours": [], "theirs": []}
         impls = [("ours", ours, None)] + ([("theirs", theirs, their_group)] if theirs else [])

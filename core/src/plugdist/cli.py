@@ -67,6 +67,9 @@ def _info(args: argparse.Namespace) -> int:
         out.write(f"  native reductions: {reds} (others composed: AVG as SUM then divide, the "
                   f"rest via all_gather)\n  receive from any source: "
                   f"{'yes' if caps.any_source_recv else 'no'}\n")
+        if caps.refused_reduce_ops:
+            refused = ", ".join(sorted(r.name for r in caps.refused_reduce_ops))
+            out.write(f"  refused reductions (an error, not composed): {refused}\n")
     return 0
 
 

@@ -20,7 +20,8 @@ Work's ``wait`` does, bounded by the group's timeout.
 A backend class is constructed as ``Backend(store, rank, size, options)`` where ``store`` is a
 store private to this group, ``rank``/``size`` are the group rank and size and ``options`` a
 :class:`GroupOptions`. Optional class attributes/methods: ``device_types``, ``native_reduce_ops``,
-``supports_any_source``, ``is_available() -> (bool, reason)`` and ``rendezvous(timeout) ->
+``supports_any_source``, ``refused_reduce_ops`` (reductions refused with an error instead of
+composed), ``is_available() -> (bool, reason)`` and ``rendezvous(timeout) ->
 (store, rank, world_size)`` for backends that know the world themselves (MPI).
 """
 
@@ -69,6 +70,7 @@ class Capabilities:
     reduce_ops: frozenset[ReduceOp] = field(default=_ALL_REDUCE_OPS)
     any_source_recv: bool = False
     device_types: tuple[str, ...] = ("cpu",)
+    refused_reduce_ops: frozenset[ReduceOp] = frozenset()  # raised as errors, never composed
 
     def is_native(self, op: str, device_type: str) -> bool:
         return (op, device_type) in self.native
@@ -81,7 +83,8 @@ def _derived_capabilities(cls: type["ProcessGroup"]) -> Capabilities:
         if getattr(cls, "native_" + op) is not getattr(ProcessGroup, "native_" + op))
     return Capabilities(native=native, reduce_ops=frozenset(cls.native_reduce_ops),
                         any_source_recv=cls.supports_any_source,
-                        device_types=tuple(cls.device_types))
+                        device_types=tuple(cls.device_types),
+                        refused_reduce_ops=frozenset(cls.refused_reduce_ops))
 
 
 class ProcessGroup:
@@ -91,6 +94,7 @@ class ProcessGroup:
     device_types: ClassVar[tuple[str, ...]] = ("cpu",)
     native_reduce_ops: ClassVar[frozenset[ReduceOp]] = _ALL_REDUCE_OPS
     supports_any_source: ClassVar[bool] = False
+    refused_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset()
 
     def __init__(self, rank: int, size: int, options: GroupOptions | None = None) -> None:
         self._rank = rank
@@ -367,6 +371,9 @@ class ProcessGroup:
 
     def _check_reduce(self, op: str, red: ReduceOp, tensor: torch.Tensor) -> None:
         check_reduce_op(red, tensor.dtype, context=self.where(op))
+        if red in self.capabilities().refused_reduce_ops:
+            raise ValueError(f"{self.where(op)} ReduceOp.{red.name} is not supported by backend "
+                             f"{self.backend_name!r}; use another reduction or another backend")
 
     def _check_list(self, op: str, name: str, tensors: Sequence[torch.Tensor] | None,
                     like: torch.Tensor) -> None:

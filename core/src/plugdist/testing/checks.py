@@ -9,8 +9,10 @@ block in a collective until the group's timeout.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
+import os
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -39,17 +41,34 @@ def check_names() -> list[str]:
     return list(CHECKS)
 
 
+def check_device() -> torch.device | None:
+    """Where the checks create tensors: None (torch's default, the CPU), or for a backend that
+    handles only CUDA, this rank's GPU (``LOCAL_RANK`` modulo the GPU count), which is then
+    also made the current device."""
+    types = dist.group.WORLD.capabilities().device_types
+    if "cpu" in types or "cuda" not in types:
+        return None
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    device = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def run_checks(rank: int, world_size: int, only: list[str] | None = None) -> dict[str, str | None]:
-    """Run every check (or ``only`` those) on this rank; a failure is recorded, not raised."""
+    """Run every check (or ``only`` those) on this rank; a failure is recorded, not raised.
+    Tensors the checks create without a device land on :func:`check_device`."""
     out: dict[str, str | None] = {}
-    for name, fn in CHECKS.items():
-        if only and name not in only:
-            continue
-        try:
-            fn(rank, world_size)
-            out[name] = None
-        except Exception:  # noqa: BLE001 - every check's failure is reported separately
-            out[name] = f"rank {rank}: " + traceback.format_exc(limit=6)
+    device = check_device()
+    # the default device of every tensor factory call inside the checks
+    with device if device is not None else contextlib.nullcontext():
+        for name, fn in CHECKS.items():
+            if only and name not in only:
+                continue
+            try:
+                fn(rank, world_size)
+                out[name] = None
+            except Exception:  # noqa: BLE001 - every check's failure is reported separately
+                out[name] = f"rank {rank}: " + traceback.format_exc(limit=6)
     return out
 
 
@@ -145,8 +164,13 @@ def check_init_state(rank: int, ws: int) -> None:
 
 @check
 def check_all_reduce(rank: int, ws: int) -> None:
+    refused = dist.group.WORLD.capabilities().refused_reduce_ops
     for dtype in DTYPES:
         for op in ops_for(dtype):
+            if op in refused:  # a backend may refuse a reduction, clearly and before sending
+                expect_error(ValueError, op.name,
+                             lambda d=dtype, o=op: dist.all_reduce(value(rank, d), op=o))
+                continue
             for async_op in (False, True):
                 t = value(rank, dtype, op=op)
                 run(dist.all_reduce(t, op=op, async_op=async_op), async_op)

@@ -1,0 +1,74 @@
+"""How torch tensors are handed to NCCL: datatype codes, buffer views and reduction codes.
+
+Ops that only move data send any dtype NCCL lacks as raw bytes. Reductions need NCCL to know the
+type: bool travels as uint8 (SUM asked as MAX and PRODUCT as MIN, so every byte stays 0/1) and
+complex as pairs of reals (SUM and AVG only; the core refuses the others). No staging copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plugdist.reduce_op import ReduceOp
+
+from ._nccl import BF16_VERSION
+
+__all__ = ["Buffer", "data_buffer", "reduction_buffer", "nccl_op"]
+
+# NCCL's ABI values (nccl.h), stable since 2.0; the bfloat16 and avg codes need NCCL >= 2.10
+_INT8, _UINT8, _INT32, _UINT32, _INT64, _UINT64 = 0, 1, 2, 3, 4, 5
+_FLOAT16, _FLOAT32, _FLOAT64, _BFLOAT16 = 6, 7, 8, 9
+_SUM, _PROD, _MAX, _MIN, _AVG = 0, 1, 2, 3, 4
+
+_CODES: dict[torch.dtype, int] = {
+    torch.int8: _INT8, torch.uint8: _UINT8, torch.int32: _INT32, torch.int64: _INT64,
+    torch.float16: _FLOAT16, torch.float32: _FLOAT32, torch.float64: _FLOAT64,
+    torch.bfloat16: _BFLOAT16, torch.bool: _UINT8,
+}
+for _name, _code in (("uint32", _UINT32), ("uint64", _UINT64)):
+    if hasattr(torch, _name):
+        _CODES[getattr(torch, _name)] = _code
+_COMPLEX_PARTS = {torch.complex64: _FLOAT32, torch.complex128: _FLOAT64}
+_OPS = {ReduceOp.SUM: _SUM, ReduceOp.PRODUCT: _PROD, ReduceOp.MAX: _MAX, ReduceOp.MIN: _MIN,
+        ReduceOp.AVG: _AVG}
+_BOOL_OPS = {ReduceOp.SUM: _MAX, ReduceOp.PRODUCT: _MIN, ReduceOp.MAX: _MAX, ReduceOp.MIN: _MIN}
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A contiguous tensor as NCCL sees it: device pointer, element count, datatype code."""
+
+    ptr: int
+    count: int
+    dtype: int
+
+
+def data_buffer(t: torch.Tensor, nccl_version: tuple[int, int, int]) -> Buffer:
+    """``t`` for ops that only move data: its own type when NCCL has it, raw bytes otherwise."""
+    code = _CODES.get(t.dtype)
+    if code is None or (code == _BFLOAT16 and nccl_version < BF16_VERSION):
+        return Buffer(t.data_ptr(), t.numel() * t.element_size(), _UINT8)
+    return Buffer(t.data_ptr(), t.numel(), code)
+
+
+def reduction_buffer(t: torch.Tensor, nccl_version: tuple[int, int, int]) -> Buffer:
+    """``t`` for a reduction; raises TypeError for a dtype NCCL cannot reduce."""
+    if t.dtype in _COMPLEX_PARTS:
+        return Buffer(t.data_ptr(), t.numel() * 2, _COMPLEX_PARTS[t.dtype])
+    code = _CODES.get(t.dtype)
+    if code is None:
+        raise TypeError(f"NCCL cannot reduce {t.dtype} tensors; convert it (e.g. .float() or "
+                        f".int()) first")
+    if code == _BFLOAT16 and nccl_version < BF16_VERSION:
+        raise TypeError(f"NCCL {'.'.join(map(str, nccl_version))} cannot reduce bfloat16 "
+                        f"(NCCL 2.10 or later can); convert to float32 or upgrade NCCL")
+    return Buffer(t.data_ptr(), t.numel(), code)
+
+
+def nccl_op(op: ReduceOp, dtype: torch.dtype) -> int:
+    """NCCL's reduction code for ``op`` on ``dtype`` (the caller checked NCCL has it)."""
+    if dtype is torch.bool:
+        return _BOOL_OPS[op]
+    return _OPS[op]

@@ -1,0 +1,578 @@
+"""``NCCLProcessGroup``: every plugdist op as NCCL calls on one communicator and one CUDA stream.
+
+One communicator per group (sub-groups have their own), built at the group's first op on that
+op's device, or when the group is created if ``NCCLOptions.device_id`` names the device. Every op
+is queued on the group's stream after the caller's current stream and returns an
+:class:`~plugdist_nccl.work.NCCLWork`; gather, scatter and all_to_all are grouped send/recv.
+
+Point-to-point ops are held back and queued together (one NCCL group call) when this process next
+waits on, queries or chains any of them, or issues another op on the group: a ring of
+``isend``/``irecv`` then cannot deadlock, which NCCL would do if each send went alone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+
+from plugdist.errors import DistBackendError, DistError, DistTimeoutError, where
+from plugdist.log import get_logger
+from plugdist.process_group import Capabilities, GroupOptions, ProcessGroup
+from plugdist.reduce_op import ReduceOp
+from plugdist.store import Store
+from plugdist.work import Work
+
+from ._nccl import AVG_VERSION, availability, load, version
+from .communicator import create_communicator
+from .dtypes import Buffer, data_buffer, nccl_op, reduction_buffer
+from .options import ErrorHandling, NCCLOptions, blocking_wait_from_env, error_handling_from_env
+from .watchdog import Watchdog
+from .work import NCCLWork
+
+__all__ = ["NCCLProcessGroup"]
+
+_BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+Issue = Callable[[Any, int], None]  # (communicator, stream handle) -> queue NCCL calls
+
+
+@dataclass
+class _P2P:
+    send: bool
+    tensor: torch.Tensor
+    peer: int
+    work: NCCLWork
+
+
+class NCCLProcessGroup(ProcessGroup):
+    """A group of processes, one GPU each, talking through NCCL.
+
+    Construction is cheap and local unless ``NCCLOptions.device_id`` is given (then collective,
+    as the first op otherwise is: every member must reach it, bounded by ``options.timeout``).
+    Ops never block the host (except a barrier's wait, the first op, and waits under
+    ``NCCL_BLOCKING_WAIT``). Thread-safe: ops may be issued from several threads; all ranks must
+    issue them in the same order.
+    """
+
+    backend_name: ClassVar[str] = "nccl"
+    device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+    default_for: ClassVar[tuple[str, ...]] = ("cuda",)
+    # AVG is native from NCCL 2.10 (capabilities() drops it on older NCCL: the core divides)
+    native_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset(
+        {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX})
+    refused_reduce_ops: ClassVar[frozenset[ReduceOp]] = _BITWISE
+
+    def __init__(self, store: Store, rank: int, size: int,
+                 options: GroupOptions | None = None) -> None:
+        super().__init__(rank, size, options)
+        here = where(rank=rank, group=self.group_name, backend=self.backend_name)
+        ok, reason = self.is_available()
+        if not ok:
+            raise DistBackendError(f"{here} the nccl backend cannot run here: {reason}")
+        try:
+            self.nccl_options = NCCLOptions.coerce(self.options.backend_options)
+        except TypeError as exc:
+            raise TypeError(f"{here} {exc}") from None
+        self._store = store
+        self._log = get_logger(rank=rank, group=self.group_name)
+        self._nccl = load()
+        self._version = version()
+        caps = self.static_capabilities()
+        self._caps = caps if self._version >= AVG_VERSION else \
+            replace(caps, reduce_ops=caps.reduce_ops - {ReduceOp.AVG})
+        self._blocking = blocking_wait_from_env()
+        self._handling = error_handling_from_env()
+        if self._blocking and self._handling is not ErrorHandling.OFF:
+            self._log.warning("NCCL_BLOCKING_WAIT and NCCL_ASYNC_ERROR_HANDLING are both set; "
+                              "blocking wait wins, the watchdog will not end the process")
+            self._handling = ErrorHandling.OFF
+        self._lock = threading.RLock()
+        self._comm: Any = None
+        self._device: torch.device | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._watchdog: Watchdog | None = None
+        self._p2p: list[_P2P] = []
+        self._broken: BaseException | None = None
+        self._closed = False
+        device = self.nccl_options.device()
+        if device is not None:
+            with self._lock:
+                self._ensure_comm("init", device)
+
+    # -- plugin metadata ------------------------------------------------------------------------
+    @classmethod
+    def is_available(cls) -> tuple[bool, str]:
+        """Whether a GPU, cupy and NCCL >= 2.7 are usable here, and why not. Never raises."""
+        return availability()
+
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    @property
+    def device(self) -> torch.device | None:
+        """The GPU of this group's communicator (None before the first op)."""
+        return self._device
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The internal stream this group's ops run on (None before the first op)."""
+        return self._stream
+
+    def shutdown(self) -> None:
+        """Fail held-back point-to-point ops, stop the watchdog and free the communicator
+        (``ncclCommDestroy`` once the stream drained within 10 s, else ``ncclCommAbort``).
+        Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending, self._p2p = self._p2p, []
+            comm, self._comm = self._comm, None
+        closed = DistBackendError(f"{self.where('shutdown')} the group was shut down before "
+                                  f"this op was queued")
+        for p in pending:
+            p.work.fail(closed)
+        watchdog = self._watchdog
+        drained = self._drain_stream(timedelta(seconds=10))
+        if watchdog is not None:
+            watchdog.stop()
+            for w in watchdog.drain():
+                if w.gpu_done():
+                    w.finish()
+                else:
+                    w.fail(closed)
+        if comm is not None:
+            try:
+                comm.destroy() if drained else comm.abort()
+            except Exception as exc:  # noqa: BLE001 - best effort, the group is going anyway
+                self._log.debug("freeing the communicator failed", error=str(exc))
+        self._log.debug("nccl group shut down", drained=drained)
+
+    def _drain_stream(self, limit: timedelta) -> bool:
+        stream = self._stream
+        if stream is None:
+            return True
+        event = torch.cuda.Event()
+        event.record(stream)
+        end = time.monotonic() + limit.total_seconds()
+        while not event.query():
+            if time.monotonic() > end:
+                return False
+            time.sleep(1e-3)
+        return True
+
+    # -- the communicator and the stream --------------------------------------------------------
+    def _check_usable(self, op: str, device: torch.device) -> None:
+        if self._broken is not None:
+            raise DistBackendError(f"{self.where(op)} this group's NCCL communicator was aborted "
+                                   f"after an earlier failure ({self._broken}); create a new "
+                                   f"group") from self._broken
+        if self._closed:
+            raise DistBackendError(f"{self.where(op)} this group was shut down; create a new one")
+        if self._device is not None and device != self._device:
+            raise ValueError(f"{self.where(op)} tensor is on {device}, but this group's NCCL "
+                             f"communicator lives on {self._device}; use one GPU per process "
+                             f"(torch.cuda.set_device) for every op of a group")
+
+    def _ensure_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The group's stream, made on ``device`` at the first op. Caller holds the lock."""
+        if self._stream is None:
+            priority = -1 if self.nccl_options.is_high_priority_stream else 0
+            self._stream = torch.cuda.Stream(device=device, priority=priority)
+            self._device = device
+        return self._stream
+
+    def _ensure_comm(self, op: str, device: torch.device) -> Any:
+        """The communicator, built on ``device`` at the first op. Caller holds the lock."""
+        self._check_usable(op, device)
+        if self._comm is not None:
+            return self._comm
+        self._ensure_stream(device)
+        self._comm = create_communicator(self._store, self._rank, self._size, device,
+                                         self.timeout, self.where(op))
+        handling = self._handling is not ErrorHandling.OFF
+        self._watchdog = Watchdog(
+            f"plugdist-nccl-{self.group_name}-r{self._rank}", device,
+            self.timeout.total_seconds() if handling else None,
+            self._async_error, self._watchdog_error, self._watchdog_timeout)
+        self._log.debug("nccl communicator created", device=str(device), size=self._size,
+                        high_priority=self.nccl_options.is_high_priority_stream)
+        return self._comm
+
+    def _device_of(self, op: str, t: torch.Tensor | None) -> torch.device:
+        if t is not None:
+            return t.device if t.device.index is not None else \
+                torch.device("cuda", torch.cuda.current_device())
+        if self._device is not None:
+            return self._device
+        return torch.device("cuda", torch.cuda.current_device())
+
+    # -- issuing --------------------------------------------------------------------------------
+    def _new_work(self, op: str, device: torch.device, tensors: list[torch.Tensor], result: Any,
+                  blocking: bool = False) -> NCCLWork:
+        return NCCLWork(device=device, blocking=blocking or self._blocking, tensors=tensors,
+                        flush=self._flush, on_timeout=self._wait_timeout, result=result, op=op,
+                        rank=self._rank, group=self.group_name, backend=self.backend_name,
+                        timeout=self.timeout)
+
+    def _issue(self, op: str, sample: torch.Tensor | None, issue: Issue, keep: list[torch.Tensor],
+               result: Any, blocking: bool = False) -> NCCLWork:
+        """Queue ``issue`` on the group's stream after the caller's current stream; return its
+        Work. ``keep``: every tensor the op touches (held until it finished)."""
+        device = self._device_of(op, sample)
+        with self._lock:
+            self._flush_locked()
+            comm = self._ensure_comm(op, device)
+            work = self._new_work(op, device, keep, result, blocking)
+            self._launch(op, comm, [work], issue)
+        return work
+
+    def _launch(self, op: str, comm: Any, works: list[NCCLWork], issue: Issue) -> None:
+        """Run ``issue`` on the stream (caller holds the lock), then record one event for
+        ``works``; an NCCL error fails them and is raised as DistBackendError."""
+        assert self._stream is not None and self._watchdog is not None  # set with the comm
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        try:
+            with torch.cuda.stream(stream):
+                issue(comm, stream.cuda_stream)
+        except Exception as exc:
+            err = self._translate(op, exc)
+            for w in works:
+                w.fail(err)
+            raise err from exc
+        event = torch.cuda.Event()
+        event.record(stream)
+        for w in works:
+            w.enqueued(event)
+            self._watchdog.track(w)
+
+    def _flush(self) -> None:
+        if self._p2p:
+            with self._lock:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        """Queue every held-back send/recv as one NCCL group call."""
+        if not self._p2p:
+            return
+        pending, self._p2p = self._p2p, []
+        works = [p.work for p in pending]
+        try:
+            comm = self._ensure_comm(pending[0].work.op, pending[0].work.device)
+        except Exception as exc:
+            for w in works:
+                w.fail(exc)
+            raise
+        version_ = self._version
+        nccl = self._nccl
+
+        def issue(comm: Any, stream: int) -> None:
+            nccl.groupStart()
+            try:
+                for p in pending:
+                    _p2p_call(comm, p.send, data_buffer(p.tensor, version_), p.peer, stream)
+            finally:
+                nccl.groupEnd()
+
+        self._launch("send/recv", comm, works, issue)
+
+    def _hold_p2p(self, op: str, send: bool, tensor: torch.Tensor, peer: int) -> NCCLWork:
+        device = self._device_of(op, tensor)
+        with self._lock:
+            self._check_usable(op, device)
+            stream = self._ensure_stream(device)
+            # ordered after the caller's stream now, though NCCL gets the op at the flush
+            stream.wait_stream(torch.cuda.current_stream(device))
+            work = self._new_work(op, device, [tensor], [tensor])
+            if tensor.numel() == 0:
+                work.enqueued(_record_current(device))
+                work.finish()
+                return work
+            self._p2p.append(_P2P(send, tensor, peer, work))
+        return work
+
+    # -- failures ------------------------------------------------------------------------------
+    def _translate(self, op: str, exc: BaseException) -> DistError:
+        if isinstance(exc, DistError):
+            return exc
+        msg = str(exc).strip() or type(exc).__name__
+        err = DistBackendError(f"{self.where(op)} NCCL failed on {self._device}: {msg} "
+                               f"(NCCL {'.'.join(map(str, self._version))})")
+        err.__cause__ = exc
+        return err
+
+    def _async_error(self) -> BaseException | None:
+        comm = self._comm
+        if comm is None:
+            return None
+        check = getattr(comm, "check_async_error", None)
+        if check is None:
+            return None
+        try:
+            check()
+        except Exception as exc:  # noqa: BLE001 - NCCL's own error, reported to the waiters
+            return exc
+        return None
+
+    def _abort(self, exc: BaseException) -> None:
+        """Abort the communicator and fail every pending Work with ``exc``. Any thread.
+
+        The abort comes before taking the lock: the thread holding it may be stuck inside an
+        NCCL call that only the abort can end."""
+        if self._broken is None:
+            self._broken = exc
+        comm = self._comm
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception as err:  # noqa: BLE001 - already failing
+                self._log.debug("ncclCommAbort failed", error=str(err))
+        with self._lock:
+            self._comm = None
+            pending, self._p2p = self._p2p, []
+        works = [p.work for p in pending]
+        if self._watchdog is not None:
+            works += self._watchdog.drain()
+        for w in works:
+            w.fail(exc)
+
+    def _wait_timeout(self, work: NCCLWork) -> BaseException:
+        """NCCL_BLOCKING_WAIT ran out: abort the communicator (its state is unknown now) and
+        return the error for the waiter to raise."""
+        seconds = self.timeout.total_seconds()
+        err = DistTimeoutError(
+            f"{work._where()} did not finish on {work.device} within {seconds:.1f}s "
+            f"(NCCL_BLOCKING_WAIT); the NCCL communicator was aborted. A peer may have died, be "
+            f"stuck, or be running a different op; this group cannot be used any more")
+        self._log.error("nccl op timed out", op=work.op, seconds=seconds)
+        self._abort(err)
+        return err
+
+    def _watchdog_timeout(self, work: NCCLWork) -> None:
+        seconds = self.timeout.total_seconds()
+        err = DistTimeoutError(
+            f"{work._where()} did not finish on {work.device} within {seconds:.1f}s; the "
+            f"watchdog (NCCL_ASYNC_ERROR_HANDLING={int(self._handling)}) aborts the NCCL "
+            f"communicator: a peer may have died, be stuck, or be running a different op")
+        self._fail_async(err)
+
+    def _watchdog_error(self, exc: BaseException) -> None:
+        err = DistBackendError(f"{self.where('watchdog')} NCCL reported an asynchronous error on "
+                               f"{self._device}: {exc}")
+        err.__cause__ = exc
+        self._fail_async(err)
+
+    def _fail_async(self, err: DistError) -> None:
+        self._log.error("nccl group failed", error=str(err), handling=int(self._handling))
+        if self._handling is ErrorHandling.SKIP_CLEANUP:
+            _end_process(err)
+        self._abort(err)
+        if self._handling is ErrorHandling.TEAR_DOWN:
+            _end_process(err)
+
+    # -- validation ----------------------------------------------------------------------------
+    def _check_reduce(self, op: str, red: ReduceOp, tensor: torch.Tensor) -> None:
+        if red in self.refused_reduce_ops and not (tensor.dtype.is_floating_point
+                                                   or tensor.dtype.is_complex):
+            raise ValueError(f"{self.where(op)} ReduceOp.{red.name} is not supported by NCCL "
+                             f"(it has no bitwise reductions); use SUM/MIN/MAX, or a gloo group "
+                             f"on CPU tensors")
+        super()._check_reduce(op, red, tensor)
+        try:
+            reduction_buffer(tensor, self._version)
+        except TypeError as exc:
+            raise TypeError(f"{self.where(op)} {exc}") from None
+
+    # -- native hooks ---------------------------------------------------------------------------
+    def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        if tensor.numel() == 0:
+            return self._issue("all_reduce", tensor, _nothing, [tensor], [tensor])
+        buf, red = reduction_buffer(tensor, self._version), nccl_op(op, tensor.dtype)
+        return self._issue("all_reduce", tensor,
+                           lambda c, s: c.allReduce(buf.ptr, buf.ptr, buf.count, buf.dtype, red, s),
+                           [tensor], [tensor])
+
+    def native_broadcast(self, *, tensor: torch.Tensor, src: int) -> Work:
+        buf = data_buffer(tensor, self._version)
+        return self._issue("broadcast", tensor, _if_any(
+            buf, lambda c, s: c.broadcast(buf.ptr, buf.ptr, buf.count, buf.dtype, src, s)),
+            [tensor], [tensor])
+
+    def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
+        buf, red = reduction_buffer(tensor, self._version), nccl_op(op, tensor.dtype)
+        # NCCL writes recvbuff on the root only: elsewhere the input stays as it was
+        return self._issue("reduce", tensor, _if_any(
+            buf, lambda c, s: c.reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, red, dst, s)),
+            [tensor], [tensor])
+
+    def native_all_gather_into_tensor(self, *, output: torch.Tensor, tensor: torch.Tensor) -> Work:
+        inp, out = data_buffer(tensor, self._version), data_buffer(output, self._version)
+        return self._issue("all_gather_into_tensor", tensor, _if_any(
+            inp, lambda c, s: c.allGather(inp.ptr, out.ptr, inp.count, inp.dtype, s)),
+            [tensor, output], [output])
+
+    def native_all_gather(self, *, output_tensors: list[torch.Tensor],
+                          tensor: torch.Tensor) -> Work:
+        flat = self._scratch(tensor, (self._size * tensor.numel(),))
+        inp, out = data_buffer(tensor, self._version), data_buffer(flat, self._version)
+
+        def issue(c: Any, s: int) -> None:
+            if inp.count:
+                c.allGather(inp.ptr, out.ptr, inp.count, inp.dtype, s)
+            for dst, part in zip(output_tensors, flat.chunk(self._size) if flat.numel() else []):
+                dst.view(-1).copy_(part)  # on the group's stream, after the gather
+
+        return self._issue("all_gather", tensor, issue, [tensor, flat, *output_tensors],
+                           output_tensors)
+
+    def native_reduce_scatter_tensor(self, *, output: torch.Tensor, input: torch.Tensor,
+                                     op: ReduceOp) -> Work:
+        out, inp = reduction_buffer(output, self._version), reduction_buffer(input, self._version)
+        red = nccl_op(op, output.dtype)
+        return self._issue("reduce_scatter_tensor", output, _if_any(
+            out, lambda c, s: c.reduceScatter(inp.ptr, out.ptr, out.count, out.dtype, red, s)),
+            [output, input], [output])
+
+    def native_reduce_scatter(self, *, output: torch.Tensor, input_list: list[torch.Tensor],
+                              op: ReduceOp) -> Work:
+        flat = self._scratch(output, (self._size * output.numel(),))
+        out = reduction_buffer(output, self._version)
+        red = nccl_op(op, output.dtype)
+
+        def issue(c: Any, s: int) -> None:
+            if out.count:
+                torch.cat([t.reshape(-1) for t in input_list], out=flat)
+                inp = reduction_buffer(flat, self._version)
+                c.reduceScatter(inp.ptr, out.ptr, out.count, out.dtype, red, s)
+
+        return self._issue("reduce_scatter", output, issue, [output, flat, *input_list], [output])
+
+    def native_all_to_all_single(self, *, output: torch.Tensor, input: torch.Tensor,
+                                 output_split_sizes: list[int],
+                                 input_split_sizes: list[int]) -> Work:
+        outs = _rows(output, output_split_sizes)
+        ins = _rows(input, input_split_sizes)
+        return self._exchange("all_to_all_single", input, ins, outs, [output, input], [output])
+
+    def native_all_to_all(self, *, output_tensors: list[torch.Tensor],
+                          input_tensors: list[torch.Tensor]) -> Work:
+        return self._exchange("all_to_all", input_tensors[0], list(input_tensors),
+                              list(output_tensors), [*output_tensors, *input_tensors],
+                              output_tensors)
+
+    def native_gather(self, *, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None,
+                      dst: int) -> Work:
+        n, me = self._size, self._rank
+        if me == dst and gather_list is not None:
+            sends: list[torch.Tensor | None] = [None] * n
+            sends[me] = tensor
+            return self._exchange("gather", tensor, sends, list(gather_list),
+                                  [tensor, *gather_list], gather_list)
+        sends = [tensor if r == dst else None for r in range(n)]
+        return self._exchange("gather", tensor, sends, [None] * n, [tensor], [])
+
+    def native_scatter(self, *, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None,
+                       src: int) -> Work:
+        n, me = self._size, self._rank
+        recvs: list[torch.Tensor | None] = [tensor if r == src else None for r in range(n)]
+        if me == src and scatter_list is not None:
+            return self._exchange("scatter", tensor, list(scatter_list), recvs,
+                                  [tensor, *scatter_list], [tensor])
+        return self._exchange("scatter", tensor, [None] * n, recvs, [tensor], [tensor])
+
+    def native_barrier(self) -> Work:
+        device = self._device_of("barrier", None)
+        flag = torch.zeros(1, dtype=torch.float32, device=device)
+        buf = data_buffer(flag, self._version)
+        return self._issue("barrier", flag,
+                           lambda c, s: c.allReduce(buf.ptr, buf.ptr, 1, buf.dtype, 0, s),
+                           [flag], [], blocking=True)
+
+    def native_send(self, *, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        return self._hold_p2p("send", True, tensor, dst)
+
+    def native_recv(self, *, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
+        if src is None:  # the core refuses this first: NCCL has no receive from any source
+            raise ValueError(f"{self.where('recv')} NCCL cannot receive from any source")
+        work = self._hold_p2p("recv", False, tensor, src)
+        work._source_rank = src
+        return work
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _scratch(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """A temporary for an op, allocated for the group's stream once it exists."""
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                return torch.empty(shape, dtype=like.dtype, device=like.device)
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+    def _exchange(self, op: str, sample: torch.Tensor, sends: list[torch.Tensor | None],
+                  recvs: list[torch.Tensor | None], keep: list[torch.Tensor],
+                  result: Any) -> NCCLWork:
+        """Send ``sends[r]`` to and receive ``recvs[r]`` from every rank r (None: nothing) as one
+        NCCL group call; this rank's own slot is a copy on the stream."""
+        me, version_, nccl = self._rank, self._version, self._nccl
+
+        def issue(c: Any, s: int) -> None:
+            mine_in, mine_out = sends[me], recvs[me]
+            if mine_in is not None and mine_out is not None and mine_in.numel():
+                mine_out.view(-1).copy_(mine_in.reshape(-1))
+            nccl.groupStart()
+            try:
+                for peer in range(self._size):
+                    if peer == me:
+                        continue
+                    out, inp = recvs[peer], sends[peer]
+                    if inp is not None and inp.numel():
+                        _p2p_call(c, True, data_buffer(inp, version_), peer, s)
+                    if out is not None and out.numel():
+                        _p2p_call(c, False, data_buffer(out, version_), peer, s)
+            finally:
+                nccl.groupEnd()
+
+        return self._issue(op, sample, issue, keep, result)
+
+
+def _p2p_call(comm: Any, send: bool, buf: Buffer, peer: int, stream: int) -> None:
+    if send:
+        comm.send(buf.ptr, buf.count, buf.dtype, peer, stream)
+    else:
+        comm.recv(buf.ptr, buf.count, buf.dtype, peer, stream)
+
+
+def _nothing(_comm: Any, _stream: int) -> None:
+    """An empty tensor: nothing to send, but the Work still follows the stream."""
+
+
+def _if_any(buf: Buffer, issue: Issue) -> Issue:
+    return issue if buf.count else _nothing
+
+
+def _rows(t: torch.Tensor, splits: list[int]) -> list[torch.Tensor | None]:
+    if t.dim() == 0:
+        return [t.view(1)]
+    return list(t.split(splits, dim=0))
+
+
+def _record_current(device: torch.device) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _end_process(err: BaseException) -> None:
+    """NCCL_ASYNC_ERROR_HANDLING: CUDA work may have run on corrupt data; continuing user code is
+    unsafe, so the process ends (as torch.distributed's NCCL backend does)."""
+    sys.stderr.write(f"plugdist-nccl: ending the process: {err}\n")
+    sys.stderr.flush()
+    os._exit(6)
+
+
