@@ -95,6 +95,7 @@ class ProcessGroup:
     native_reduce_ops: ClassVar[frozenset[ReduceOp]] = _ALL_REDUCE_OPS
     supports_any_source: ClassVar[bool] = False
     refused_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset()
+    _caps: Capabilities | None = None  # this group's capabilities, fixed at first use
 
     def __init__(self, rank: int, size: int, options: GroupOptions | None = None) -> None:
         self._rank = rank
@@ -130,7 +131,10 @@ class ProcessGroup:
 
     def capabilities(self) -> Capabilities:
         """What this group does natively; called on every op. Wrappers return the inner group's."""
-        return self.static_capabilities()
+        caps = self._caps
+        if caps is None:
+            caps = self._caps = self.static_capabilities()
+        return caps
 
     def shutdown(self) -> None:
         """Release sockets, threads and communicators. Idempotent; called by destroy_process_group."""
@@ -370,7 +374,10 @@ class ProcessGroup:
                              f"point-to-point needs another rank")
 
     def _check_reduce(self, op: str, red: ReduceOp, tensor: torch.Tensor) -> None:
-        check_reduce_op(red, tensor.dtype, context=self.where(op))
+        try:
+            check_reduce_op(red, tensor.dtype)
+        except (TypeError, ValueError) as err:  # context formatted only on error: a hot path
+            raise type(err)(f"{self.where(op)} {err}") from None
         if red in self.capabilities().refused_reduce_ops:
             raise ValueError(f"{self.where(op)} ReduceOp.{red.name} is not supported by backend "
                              f"{self.backend_name!r}; use another reduction or another backend")

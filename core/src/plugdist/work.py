@@ -17,6 +17,8 @@ from .errors import DistBackendError, DistError, DistTimeoutError, where
 
 __all__ = ["Work", "completed_work", "failed_work"]
 
+_EVENT_LOCK = threading.Lock()  # creating a Work's event is rare: one lock for all
+
 
 class Work:
     """Handle on an issued op.
@@ -30,8 +32,7 @@ class Work:
                  group: str = "", backend: str = "", timeout: timedelta | None = None,
                  source_rank: int | Callable[[], int] = -1) -> None:
         self._future: torch.futures.Future = future if future is not None else torch.futures.Future()
-        self._done = threading.Event()
-        self._future.add_done_callback(lambda _f: self._done.set())
+        self._done: threading.Event | None = None  # made by the first wait that must block
         self.op, self.rank, self.group, self.backend = op, rank, group, backend
         self.timeout = timeout
         self._source_rank = source_rank
@@ -48,17 +49,34 @@ class Work:
     # -- the user-facing contract ------------------------------------------------------------
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         """Block until done; True on success. Raises the op's error, or DistTimeoutError."""
-        limit = timeout if timeout is not None else self.timeout
-        seconds = limit.total_seconds() if isinstance(limit, timedelta) else limit
-        if not self._done.wait(seconds):
-            raise DistTimeoutError(
-                f"{self._where()} did not complete within {seconds:.1f}s: a peer may have died, "
-                f"be stuck, or be running a different op; check every rank's logs (the debug "
-                f"plugin's TORCH_DISTRIBUTED_DEBUG=DETAIL names the ranks that never arrived)")
+        if not self._future.done():
+            seconds = self._seconds(timeout)
+            if not self._done_event().wait(seconds):
+                raise self.timeout_error(seconds)
         exc = self.exception()
         if exc is not None:
             raise exc
         return True
+
+    def _done_event(self) -> threading.Event:
+        """An Event set when the future completes (a future's own wait cannot time out)."""
+        with _EVENT_LOCK:
+            if self._done is None:
+                done = self._done = threading.Event()
+                self._future.add_done_callback(lambda _f: done.set())
+            return self._done
+
+    def timeout_error(self, seconds: float | None) -> DistTimeoutError:
+        """The error ``wait`` raises when the op is not done after ``seconds``."""
+        return DistTimeoutError(
+            f"{self._where()} did not complete within {seconds or 0:.1f}s: a peer may have died, "
+            f"be stuck, or be running a different op; check every rank's logs (the debug "
+            f"plugin's TORCH_DISTRIBUTED_DEBUG=DETAIL names the ranks that never arrived)")
+
+    def _seconds(self, timeout: timedelta | float | None) -> float | None:
+        """``timeout`` (or the group's, when None) in seconds; None means no limit."""
+        limit = timeout if timeout is not None else self.timeout
+        return limit.total_seconds() if isinstance(limit, timedelta) else limit
 
     def is_completed(self) -> bool:
         return self._future.done()

@@ -26,6 +26,7 @@ from .dtypes import Staged, effective_op, flat_bytes, movable, rows, stage_reduc
 from .options import GlooOptions, make_devices
 from .store_bridge import StoreBridge
 from .waiters import Waiters
+from .work import GlooWork
 
 __all__ = ["GlooProcessGroup"]
 
@@ -213,38 +214,51 @@ class GlooProcessGroup(ProcessGroup):
 
     def _issue(self, op: str, call: Callable[[Any], Any], result: Any,
                staged: Sequence[Staged] = (), any_source: bool = False) -> Work:
-        """Run ``call(native_pg)``, and return a Work completed with ``result`` (after writing
-        back ``staged`` tensors) when torch's future is."""
+        """Run ``call(native_pg)``; the returned Work is done with ``result`` (after writing back
+        ``staged`` tensors) once torch's work is. See ``work.py`` for how it completes."""
         pg = self._native(op)
         source: list[int] = []
-        work = self.work(op, source_rank=(lambda: source[0] if source else -1))
+
+        def finish(native_work: Any) -> Any:
+            for s in staged:
+                s.finish()
+            if any_source:
+                source.append(int(native_work._source_rank()))
+            return result
+
+        work = GlooWork(finish, lambda exc: self._translate(op, exc), self._arm,
+                        op=op, rank=self._rank, group=self.group_name,
+                        backend=self.backend_name, timeout=self.timeout,
+                        source_rank=lambda: source[0] if source else -1)
         try:
-            native_work = call(pg)
+            return work.attach(call(pg), arm=op in ("send", "recv"))
         except Exception as exc:
             raise self._translate(op, exc) from exc
 
-        def done(fut: torch.futures.Future | None) -> None:
+    def _arm(self, native_work: Any, complete: Callable[[BaseException | None], None]) -> None:
+        """Call ``complete(error_or_None)`` on another thread once ``native_work`` is done."""
+        def on_future(fut: torch.futures.Future) -> None:
             try:
-                if fut is None:
-                    native_work.wait()
-                else:
-                    fut.value()
-                for s in staged:
-                    s.finish()
-                if any_source:
-                    source.append(int(native_work._source_rank()))
-            except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the Work
-                work.set_exception(self._translate(op, exc))
-                return
-            work.set_result(result)
+                fut.value()
+            except Exception as exc:  # noqa: BLE001 - handed to whoever waits
+                complete(exc)
+            else:
+                complete(None)
+
+        def blocking_wait() -> None:
+            try:
+                native_work.wait()
+            except Exception as exc:  # noqa: BLE001
+                complete(exc)
+            else:
+                complete(None)
 
         try:
             future = native_work.get_future()
-        except RuntimeError:  # Gloo's send/recv Works have no future: wait on a pool thread
-            self._waiters.submit(lambda: done(None))
+        except RuntimeError:  # Gloo's send/recv works have no future: wait on a pool thread
+            self._waiters.submit(blocking_wait)
         else:
-            future.add_done_callback(done)
-        return work
+            future.add_done_callback(on_future)
 
     def _translate(self, op: str, exc: BaseException) -> DistError:
         """A DistError carrying rank, group, op and backend for an error raised by Gloo."""
