@@ -55,6 +55,7 @@ _MAX_NAP = 1e-3  # longest nap between polls: bounds the latency polling adds to
 _GRACE = 2e-4    # how long a fresh op is left to a thread that may wait on it (and drive)
 _LOOK = 1e-3     # how often a dozing progress thread looks for ops nobody drives
 _DOZE = 1.0      # seconds without activity before it sleeps until woken
+_BURST = 32      # tests in a row by a waiting thread before it yields the CPU
 
 T = TypeVar("T")
 
@@ -240,9 +241,14 @@ class Engine:
                     if p.finished:  # completed by another thread: its Work is being settled
                         outcome = None
                     else:
-                        outcome = self._test_one(p)
-                        if outcome is not None:
-                            self._pending.remove(p)
+                        # a burst of tests between the Python bookkeeping: MPI progresses only
+                        # inside its calls, and a multi-step collective advances one step per
+                        # test on each side
+                        for _ in range(_BURST):
+                            outcome = self._test_one(p)
+                            if outcome is not None:
+                                self._pending.remove(p)
+                                break
                 if outcome is not None:
                     self._complete(*outcome)
                 else:
