@@ -1,8 +1,9 @@
 """Structured logging: one event per line, bound to rank and group, quiet by default.
 
 ``get_logger(**bound)`` returns a structlog logger. Nothing is printed below WARNING unless
-``PLUGDIST_LOG_LEVEL`` (DEBUG/INFO/WARNING/ERROR) or the debug level asks for more. Events go
-to stderr so they never mix with a training script's stdout.
+``PLUGDIST_LOG_LEVEL`` (DEBUG/INFO/WARNING/ERROR) or a plugin (plugdist-debug, at debug level
+INFO and above, through ``set_log_level``) asks for more. Events go to stderr so they never mix
+with a training script's stdout.
 """
 
 from __future__ import annotations
