@@ -13,6 +13,7 @@ import contextlib
 import functools
 import operator
 import os
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -459,6 +460,24 @@ def check_work_api(rank: int, ws: int) -> None:
     chained = dist.all_reduce(torch.ones(2), async_op=True).get_future().then(
         lambda f: f.value()[0] * 2)
     assert torch.equal(chained.wait(), torch.full((2,), 2.0 * ws))
+    # polling alone completes a Work: no wait, no future asked for (collective and p2p)
+    polled = [dist.all_reduce(torch.ones(3), async_op=True)]
+    if ws > 1:
+        got_p2p = torch.zeros(1)
+        polled += [dist.isend(torch.full((1,), float(rank)), dst=(rank + 1) % ws),
+                   dist.irecv(got_p2p, src=(rank - 1) % ws)]
+    deadline = time.monotonic() + 60
+    while not all(w.is_completed() for w in polled):
+        assert time.monotonic() < deadline, "is_completed() never became True"
+        time.sleep(0.001)
+    assert torch.equal(polled[0].result()[0], torch.full((3,), float(ws)))
+    if ws > 1:
+        assert got_p2p.item() == float((rank - 1) % ws), got_p2p
+    # the future of a Work already waited on is done, and holds the value
+    waited = dist.all_reduce(torch.ones(1), async_op=True)
+    waited.wait()
+    assert waited.get_future().done()
+    assert torch.equal(waited.get_future().value()[0], torch.full((1,), float(ws)))
 
 
 @check

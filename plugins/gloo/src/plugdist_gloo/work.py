@@ -93,7 +93,8 @@ class GlooWork(Work):
             if self._armed or self._claimed:
                 return
             self._armed = True
-        self._arm_with(self._native, self._complete)
+            native = self._native  # read before a completer could claim and clear it
+        self._arm_with(native, self._complete)
 
     # -- the Work contract ----------------------------------------------------------------------
     def wait(self, timeout: timedelta | float | None = None) -> bool:
