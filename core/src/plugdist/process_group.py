@@ -87,6 +87,10 @@ def _derived_capabilities(cls: type["ProcessGroup"]) -> Capabilities:
                         refused_reduce_ops=frozenset(cls.refused_reduce_ops))
 
 
+def _device_type(t: torch.Tensor) -> str:
+    return "cpu" if t.is_cpu else t.device.type  # is_cpu skips building a torch.device
+
+
 class ProcessGroup:
     """A group of processes and the collectives among them. See the module docstring."""
 
@@ -321,7 +325,7 @@ class ProcessGroup:
 
     # -- dispatch ----------------------------------------------------------------------------
     def _run(self, op: str, sample: torch.Tensor, **kwargs: Any) -> Work:
-        return self._dispatch(op, sample.device.type, kwargs)
+        return self._dispatch(op, _device_type(sample), kwargs)
 
     def _dispatch(self, op: str, device: str, kwargs: dict[str, Any]) -> Work:
         return composition.run_op(self, op, device, kwargs)
@@ -331,7 +335,7 @@ class ProcessGroup:
         """Reductions: AVG becomes SUM then a local divide when the backend lacks AVG; any other
         reduction the backend lacks is composed from all_gather plus a local reduce."""
         caps = self.capabilities()
-        device = sample.device.type
+        device = _device_type(sample)
         red = kwargs["op"]
         if red in caps.reduce_ops:
             return self._dispatch(op_name, device, kwargs)
@@ -355,7 +359,7 @@ class ProcessGroup:
         if not tensor.is_contiguous():
             raise ValueError(f"{self.where(op)} {name} is not contiguous (shape {list(tensor.shape)}, "
                              f"stride {list(tensor.stride())}); pass tensor.contiguous()")
-        if tensor.device.type not in self.capabilities().device_types:
+        if _device_type(tensor) not in self.capabilities().device_types:
             raise ValueError(f"{self.where(op)} {name} is on {tensor.device}, but backend "
                              f"{self.backend_name!r} handles {', '.join(self.device_types)} tensors; "
                              f"move it, or use a backend for {tensor.device.type}")
@@ -374,10 +378,11 @@ class ProcessGroup:
                              f"point-to-point needs another rank")
 
     def _check_reduce(self, op: str, red: ReduceOp, tensor: torch.Tensor) -> None:
-        try:
-            check_reduce_op(red, tensor.dtype)
-        except (TypeError, ValueError) as err:  # context formatted only on error: a hot path
-            raise type(err)(f"{self.where(op)} {err}") from None
+        if red is not ReduceOp.SUM:  # SUM suits every dtype; the others depend on it
+            try:
+                check_reduce_op(red, tensor.dtype)
+            except (TypeError, ValueError) as err:  # context formatted only on error: hot path
+                raise type(err)(f"{self.where(op)} {err}") from None
         if red in self.capabilities().refused_reduce_ops:
             raise ValueError(f"{self.where(op)} ReduceOp.{red.name} is not supported by backend "
                              f"{self.backend_name!r}; use another reduction or another backend")

@@ -17,7 +17,7 @@ from .errors import DistBackendError, DistError, DistTimeoutError, where
 
 __all__ = ["Work", "completed_work", "failed_work"]
 
-_EVENT_LOCK = threading.Lock()  # creating a Work's event is rare: one lock for all
+_EVENT_LOCK = threading.Lock()  # for creating a Work's future or event: one lock for all
 
 
 class Work:
@@ -31,11 +31,26 @@ class Work:
     def __init__(self, future: torch.futures.Future | None = None, *, op: str = "", rank: int = -1,
                  group: str = "", backend: str = "", timeout: timedelta | None = None,
                  source_rank: int | Callable[[], int] = -1) -> None:
-        self._future: torch.futures.Future = future if future is not None else torch.futures.Future()
+        self._fut = future  # made on first use: see ``_future``
         self._done: threading.Event | None = None  # made by the first wait that must block
         self.op, self.rank, self.group, self.backend = op, rank, group, backend
         self.timeout = timeout
         self._source_rank = source_rank
+
+    @property
+    def _future(self) -> torch.futures.Future:
+        """The future behind this Work, created on first use (a Work completed and waited on
+        by one thread, the common case for blocking ops, may never need one)."""
+        fut = self._fut
+        return fut if fut is not None else self._materialize()
+
+    def _materialize(self) -> torch.futures.Future:
+        """Create the future (once, thread-safe). Subclasses that complete a Work without it
+        override this to hand the outcome over to the new future."""
+        with _EVENT_LOCK:
+            if self._fut is None:
+                self._fut = torch.futures.Future()
+            return self._fut
 
     # -- completion, for backends ------------------------------------------------------------
     def set_result(self, value: Any) -> None:
@@ -60,10 +75,11 @@ class Work:
 
     def _done_event(self) -> threading.Event:
         """An Event set when the future completes (a future's own wait cannot time out)."""
+        fut = self._future  # outside the lock: creating it takes the lock too
         with _EVENT_LOCK:
             if self._done is None:
                 done = self._done = threading.Event()
-                self._future.add_done_callback(lambda _f: done.set())
+                fut.add_done_callback(lambda _f: done.set())
             return self._done
 
     def timeout_error(self, seconds: float | None) -> DistTimeoutError:

@@ -22,7 +22,8 @@ from plugdist.reduce_op import ReduceOp
 from plugdist.store import Store
 from plugdist.work import Work
 
-from .dtypes import Staged, effective_op, flat_bytes, movable, rows, stage_reduction
+from .dtypes import (NATIVE_DTYPES, Staged, effective_op, flat_bytes, movable, rows,
+                     stage_reduction)
 from .options import GlooOptions, make_devices
 from .store_bridge import StoreBridge
 from .waiters import Waiters
@@ -33,6 +34,8 @@ __all__ = ["GlooProcessGroup"]
 _TIMEOUT_HINTS = ("timed out", "timeout")
 _PEER_LOST_HINTS = ("connection closed", "connection reset", "broken pipe", "connection refused",
                     "read error", "write error", "socket closed", "end of file")
+# dtypes Gloo reduces in place with the op asked for (bool needs its op mapped: effective_op)
+_REDUCED_AS_IS = NATIVE_DTYPES - {torch.bool}
 _ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d+)")
 
 
@@ -141,6 +144,7 @@ class GlooProcessGroup(ProcessGroup):
         self._pg: Any = None
         self._c10d = tdist
         self._opts_cache: dict[tuple[Any, ...], Any] = {}
+        self._allreduce_opts: dict[ReduceOp, Any] = {}  # per op, for tensors of NATIVE_DTYPES
         self._peers: dict[int, list[bytes]] = {}
         self._waiters = Waiters(f"plugdist-gloo-{self.group_name}-r{rank}")
         # held for the group's life: C++ keeps only the base object, and a collected Python
@@ -217,19 +221,7 @@ class GlooProcessGroup(ProcessGroup):
         """Run ``call(native_pg)``; the returned Work is done with ``result`` (after writing back
         ``staged`` tensors) once torch's work is. See ``work.py`` for how it completes."""
         pg = self._native(op)
-        source: list[int] = []
-
-        def finish(native_work: Any) -> Any:
-            for s in staged:
-                s.finish()
-            if any_source:
-                source.append(int(native_work._source_rank()))
-            return result
-
-        work = GlooWork(finish, lambda exc: self._translate(op, exc), self._arm,
-                        op=op, rank=self._rank, group=self.group_name,
-                        backend=self.backend_name, timeout=self.timeout,
-                        source_rank=lambda: source[0] if source else -1)
+        work = GlooWork(self, op, result, staged, any_source)
         try:
             return work.attach(call(pg), arm=op in ("send", "recv"))
         except Exception as exc:
@@ -292,6 +284,12 @@ class GlooProcessGroup(ProcessGroup):
         return self._issue("broadcast", lambda pg: pg.broadcast([movable(tensor)], opts), [tensor])
 
     def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        if tensor.dtype in _REDUCED_AS_IS:  # the hot path: Gloo reduces the tensor itself
+            opts = self._allreduce_opts.get(op)
+            if opts is None:
+                opts = self._allreduce_opts[op] = self._opts("AllreduceOptions",
+                                                             reduceOp=self._red[op])
+            return self._issue("all_reduce", lambda pg: pg.allreduce([tensor], opts), [tensor])
         s = self._stage("all_reduce", tensor, op)
         opts = self._opts("AllreduceOptions", reduceOp=self._gloo_op(op, tensor))
         return self._issue("all_reduce", lambda pg: pg.allreduce([s.buf], opts), [tensor], [s])

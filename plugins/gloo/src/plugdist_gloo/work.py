@@ -4,47 +4,57 @@ Why not complete every op from a callback on Gloo's future: a Python callback ma
 thread take the GIL for each op, which doubled the latency of small collectives (~200 us on top
 of Gloo's ~200 us for an 8-byte all_reduce between two pinned processes). So the common path,
 ``wait()``, blocks in torch's C++ ``wait`` (the GIL released) and finishes the op on the
-waiting thread. Only when someone asks for the future (``get_future``, ``then``: composed ops, DDP,
-comm hooks) is a callback attached, once; from then on the op completes from Gloo's thread.
-Send and receive are armed at once: their torch works have no future, only a blocking wait that
-one thread may call (a waiter thread, see ``waiters.py``).
+waiting thread, without creating a future at all. Only when someone asks for the future
+(``get_future``, ``then``: composed ops, DDP, comm hooks) is a callback attached, once; from then
+on the op completes from Gloo's thread. Send and receive are armed at once: their torch works
+have no future, only a blocking wait that one thread may call (a waiter thread, see
+``waiters.py``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plugdist.work import Work
 
+from .dtypes import Staged
+
+if TYPE_CHECKING:
+    from .process_group import GlooProcessGroup
+
 __all__ = ["GlooWork"]
+
+_NO_SOURCE = -1
 
 
 class GlooWork(Work):
-    """Thread-safe. Built before the op is issued, then given torch's work with ``attach``:
-    what runs between issuing and blocking in ``wait`` delays Gloo's own threads, which share
-    the CPU. ``finish(native)`` runs the op's completion (write staged tensors back, read the
-    source rank) and returns the Work's value; ``translate(exc)`` turns Gloo's errors into
-    ``DistError``; ``arm(native, callback)`` arranges for ``callback(error_or_None)`` to run once
-    Gloo is done, on some other thread."""
+    """Handle on one Gloo op. Thread-safe.
 
-    def __init__(self, finish: Callable[[Any], Any],
-                 translate: Callable[[BaseException], BaseException],
-                 arm: Callable[[Any, Callable[[BaseException | None], None]], None],
-                 **context: Any) -> None:
-        super().__init__(**context)
+    Built before the op is issued and handed torch's work with ``attach``: what runs between
+    issuing and blocking in ``wait`` delays Gloo's own threads, which share the CPU. On
+    completion it writes ``staged`` tensors back, reads the sender of an any-source receive,
+    and is done with ``result``; Gloo's errors become ``DistError`` through the group.
+    """
+
+    def __init__(self, pg: GlooProcessGroup, op: str, result: Any,
+                 staged: Sequence[Staged] = (), any_source: bool = False) -> None:
+        super().__init__(op=op, rank=pg._rank, group=pg.group_name, backend=pg.backend_name,
+                         timeout=pg.timeout)
+        self._pg = pg
         self._native: Any = None
-        self._finish = finish
-        self._translate = translate
-        self._arm_with = arm
+        self._value = result
+        self._staged = staged
+        self._any_source = any_source
+        self._source = _NO_SOURCE
         self._lock = threading.Lock()
-        self._claimed = False
-        self._armed = False
-        self._finished = False  # set by whichever thread completed the future, after it did
+        self._claimed = False   # a thread is completing (or completed) the Work
+        self._armed = False     # completion was handed to a callback or a waiter thread
+        self._finished = False  # the outcome (_value or _error) is final
         self._error: BaseException | None = None
 
     def attach(self, native: Any, *, arm: bool = False) -> GlooWork:
@@ -56,37 +66,57 @@ class GlooWork(Work):
             self._arm()
         return self
 
+    # -- completion ----------------------------------------------------------------------------
     def _complete(self, error: BaseException | None) -> None:
-        """Complete the future once (the first caller wins; others return at once)."""
+        """Settle the outcome once (the first caller wins; others return at once)."""
         with self._lock:
             if self._claimed:
                 return
             self._claimed = True
+        native = self._native
         if error is None:
             try:
-                value = self._finish(self._native)
+                for s in self._staged:
+                    s.finish()
+                if self._any_source:
+                    self._source = int(native._source_rank())
             except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the Work
                 error = exc
-        if error is not None:
-            self._error = self._translate(error)
-            self.set_exception(self._error)
-        else:
-            self.set_result(value)
-        self._native = None  # the torch work holds the tensors; let them go
-        self._finished = True
+        with self._lock:
+            if error is not None:
+                self._error = self._pg._translate(self.op, error)
+            self._finished = True
+            self._native = None  # the torch work holds the tensors; let them go
+            fut = self._fut
+        if fut is not None:  # someone holds the future: complete it (its callbacks run here)
+            if self._error is not None:
+                fut.set_exception(self._error)
+            else:
+                fut.set_result(self._value)
+
+    def _materialize(self) -> torch.futures.Future:
+        with self._lock:
+            if self._fut is None:
+                fut = torch.futures.Future()
+                if self._finished:  # no callbacks on a new future: safe under the lock
+                    if self._error is not None:
+                        fut.set_exception(self._error)
+                    else:
+                        fut.set_result(self._value)
+                self._fut = fut
+            return self._fut
 
     def _poll(self) -> bool:
-        """Complete from torch's work if it finished; True when this Work is complete."""
+        """Complete from torch's work if it finished; True when the outcome is final."""
         native = self._native
-        if native is not None and not self._armed and not self._future.done() \
-                and native.is_completed():
+        if native is not None and not self._armed and native.is_completed():
             try:
                 native.wait()  # returns at once; raises the op's error
             except Exception as exc:  # noqa: BLE001
                 self._complete(exc)
             else:
                 self._complete(None)
-        return self._future.done()
+        return self._finished
 
     def _arm(self) -> None:
         with self._lock:
@@ -94,42 +124,50 @@ class GlooWork(Work):
                 return
             self._armed = True
             native = self._native  # read before a completer could claim and clear it
-        self._arm_with(native, self._complete)
+        self._pg._arm(native, self._complete)
 
     # -- the Work contract ----------------------------------------------------------------------
     def wait(self, timeout: timedelta | float | None = None) -> bool:
         native = self._native
         # once armed, the callback (or the waiter thread) completes the Work: a second native
         # wait on a send/recv would consume the completion Gloo signals only once
-        if native is not None and not self._armed and not self._future.done():
-            seconds = self._seconds(timeout)
+        if native is not None and not self._armed:
+            limit = self.timeout if timeout is None else timeout
+            if limit is not None and not isinstance(limit, timedelta):
+                limit = timedelta(seconds=limit)
             try:
-                native.wait() if seconds is None else native.wait(timedelta(seconds=seconds))
+                native.wait() if limit is None else native.wait(limit)
             except Exception as exc:  # noqa: BLE001
                 if not native.is_completed():
-                    raise self.timeout_error(seconds) from exc
+                    raise self.timeout_error(self._seconds(timeout)) from exc
                 self._complete(exc)
             else:
                 self._complete(None)
-        if self._finished:  # the common case, without the base class's future round trips
-            if self._error is not None:
-                raise self._error
-            return True
-        return super().wait(timeout)
+        if not self._finished:  # armed, or completed by another thread this very moment
+            super().wait(timeout)
+        if self._error is not None:
+            raise self._error
+        return True
 
     def is_completed(self) -> bool:
         return self._poll()
 
     def is_success(self) -> bool:
-        return self._poll() and self.exception() is None
+        return self._poll() and self._error is None
 
     def exception(self) -> BaseException | None:
-        self._poll()
-        return super().exception()
+        return self._error if self._poll() else None
+
+    def result(self) -> Any:
+        self.wait()
+        return self._value
+
+    def source_rank(self) -> int:
+        return self._source
 
     def get_future(self) -> torch.futures.Future:
         self._arm()
-        return super().get_future()
+        return self._future
 
     def then(self, fn: Callable[[Any], Any], *, op: str | None = None) -> Work:
         self._arm()
