@@ -22,6 +22,10 @@ class ReduceOp(enum.Enum):
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
 
+    # members are singletons compared by identity: hash them the same way, in C (Enum's own
+    # __hash__ is Python code, and every op looks its ReduceOp up in a set or two)
+    __hash__ = object.__hash__
+
 
 reduce_op = ReduceOp  # deprecated alias kept for old scripts
 
