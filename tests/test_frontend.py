@@ -1,6 +1,5 @@
 """The torch.distributed-compatible frontend: init methods, lifecycle, errors, non-members."""
 
-import os
 import re
 from pathlib import Path
 

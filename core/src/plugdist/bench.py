@@ -161,7 +161,7 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
         iters = _iters(nbytes)
         samples: dict[str, list[float]] = {"ours": [], "theirs": []}
         impls = [("ours", ours, None)] + ([("theirs", theirs, their_group)] if theirs else [])
-        for name, fn, group in impls:  # warm-up
+        for _name, fn, group in impls:  # warm-up
             for _ in range(3):
                 fn(buf, group)
         chunk = max(2, iters // _CHUNKS)

@@ -24,7 +24,7 @@ import torch
 
 from .errors import DistBackendError
 from .reduce_op import ReduceOp, apply_local
-from .work import Work, completed_work, gather_works
+from .work import Work, gather_works
 
 if TYPE_CHECKING:
     from .process_group import Capabilities, ProcessGroup
