@@ -149,7 +149,12 @@ def latency(impl: str, client_cpu: int, server_cpu: int, a: argparse.Namespace) 
     try:
         proc = child("latency", impl, port=port, cpu=client_cpu, iters=a.iters, warmup=a.warmup,
                      value_size=a.value_size)
-        out, _ = proc.communicate(timeout=600)
+        try:
+            out, _ = proc.communicate(timeout=600)
+        finally:
+            if proc.poll() is None:  # timed out or interrupted: leave no pinned client behind
+                proc.kill()
+                proc.wait()
         return json.loads(out.strip().splitlines()[-1])
     finally:
         stop(server)

@@ -89,20 +89,6 @@ def _buffers(op: str, count: int, dtype: Any, n: int, device: Any = None) -> tup
     return torch.ones(count, **kw), None
 
 
-def _bench_device(rank: int) -> Any:
-    """This rank's GPU when the backend handles only CUDA tensors (made current), else None."""
-    import torch
-
-    import plugdist as dist
-
-    types = dist.group.WORLD.capabilities().device_types
-    if "cpu" in types or "cuda" not in types:
-        return None
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
-
-
 def _synchronized(fn: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
     """``fn`` timed to completion: CUDA ops return once queued, so wait for the device."""
     import torch
@@ -115,17 +101,18 @@ def _synchronized(fn: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
 
 
 def _mpi4py_op(op: str) -> Callable[[Any, Any], None]:
+    """Raw mpi4py on numpy views of the same buffers (made once per size, outside the timing)."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     if op == "all_reduce":
-        return lambda buf, _g: comm.Allreduce(MPI.IN_PLACE, buf[0].numpy(), op=MPI.SUM)
+        return lambda arr, _g: comm.Allreduce(MPI.IN_PLACE, arr[0], op=MPI.SUM)
     if op == "broadcast":
-        return lambda buf, _g: comm.Bcast(buf[0].numpy(), root=0)
+        return lambda arr, _g: comm.Bcast(arr[0], root=0)
     if op == "all_gather":
-        return lambda buf, _g: comm.Allgather(buf[0].numpy(), buf[1].numpy())
+        return lambda arr, _g: comm.Allgather(arr[0], arr[1])
     if op == "all_to_all":
-        return lambda buf, _g: comm.Alltoall(buf[0].numpy(), buf[1].numpy())
+        return lambda arr, _g: comm.Alltoall(arr[0], arr[1])
     raise ValueError(f"--compare mpi4py supports all_reduce, broadcast, all_gather, all_to_all; not {op}")
 
 
@@ -134,15 +121,16 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
     import torch
 
     import plugdist as dist
+    from plugdist.testing.checks import check_device
 
     cpus = sorted(os.sched_getaffinity(0))
     if cfg["pin"]:
         os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     torch.set_num_threads(1)
     dtype = getattr(torch, cfg["dtype"])
-    device = _bench_device(rank)
+    device = check_device()  # this rank's GPU for a CUDA-only backend, else None
     ours = _ops(cfg["op"], dist)
-    theirs, their_group = None, None
+    theirs = None
     if cfg["compare"] == "torch":
         import torch.distributed as tdist
 
@@ -160,18 +148,22 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
         buf = _buffers(cfg["op"], count, dtype, world_size, device)
         iters = _iters(nbytes)
         samples: dict[str, list[float]] = {"ours": [], "theirs": []}
-        impls = [("ours", ours, None)] + ([("theirs", theirs, their_group)] if theirs else [])
-        for _name, fn, group in impls:  # warm-up
+        impls = [("ours", ours, buf)]
+        if theirs is not None:
+            their_buf = (tuple(None if b is None else b.numpy() for b in buf)
+                         if cfg["compare"] == "mpi4py" else buf)
+            impls.append(("theirs", theirs, their_buf))
+        for _name, fn, b in impls:  # warm-up
             for _ in range(3):
-                fn(buf, group)
+                fn(b, None)
         chunk = max(2, iters // _CHUNKS)
         for _ in range(_CHUNKS):
-            for name, fn, group in impls:
+            for name, fn, b in impls:
                 dist.barrier()
                 times = []
                 for _ in range(chunk):
                     t0 = time.perf_counter()
-                    fn(buf, group)
+                    fn(b, None)
                     times.append(time.perf_counter() - t0)
                 samples[name].append(statistics.median(times))
         # the best chunk's median: on a shared machine, noise comes in stretches that can cover
@@ -193,7 +185,7 @@ def _format(rows: list[dict[str, Any]], cfg: dict[str, Any], n: int) -> str:
     if cfg["compare"]:
         head += f" {cfg['compare'] + '(us)':>12} {'ratio':>7}"
     lines = [f"# plugdist-bench: op={cfg['op']} backend={cfg['backend']} nproc={n} "
-             f"dtype={cfg['dtype']} pinned={cfg['pin']} (per-op latency on rank 0, best of 8 chunk medians; "
+             f"dtype={cfg['dtype']} pinned={cfg['pin']} (per-op latency on rank 0, best of {_CHUNKS} chunk medians; "
              f"ratio = plugdist time / {cfg['compare'] or '-'} time)", head]
     for r in rows:
         t = r["ours"]

@@ -17,7 +17,7 @@ from .errors import DistBackendError, DistError, DistTimeoutError, where
 
 __all__ = ["Work", "completed_work", "failed_work"]
 
-_EVENT_LOCK = threading.Lock()  # for creating a Work's future or event: one lock for all
+_LAZY_LOCK = threading.Lock()  # for creating a Work's future or event: one lock for all
 
 
 class Work:
@@ -47,7 +47,7 @@ class Work:
     def _materialize(self) -> torch.futures.Future:
         """Create the future (once, thread-safe). Subclasses that complete a Work without it
         override this to hand the outcome over to the new future."""
-        with _EVENT_LOCK:
+        with _LAZY_LOCK:
             if self._fut is None:
                 self._fut = torch.futures.Future()
             return self._fut
@@ -76,7 +76,7 @@ class Work:
     def _done_event(self) -> threading.Event:
         """An Event set when the future completes (a future's own wait cannot time out)."""
         fut = self._future  # outside the lock: creating it takes the lock too
-        with _EVENT_LOCK:
+        with _LAZY_LOCK:
             if self._done is None:
                 done = self._done = threading.Event()
                 fut.add_done_callback(lambda _f: done.set())
@@ -126,8 +126,7 @@ class Work:
     def then(self, fn: Callable[[Any], Any], *, op: str | None = None) -> "Work":
         """A new Work completed with ``fn(result)`` once this one succeeds (errors pass through).
         ``fn`` runs on whichever thread completes this Work."""
-        nxt = Work(op=op or self.op, rank=self.rank, group=self.group, backend=self.backend,
-                   timeout=self.timeout, source_rank=self.source_rank)
+        nxt = self._successor(op)
 
         def chain(fut: torch.futures.Future) -> None:
             try:
@@ -137,8 +136,13 @@ class Work:
             else:
                 nxt.set_result(value)
 
-        self._future.add_done_callback(chain)
+        self.get_future().add_done_callback(chain)
         return nxt
+
+    def _successor(self, op: str | None) -> Work:
+        """The pending Work that ``then`` completes; backends return their own Work type."""
+        return Work(op=op or self.op, rank=self.rank, group=self.group, backend=self.backend,
+                    timeout=self.timeout, source_rank=self.source_rank)
 
     # -- helpers -----------------------------------------------------------------------------
     def _where(self) -> str:

@@ -22,8 +22,7 @@ from plugdist.reduce_op import ReduceOp
 from plugdist.store import Store
 from plugdist.work import Work
 
-from .dtypes import (NATIVE_DTYPES, Staged, effective_op, flat_bytes, movable, rows,
-                     stage_reduction)
+from .dtypes import Staged, effective_op, flat_bytes, movable, rows, stage_reduction
 from .options import GlooOptions, make_devices
 from .store_bridge import StoreBridge
 from .waiters import Waiters
@@ -34,8 +33,6 @@ __all__ = ["GlooProcessGroup"]
 _TIMEOUT_HINTS = ("timed out", "timeout")
 _PEER_LOST_HINTS = ("connection closed", "connection reset", "broken pipe", "connection refused",
                     "read error", "write error", "socket closed", "end of file")
-# dtypes Gloo reduces in place with the op asked for (bool needs its op mapped: effective_op)
-_REDUCED_AS_IS = NATIVE_DTYPES - {torch.bool}
 _ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:(\d+)")
 
 
@@ -144,7 +141,6 @@ class GlooProcessGroup(ProcessGroup):
         self._pg: Any = None
         self._c10d = tdist
         self._opts_cache: dict[tuple[Any, ...], Any] = {}
-        self._allreduce_opts: dict[ReduceOp, Any] = {}  # per op, for tensors of NATIVE_DTYPES
         self._peers: dict[int, list[bytes]] = {}
         self._waiters = Waiters(f"plugdist-gloo-{self.group_name}-r{rank}")
         # held for the group's life: C++ keeps only the base object, and a collected Python
@@ -284,12 +280,6 @@ class GlooProcessGroup(ProcessGroup):
         return self._issue("broadcast", lambda pg: pg.broadcast([movable(tensor)], opts), [tensor])
 
     def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
-        if tensor.dtype in _REDUCED_AS_IS:  # the hot path: Gloo reduces the tensor itself
-            opts = self._allreduce_opts.get(op)
-            if opts is None:
-                opts = self._allreduce_opts[op] = self._opts("AllreduceOptions",
-                                                             reduceOp=self._red[op])
-            return self._issue("all_reduce", lambda pg: pg.allreduce([tensor], opts), [tensor])
         s = self._stage("all_reduce", tensor, op)
         opts = self._opts("AllreduceOptions", reduceOp=self._gloo_op(op, tensor))
         return self._issue("all_reduce", lambda pg: pg.allreduce([s.buf], opts), [tensor], [s])

@@ -14,7 +14,7 @@ have no future, only a blocking wait that one thread may call (a waiter thread, 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -168,7 +168,3 @@ class GlooWork(Work):
     def get_future(self) -> torch.futures.Future:
         self._arm()
         return self._future
-
-    def then(self, fn: Callable[[Any], Any], *, op: str | None = None) -> Work:
-        self._arm()
-        return super().then(fn, op=op)

@@ -20,6 +20,7 @@ Reductions:
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 from plugdist import ReduceOp
 
 __all__ = ["raw", "address", "overlap", "reduce_spec", "cached_spec", "scattered", "staged",
+           "displacements",
            "ReduceSpec",
            "STAGE_ALWAYS"]
 
@@ -109,11 +111,16 @@ def scattered(MPI: Any, tensors: list[torch.Tensor]) -> tuple[Any, list[int], li
     return _buffer_type(MPI).fromaddress(base, end - base), counts, displs
 
 
+def displacements(counts: list[int]) -> list[int]:
+    """Where each of ``counts`` consecutive pieces starts: the prefix sums before each."""
+    return list(itertools.accumulate(counts, initial=0))[:-1]
+
+
 def staged(tensors: list[torch.Tensor], fill: bool = False) -> tuple[torch.Tensor, list[int],
                                                                       list[int]]:
     """A packed uint8 copy of ``tensors`` (``fill``) or room for them: (flat, counts, displs)."""
     counts = [t.numel() * t.element_size() for t in tensors]
-    displs = [sum(counts[:i]) for i in range(len(counts))]
+    displs = displacements(counts)
     if fill:
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]) if tensors else \
             torch.empty(0, dtype=torch.uint8)

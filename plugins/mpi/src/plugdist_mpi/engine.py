@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from plugdist.errors import DistTimeoutError, where
 from plugdist.work import Work
 
 from ._mpi import load
@@ -86,35 +85,19 @@ class MPIWork(Work):
     _pending: _Pending | None = None
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
-        limit = timeout if timeout is not None else self.timeout
-        seconds = limit.total_seconds() if isinstance(limit, timedelta) else limit
         if not self.is_completed() and self._pending is not None:
+            seconds = self._seconds(timeout)
             deadline = None if seconds is None else time.perf_counter() + seconds
             if not engine.drive(self, self._pending, deadline):
-                here = where(rank=self.rank, group=self.group, op=self.op, backend=self.backend)
-                raise DistTimeoutError(
-                    f"{here} did not complete within {seconds:.1f}s: a peer may have "
-                    f"died, be stuck, or be running a different op; check every rank's logs (the "
-                    f"debug plugin's TORCH_DISTRIBUTED_DEBUG=DETAIL names the ranks that never "
-                    f"arrived)")
+                raise self.timeout_error(seconds)
         return super().wait(timeout)
 
-    def then(self, fn: Callable[[Any], Any], *, op: str | None = None) -> Work:
-        """As :meth:`Work.then`; the new Work's ``wait`` drives this op's request too, so a
-        chained op (AVG's divide, a DDP comm hook) does not wait for the progress thread."""
+    def _successor(self, op: str | None) -> Work:
+        """A chained Work (``then``: AVG's divide, a DDP comm hook) drives this op's request
+        too, so it does not wait for the progress thread."""
         nxt = MPIWork(op=op or self.op, rank=self.rank, group=self.group, backend=self.backend,
                       timeout=self.timeout, source_rank=self.source_rank)
         nxt._pending = self._pending
-
-        def chain(fut: Any) -> None:
-            try:
-                value = fn(fut.value())
-            except BaseException as exc:  # noqa: BLE001 - handed on to whoever waits
-                nxt.set_exception(exc)
-            else:
-                nxt.set_result(value)
-
-        self.get_future().add_done_callback(chain)
         return nxt
 
 
@@ -309,16 +292,16 @@ class Engine:
             return
 
     def _test_pending(self) -> Finished:
-        """Test every pending request; remove and return the finished ones with their errors."""
-        with self.lock:
-            finished: Finished = []
-            for p in self._pending:
-                outcome = self._test_one(p)
-                if outcome is not None:
-                    finished.append(outcome)
-            if finished:
-                self._pending = [p for p in self._pending if not p.finished]
-            return finished
+        """Test every pending request (lock held); remove and return the finished ones with
+        their errors."""
+        finished: Finished = []
+        for p in self._pending:
+            outcome = self._test_one(p)
+            if outcome is not None:
+                finished.append(outcome)
+        if finished:
+            self._pending = [p for p in self._pending if not p.finished]
+        return finished
 
     @staticmethod
     def _test_one(p: _Pending) -> tuple[_Pending, Any, BaseException | None] | None:

@@ -152,12 +152,11 @@ class MPIProcessGroup(ProcessGroup):
         work = MPIWork(op=op, rank=self._rank, group=self.group_name, backend=self.backend_name,
                        timeout=self.timeout, source_rank=source_rank)
 
-        def finished(status: Any) -> Any:
+        def done(status: Any) -> Any:
             if finish is not None:
                 finish(status)
             return result
 
-        done: Callable[[Any], Any] = finished if finish is not None else lambda _status: result
         try:
             return engine.issue(self, work, lambda: start(comm), done,
                                 lambda exc: self._translate(op, exc, keep), cancellable)
@@ -413,11 +412,7 @@ def _row_bytes(t: torch.Tensor, rows: int) -> int:
 
 def _counts(splits: list[int], row: int) -> tuple[list[int], list[int]]:
     counts = [s * row for s in splits]
-    displs, at = [], 0
-    for c in counts:
-        displs.append(at)
-        at += c
-    return counts, displs
+    return counts, dtypes.displacements(counts)
 
 
 def _check_identity(MPI: Any, here: str, rank: int, size: int, members: tuple[int, ...],
