@@ -1,5 +1,6 @@
 """Rank bodies for tests/test_nccl.py (module level, so the harness can import them by name).
-They need a GPU per rank; each makes ``cuda:<rank>`` current first."""
+They need a GPU per rank; each makes its GPU current first (``check_device``: ``LOCAL_RANK``
+modulo the GPU count)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import torch
 from torch import nn
 
 import plugdist as dist
+from plugdist.testing.checks import check_device
 
 
-def _gpu(rank: int) -> torch.device:
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+def _gpu() -> torch.device:
+    device = check_device()
+    assert device is not None, "the nccl backend handles CUDA tensors only"
     return device
 
 
@@ -19,7 +21,7 @@ def stream_ordering(rank: int, ws: int) -> list[str]:
     """The seed's example: an all_reduce consumed on another stream after ``wait()`` (which must
     not block the host) and that stream's ``wait_stream``; a long kernel queued first on the
     caller's stream must be ordered before the collective."""
-    dev = _gpu(rank)
+    dev = _gpu()
     problems = []
     side = torch.cuda.Stream(dev)
     for size in (1, 1 << 20):
@@ -51,21 +53,19 @@ def high_priority(rank: int, ws: int) -> tuple[int, float]:
     """A group built with is_high_priority_stream runs its ops on a high-priority stream."""
     from plugdist_nccl import NCCLOptions
 
-    dev = _gpu(rank)
+    dev = _gpu()
     g = dist.new_group(list(range(ws)), pg_options=NCCLOptions(is_high_priority_stream=True))
     t = torch.ones(4, device=dev)
     dist.all_reduce(t, group=g)
-    pg = g
-    while hasattr(pg, "inner"):  # a debug wrapper, if one is installed
-        pg = pg.inner
-    return pg.stream.priority, t.sum().item()
+    # a debug wrapper, if one is installed, forwards ``stream`` to the NCCL group
+    return g.stream.priority, t.sum().item()
 
 
 def ddp_one_rank(rank: int, ws: int) -> list[float]:
     """DDP on CUDA: gradients equal plain single-process training (world of one)."""
     from plugdist.parallel import DistributedDataParallel
 
-    dev = _gpu(rank)
+    dev = _gpu()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to(dev)
     ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to(dev)
@@ -81,7 +81,7 @@ def ddp_one_rank(rank: int, ws: int) -> list[float]:
 def blocking_wait_timeout(rank: int, ws: int) -> str:
     """NCCL_BLOCKING_WAIT: rank 1 never joins the second all_reduce; rank 0's wait raises
     DistTimeoutError within the group timeout."""
-    dev = _gpu(rank)
+    dev = _gpu()
     t = torch.ones(4, device=dev)
     dist.all_reduce(t)  # builds the communicator on both
     torch.cuda.synchronize()

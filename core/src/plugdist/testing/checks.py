@@ -16,7 +16,7 @@ import os
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -42,12 +42,17 @@ def check_names() -> list[str]:
     return list(CHECKS)
 
 
+def cuda_only(device_types: Sequence[str]) -> bool:
+    """Whether a backend with these device types handles CUDA tensors and not CPU ones (its
+    ranks then need one GPU each)."""
+    return "cuda" in device_types and "cpu" not in device_types
+
+
 def check_device() -> torch.device | None:
     """Where the checks create tensors: None (torch's default, the CPU), or for a backend that
     handles only CUDA, this rank's GPU (``LOCAL_RANK`` modulo the GPU count), which is then
     also made the current device."""
-    types = dist.group.WORLD.capabilities().device_types
-    if "cpu" in types or "cuda" not in types:
+    if not cuda_only(dist.group.WORLD.capabilities().device_types):
         return None
     local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
     device = torch.device("cuda", local % torch.cuda.device_count())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from plugdist.testing.checks import check_names, run_checks
+from plugdist.testing.checks import check_names, cuda_only, run_checks
 from plugdist.testing.harness import run_world
 
 WORLD_TIMEOUT = 240.0
@@ -24,7 +24,7 @@ def _gpu_shortfall(backend: str, world_size: int) -> str | None:
     from plugdist.registry import BACKENDS, registry
 
     types = tuple(getattr(registry.load(BACKENDS, backend), "device_types", ("cpu",)))
-    if "cpu" in types or "cuda" not in types:
+    if not cuda_only(types):
         return None
     import torch
 

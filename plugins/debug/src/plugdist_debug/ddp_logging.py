@@ -13,12 +13,12 @@ Called from the plugin's hooks on the training thread.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from plugdist import DebugLevel, get_debug_level
 from plugdist.log import get_logger
 
+from ._env import env_int
 from .verbosity import follow_debug_level
 
 __all__ = ["log_construction", "log_iteration", "EVERY_ENV"]
@@ -28,11 +28,7 @@ DEFAULT_EVERY = 100
 
 
 def _every() -> int:
-    raw = os.environ.get(EVERY_ENV, "")
-    try:
-        return max(1, int(raw)) if raw else DEFAULT_EVERY
-    except ValueError:
-        raise ValueError(f"{EVERY_ENV}={raw!r} is not a number of iterations") from None
+    return env_int(EVERY_ENV, DEFAULT_EVERY, 1, "a number of iterations")
 
 
 def _logger(module: Any, rank: Any = None) -> Any:

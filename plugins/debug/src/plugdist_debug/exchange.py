@@ -20,9 +20,10 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from plugdist import DistError, DistTimeoutError, Store
+from plugdist.errors import where
 
 from .fingerprint import Fingerprint, describe, differences, rank_list
 
@@ -63,7 +64,7 @@ class GroupIdentity:
         return f"rank {group_rank} (global {self.global_ranks[group_rank]})"
 
     def where(self, op: str) -> str:
-        return (f"[rank {self.rank}, group {self.name!r}, backend {self.backend!r}, op {op}]")
+        return where(rank=self.rank, group=self.name, backend=self.backend, op=op)
 
 
 class FingerprintExchange:
@@ -82,12 +83,13 @@ class FingerprintExchange:
     def _key(self, seq: int, rank: int) -> str:
         return f"fp/{seq}/{rank}"
 
-    def check(self, fp: Fingerprint) -> None:
+    def check(self, fp: Fingerprint, doc: dict[str, Any] | None = None) -> None:
         """Block until every rank posted its fingerprint for ``fp.seq`` (bounded by the group's
-        timeout), then compare. Raises CollectiveMismatchError or DistTimeoutError."""
+        timeout), then compare. ``doc``: ``fp.to_json()`` when the caller already has it.
+        Raises CollectiveMismatchError or DistTimeoutError."""
         ident, seq, me = self._ident, fp.seq, self._ident.rank
         keys = [self._key(seq, r) for r in range(ident.size)]
-        self._store.set(keys[me], fp.encode())
+        self._store.set(keys[me], fp.encode(doc))
         try:
             if self._store.timeout != self._timeout:
                 self._store.wait(keys, self._timeout)

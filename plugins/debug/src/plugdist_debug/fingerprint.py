@@ -86,8 +86,9 @@ class Fingerprint:
             out["recvs"] = list(self.recvs)
         return out
 
-    def encode(self) -> bytes:
-        return json.dumps(self.to_json(), separators=(",", ":")).encode()
+    def encode(self, doc: dict[str, Any] | None = None) -> bytes:
+        """The wire form; ``doc``: :meth:`to_json`'s result when the caller already has it."""
+        return json.dumps(self.to_json() if doc is None else doc, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Fingerprint:

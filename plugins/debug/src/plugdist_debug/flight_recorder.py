@@ -30,6 +30,8 @@ from typing import Any
 
 from plugdist.log import get_logger
 
+from ._env import env_int
+
 __all__ = ["Entry", "FlightRecorder", "FlightRecorders", "recorders", "dump_flight_recorder",
            "install_signal_handler", "DUMP_VERSION", "SIZE_ENV", "DIR_ENV", "SIGNAL_ENV"]
 
@@ -44,11 +46,7 @@ SCHEDULED, STARTED, COMPLETED, FAILED = "scheduled", "started", "completed", "fa
 
 
 def _capacity() -> int:
-    raw = os.environ.get(SIZE_ENV, "")
-    try:
-        return max(0, int(raw)) if raw else DEFAULT_SIZE
-    except ValueError:
-        raise ValueError(f"{SIZE_ENV}={raw!r} is not a number of entries") from None
+    return env_int(SIZE_ENV, DEFAULT_SIZE, 0, "a number of entries")
 
 
 def dump_dir() -> Path:

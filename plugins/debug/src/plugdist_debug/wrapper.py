@@ -121,12 +121,13 @@ class DebugProcessGroup(ProcessGroup):
                 (None if reduce_op is None else str(reduce_op))
             fp = Fingerprint(seq=seq, op=op, reduce_op=red, root=root, tensors=tuple(tensors),
                              sends=sends, recvs=recvs)
-            entry = self.recorder.record(op, seq=seq, fingerprint=fp.to_json())
+            doc = fp.to_json()  # serialised once: for the recorder and the exchange
+            entry = self.recorder.record(op, seq=seq, fingerprint=doc)
             if self._size == 1:
                 return self._issue(entry, run)
             self._checking = entry
             try:
-                self._exchange.check(fp)
+                self._exchange.check(fp, doc)
             except BaseException as err:
                 if entry.state != FAILED:
                     self.recorder.complete(entry, err)

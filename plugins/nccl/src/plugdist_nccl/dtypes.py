@@ -15,7 +15,7 @@ from plugdist.reduce_op import ReduceOp
 
 from ._nccl import BF16_VERSION
 
-__all__ = ["Buffer", "data_buffer", "reduction_buffer", "nccl_op"]
+__all__ = ["Buffer", "data_buffer", "reduction_buffer", "check_reducible", "nccl_op"]
 
 # NCCL's ABI values (nccl.h), stable since 2.0; the bfloat16 and avg codes need NCCL >= 2.10
 _INT8, _UINT8, _INT32, _UINT32, _INT64, _UINT64 = 0, 1, 2, 3, 4, 5
@@ -53,18 +53,25 @@ def data_buffer(t: torch.Tensor, nccl_version: tuple[int, int, int]) -> Buffer:
     return Buffer(t.data_ptr(), t.numel(), code)
 
 
-def reduction_buffer(t: torch.Tensor, nccl_version: tuple[int, int, int]) -> Buffer:
-    """``t`` for a reduction; raises TypeError for a dtype NCCL cannot reduce."""
-    if t.dtype in _COMPLEX_PARTS:
-        return Buffer(t.data_ptr(), t.numel() * 2, _COMPLEX_PARTS[t.dtype])
-    code = _CODES.get(t.dtype)
+def check_reducible(dtype: torch.dtype, nccl_version: tuple[int, int, int]) -> None:
+    """Raise TypeError when NCCL ``nccl_version`` cannot reduce ``dtype`` tensors."""
+    if dtype in _COMPLEX_PARTS:
+        return
+    code = _CODES.get(dtype)
     if code is None:
-        raise TypeError(f"NCCL cannot reduce {t.dtype} tensors; convert it (e.g. .float() or "
+        raise TypeError(f"NCCL cannot reduce {dtype} tensors; convert it (e.g. .float() or "
                         f".int()) first")
     if code == _BFLOAT16 and nccl_version < BF16_VERSION:
         raise TypeError(f"NCCL {'.'.join(map(str, nccl_version))} cannot reduce bfloat16 "
                         f"(NCCL 2.10 or later can); convert to float32 or upgrade NCCL")
-    return Buffer(t.data_ptr(), t.numel(), code)
+
+
+def reduction_buffer(t: torch.Tensor, nccl_version: tuple[int, int, int]) -> Buffer:
+    """``t`` for a reduction; raises TypeError for a dtype NCCL cannot reduce."""
+    check_reducible(t.dtype, nccl_version)
+    if t.dtype in _COMPLEX_PARTS:
+        return Buffer(t.data_ptr(), t.numel() * 2, _COMPLEX_PARTS[t.dtype])
+    return Buffer(t.data_ptr(), t.numel(), _CODES[t.dtype])
 
 
 def nccl_op(op: ReduceOp, dtype: torch.dtype) -> int:

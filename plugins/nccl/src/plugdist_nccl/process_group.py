@@ -25,14 +25,14 @@ import torch
 
 from plugdist.errors import DistBackendError, DistError, DistTimeoutError, where
 from plugdist.log import get_logger
-from plugdist.process_group import Capabilities, GroupOptions, ProcessGroup
+from plugdist.process_group import GroupOptions, ProcessGroup
 from plugdist.reduce_op import ReduceOp
 from plugdist.store import Store
 from plugdist.work import Work
 
 from ._nccl import AVG_VERSION, availability, load, version
 from .communicator import create_communicator
-from .dtypes import Buffer, data_buffer, nccl_op, reduction_buffer
+from .dtypes import Buffer, check_reducible, data_buffer, nccl_op, reduction_buffer
 from .options import ErrorHandling, NCCLOptions, blocking_wait_from_env, error_handling_from_env
 from .watchdog import Watchdog
 from .work import NCCLWork
@@ -111,9 +111,6 @@ class NCCLProcessGroup(ProcessGroup):
     def is_available(cls) -> tuple[bool, str]:
         """Whether a GPU, cupy and NCCL >= 2.7 are usable here, and why not. Never raises."""
         return availability()
-
-    def capabilities(self) -> Capabilities:
-        return self._caps
 
     @property
     def device(self) -> torch.device | None:
@@ -206,7 +203,7 @@ class NCCLProcessGroup(ProcessGroup):
                         high_priority=self.nccl_options.is_high_priority_stream)
         return self._comm
 
-    def _device_of(self, op: str, t: torch.Tensor | None) -> torch.device:
+    def _device_of(self, t: torch.Tensor | None) -> torch.device:
         if t is not None:
             return t.device if t.device.index is not None else \
                 torch.device("cuda", torch.cuda.current_device())
@@ -226,7 +223,7 @@ class NCCLProcessGroup(ProcessGroup):
                result: Any, blocking: bool = False) -> NCCLWork:
         """Queue ``issue`` on the group's stream after the caller's current stream; return its
         Work. ``keep``: every tensor the op touches (held until it finished)."""
-        device = self._device_of(op, sample)
+        device = self._device_of(sample)
         with self._lock:
             self._flush_locked()
             comm = self._ensure_comm(op, device)
@@ -285,7 +282,7 @@ class NCCLProcessGroup(ProcessGroup):
         self._launch("send/recv", comm, works, issue)
 
     def _hold_p2p(self, op: str, send: bool, tensor: torch.Tensor, peer: int) -> NCCLWork:
-        device = self._device_of(op, tensor)
+        device = self._device_of(tensor)
         with self._lock:
             self._check_usable(op, device)
             stream = self._ensure_stream(device)
@@ -344,25 +341,27 @@ class NCCLProcessGroup(ProcessGroup):
         for w in works:
             w.fail(exc)
 
+    def _timeout_error(self, work: NCCLWork, tail: str) -> DistTimeoutError:
+        """``work`` outlived the group's timeout; ``tail`` says what happens about it."""
+        return DistTimeoutError(f"{work._where()} did not finish on {work.device} within "
+                                f"{self.timeout.total_seconds():.1f}s{tail}")
+
     def _wait_timeout(self, work: NCCLWork) -> BaseException:
         """NCCL_BLOCKING_WAIT ran out: abort the communicator (its state is unknown now) and
         return the error for the waiter to raise."""
-        seconds = self.timeout.total_seconds()
-        err = DistTimeoutError(
-            f"{work._where()} did not finish on {work.device} within {seconds:.1f}s "
-            f"(NCCL_BLOCKING_WAIT); the NCCL communicator was aborted. A peer may have died, be "
-            f"stuck, or be running a different op; this group cannot be used any more")
-        self._log.error("nccl op timed out", op=work.op, seconds=seconds)
+        err = self._timeout_error(
+            work, " (NCCL_BLOCKING_WAIT); the NCCL communicator was aborted. A peer may have "
+                  "died, be stuck, or be running a different op; this group cannot be used any "
+                  "more")
+        self._log.error("nccl op timed out", op=work.op, seconds=self.timeout.total_seconds())
         self._abort(err)
         return err
 
     def _watchdog_timeout(self, work: NCCLWork) -> None:
-        seconds = self.timeout.total_seconds()
-        err = DistTimeoutError(
-            f"{work._where()} did not finish on {work.device} within {seconds:.1f}s; the "
-            f"watchdog (NCCL_ASYNC_ERROR_HANDLING={int(self._handling)}) aborts the NCCL "
-            f"communicator: a peer may have died, be stuck, or be running a different op")
-        self._fail_async(err)
+        self._fail_async(self._timeout_error(
+            work, f"; the watchdog (NCCL_ASYNC_ERROR_HANDLING={int(self._handling)}) aborts the "
+                  "NCCL communicator: a peer may have died, be stuck, or be running a different "
+                  "op"))
 
     def _watchdog_error(self, exc: BaseException) -> None:
         err = DistBackendError(f"{self.where('watchdog')} NCCL reported an asynchronous error on "
@@ -387,7 +386,7 @@ class NCCLProcessGroup(ProcessGroup):
                              f"on CPU tensors")
         super()._check_reduce(op, red, tensor)
         try:
-            reduction_buffer(tensor, self._version)
+            check_reducible(tensor.dtype, self._version)
         except TypeError as exc:
             raise TypeError(f"{self.where(op)} {exc}") from None
 
@@ -489,7 +488,7 @@ class NCCLProcessGroup(ProcessGroup):
         return self._exchange("scatter", tensor, [None] * n, recvs, [tensor], [tensor])
 
     def native_barrier(self) -> Work:
-        device = self._device_of("barrier", None)
+        device = self._device_of(None)
         flag = torch.zeros(1, dtype=torch.float32, device=device)
         buf = data_buffer(flag, self._version)
         return self._issue("barrier", flag,

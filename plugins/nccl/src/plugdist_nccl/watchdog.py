@@ -55,10 +55,6 @@ class Watchdog:
             self._inflight.clear()
             return works
 
-    def idle(self) -> bool:
-        with self._cond:
-            return not self._inflight
-
     def stop(self) -> None:
         with self._cond:
             self._stopped = True

@@ -51,10 +51,6 @@ class NCCLWork(Work):
         self.issued_at = time.monotonic()
         self._event = event
 
-    @property
-    def event(self) -> torch.cuda.Event | None:
-        return self._event
-
     def gpu_done(self) -> bool:
         return self._event is not None and self._event.query()
 
@@ -88,8 +84,7 @@ class NCCLWork(Work):
         return True
 
     def _block(self, timeout: timedelta | float | None) -> None:
-        limit = timeout if timeout is not None else self.timeout
-        seconds = limit.total_seconds() if isinstance(limit, timedelta) else limit
+        seconds = self._seconds(timeout)
         deadline = time.monotonic() + (seconds if seconds is not None else float("inf"))
         pause = 1e-5
         while not self.gpu_done():
