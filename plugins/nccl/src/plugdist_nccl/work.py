@@ -115,6 +115,3 @@ class NCCLWork(Work):
         Work.wait(self)
         return self._future.value()
 
-    def then(self, fn: Callable[[Any], Any], *, op: str | None = None) -> Work:
-        self._flush()
-        return super().then(fn, op=op)
