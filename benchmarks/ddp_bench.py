@@ -97,7 +97,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     overlap = {}
     for v in variants:
         ddp = models[v][1]
-        if ddp is not None and hasattr(ddp, "_get_ddp_logging_data") and v.startswith("plugdist"):
+        if ddp is not None and v.startswith("plugdist"):
             data = ddp._get_ddp_logging_data()
             keys = ("avg_backward_compute_time", "avg_backward_comm_time",
                     "avg_backward_compute_comm_overlap_time", "bucket_sizes")
@@ -109,10 +109,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
 
 
 def _free_port() -> int:
+    from plugdist.launcher import free_port
+
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         with socket.socket() as s:  # the torch store takes port + 1
             try:
                 s.bind(("127.0.0.1", port + 1))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 
@@ -22,6 +21,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import plugdist as dist
+from plugdist.launcher import free_port
 from plugdist.parallel import DistributedDataParallel as DDP
 
 
@@ -60,11 +60,8 @@ def main() -> int:
     args = p.parse_args()
 
     if "RANK" not in os.environ:  # plain `python train_digits.py`: a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
+                          MASTER_PORT=str(free_port()))
     torch.set_num_threads(1)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()

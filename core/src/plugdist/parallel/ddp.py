@@ -17,14 +17,16 @@ import dataclasses
 import inspect
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from ..errors import DistError
+from ..groups import resolve_group
 from ..log import get_logger
 from ..process_group import ProcessGroup
+from ..reduce_op import ReduceOp
 from .bucketing import DEFAULT_FIRST_BUCKET_BYTES
 from .comm_hooks import CommHook, GradBucket
 from .join import Join, JoinHook, Joinable
@@ -98,7 +100,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         params, names = self._params_for_reducer()
-        self._buffers_to_sync = [b for n, b in _unique_named(module.named_buffers())
+        self._buffers_to_sync = [b for n, b in module.named_buffers()
                                  if n not in self.parameters_to_ignore]
         where = self.process_group.where("DistributedDataParallel")
         verify_model_across_ranks(self.process_group, params, names, where)
@@ -106,14 +108,12 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         options = ReducerOptions(
             bucket_cap_bytes=self.bucket_bytes_cap,
-            first_bucket_cap_bytes=DEFAULT_FIRST_BUCKET_BYTES,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
             param_names=dict(enumerate(names)))
         self.logger = DDPLogger()
         reducer_cls = _resolve_reducer(reducer)
         self.reducer: Reducer = reducer_cls(params, self.process_group, options, self.logger)
-        self._comm_hook_name = ""
         self.logger.set_construction_data(
             self,
             world_size=self.process_group.size(), rank=self._rank,
@@ -121,7 +121,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             device_ids=",".join(str(d) for d in self.device_ids or []),
             output_device=-1 if self.output_device is None else self.output_device,
             backend_name=self.process_group.backend_name,
-            reducer=getattr(reducer_cls, "__name__", str(reducer_cls)),
+            reducer=reducer_cls.__name__,
             bucket_cap_bytes=self.bucket_bytes_cap,
             first_bucket_cap_bytes=min(DEFAULT_FIRST_BUCKET_BYTES, self.bucket_bytes_cap),
             find_unused_parameters=int(find_unused_parameters),
@@ -131,7 +131,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             num_parameter_tensors=len(params),
             total_parameter_size_bytes=sum(p.numel() * p.element_size() for p in params),
             parameter_dtypes=",".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
-            bucket_sizes=_bucket_sizes(self.reducer),
         )
         from ..registry import registry  # late: keeps `import plugdist.parallel` cheap
 
@@ -191,9 +190,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 if n not in self.parameters_to_ignore]
 
     def _sync_module_states(self, src: int) -> None:
-        with torch.no_grad():
-            broadcast_coalesced(self.process_group, [t.detach() for t in self._module_states()],
-                                src)
+        broadcast_coalesced(self.process_group, self._module_states(), src)
 
     # -- forward -----------------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -206,8 +203,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if work is not None:
                 self.reducer.set_forward_pass_work(work, self._divide_by_initial_world_size)
         if grad_enabled and self.reducer.rebuild_buckets():
-            self.logger.data["bucket_sizes"] = _bucket_sizes(self.reducer)
-            self._log.info("ddp_buckets_rebuilt", bucket_sizes=self.logger.data["bucket_sizes"])
+            self._log.info("ddp_buckets_rebuilt", bucket_sizes=self.reducer.bucket_sizes())
         if self._will_sync_buffers():
             src = self._find_common_rank(self._rank, True) if join_enabled else 0
             self._sync_buffers(src)
@@ -234,13 +230,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                 and len(self._buffers_to_sync) > 0)
 
     def _sync_buffers(self, src: int) -> None:
-        with torch.no_grad():
-            broadcast_coalesced(self.process_group, self._buffers_to_sync, src)
+        broadcast_coalesced(self.process_group, self._buffers_to_sync, src)
 
     def _find_common_rank(self, rank: int, candidate: bool) -> int:
         """The largest group rank among candidates (collective: all-reduce MAX)."""
-        from ..reduce_op import ReduceOp
-
         t = torch.tensor([rank if candidate else -1], device=self.device)
         self.process_group.all_reduce(t, ReduceOp.MAX).wait()
         if t.item() < 0:
@@ -305,14 +298,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             hook = registry.load(COMM_HOOKS, hook)
         _check_comm_hook(hook)
         self.reducer.register_comm_hook(state, hook)
-        self._comm_hook_name = name
         self.logger.data["comm_hook"] = name
 
     # -- introspection -----------------------------------------------------------------------------
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """Construction parameters, bucket layout and averaged runtime stats (times in ns)."""
         data = self.logger.snapshot()
-        data["bucket_sizes"] = _bucket_sizes(self.reducer)
+        data["bucket_sizes"] = self.reducer.bucket_sizes()
         return data
 
     def bucket_indices(self) -> list[list[int]]:
@@ -351,19 +343,10 @@ class _DDPJoinHook(JoinHook):
 
 # -- helpers ---------------------------------------------------------------------------------------
 def _resolve_group(process_group: ProcessGroup | None) -> ProcessGroup:
-    if process_group is None:
-        from ..groups import group
-
-        process_group = group.WORLD
-        if process_group is None:
-            raise DistError("DistributedDataParallel(process_group=None) uses the default group, "
-                            "but there is none: call plugdist.init_process_group() first, or pass "
-                            "process_group=")
-    if not isinstance(process_group, ProcessGroup):
-        raise TypeError(f"DistributedDataParallel needs a plugdist ProcessGroup, got "
-                        f"{type(process_group).__name__}; use plugdist.new_group() or the "
-                        f"default group (torch.distributed groups do not mix with plugdist)")
-    return process_group
+    pg = resolve_group(process_group, "DistributedDataParallel")
+    if pg is None:
+        raise ValueError("DistributedDataParallel: this process is not a member of process_group")
+    return pg
 
 
 def _resolve_reducer(reducer: str | type[Reducer]) -> type[Reducer]:
@@ -397,11 +380,6 @@ def _check_comm_hook(hook: Any) -> None:
                                      "torch.futures.Future", torch._C.Future):
         raise ValueError("communication hook: the return annotation must be "
                          "torch.futures.Future")
-
-
-def _bucket_sizes(reducer: Reducer) -> list[int]:
-    sizes: Callable[[], list[int]] | None = getattr(reducer, "bucket_sizes", None)
-    return sizes() if callable(sizes) else []
 
 
 def _unique_named(items: Any) -> list[tuple[str, torch.Tensor]]:

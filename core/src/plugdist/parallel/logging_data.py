@@ -28,7 +28,6 @@ class DDPLogger:
         self.data: dict[str, Any] = {}
         self._owner: weakref.ReferenceType[Any] | None = None
         self._totals = dict.fromkeys(_PHASES, 0)
-        self._samples = 0
         self.iteration = 0
         self._forward_start = self._forward_end = 0
         self._backward_start = self._backward_compute_end = 0
@@ -79,10 +78,9 @@ class DDPLogger:
             "backward_comm_time": max(0, self._comm_end - comm_start),
             "backward_compute_comm_overlap_time": max(0, compute_end - comm_start),
         }
-        self._samples += 1
         for phase, value in times.items():
             self._totals[phase] += value
-            self.data["avg_" + phase] = self._totals[phase] // self._samples
+            self.data["avg_" + phase] = self._totals[phase] // self.iteration
         self.data["iteration"] = self.iteration
         stats = {**times, **{"avg_" + p: self.data["avg_" + p] for p in _PHASES},
                  "iteration": self.iteration}

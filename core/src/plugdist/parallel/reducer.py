@@ -120,6 +120,10 @@ class Reducer(abc.ABC):
         """Parameter indices of each bucket, in reduction order."""
         return []
 
+    def bucket_sizes(self) -> list[int]:
+        """Bytes of each bucket, in reduction order."""
+        return []
+
     def close(self) -> None:
         """Remove hooks; the reducer does nothing afterwards. Idempotent."""
 
@@ -135,7 +139,8 @@ class _Bucket:
                  "future", "deferred")
 
     def __init__(self, index: int, indices: list[int], params: list[torch.Tensor],
-                 offsets: list[int], buffer: torch.Tensor, views: list[torch.Tensor]) -> None:
+                 offsets: list[int], buffer: torch.Tensor, views: list[torch.Tensor],
+                 fused: list[bool]) -> None:
         self.index = index
         self.indices = indices
         self.params = params
@@ -145,8 +150,7 @@ class _Bucket:
         self.pending = len(indices)
         self.work: Work | None = None
         self.future: torch.futures.Future | None = None
-        self.deferred = [(params[i], views[i]) for i in range(len(indices))
-                         if params[i].numel() < _FUSED_COPY_NUMEL]
+        self.deferred = [(p, v) for p, v, f in zip(params, views, fused) if not f]
 
 
 def _view_like(buffer: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
@@ -259,7 +263,8 @@ class BucketedReducer(Reducer):
                 total += p.numel()
             buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
             views = [_view_like(buffer, p, o) for p, o in zip(params, offsets)]
-            bucket = _Bucket(bucket_index, list(indices), params, offsets, buffer, views)
+            bucket = _Bucket(bucket_index, list(indices), params, offsets, buffer, views,
+                             [self._fused[i] for i in indices])
             for i, view in zip(indices, views):
                 locators[i] = (bucket, view)
                 p = self.parameters[i]
@@ -350,6 +355,10 @@ class BucketedReducer(Reducer):
     def _static_first_iteration(self) -> bool:
         return self._static and self._iterations == 1
 
+    def _tracks_used(self) -> bool:
+        """Whether this iteration records which parameters got gradients (and all-reduces it)."""
+        return self._dynamic_find_unused() or self._static_first_iteration()
+
     def _should_rebuild(self) -> bool:
         return not self._has_rebuilt and (self._static or not self._find_unused)
 
@@ -390,10 +399,11 @@ class BucketedReducer(Reducer):
         with self._lock:
             if not self._expect_hooks:
                 return  # no_sync, or a backward DDP's forward did not prepare
-            if self._dynamic_find_unused() or self._static_first_iteration():
+            static_first = self._static_first_iteration()
+            if static_first or self._dynamic_find_unused():
                 if self.parameters[index].grad is not None:
                     self._local_used[index] = 1
-            if self._static_first_iteration():
+            if static_first:
                 # The graph is learned in the first iteration; everything is reduced at its end
                 # (normally queued by on_backward_start; here if the outputs bypassed DDP).
                 self._hook_counts[index] += 1
@@ -434,21 +444,32 @@ class BucketedReducer(Reducer):
             self._launch_local_used_reduction()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_callback)
 
+    @staticmethod
+    def _copy_source(param: torch.Tensor, view: torch.Tensor) -> torch.Tensor | None:
+        """What to copy into ``view`` for ``param``'s gradient: None if it has none (``view`` is
+        zeroed instead), ``view`` itself if the gradient already is that view, else the gradient
+        (detached, with a warning, if it requires grad: create_graph=True)."""
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+            return None
+        if _aliases(grad, view):
+            return view
+        if grad.requires_grad:
+            _warn_create_graph()
+            grad = grad.detach()
+        return grad
+
     def _copy_grad_in(self, index: int) -> None:
         """Copy one (large) gradient into its bucket view, averaging on the way."""
         param = self.parameters[index]
         view = self._locators[index][1]
-        grad = param.grad
         divide = self._comm_hook is None and self._divisor() != 1
-        if grad is None:
-            view.zero_()
-        elif _aliases(grad, view):
+        grad = self._copy_source(param, view)
+        if grad is view:
             if divide:
                 view.div_(self._div_factor)  # type: ignore[arg-type]
-        else:
-            if grad.requires_grad:
-                _warn_create_graph()
-                grad = grad.detach()
+        elif grad is not None:
             if divide:
                 # multiplying by the reciprocal is cheaper than dividing, and exact for the
                 # power-of-two world sizes that are the common case
@@ -466,21 +487,16 @@ class BucketedReducer(Reducer):
         src: list[torch.Tensor] = []
         in_place: list[torch.Tensor] = []
         for param, view in bucket.deferred:
-            grad = param.grad
-            if grad is None:
-                view.zero_()
-            elif _aliases(grad, view):
+            grad = self._copy_source(param, view)
+            if grad is view:
                 in_place.append(view)
-            else:
-                if grad.requires_grad:
-                    _warn_create_graph()
-                    grad = grad.detach()
+            elif grad is not None:
                 dst.append(view)
                 src.append(grad)
                 if self._as_view:
                     param.grad = view
         if dst:
-            _foreach_copy(dst, src)
+            torch._foreach_copy_(dst, src)
         if self._comm_hook is None and self._divisor() != 1 and (dst or in_place):
             torch._foreach_div_(dst + in_place, self._div_factor)  # type: ignore[arg-type]
 
@@ -522,7 +538,7 @@ class BucketedReducer(Reducer):
         bucket.future = fut
 
     def _launch_local_used_reduction(self) -> None:
-        if not (self._dynamic_find_unused() or self._static_first_iteration()):
+        if not self._tracks_used():
             return
         used = torch.frombuffer(self._local_used, dtype=torch.uint8)
         self._local_used_tensor = used.to(torch.int32)  # a sum over ranks outgrows uint8
@@ -591,7 +607,7 @@ class BucketedReducer(Reducer):
                     dst.append(grad)
                     src.append(view)
             if dst:
-                _foreach_copy(dst, src)
+                torch._foreach_copy_(dst, src)
         self._div_factor = None
         if self._dynamic_find_unused():
             self._local_used = bytearray(len(self.parameters))
@@ -715,15 +731,11 @@ class BucketedReducer(Reducer):
                 bucket.work = bucket.future = None
                 self._launch(bucket, torch.zeros_like(bucket.buffer))
             used_work = None
-            if self._dynamic_find_unused() or self._static_first_iteration():
+            if self._tracks_used():
                 used_work = self.process_group.all_reduce(
                     torch.zeros(len(self.parameters), dtype=torch.int32))
             for bucket in self._buckets:
-                if bucket.work is not None:
-                    bucket.work.wait()
-                else:
-                    _wait_future(bucket.future, self._timeout,  # type: ignore[arg-type]
-                                 f"{self._where()} comm hook for bucket {bucket.index} (joined)")
+                self._wait_bucket(bucket)
                 bucket.work = bucket.future = None
             if used_work is not None:
                 used_work.wait()
@@ -760,15 +772,6 @@ def _make_hook(reducer_ref: "weakref.ReferenceType[BucketedReducer]",
         if reducer is not None:
             reducer._on_grad_ready(index)
     return hook
-
-
-def _foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    foreach = getattr(torch, "_foreach_copy_", None)
-    if foreach is not None:
-        foreach(dst, src)
-    else:  # older torch
-        for d, s in zip(dst, src):
-            d.copy_(s)
 
 
 def _wait_future(fut: torch.futures.Future, timeout: float, what: str) -> Any:

@@ -6,6 +6,7 @@ Both functions are collective: every rank of the group calls them, in the same o
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import TYPE_CHECKING, Sequence
 
@@ -20,8 +21,13 @@ __all__ = ["verify_model_across_ranks", "broadcast_coalesced"]
 
 _MAX_DIMS = 8
 _WIDTH = 2 + _MAX_DIMS  # dtype code, ndim, sizes (the last slot folds any further dims)
-_DTYPE_NAMES = {zlib.crc32(str(d).encode()): str(d).replace("torch.", "")
-                for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+@functools.cache
+def _dtype_names() -> dict[int, str]:
+    """dtype code (as in :func:`_fingerprint`) -> name; only error messages need it."""
+    return {zlib.crc32(str(d).encode()): str(d).replace("torch.", "")
+            for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 def _fingerprint(params: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
@@ -45,7 +51,7 @@ def _describe(row: list[int]) -> str:
     ndim = row[1]
     dims = row[2:2 + min(ndim, _MAX_DIMS)]
     more = "..." if ndim > _MAX_DIMS else ""
-    return f"{_DTYPE_NAMES.get(row[0], 'dtype#%d' % row[0])}{dims}{more}"
+    return f"{_dtype_names().get(row[0], 'dtype#%d' % row[0])}{dims}{more}"
 
 
 def verify_model_across_ranks(pg: "ProcessGroup", params: Sequence[torch.Tensor],
