@@ -21,7 +21,6 @@ Reductions:
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -65,8 +64,6 @@ _BOOL_OP_NAMES = {ReduceOp.SUM: "LOR", ReduceOp.MAX: "LOR", ReduceOp.BOR: "LOR",
                   ReduceOp.PRODUCT: "LAND", ReduceOp.MIN: "LAND", ReduceOp.BAND: "LAND",
                   ReduceOp.BXOR: "LXOR"}
 
-_torch_ops: dict[tuple[torch.dtype, ReduceOp], Any] = {}
-_torch_ops_lock = threading.Lock()
 _specs: dict[tuple[ReduceOp, torch.dtype], ReduceSpec] = {}
 
 
@@ -174,13 +171,8 @@ def _reduce_spec(MPI: Any, op: ReduceOp, dtype: torch.dtype) -> ReduceSpec:
 
 
 def _torch_op(MPI: Any, dtype: torch.dtype, op: ReduceOp) -> Any:
-    key = (dtype, op)
-    with _torch_ops_lock:
-        mop = _torch_ops.get(key)
-        if mop is None:
-            mop = MPI.Op.Create(_torch_kernel(dtype, _TORCH_REDUCED[dtype], op), commute=True)
-            _torch_ops[key] = mop
-        return mop
+    """A user-defined MPI op; made once per (dtype, op), as ``reduce_spec`` caches its result."""
+    return MPI.Op.Create(_torch_kernel(dtype, _TORCH_REDUCED[dtype], op), commute=True)
 
 
 def _torch_kernel(dtype: torch.dtype, wide: torch.dtype, op: ReduceOp) -> Any:
