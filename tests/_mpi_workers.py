@@ -14,6 +14,7 @@ import functools
 import operator
 import os
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -578,6 +579,23 @@ def check_wait_timeout_then_late_message(rank: int, ws: int) -> None:
 
 
 @check
+def check_sync_all_reduce_takes_the_blocking_path(rank: int, ws: int) -> None:
+    """Once an (op, dtype) was seen, a synchronous all_reduce runs MPI on the calling thread:
+    the backend's blocking hook accepts it (None, not NotImplemented) and gets every rank's
+    answer, for predefined and user-defined (float16) MPI ops alike."""
+    pg = dist.group.WORLD
+    assert type(pg)._blocking_all_reduce
+    cases = [(torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX),
+             (torch.float16, ReduceOp.SUM), (torch.bfloat16, ReduceOp.MIN)]
+    for dtype, op in cases:
+        dist.all_reduce(torch.ones(3, dtype=dtype), op=op)  # the first one makes the MPI spec
+        t = torch.full((3,), rank + 1, dtype=dtype)
+        assert pg.native_all_reduce_blocking(tensor=t, op=op) is None, (dtype, op)
+        want = {ReduceOp.SUM: ws * (ws + 1) / 2, ReduceOp.MAX: ws, ReduceOp.MIN: 1}[op]
+        same(t, torch.full((3,), want, dtype=dtype), f"blocking all_reduce {dtype} {op.name}")
+
+
+@check
 def check_stuck_peer_times_out(rank: int, ws: int) -> None:
     """A peer that does not show up gives DistTimeoutError (group creation, sync and async ops);
     when it shows up later, the op still completes."""
@@ -603,14 +621,22 @@ def check_stuck_peer_times_out(rank: int, ws: int) -> None:
             w2 = pg.all_reduce(t2)
             expect(DistTimeoutError, ["all_reduce"],
                    lambda: w2.wait(timeout=timedelta(seconds=0.2)))
+            # the blocking path (no Work) gives up the same way; the progress thread adopts it
+            t3 = torch.ones(2)
+            expect(DistTimeoutError, ["rank 0", "all_reduce", "did not complete within 0.5"],
+                   lambda: pg.all_reduce_blocking(t3))
             store.set("go", b"1")
             w2.wait(timeout=timedelta(seconds=60))
             w1.wait(timeout=timedelta(seconds=60))
             same(t, torch.full((2,), 2.0), "late all_reduce")
             same(t2, torch.full((2,), 2.0), "late second all_reduce")
+            deadline = time.monotonic() + 60
+            while not torch.equal(t3, torch.full((2,), 2.0)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            same(t3, torch.full((2,), 2.0), "late blocking all_reduce, completed in the background")
         else:
             store.wait(["go"], timedelta(seconds=60))
-            for _ in range(2):
+            for _ in range(3):
                 t = torch.ones(2)
                 pg.all_reduce(t).wait(timeout=timedelta(seconds=60))
                 same(t, torch.full((2,), 2.0), "late all_reduce on the slow rank")

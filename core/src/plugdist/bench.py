@@ -2,7 +2,8 @@
 
     plugdist-bench --backend gloo --op all_reduce --nproc 2 -b 8 -e 64M -f 4 --compare torch
 
-Each rank is pinned to one CPU (rank r to CPU r mod the CPU count) with one torch thread. For each
+Each rank is pinned to one CPU (rank r to CPU r mod the CPU count; every thread of the process)
+with one torch thread. For each
 size, plugdist and the comparison (torch.distributed on the same backend, or raw mpi4py on the
 same buffers) are timed in alternating chunks inside the same processes, so machine drift hits
 both alike. A time is the lowest of 8 chunk medians of per-op latency on rank 0 (noise on a shared
@@ -116,6 +117,25 @@ def _mpi4py_op(op: str) -> Callable[[Any, Any], None]:
     raise ValueError(f"--compare mpi4py supports all_reduce, broadcast, all_gather, all_to_all; not {op}")
 
 
+def _pin_process(rank: int) -> None:
+    """Pin every thread of this process to CPU ``rank`` (mod the CPUs it may use).
+
+    Every thread, not just the caller: the harness built plugdist's group (and its backend
+    threads) before this runs, while the comparison's threads start later and would inherit a
+    main-thread-only pin, timing the two sides under different placements."""
+    cpus = sorted(os.sched_getaffinity(0))
+    mine = {cpus[rank % len(cpus)]}
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: pin what we can
+        threads = [0]
+    for tid in threads:
+        try:
+            os.sched_setaffinity(tid, mine)
+        except OSError:  # the thread has ended meanwhile
+            pass
+
+
 def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """Runs on every rank (plugdist already initialized by the harness); rank 0's rows matter."""
     import torch
@@ -123,9 +143,8 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
     import plugdist as dist
     from plugdist.testing.checks import check_device
 
-    cpus = sorted(os.sched_getaffinity(0))
     if cfg["pin"]:
-        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+        _pin_process(rank)
     torch.set_num_threads(1)
     dtype = getattr(torch, cfg["dtype"])
     device = check_device()  # this rank's GPU for a CUDA-only backend, else None

@@ -66,7 +66,10 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Any = N
     pg = resolve_group(group, "all_reduce")
     if pg is None:
         return None
-    return _finish(pg.all_reduce(tensor, op), async_op)
+    if async_op:
+        return pg.all_reduce(tensor, op)
+    pg.all_reduce_blocking(tensor, op)
+    return None
 
 
 def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,

@@ -22,6 +22,7 @@ __all__ = [
     "DistNetworkError",
     "DistTimeoutError",
     "where",
+    "op_timeout",
 ]
 
 
@@ -58,3 +59,12 @@ def where(*, rank: int | None = None, group: str | None = None, op: str | None =
     if op is not None:
         parts.append(f"op {op}")
     return "[" + ", ".join(parts) + "]" if parts else ""
+
+
+def op_timeout(here: str, seconds: float | None) -> DistTimeoutError:
+    """The error for an op that did not complete within ``seconds``; ``here`` is its
+    :func:`where`."""
+    return DistTimeoutError(
+        f"{here} did not complete within {seconds or 0:.1f}s: a peer may have died, be stuck, "
+        f"or be running a different op; check every rank's logs (the debug plugin's "
+        f"TORCH_DISTRIBUTED_DEBUG=DETAIL names the ranks that never arrived)")

@@ -7,6 +7,11 @@ Two layers in one class (the template-method pattern):
   errors naming rank, group, op and backend, raised before anything is sent), then run the op
   natively if the backend can, or compose it from the backend's native ops
   (:mod:`plugdist.composition`). Every public op returns a :class:`~plugdist.work.Work`.
+* **The blocking fast path** (``all_reduce_blocking``): what the synchronous frontend calls. It
+  validates like ``all_reduce`` and then runs the backend's ``native_all_reduce_blocking``,
+  which blocks on the calling thread with no Work at all (a Work costs tens of microseconds,
+  the whole budget of a small message). Without that hook, for composed reductions, and in any
+  class that overrides the public ``all_reduce`` (a wrapper), it waits on ``all_reduce``'s Work.
 * **Native hooks** (``native_all_reduce``, ...): what a backend overrides. Each receives already
   validated arguments in *group* ranks and returns a Work, or ``NotImplemented`` for arguments it
   cannot handle (e.g. uneven all_to_all lists), in which case the core composes the op. A backend overrides only what it does
@@ -35,7 +40,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from . import composition
-from .errors import where
+from .errors import DistTimeoutError, op_timeout, where
 from .reduce_op import ReduceOp, check_reduce_op
 from .work import Work
 
@@ -100,11 +105,20 @@ class ProcessGroup:
     supports_any_source: ClassVar[bool] = False
     refused_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset()
     _caps: Capabilities | None = None  # this group's capabilities, fixed at first use
+    _blocking_all_reduce: ClassVar[bool] = False  # set per class: see __init_subclass__
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # the fast path may bypass the public op only where that op is the core's own
+        cls._blocking_all_reduce = (
+            cls.native_all_reduce_blocking is not ProcessGroup.native_all_reduce_blocking
+            and cls.all_reduce is ProcessGroup.all_reduce)
 
     def __init__(self, rank: int, size: int, options: GroupOptions | None = None) -> None:
         self._rank = rank
         self._size = size
         self.options = options or GroupOptions(global_ranks=tuple(range(size)))
+        self._blocking_cpu: dict[tuple[ReduceOp, torch.dtype], bool] = {}
 
     # -- identity ----------------------------------------------------------------------------
     def rank(self) -> int:
@@ -150,6 +164,13 @@ class ProcessGroup:
 
     def where(self, op: str) -> str:
         return where(rank=self._rank, group=self.group_name, op=op, backend=self.backend_name)
+
+    def timeout_error(self, op: str, seconds: float | None = None) -> DistTimeoutError:
+        """The error for ``op`` not completing within ``seconds`` (default: the group's timeout),
+        worded as ``Work.wait``'s."""
+        if seconds is None:
+            seconds = self.timeout.total_seconds()
+        return op_timeout(self.where(op), seconds)
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} backend={self.backend_name!r} group={self.group_name!r} "
@@ -253,6 +274,30 @@ class ProcessGroup:
         return self._run(op, input, output=output, input=input, output_split_sizes=out_splits,
                          input_split_sizes=in_splits)
 
+    def all_reduce_blocking(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        """``all_reduce(tensor, op).wait()``: returns once the op finished on this rank, raises
+        its error, or ``DistTimeoutError`` after the group's timeout. Through the backend's
+        ``native_all_reduce_blocking`` when it has one and does ``op`` on this device natively."""
+        if self._blocking_all_reduce:
+            if type(tensor) is torch.Tensor and tensor.is_cpu and tensor.is_contiguous():
+                # the checks depend only on (op, dtype) for a plain contiguous CPU tensor
+                native = self._blocking_cpu.get((op, tensor.dtype))
+                if native is None:
+                    native = self._blocking_cpu[(op, tensor.dtype)] = self._blocks(tensor, op)
+            else:
+                native = self._blocks(tensor, op)
+            if native:
+                if self.native_all_reduce_blocking(tensor=tensor, op=op) is not NotImplemented:
+                    return
+        self.all_reduce(tensor, op).wait()
+
+    def _blocks(self, tensor: torch.Tensor, op: ReduceOp) -> bool:
+        """Validate an all_reduce (raising as ``all_reduce`` would); True if it is native."""
+        self._check_tensor("all_reduce", tensor)
+        self._check_reduce("all_reduce", op, tensor)
+        caps = self.capabilities()
+        return op in caps.reduce_ops and caps.is_native("all_reduce", _device_type(tensor))
+
     def barrier(self) -> Work:
         device = self.device_types[0] if self.device_types else "cpu"
         return self._dispatch("barrier", device, {})
@@ -275,6 +320,13 @@ class ProcessGroup:
         return self._run("recv", tensor, tensor=tensor, src=src, tag=tag)
 
     # -- native hooks: a backend overrides those it does natively ---------------------------
+    def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> Any:
+        """Optional. ``native_all_reduce`` run to completion on the calling thread, no Work:
+        returns None when done, NotImplemented to fall back to waiting on a Work. Must raise the
+        op's error as a DistError, and ``timeout_error("all_reduce")`` once the group's timeout
+        has passed (the op may then still finish in the background)."""
+        return NotImplemented
+
     def native_broadcast(self, *, tensor: torch.Tensor, src: int) -> Work:
         raise NotImplementedError
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import DistBackendError, DistError, DistTimeoutError, where
+from .errors import DistBackendError, DistError, DistTimeoutError, op_timeout, where
 
 __all__ = ["Work", "completed_work", "failed_work"]
 
@@ -84,10 +84,7 @@ class Work:
 
     def timeout_error(self, seconds: float | None) -> DistTimeoutError:
         """The error ``wait`` raises when the op is not done after ``seconds``."""
-        return DistTimeoutError(
-            f"{self._where()} did not complete within {seconds or 0:.1f}s: a peer may have died, "
-            f"be stuck, or be running a different op; check every rank's logs (the debug "
-            f"plugin's TORCH_DISTRIBUTED_DEBUG=DETAIL names the ranks that never arrived)")
+        return op_timeout(self._where(), seconds)
 
     def _seconds(self, timeout: timedelta | float | None) -> float | None:
         """``timeout`` (or the group's, when None) in seconds; None means no limit."""

@@ -284,6 +284,22 @@ class GlooProcessGroup(ProcessGroup):
         opts = self._opts("AllreduceOptions", reduceOp=self._gloo_op(op, tensor))
         return self._issue("all_reduce", lambda pg: pg.allreduce([s.buf], opts), [tensor], [s])
 
+    def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> None:
+        s = self._stage("all_reduce", tensor, op)
+        opts = self._opts("AllreduceOptions", reduceOp=self._gloo_op(op, tensor))
+        pg = self._native("all_reduce")
+        try:
+            native = pg.allreduce([s.buf], opts)
+        except Exception as exc:
+            raise self._translate("all_reduce", exc) from exc
+        try:
+            native.wait(self.timeout)  # in C++, the GIL released
+        except Exception as exc:
+            if not native.is_completed():
+                raise self.timeout_error("all_reduce") from exc
+            raise self._translate("all_reduce", exc) from exc
+        s.finish()
+
     def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
         s = self._stage("reduce", tensor, op)
         opts = self._opts("ReduceOptions", reduceOp=self._gloo_op(op, tensor), rootRank=dst,

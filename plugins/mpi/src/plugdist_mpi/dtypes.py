@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from plugdist import ReduceOp
 
-__all__ = ["raw", "address", "overlap", "reduce_spec", "cached_spec", "scattered", "staged",
-           "displacements",
+__all__ = ["raw", "buffer_type", "address", "overlap", "reduce_spec", "cached_spec", "scattered",
+           "staged", "displacements",
            "ReduceSpec",
            "STAGE_ALWAYS"]
 
@@ -75,7 +75,7 @@ def raw(MPI: Any, t: torch.Tensor) -> Any:
     if t.is_conj() or t.is_neg():
         raise ValueError(f"a lazily conjugated/negated {t.dtype} tensor has no plain bytes to "
                          f"send; call tensor.resolve_conj() / resolve_neg() first")
-    return _buffer_type(MPI).fromaddress(t.data_ptr(), t.numel() * t.element_size())
+    return buffer_type(MPI).fromaddress(t.data_ptr(), t.nbytes)
 
 
 def address(t: torch.Tensor) -> int:
@@ -105,7 +105,7 @@ def scattered(MPI: Any, tensors: list[torch.Tensor]) -> tuple[Any, list[int], li
     if STAGE_ALWAYS or (end - base > _INT_MAX and not _large_counts(MPI)):
         return None
     displs = [address(t) - base if n else 0 for t, n in zip(tensors, counts, strict=True)]
-    return _buffer_type(MPI).fromaddress(base, end - base), counts, displs
+    return buffer_type(MPI).fromaddress(base, end - base), counts, displs
 
 
 def displacements(counts: list[int]) -> list[int]:
@@ -133,7 +133,7 @@ def _large_counts(MPI: Any) -> bool:
     return int(mpi4py.__version__.split(".")[0]) >= 4 and MPI.Get_version() >= (4, 0)
 
 
-def _buffer_type(MPI: Any) -> Any:
+def buffer_type(MPI: Any) -> Any:
     return getattr(MPI, "buffer", None) or MPI.memory  # mpi4py 4 / mpi4py 3
 
 

@@ -19,6 +19,10 @@ Threading model (one engine per process, shared by every MPI group of the proces
     first 200 us of a fresh op (its issuer usually waits on it at once), and sleeps on a
     condition variable (no CPU) when nothing is pending.
 
+  A blocking op of the synchronous frontend skips the Work altogether: the calling thread
+  starts the request and tests it itself (:meth:`Engine.run_here`); only if the group's timeout
+  passes is the request handed to the progress thread.
+
   Because the lock keeps any two MPI calls of plugdist from overlapping, ``MPI_THREAD_SERIALIZED``
   suffices; at ``MPI_THREAD_MULTIPLE`` (mpi4py's default) the user's own mpi4py calls may run
   concurrently with plugdist's.
@@ -55,6 +59,7 @@ _GRACE = 2e-4    # how long a fresh op is left to a thread that may wait on it (
 _LOOK = 1e-3     # how often a dozing progress thread looks for ops nobody drives
 _DOZE = 1.0      # seconds without activity before it sleeps until woken
 _BURST = 32      # tests in a row by a waiting thread before it yields the CPU
+_TRIES = range(_BURST)
 
 T = TypeVar("T")
 
@@ -205,6 +210,41 @@ class Engine:
                 self._changed.notify()
         return work
 
+    def run_here(self, start: Callable[..., Any], args: tuple[Any, ...],
+                 seconds: float | None) -> Any:
+        """Start a non-blocking MPI call (``start(*args)`` returns its request) and test it on
+        this thread until it finishes: no Work, no progress thread involved (the blocking fast
+        path). Returns None when done, or the still-active request once ``seconds`` have passed
+        (hand it to :meth:`adopt`). MPI's errors propagate; every MPI call runs under the MPI
+        lock."""
+        lock = self.lock
+        with lock:
+            test = start(*args).Test
+            for _ in _TRIES:
+                if test():
+                    return None
+        deadline = None if seconds is None else time.perf_counter() + seconds
+        while True:
+            os.sched_yield()  # let the peer process run
+            with lock:
+                for _ in _TRIES:
+                    if test():
+                        return None
+            if deadline is not None and time.perf_counter() > deadline:
+                return test.__self__  # the request
+
+    def adopt(self, owner: object, work: Work, request: Any,
+              fail: Callable[[BaseException], BaseException]) -> None:
+        """Let the progress thread complete (or, at ``detach``, drop) a request that
+        :meth:`run_here` gave up waiting for; ``work`` is completed when it ends, and is the
+        place to keep the op's buffers alive until then."""
+        with self.lock:
+            p = _Pending(request, self._mpi.Status(), work, owner, lambda _status: None, fail)
+            self._pending.append(p)
+            self._last_event = self._last_issue = time.perf_counter()
+            if self._idle:
+                self._changed.notify()
+
     def call(self, fn: Callable[[], T]) -> T:
         """Run a blocking MPI call on this thread under the MPI lock, and return its result."""
         with self.lock:
@@ -227,7 +267,7 @@ class Engine:
                         # a burst of tests between the Python bookkeeping: MPI progresses only
                         # inside its calls, and a multi-step collective advances one step per
                         # test on each side
-                        for _ in range(_BURST):
+                        for _ in _TRIES:
                             outcome = self._test_one(p)
                             if outcome is not None:
                                 self._pending.remove(p)

@@ -63,6 +63,7 @@ class MPIProcessGroup(ProcessGroup):
         MPI = load()
         self._MPI = MPI
         self._comm: Any = None
+        self._fromaddress = dtypes.buffer_type(MPI).fromaddress
         self._log = get_logger(rank=rank, group=self.group_name)
         members = tuple(self.options.global_ranks) or tuple(range(size))
         _check_identity(MPI, here, rank, size, members, _is_world(options, size))
@@ -254,6 +255,26 @@ class MPIProcessGroup(ProcessGroup):
         buf = self._typed(tensor, dt)
         return self._issue("all_reduce", lambda c: c.Iallreduce(self._MPI.IN_PLACE, buf, mop),
                            [tensor])
+
+    def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> Any:
+        spec = dtypes.cached_spec(op, tensor.dtype)
+        comm = self._comm
+        if spec is None or comm is None or tensor.is_neg() or tensor.is_conj():
+            return NotImplemented  # the Work path makes the spec, or says what is wrong
+        # the same MPI buffer as _typed builds, spelled out: this path is all overhead
+        buf = [self._fromaddress(tensor.data_ptr(), tensor.nbytes), tensor.numel(), spec[0]]
+        try:
+            seconds = self.timeout.total_seconds()
+            late = engine.run_here(comm.Iallreduce, (self._MPI.IN_PLACE, buf, spec[1]), seconds)
+        except Exception as exc:
+            raise self._translate("all_reduce", exc) from exc
+        if late is not None:
+            # MPI may still write into the tensor: the adopted Work holds it until the op ends
+            work = MPIWork(op="all_reduce", rank=self._rank, group=self.group_name,
+                           backend=self.backend_name, timeout=self.timeout)
+            engine.adopt(self, work, late, lambda exc: self._translate("all_reduce", exc, tensor))
+            raise self.timeout_error("all_reduce", seconds)
+        return None
 
     def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
         dt, mop = self._reduce_spec("reduce", op, tensor.dtype)

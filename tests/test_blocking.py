@@ -1,0 +1,113 @@
+"""The blocking fast path: a synchronous ``all_reduce`` runs the backend's
+``native_all_reduce_blocking`` (no Work) when it can, and waits on a Work otherwise.
+
+A one-rank backend records which path each call took; the MPI and Gloo plugins' own blocking
+paths run across real processes in their conformance runs and error-path tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import plugdist as dist
+from plugdist import ProcessGroup, ReduceOp, Work
+from plugdist.registry import BACKENDS, registry
+
+
+class Solo(ProcessGroup):
+    """One rank: an all_reduce leaves the tensor as it is. Records the path of every call."""
+
+    backend_name = "solo"
+
+    def __init__(self, store: Any, rank: int, size: int, options: Any = None) -> None:
+        super().__init__(rank, size, options)
+        self.calls: list[tuple[str, ReduceOp]] = []
+
+    def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        self.calls.append(("work", op))
+        work = self.work("all_reduce")
+        work.set_result([tensor])
+        return work
+
+    def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> Any:
+        self.calls.append(("blocking", op))
+        return NotImplemented if tensor.dtype is torch.float64 else None
+
+
+class Observed(Solo):
+    """Overrides the public op, as a wrapper does: the fast path must not bypass it."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
+        self.calls.append(("public", op))
+        return super().all_reduce(tensor, op)
+
+
+@contextlib.contextmanager
+def world_of(backend: type[Solo]) -> Iterator[Solo]:
+    """A one-rank default group of ``backend``, through the frontend."""
+    dist.Backend.register_backend("solo", backend, devices=["cpu"])
+    try:
+        dist.init_process_group("solo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+    finally:
+        registry.unregister(BACKENDS, "solo")
+
+
+@pytest.fixture(params=[Solo, Observed])
+def solo(request: pytest.FixtureRequest) -> Iterator[Solo]:
+    with world_of(request.param) as pg:
+        yield pg
+
+
+def test_sync_all_reduce_blocks_without_a_work_async_gets_one(solo: Solo) -> None:
+    t = torch.arange(4.0)
+    assert dist.all_reduce(t) is None
+    work = dist.all_reduce(t, async_op=True)
+    assert work is not None and work.wait()
+    sync_path = [("blocking", ReduceOp.SUM)] if type(solo) is Solo else \
+        [("public", ReduceOp.SUM), ("work", ReduceOp.SUM)]
+    public = [("public", ReduceOp.SUM)] if type(solo) is Observed else []
+    assert solo.calls == sync_path + public + [("work", ReduceOp.SUM)]
+    assert torch.equal(t, torch.arange(4.0))
+
+
+def test_composed_reduction_and_declined_call_wait_on_a_work() -> None:
+    with world_of(Solo) as solo:
+        _composed_and_declined(solo)
+
+
+def _composed_and_declined(solo: Solo) -> None:
+    t = torch.arange(4.0)
+    dist.all_reduce(t, op=ReduceOp.AVG)  # not native here: SUM through a Work, then a divide
+    assert solo.calls == [("work", ReduceOp.SUM)]
+    assert torch.equal(t, torch.arange(4.0))
+    solo.calls.clear()
+    dist.all_reduce(torch.ones(2, dtype=torch.float64))  # the backend declines: NotImplemented
+    assert solo.calls == [("blocking", ReduceOp.SUM), ("work", ReduceOp.SUM)]
+
+
+def test_bad_input_is_refused_before_the_backend_sees_it(solo: Solo) -> None:
+    with pytest.raises(ValueError, match=r"rank 0.*all_reduce.*not contiguous"):
+        dist.all_reduce(torch.ones(4, 4).t())
+    with pytest.raises(ValueError, match=r"all_reduce.*BAND"):
+        dist.all_reduce(torch.ones(2), op=ReduceOp.BAND)
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        dist.all_reduce([1.0])  # type: ignore[arg-type]
+    assert [c for c in solo.calls if c[0] != "public"] == []
+
+
+def test_timeout_error_reads_like_a_works() -> None:
+    pg = Solo(None, 0, 1)
+    err = pg.timeout_error("all_reduce", 2.5)
+    assert isinstance(err, dist.DistTimeoutError)
+    assert str(err) == str(pg.work("all_reduce").timeout_error(2.5))
+    assert "[rank 0, group '0', backend 'solo', op all_reduce] did not complete within 2.5s" \
+        in str(err)
