@@ -3,12 +3,13 @@
     plugdist-bench --backend gloo --op all_reduce --nproc 2 -b 8 -e 64M -f 4 --compare torch
 
 Each rank is pinned to one CPU (rank r to CPU r mod the CPU count; every thread of the process)
-with one torch thread. For each
-size, plugdist and the comparison (torch.distributed on the same backend, or raw mpi4py on the
-same buffers) are timed in alternating chunks inside the same processes, so machine drift hits
-both alike. A time is the lowest of 8 chunk medians of per-op latency on rank 0 (noise on a shared
-machine comes in stretches; the quietest chunk of each side is compared); bandwidths follow nccl-tests
-(algbw = bytes / time; busbw = algbw x the op's bus factor).
+with one torch thread. For each size, plugdist and the comparison (torch.distributed on the same
+backend, or raw mpi4py on the same buffers) are timed in alternating chunks inside the same
+processes, so machine drift hits both alike; which side goes first alternates too. A time is the
+lowest of 8 chunk medians of per-op latency on rank 0 (noise on a shared machine comes in
+stretches; the quietest chunk of each side is reported). The ratio is the median over the 8
+back-to-back chunk pairs of plugdist / comparison, which cancels drift the two minima need not
+share. Bandwidths follow nccl-tests (algbw = bytes / time; busbw = algbw x the op's bus factor).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ _CHUNKS = 8  # alternations of plugdist and the comparison per size
 
 
 def _iters(nbytes: int) -> int:
-    return max(6, min(600, int(40e6 / (nbytes + 20_000))))
+    """Ops per side for one size: ~40 MB moved, at least 3 per chunk (a median needs them)."""
+    return max(3 * _CHUNKS, min(600, int(40e6 / (nbytes + 20_000))))
 
 
 def _ops(op: str, dist: Any) -> Callable[[Any, Any], None]:
@@ -175,9 +177,9 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
         for _name, fn, b in impls:  # warm-up
             for _ in range(3):
                 fn(b, None)
-        chunk = max(2, iters // _CHUNKS)
-        for _ in range(_CHUNKS):
-            for name, fn, b in impls:
+        chunk = iters // _CHUNKS
+        for i in range(_CHUNKS):
+            for name, fn, b in (impls if i % 2 == 0 else impls[::-1]):  # neither always first
                 dist.barrier()
                 times = []
                 for _ in range(chunk):
@@ -190,6 +192,10 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
         row = {"bytes": nbytes, "count": count, "ours": min(samples["ours"])}
         if theirs:
             row["theirs"] = min(samples["theirs"])
+            # each chunk of ours ran right before one of theirs, under the same machine state:
+            # the median of those paired ratios cancels drift that the two minima may not share
+            row["ratio"] = statistics.median(
+                o / t for o, t in zip(samples["ours"], samples["theirs"], strict=True))
         rows.append(row)
     if cfg["compare"] == "torch":
         import torch.distributed as tdist
@@ -204,15 +210,16 @@ def _format(rows: list[dict[str, Any]], cfg: dict[str, Any], n: int) -> str:
     if cfg["compare"]:
         head += f" {cfg['compare'] + '(us)':>12} {'ratio':>7}"
     lines = [f"# plugdist-bench: op={cfg['op']} backend={cfg['backend']} nproc={n} "
-             f"dtype={cfg['dtype']} pinned={cfg['pin']} (per-op latency on rank 0, best of {_CHUNKS} chunk medians; "
-             f"ratio = plugdist time / {cfg['compare'] or '-'} time)", head]
+             f"dtype={cfg['dtype']} pinned={cfg['pin']} (per-op latency on rank 0, best of "
+             f"{_CHUNKS} chunk medians; ratio = median over chunks of plugdist / "
+             f"{cfg['compare'] or '-'}, each pair timed back to back)", head]
     for r in rows:
         t = r["ours"]
         algbw = r["bytes"] / t / 1e9
         line = (f"{r['bytes']:>12} {r['count']:>10} {cfg['dtype']:>9} {t * 1e6:>10.1f} "
                 f"{algbw:>12.3f} {algbw * bus:>12.3f}")
         if "theirs" in r:
-            line += f" {r['theirs'] * 1e6:>12.1f} {t / r['theirs']:>7.3f}"
+            line += f" {r['theirs'] * 1e6:>12.1f} {r['ratio']:>7.3f}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -235,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"op": args.op, "backend": args.backend, "dtype": args.dtype, "compare": args.compare,
            "pin": args.pin, "torch_port": free_port(),
            "sizes": _sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)}
-    results = run_world(bench_rank, args.nproc, backend=args.backend, args=(cfg,),
+    # under ``python -m plugdist.bench`` this module is __main__; ranks import by real name
+    from . import bench
+    results = run_world(bench.bench_rank, args.nproc, backend=args.backend, args=(cfg,),
                         timeout=args.timeout)
     print(_format(results[0], cfg, args.nproc))
     sys.stdout.flush()

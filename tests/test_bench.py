@@ -1,0 +1,39 @@
+"""plugdist-bench: a real two-rank sweep against the comparison, read back from its table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import plugdist
+from plugdist.bench import parse_size
+
+
+def test_parse_size() -> None:
+    assert [parse_size(s) for s in ("8", "64K", "1M", "2g", "512B")] == \
+        [8, 64 << 10, 1 << 20, 2 << 30, 512]
+
+
+def _sweep(*args: str) -> list[list[str]]:
+    res = subprocess.run([sys.executable, "-m", "plugdist.bench", "--nproc", "2", "-b", "8",
+                          "-e", "32", "-f", "4", *args, "--timeout", "120"],
+                         capture_output=True, text=True, timeout=150)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert lines[0].startswith("# plugdist-bench") and "ratio = median over chunks" in lines[0]
+    assert lines[1].split()[:6] == ["size(B)", "count", "type", "time(us)", "algbw(GB/s)",
+                                    "busbw(GB/s)"]
+    return [line.split() for line in lines[2:]]
+
+
+@pytest.mark.parametrize("backend, compare", [("gloo", "torch"), ("mpi", "mpi4py")])
+def test_sweep_prints_one_row_per_size_with_a_ratio(backend: str, compare: str) -> None:
+    if not plugdist.is_backend_available(backend):
+        pytest.skip(f"plugdist-{backend} is not installed")
+    rows = _sweep("--backend", backend, "--op", "all_reduce", "--compare", compare)
+    assert [(r[0], r[1], r[2]) for r in rows] == [("8", "2", "float32"), ("32", "8", "float32")]
+    for r in rows:
+        ours, theirs, ratio = float(r[3]), float(r[6]), float(r[7])
+        assert ours > 0 and theirs > 0 and 0 < ratio < 100, r
