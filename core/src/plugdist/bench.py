@@ -167,7 +167,7 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
     for nbytes in cfg["sizes"]:
         count = max(1, nbytes // torch.tensor([], dtype=dtype).element_size())
         buf = _buffers(cfg["op"], count, dtype, world_size, device)
-        iters = _iters(nbytes)
+        iters = max(cfg["iters"], 3 * _CHUNKS) if cfg["iters"] else _iters(nbytes)
         samples: dict[str, list[float]] = {"ours": [], "theirs": []}
         impls = [("ours", ours, buf)]
         if theirs is not None:
@@ -234,13 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-f", "--stepfactor", type=int, default=4)
     p.add_argument("--dtype", default="float32", choices=_DTYPES)
     p.add_argument("--compare", choices=["torch", "mpi4py"], default=None)
+    p.add_argument("--iters", type=int, default=0,
+                   help="ops per side for every size (default: ~40 MB moved, at least 24)")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin ranks to CPUs")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole sweep")
     args = p.parse_args(argv)
     from .testing.harness import free_port, run_world
 
     cfg = {"op": args.op, "backend": args.backend, "dtype": args.dtype, "compare": args.compare,
-           "pin": args.pin, "torch_port": free_port(),
+           "pin": args.pin, "torch_port": free_port(), "iters": args.iters,
            "sizes": _sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)}
     # under ``python -m plugdist.bench`` this module is __main__; ranks import by real name
     from . import bench

@@ -57,7 +57,7 @@ SPIN_ENV = "PLUGDIST_MPI_SPIN_US"
 _MAX_NAP = 1e-3  # longest nap between polls: bounds the latency polling adds to slow ops
 _GRACE = 2e-4    # how long a fresh op is left to a thread that may wait on it (and drive)
 _LOOK = 1e-3     # how often a dozing progress thread looks for ops nobody drives
-_DOZE = 1.0      # seconds without activity before it sleeps until woken
+_DOZE = 0.01     # seconds without activity before it sleeps until woken (ops notify it)
 _BURST = 32      # tests in a row by a waiting thread before it yields the CPU
 _TRIES = range(_BURST)
 
