@@ -211,10 +211,10 @@ class Engine:
         return work
 
     def run_here(self, start: Callable[..., Any], args: tuple[Any, ...],
-                 seconds: float | None) -> Any:
+                 timeout: timedelta | None) -> Any:
         """Start a non-blocking MPI call (``start(*args)`` returns its request) and test it on
         this thread until it finishes: no Work, no progress thread involved (the blocking fast
-        path). Returns None when done, or the still-active request once ``seconds`` have passed
+        path). Returns None when done, or the still-active request once ``timeout`` has passed
         (hand it to :meth:`adopt`). MPI's errors propagate; every MPI call runs under the MPI
         lock."""
         lock = self.lock
@@ -223,7 +223,8 @@ class Engine:
             for _ in _TRIES:
                 if test():
                     return None
-        deadline = None if seconds is None else time.perf_counter() + seconds
+        # the clock is read only for ops that outlive one burst: most small ones do not
+        deadline = None if timeout is None else time.perf_counter() + timeout.total_seconds()
         while True:
             os.sched_yield()  # let the peer process run
             with lock:

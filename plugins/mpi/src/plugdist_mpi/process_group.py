@@ -263,17 +263,17 @@ class MPIProcessGroup(ProcessGroup):
             return NotImplemented  # the Work path makes the spec, or says what is wrong
         # the same MPI buffer as _typed builds, spelled out: this path is all overhead
         buf = [self._fromaddress(tensor.data_ptr(), tensor.nbytes), tensor.numel(), spec[0]]
+        timeout = self.options.timeout
         try:
-            seconds = self.timeout.total_seconds()
-            late = engine.run_here(comm.Iallreduce, (self._MPI.IN_PLACE, buf, spec[1]), seconds)
+            late = engine.run_here(comm.Iallreduce, (self._MPI.IN_PLACE, buf, spec[1]), timeout)
         except Exception as exc:
             raise self._translate("all_reduce", exc) from exc
         if late is not None:
             # MPI may still write into the tensor: the adopted Work holds it until the op ends
             work = MPIWork(op="all_reduce", rank=self._rank, group=self.group_name,
-                           backend=self.backend_name, timeout=self.timeout)
+                           backend=self.backend_name, timeout=timeout)
             engine.adopt(self, work, late, lambda exc: self._translate("all_reduce", exc, tensor))
-            raise self.timeout_error("all_reduce", seconds)
+            raise self.timeout_error("all_reduce", timeout.total_seconds())
         return None
 
     def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
