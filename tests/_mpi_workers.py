@@ -24,6 +24,8 @@ import plugdist as dist
 import torch
 from plugdist.errors import DistBackendError, DistError, DistTimeoutError
 from plugdist.process_group import OPS, GroupOptions
+
+OPS_BLOCKING = frozenset(OPS) - {"send", "recv"}
 from plugdist.reduce_op import ReduceOp
 from plugdist.store import HashStore, PrefixStore, TCPStore
 from plugdist.world import world as _world
@@ -596,6 +598,39 @@ def check_sync_all_reduce_takes_the_blocking_path(rank: int, ws: int) -> None:
 
 
 @check
+def check_sync_ops_run_on_the_calling_thread(rank: int, ws: int) -> None:
+    """Every collective the blocking path may take runs through native_blocking (None, not
+    NotImplemented: no Work made) with every rank's answer, staging copies included."""
+    pg = dist.group.WORLD
+    assert pg._blocking_ops == OPS_BLOCKING
+    t = torch.full((3,), float(rank))
+    assert pg.native_blocking("broadcast", {"tensor": t, "src": ws - 1}) is None
+    same(t, torch.full((3,), float(ws - 1)), "blocking broadcast")
+    out = torch.empty(ws * 2, dtype=torch.int64)
+    assert pg.native_blocking("all_gather_into_tensor",
+                              {"output": out, "tensor": torch.full((2,), rank)}) is None
+    same(out, torch.arange(ws).repeat_interleave(2), "blocking all_gather_into_tensor")
+    outs = [torch.empty(2) for _ in range(ws)]
+    assert pg.native_blocking("all_gather", {"output_tensors": outs,
+                                             "tensor": torch.full((2,), float(rank))}) is None
+    for r, o in enumerate(outs):
+        same(o, torch.full((2,), float(r)), f"blocking all_gather from rank {r}")
+    got = torch.empty(ws)
+    assert pg.native_blocking("all_to_all_single", {
+        "output": got, "input": torch.arange(ws, dtype=torch.float32) + 10 * rank,
+        "output_split_sizes": [1] * ws, "input_split_sizes": [1] * ws}) is None
+    same(got, torch.arange(ws, dtype=torch.float32) * 10 + rank, "blocking all_to_all_single")
+    assert pg.native_blocking("barrier", {}) is None
+    # the frontend's synchronous calls take this path and agree with the async ones
+    b = torch.full((4,), float(rank))
+    dist.broadcast(b, src=0)
+    same(b, torch.zeros(4), "dist.broadcast")
+    red = torch.empty(1)
+    dist.reduce_scatter_tensor(red, torch.ones(ws))
+    same(red, torch.full((1,), float(ws)), "dist.reduce_scatter_tensor")
+
+
+@check
 def check_stuck_peer_times_out(rank: int, ws: int) -> None:
     """A peer that does not show up gives DistTimeoutError (group creation, sync and async ops);
     when it shows up later, the op still completes."""
@@ -625,6 +660,9 @@ def check_stuck_peer_times_out(rank: int, ws: int) -> None:
             t3 = torch.ones(2)
             expect(DistTimeoutError, ["rank 0", "all_reduce", "did not complete within 0.5"],
                    lambda: pg.all_reduce_blocking(t3))
+            t4 = torch.zeros(3)
+            expect(DistTimeoutError, ["rank 0", "broadcast", "did not complete within 0.5"],
+                   lambda: pg.run_blocking("broadcast", t4, 1))
             store.set("go", b"1")
             w2.wait(timeout=timedelta(seconds=60))
             w1.wait(timeout=timedelta(seconds=60))
@@ -634,12 +672,16 @@ def check_stuck_peer_times_out(rank: int, ws: int) -> None:
             while not torch.equal(t3, torch.full((2,), 2.0)) and time.monotonic() < deadline:
                 time.sleep(0.01)
             same(t3, torch.full((2,), 2.0), "late blocking all_reduce, completed in the background")
+            while not torch.equal(t4, torch.full((3,), 7.0)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            same(t4, torch.full((3,), 7.0), "late blocking broadcast, completed in the background")
         else:
             store.wait(["go"], timedelta(seconds=60))
             for _ in range(3):
                 t = torch.ones(2)
                 pg.all_reduce(t).wait(timeout=timedelta(seconds=60))
                 same(t, torch.full((2,), 2.0), "late all_reduce on the slow rank")
+            pg.broadcast(torch.full((3,), 7.0), 1).wait(timeout=timedelta(seconds=60))
     finally:
         pg.shutdown()
     dist.barrier()

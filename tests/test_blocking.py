@@ -1,5 +1,6 @@
-"""The blocking fast path: a synchronous ``all_reduce`` runs the backend's
-``native_all_reduce_blocking`` (no Work) when it can, and waits on a Work otherwise.
+"""The blocking path: a synchronous op runs the backend's ``native_blocking`` (and
+``all_reduce`` its ``native_all_reduce_blocking``) with no Work when it can, and waits on a Work
+otherwise.
 
 A one-rank backend records which path each call took; the MPI and Gloo plugins' own blocking
 paths run across real processes in their conformance runs and error-path tests.
@@ -38,13 +39,27 @@ class Solo(ProcessGroup):
         self.calls.append(("blocking", op))
         return NotImplemented if tensor.dtype is torch.float64 else None
 
+    def native_broadcast(self, *, tensor: torch.Tensor, src: int) -> Work:
+        self.calls.append(("work", "broadcast"))
+        work = self.work("broadcast")
+        work.set_result([tensor])
+        return work
+
+    def native_blocking(self, op: str, kwargs: dict[str, Any]) -> Any:
+        self.calls.append(("blocking", op))
+        return NotImplemented if kwargs.get("tensor", torch.empty(0)).dtype is torch.int8 else None
+
 
 class Observed(Solo):
-    """Overrides the public op, as a wrapper does: the fast path must not bypass it."""
+    """Overrides public ops, as a wrapper does: the blocking path must not bypass them."""
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
         self.calls.append(("public", op))
         return super().all_reduce(tensor, op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Work:
+        self.calls.append(("public", "broadcast"))
+        return super().broadcast(tensor, src)
 
 
 @contextlib.contextmanager
@@ -111,3 +126,32 @@ def test_timeout_error_reads_like_a_works() -> None:
     assert str(err) == str(pg.work("all_reduce").timeout_error(2.5))
     assert "[rank 0, group '0', backend 'solo', op all_reduce] did not complete within 2.5s" \
         in str(err)
+
+
+def test_other_sync_ops_take_native_blocking_async_and_composed_ones_a_work(solo: Solo) -> None:
+    t = torch.arange(3.0)
+    dist.broadcast(t, src=0)
+    dist.broadcast(t, src=0, async_op=True).wait()
+    observed = type(solo) is Observed
+    sync = [("public", "broadcast"), ("work", "broadcast")] if observed else \
+        [("blocking", "broadcast")]
+    public = [("public", "broadcast")] if observed else []
+    assert solo.calls == sync + public + [("work", "broadcast")]
+    solo.calls.clear()
+    # composed for this backend (from all_reduce): the composition's own ops make Works
+    out = torch.empty(3)
+    dist.reduce_scatter_tensor(out, t)
+    assert torch.equal(out, t) and ("blocking", "reduce_scatter_tensor") not in solo.calls
+    assert ("work", ReduceOp.SUM) in solo.calls
+
+
+def test_a_declined_or_failed_blocking_call_leaves_no_intent_behind() -> None:
+    with world_of(Solo) as solo:
+        dist.broadcast(torch.zeros(2, dtype=torch.int8), src=0)  # declined: through a Work
+        assert solo.calls == [("blocking", "broadcast"), ("work", "broadcast")]
+        with pytest.raises(ValueError, match="not contiguous"):
+            dist.broadcast(torch.ones(4, 4).t(), src=0)
+        solo.calls.clear()
+        # the next op of this thread is not mistaken for the synchronous one that failed
+        work = solo.broadcast(torch.ones(2))
+        assert work.wait() and solo.calls == [("work", "broadcast")]

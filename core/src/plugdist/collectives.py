@@ -37,6 +37,15 @@ def _finish(work: Work, async_op: bool) -> Work | None:
     return None
 
 
+def _call(pg: ProcessGroup, async_op: bool, op: str, *args: Any) -> Work | None:
+    """``pg.<op>(*args)``: its Work for ``async_op``, else run to completion (no Work where the
+    backend can; see ``ProcessGroup.run_blocking``)."""
+    if async_op:
+        return getattr(pg, op)(*args)
+    pg.run_blocking(op, *args)
+    return None
+
+
 def _group_rank(pg: ProcessGroup, global_rank: int | None, group_rank: int | None, name: str,
                 op: str) -> int:
     """Translate a global rank argument (or take the group-rank one) into a group rank."""
@@ -58,7 +67,8 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,
     pg = resolve_group(group, "broadcast")
     if pg is None:
         return None
-    return _finish(pg.broadcast(tensor, _group_rank(pg, src, group_src, "src", "broadcast")), async_op)
+    src = _group_rank(pg, src, group_src, "src", "broadcast")
+    return _call(pg, async_op, "broadcast", tensor, src)
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Any = None,
@@ -77,7 +87,8 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp
     pg = resolve_group(group, "reduce")
     if pg is None:
         return None
-    return _finish(pg.reduce(tensor, _group_rank(pg, dst, group_dst, "dst", "reduce"), op), async_op)
+    dst = _group_rank(pg, dst, group_dst, "dst", "reduce")
+    return _call(pg, async_op, "reduce", tensor, dst, op)
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
@@ -85,7 +96,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
     pg = resolve_group(group, "all_gather")
     if pg is None:
         return None
-    return _finish(pg.all_gather(tensor_list, tensor), async_op)
+    return _call(pg, async_op, "all_gather", tensor_list, tensor)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -93,7 +104,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     pg = resolve_group(group, "all_gather_into_tensor")
     if pg is None:
         return None
-    return _finish(pg.all_gather_into_tensor(output_tensor, input_tensor), async_op)
+    return _call(pg, async_op, "all_gather_into_tensor", output_tensor, input_tensor)
 
 
 all_gather_single = all_gather_into_tensor
@@ -107,8 +118,8 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None,
         return None
     if dst is None and group_dst is None:
         dst = world.info(pg).global_ranks[0]
-    return _finish(pg.gather(tensor, gather_list, _group_rank(pg, dst, group_dst, "dst", "gather")),
-                   async_op)
+    dst = _group_rank(pg, dst, group_dst, "dst", "gather")
+    return _call(pg, async_op, "gather", tensor, gather_list, dst)
 
 
 def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None,
@@ -119,8 +130,8 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
         return None
     if src is None and group_src is None:
         src = world.info(pg).global_ranks[0]
-    return _finish(pg.scatter(tensor, scatter_list, _group_rank(pg, src, group_src, "src", "scatter")),
-                   async_op)
+    src = _group_rank(pg, src, group_src, "src", "scatter")
+    return _call(pg, async_op, "scatter", tensor, scatter_list, src)
 
 
 def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
@@ -129,7 +140,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
     pg = resolve_group(group, "reduce_scatter")
     if pg is None:
         return None
-    return _finish(pg.reduce_scatter(output, input_list, op), async_op)
+    return _call(pg, async_op, "reduce_scatter", output, input_list, op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
@@ -137,7 +148,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: ReduceO
     pg = resolve_group(group, "reduce_scatter_tensor")
     if pg is None:
         return None
-    return _finish(pg.reduce_scatter_tensor(output, input, op), async_op)
+    return _call(pg, async_op, "reduce_scatter_tensor", output, input, op)
 
 
 reduce_scatter_single = reduce_scatter_tensor
@@ -148,7 +159,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     pg = resolve_group(group, "all_to_all")
     if pg is None:
         return None
-    return _finish(pg.all_to_all(output_tensor_list, input_tensor_list), async_op)
+    return _call(pg, async_op, "all_to_all", output_tensor_list, input_tensor_list)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
@@ -158,15 +169,15 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     pg = resolve_group(group, "all_to_all_single")
     if pg is None:
         return None
-    return _finish(pg.all_to_all_single(output, input, output_split_sizes, input_split_sizes),
-                   async_op)
+    return _call(pg, async_op, "all_to_all_single", output, input, output_split_sizes,
+                 input_split_sizes)
 
 
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
     pg = resolve_group(group, "barrier")
     if pg is None:
         return None
-    return _finish(pg.barrier(), async_op)
+    return _call(pg, async_op, "barrier")
 
 
 _VERDICT_GRACE = timedelta(seconds=5)

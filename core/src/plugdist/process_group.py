@@ -7,11 +7,12 @@ Two layers in one class (the template-method pattern):
   errors naming rank, group, op and backend, raised before anything is sent), then run the op
   natively if the backend can, or compose it from the backend's native ops
   (:mod:`plugdist.composition`). Every public op returns a :class:`~plugdist.work.Work`.
-* **The blocking fast path** (``all_reduce_blocking``): what the synchronous frontend calls. It
-  validates like ``all_reduce`` and then runs the backend's ``native_all_reduce_blocking``,
-  which blocks on the calling thread with no Work at all (a Work costs tens of microseconds,
-  the whole budget of a small message). Without that hook, for composed reductions, and in any
-  class that overrides the public ``all_reduce`` (a wrapper), it waits on ``all_reduce``'s Work.
+* **The blocking path** (``run_blocking(op, ...)``, and ``all_reduce_blocking`` for the hottest
+  op): what the synchronous frontend calls. It validates exactly as the public op does, then
+  runs the backend's ``native_blocking`` (``native_all_reduce_blocking``), which finishes the op
+  on the calling thread with no Work at all (a Work costs tens of microseconds, the whole budget
+  of a small message). Without those hooks, for composed ops, and for any op whose public method
+  a class overrides (a wrapper), it waits on the public op's Work.
 * **Native hooks** (``native_all_reduce``, ...): what a backend overrides. Each receives already
   validated arguments in *group* ranks and returns a Work, or ``NotImplemented`` for arguments it
   cannot handle (e.g. uneven all_to_all lists), in which case the core composes the op. A backend overrides only what it does
@@ -33,16 +34,17 @@ composed), ``is_available() -> (bool, reason)`` and ``rendezvous(timeout) ->
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
 from . import composition
 from .errors import DistTimeoutError, op_timeout, where
 from .reduce_op import ReduceOp, check_reduce_op
-from .work import Work
+from .work import Work, completed_work
 
 __all__ = ["ProcessGroup", "GroupOptions", "Capabilities", "OPS", "DEFAULT_TIMEOUT"]
 
@@ -55,6 +57,22 @@ OPS: tuple[str, ...] = (
 )
 
 _ALL_REDUCE_OPS = frozenset(ReduceOp) - {ReduceOp.AVG}
+
+# ops that may run through ``native_blocking``: not send/recv, whose Works carry results (the
+# sender of an any-source receive) and whose callers may pair them with ops issued later
+_BLOCKING_OPS = frozenset(OPS) - {"send", "recv"}
+
+
+class _Waiting(threading.local):
+    """Per thread: the (group, op) whose caller is about to wait on it (see run_blocking)."""
+
+    call: tuple[Any, str] | None = None
+
+
+_waiting = _Waiting()
+# what a dispatch run by native_blocking returns: only run_blocking (which just waits) and a
+# public op's own ``then`` (AVG's divide, run at once) ever see it
+_DONE = completed_work()
 
 
 @dataclass(frozen=True)
@@ -105,14 +123,20 @@ class ProcessGroup:
     supports_any_source: ClassVar[bool] = False
     refused_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset()
     _caps: Capabilities | None = None  # this group's capabilities, fixed at first use
-    _blocking_all_reduce: ClassVar[bool] = False  # set per class: see __init_subclass__
+    # set per class by __init_subclass__: which ops run_blocking may hand to native_blocking
+    _blocking_ops: ClassVar[frozenset[str]] = frozenset()
+    _blocking_all_reduce: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        # the fast path may bypass the public op only where that op is the core's own
-        cls._blocking_all_reduce = (
-            cls.native_all_reduce_blocking is not ProcessGroup.native_all_reduce_blocking
-            and cls.all_reduce is ProcessGroup.all_reduce)
+        # the blocking path may stand in for a public op only where that op is the core's own
+        generic = cls.native_blocking is not ProcessGroup.native_blocking
+        cls._blocking_ops = frozenset(
+            op for op in _BLOCKING_OPS
+            if generic and getattr(cls, op) is getattr(ProcessGroup, op))
+        cls._blocking_all_reduce = cls.all_reduce is ProcessGroup.all_reduce and (
+            generic or
+            cls.native_all_reduce_blocking is not ProcessGroup.native_all_reduce_blocking)
 
     def __init__(self, rank: int, size: int, options: GroupOptions | None = None) -> None:
         self._rank = rank
@@ -202,8 +226,10 @@ class ProcessGroup:
     def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
         self._check_tensor("all_gather_into_tensor", tensor)
         self._check_tensor("all_gather_into_tensor", output, "output")
-        self._check_flat("all_gather_into_tensor", output, tensor, output.numel() == tensor.numel() * self._size,
-                         f"output must hold world_size x input = {self._size} x {tensor.numel()} elements")
+        self._check_flat("all_gather_into_tensor", output, tensor,
+                         output.numel() == tensor.numel() * self._size,
+                         lambda: f"output must hold world_size x input = {self._size} x "
+                                 f"{tensor.numel()} elements")
         return self._run("all_gather_into_tensor", tensor, output=output, tensor=tensor)
 
     def gather(self, tensor: torch.Tensor, gather_list: Sequence[torch.Tensor] | None = None,
@@ -242,8 +268,10 @@ class ProcessGroup:
                               op: ReduceOp = ReduceOp.SUM) -> Work:
         self._check_tensor("reduce_scatter_tensor", output, "output")
         self._check_tensor("reduce_scatter_tensor", input, "input")
-        self._check_flat("reduce_scatter_tensor", input, output, input.numel() == output.numel() * self._size,
-                         f"input must hold world_size x output = {self._size} x {output.numel()} elements")
+        self._check_flat("reduce_scatter_tensor", input, output,
+                         input.numel() == output.numel() * self._size,
+                         lambda: f"input must hold world_size x output = {self._size} x "
+                                 f"{output.numel()} elements")
         self._check_reduce("reduce_scatter_tensor", op, output)
         return self._run_reduction("reduce_scatter_tensor", output, output, output=output,
                                    input=input, op=op)
@@ -291,6 +319,22 @@ class ProcessGroup:
                     return
         self.all_reduce(tensor, op).wait()
 
+    def run_blocking(self, op: str, *args: Any) -> None:
+        """``getattr(self, op)(*args).wait()``, without the Work where the backend can: the
+        public op validates and plans as always, and a native op then runs through the backend's
+        ``native_blocking`` on this thread. Blocks until done (bounded by the group's timeout);
+        raises what the op and its ``wait`` would."""
+        if op not in self._blocking_ops:
+            getattr(self, op)(*args).wait()
+            return
+        outer = _waiting.call
+        _waiting.call = (self, op)  # taken by this group's _dispatch of this op, if it comes
+        try:
+            work = getattr(self, op)(*args)
+        finally:
+            _waiting.call = outer
+        work.wait()
+
     def _blocks(self, tensor: torch.Tensor, op: ReduceOp) -> bool:
         """Validate an all_reduce (raising as ``all_reduce`` would); True if it is native."""
         self._check_tensor("all_reduce", tensor)
@@ -320,12 +364,18 @@ class ProcessGroup:
         return self._run("recv", tensor, tensor=tensor, src=src, tag=tag)
 
     # -- native hooks: a backend overrides those it does natively ---------------------------
-    def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> Any:
-        """Optional. ``native_all_reduce`` run to completion on the calling thread, no Work:
-        returns None when done, NotImplemented to fall back to waiting on a Work. Must raise the
-        op's error as a DistError, and ``timeout_error("all_reduce")`` once the group's timeout
-        has passed (the op may then still finish in the background)."""
+    def native_blocking(self, op: str, kwargs: dict[str, Any]) -> Any:
+        """Optional. ``native_<op>(**kwargs)`` run to completion on the calling thread, with no
+        Work: return None when done, or NotImplemented to have the core wait on a Work instead.
+        Must raise the op's error as a DistError, and ``timeout_error(op)`` once the group's
+        timeout has passed (the op may then still finish in the background, so keep its buffers
+        alive). Never asked for send or recv."""
         return NotImplemented
+
+    def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> Any:
+        """Optional: ``native_blocking("all_reduce", ...)`` (what it defaults to) with the
+        arguments spelled out, for backends that shave the hottest op's overhead."""
+        return self.native_blocking("all_reduce", {"tensor": tensor, "op": op})
 
     def native_broadcast(self, *, tensor: torch.Tensor, src: int) -> Work:
         raise NotImplementedError
@@ -380,6 +430,12 @@ class ProcessGroup:
         return self._dispatch(op, _device_type(sample), kwargs)
 
     def _dispatch(self, op: str, device: str, kwargs: dict[str, Any]) -> Work:
+        call = _waiting.call
+        if call is not None and call[0] is self and call[1] == op:
+            _waiting.call = None  # for this dispatch only, not the ops a composition issues
+            if (self.capabilities().is_native(op, device)
+                    and self.native_blocking(op, kwargs) is not NotImplemented):
+                return _DONE
         return composition.run_op(self, op, device, kwargs)
 
     def _run_reduction(self, op_name: str, sample: torch.Tensor, out: torch.Tensor | None,
@@ -451,11 +507,12 @@ class ProcessGroup:
                 raise ValueError(f"{self.where(op)} {name}[{i}] is {t.dtype}{list(t.shape)} but must "
                                  f"match {like.dtype}{list(like.shape)}")
 
-    def _check_flat(self, op: str, a: torch.Tensor, b: torch.Tensor, ok: bool, why: str) -> None:
+    def _check_flat(self, op: str, a: torch.Tensor, b: torch.Tensor, ok: bool,
+                    why: Callable[[], str]) -> None:
         if a.dtype != b.dtype:
             raise ValueError(f"{self.where(op)} dtypes differ: {a.dtype} vs {b.dtype}")
         if not ok:
-            raise ValueError(f"{self.where(op)} {why}")
+            raise ValueError(f"{self.where(op)} {why()}")  # formatted on failure only
 
     def _splits(self, op: str, name: str, tensor: torch.Tensor,
                 splits: Sequence[int] | None) -> list[int]:

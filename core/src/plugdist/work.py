@@ -158,11 +158,50 @@ class Work:
         return f"<Work {self._where()} {state}>"
 
 
+class _CompletedWork(Work):
+    """Done at birth: answers without a future, and makes one only when asked."""
+
+    def __init__(self, value: Any, **context: Any) -> None:
+        super().__init__(**context)
+        self._value = value
+
+    def _materialize(self) -> torch.futures.Future:
+        with _LAZY_LOCK:
+            if self._fut is None:
+                fut: torch.futures.Future = torch.futures.Future()
+                fut.set_result(self._value)
+                self._fut = fut
+            return self._fut
+
+    def wait(self, timeout: timedelta | float | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def result(self) -> Any:
+        return self._value
+
+    def then(self, fn: Callable[[Any], Any], *, op: str | None = None) -> Work:
+        """``fn`` runs now, on this thread (this Work is done)."""
+        context = dict(op=op or self.op, rank=self.rank, group=self.group, backend=self.backend,
+                       timeout=self.timeout, source_rank=self._source_rank)
+        try:
+            value = fn(self._value)
+        except BaseException as exc:  # noqa: BLE001 - handed on to whoever waits
+            return failed_work(exc, **context)
+        return completed_work(value, **context)
+
+
 def completed_work(value: Any = None, **context: Any) -> Work:
     """A Work that is already done with ``value``."""
-    work = Work(**context)
-    work.set_result(value)
-    return work
+    return _CompletedWork(value, **context)
 
 
 def failed_work(exc: BaseException, **context: Any) -> Work:

@@ -83,11 +83,11 @@ def address(t: torch.Tensor) -> int:
 
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the bytes of ``a`` and ``b`` share any address."""
-    na, nb = a.numel() * a.element_size(), b.numel() * b.element_size()
+    """Whether the bytes of ``a`` and ``b`` (contiguous) share any address."""
+    na, nb = a.nbytes, b.nbytes
     if na == 0 or nb == 0:
         return False
-    pa, pb = address(a), address(b)
+    pa, pb = a.data_ptr(), b.data_ptr()
     return pa < pb + nb and pb < pa + na
 
 
@@ -134,7 +134,14 @@ def _large_counts(MPI: Any) -> bool:
 
 
 def buffer_type(MPI: Any) -> Any:
-    return getattr(MPI, "buffer", None) or MPI.memory  # mpi4py 4 / mpi4py 3
+    """mpi4py's buffer class: ``MPI.buffer`` (mpi4py 4) or ``MPI.memory`` (mpi4py 3)."""
+    global _buffer
+    if _buffer is None:
+        _buffer = getattr(MPI, "buffer", None) or MPI.memory
+    return _buffer
+
+
+_buffer: Any = None
 
 
 def cached_spec(op: ReduceOp, dtype: torch.dtype) -> ReduceSpec | None:

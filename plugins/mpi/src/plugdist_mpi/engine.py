@@ -234,13 +234,14 @@ class Engine:
             if deadline is not None and time.perf_counter() > deadline:
                 return test.__self__  # the request
 
-    def adopt(self, owner: object, work: Work, request: Any,
+    def adopt(self, owner: object, work: Work, request: Any, done: Callable[[Any], Any],
               fail: Callable[[BaseException], BaseException]) -> None:
         """Let the progress thread complete (or, at ``detach``, drop) a request that
-        :meth:`run_here` gave up waiting for; ``work`` is completed when it ends, and is the
-        place to keep the op's buffers alive until then."""
+        :meth:`run_here` gave up waiting for: ``work`` is completed with ``done(status)`` or
+        ``fail(exc)`` when it ends; whatever those hold (the op's buffers) stays alive until
+        then."""
         with self.lock:
-            p = _Pending(request, self._mpi.Status(), work, owner, lambda _status: None, fail)
+            p = _Pending(request, self._mpi.Status(), work, owner, done, fail)
             self._pending.append(p)
             self._last_event = self._last_issue = time.perf_counter()
             if self._idle:
