@@ -213,7 +213,7 @@ class Engine:
     def run_here(self, start: Callable[..., Any], args: tuple[Any, ...],
                  timeout: timedelta | None) -> Any:
         """Start a non-blocking MPI call (``start(*args)`` returns its request) and test it on
-        this thread until it finishes: no Work, no progress thread involved (the blocking fast
+        this thread until it finishes: no Work, no progress thread involved (the blocking
         path). Returns None when done, or the still-active request once ``timeout`` has passed
         (hand it to :meth:`adopt`). MPI's errors propagate; every MPI call runs under the MPI
         lock."""

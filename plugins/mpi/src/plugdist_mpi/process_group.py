@@ -48,8 +48,10 @@ class MPIProcessGroup(ProcessGroup):
     Construction is collective over the group's members only (non-members never call it) and
     blocks until every member arrived, bounded by ``options.timeout`` (``DistTimeoutError`` names
     the missing ranks). The group rank and size the core passes must agree with MPI's view of
-    this process, else ``DistBackendError``. Every op is asynchronous and never blocks the
-    caller; ops of a group start on the MPI communicator in the order they were issued.
+    this process, else ``DistBackendError``. Every op returning a Work is asynchronous and never
+    blocks the caller; ``native_blocking`` (the synchronous frontend's path) runs one on the
+    caller's thread instead. Ops of a group start on the MPI communicator in the order they were
+    issued.
     Thread-safe: ops may be issued from several threads (MPI calls are serialized by one lock).
     """
 
