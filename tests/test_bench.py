@@ -18,7 +18,7 @@ def test_parse_size() -> None:
 
 def _sweep(*args: str) -> list[list[str]]:
     res = subprocess.run([sys.executable, "-m", "plugdist.bench", "--nproc", "2", "-b", "8",
-                          "-e", "32", "-f", "4", *args, "--timeout", "120"],
+                          "-e", "32", "-f", "4", "--iters", "30", *args, "--timeout", "120"],
                          capture_output=True, text=True, timeout=150)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.strip().splitlines()
