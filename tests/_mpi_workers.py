@@ -24,12 +24,13 @@ import plugdist as dist
 import torch
 from plugdist.errors import DistBackendError, DistError, DistTimeoutError
 from plugdist.process_group import OPS, GroupOptions
-
-OPS_BLOCKING = frozenset(OPS) - {"send", "recv"}
 from plugdist.reduce_op import ReduceOp
 from plugdist.store import HashStore, PrefixStore, TCPStore
+from plugdist.testing.checks import expect_error, run
 from plugdist.world import world as _world
 from plugdist_mpi import MPIProcessGroup
+
+OPS_BLOCKING = frozenset(OPS) - {"send", "recv"}
 
 R = ReduceOp
 FLOAT_OPS = [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX]
@@ -134,26 +135,6 @@ def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         _mismatches.append(f"{what}: got {got.to(wide).tolist()}, want {want.to(wide).tolist()}")
 
 
-def expect(exc_type: type[BaseException], fragments: list[str], fn: Callable[[], Any]) -> str:
-    try:
-        fn()
-    except exc_type as err:
-        text = str(err)
-        missing = [f for f in fragments if f.lower() not in text.lower()]
-        if missing:
-            raise AssertionError(f"{type(err).__name__}({text!r}) does not mention "
-                                 f"{missing}") from err
-        return text
-    raise AssertionError(f"expected {exc_type.__name__} mentioning {fragments}; nothing raised")
-
-
-def finish(work: Any, async_op: bool) -> None:
-    if async_op:
-        assert work is not None and work.wait() is True and work.is_success()
-    else:
-        assert work is None
-
-
 # -- checks ---------------------------------------------------------------------------------------
 @check
 def check_world_is_mpi(rank: int, ws: int) -> None:
@@ -183,7 +164,7 @@ def check_all_reduce_every_dtype_op(rank: int, ws: int) -> None:
             for async_op in (False, True):
                 t = values(dtype, rank, op)
                 ptr = t.data_ptr()
-                finish(dist.all_reduce(t, op=op, async_op=async_op), async_op)
+                run(dist.all_reduce(t, op=op, async_op=async_op), async_op)
                 assert t.data_ptr() == ptr
                 want = expected(op, [values(dtype, r, op) for r in range(ws)])
                 same(t, want, f"all_reduce {dtype} {op} async={async_op}")
@@ -196,7 +177,7 @@ def check_reduce_every_dtype_op_root(rank: int, ws: int) -> None:
             for dst in range(ws):
                 async_op = (dst % 2 == 1)
                 t = values(dtype, rank, op)
-                finish(dist.reduce(t, dst=dst, op=op, async_op=async_op), async_op)
+                run(dist.reduce(t, dst=dst, op=op, async_op=async_op), async_op)
                 if rank == dst:
                     same(t, expected(op, [values(dtype, r, op) for r in range(ws)]),
                          f"reduce {dtype} {op} to {dst}")
@@ -212,17 +193,17 @@ def check_reduce_scatter_both_forms(rank: int, ws: int) -> None:
             # list form, separate tensors (staged), sync
             inputs = [values(dtype, rank * ws + i, op) for i in range(ws)]
             out = torch.zeros(N, dtype=dtype)
-            finish(dist.reduce_scatter(out, inputs, op=op), False)
+            run(dist.reduce_scatter(out, inputs, op=op), False)
             same(out, want, f"reduce_scatter list {dtype} {op}")
             # list form, chunks of one tensor (reduced in place), async
             flat = torch.cat(inputs)
             chunks = list(flat.chunk(ws))
             out = torch.zeros(N, dtype=dtype)
-            finish(dist.reduce_scatter(out, chunks, op=op, async_op=True), True)
+            run(dist.reduce_scatter(out, chunks, op=op, async_op=True), True)
             same(out, want, f"reduce_scatter chunks {dtype} {op}")
             # tensor form, async
             out = torch.zeros(N, dtype=dtype)
-            finish(dist.reduce_scatter_tensor(out, torch.cat(inputs), op=op, async_op=True), True)
+            run(dist.reduce_scatter_tensor(out, torch.cat(inputs), op=op, async_op=True), True)
             same(out, want, f"reduce_scatter_tensor {dtype} {op}")
 
 
@@ -241,7 +222,7 @@ def check_broadcast_every_dtype(rank: int, ws: int) -> None:
         for src in range(ws):
             for async_op in (False, True):
                 t = values(dtype, rank)
-                finish(dist.broadcast(t, src=src, async_op=async_op), async_op)
+                run(dist.broadcast(t, src=src, async_op=async_op), async_op)
                 same(t, values(dtype, src), f"broadcast {dtype} from {src}")
     scalar = torch.tensor(float(rank))
     dist.broadcast(scalar, src=ws - 1)
@@ -257,7 +238,7 @@ def check_all_gather_forms(rank: int, ws: int) -> None:
         for async_op in (False, True):
             outs = [torch.zeros(N, dtype=dtype) for _ in range(ws)]
             ptrs = [o.data_ptr() for o in outs]
-            finish(dist.all_gather(outs, values(dtype, rank), async_op=async_op), async_op)
+            run(dist.all_gather(outs, values(dtype, rank), async_op=async_op), async_op)
             assert [o.data_ptr() for o in outs] == ptrs, "all_gather must fill the given tensors"
             for r in range(ws):
                 same(outs[r], values(dtype, r), f"all_gather {dtype} slot {r}")
@@ -291,14 +272,14 @@ def check_gather_scatter(rank: int, ws: int) -> None:
         for root in range(ws):
             async_op = root % 2 == 0
             gl = [torch.zeros(N, dtype=dtype) for _ in range(ws)] if rank == root else None
-            finish(dist.gather(values(dtype, rank), gather_list=gl, dst=root, async_op=async_op),
+            run(dist.gather(values(dtype, rank), gather_list=gl, dst=root, async_op=async_op),
                    async_op)
             if rank == root:
                 for r in range(ws):
                     same(gl[r], values(dtype, r), f"gather {dtype} slot {r} to {root}")
             out = torch.zeros(N, dtype=dtype)
             sl = [values(dtype, 10 + r) for r in range(ws)] if rank == root else None
-            finish(dist.scatter(out, scatter_list=sl, src=root, async_op=async_op), async_op)
+            run(dist.scatter(out, scatter_list=sl, src=root, async_op=async_op), async_op)
             same(out, values(dtype, 10 + rank), f"scatter {dtype} from {root}")
     # root's own piece is its output tensor (MPI_IN_PLACE on the root)
     out = torch.full((3,), -1.0)
@@ -324,7 +305,7 @@ def check_all_to_all_forms(rank: int, ws: int) -> None:
         # uneven list: rank r sends j + 1 rows (of seed r*100+j) to rank j
         ins = [values(dtype, rank * 100 + j, n=(j + 1) * 2).reshape(j + 1, 2) for j in range(ws)]
         outs = [torch.zeros(rank + 1, 2, dtype=dtype) for _ in range(ws)]
-        finish(dist.all_to_all(outs, ins, async_op=True), True)
+        run(dist.all_to_all(outs, ins, async_op=True), True)
         for j in range(ws):
             same(outs[j], values(dtype, j * 100 + rank, n=(rank + 1) * 2).reshape(rank + 1, 2),
                  f"all_to_all {dtype} from {j}")
@@ -348,7 +329,7 @@ def check_all_to_all_forms(rank: int, ws: int) -> None:
     dist.all_to_all(bufs, bufs)
     want = torch.stack([torch.full((2,), float(j * 10 + rank)) for j in range(ws)])
     same(torch.stack(bufs), want, "all_to_all in place")
-    expect(ValueError, ["rows hold"], lambda: dist.all_to_all_single(
+    expect_error(ValueError, ["rows hold"], lambda: dist.all_to_all_single(
         torch.zeros(ws, 2), torch.zeros(ws, 3)))
 
 
@@ -567,7 +548,7 @@ def check_wait_timeout_then_late_message(rank: int, ws: int) -> None:
     if rank == 0:
         buf = torch.zeros(2)
         w = dist.irecv(buf, src=1, tag=21)
-        expect(DistTimeoutError, ["rank 0", "recv", "did not complete within"],
+        expect_error(DistTimeoutError, ["rank 0", "recv", "did not complete within"],
                lambda: w.wait(timeout=timedelta(seconds=0.3)))
         assert not w.is_completed()
         dist.barrier()
@@ -636,7 +617,7 @@ def check_stuck_peer_times_out(rank: int, ws: int) -> None:
     when it shows up later, the op still completes."""
     store = PrefixStore("mpi-test/stuck", _world.store)
     if rank == 0:
-        expect(DistTimeoutError, ["global ranks [1]", "create the group"],
+        expect_error(DistTimeoutError, ["global ranks [1]", "create the group"],
                lambda: MPIProcessGroup(PrefixStore("lonely", store), 0, 2, GroupOptions(
                    group_name="lonely", global_ranks=(0, 1), timeout=timedelta(seconds=0.5))))
     if rank > 1:
@@ -650,18 +631,18 @@ def check_stuck_peer_times_out(rank: int, ws: int) -> None:
         if rank == 0:
             t = torch.ones(2)
             w1 = pg.all_reduce(t)
-            expect(DistTimeoutError, ["rank 0", "all_reduce", "did not complete within 0.5"],
+            expect_error(DistTimeoutError, ["rank 0", "all_reduce", "did not complete within 0.5"],
                    w1.wait)
             t2 = torch.ones(2)
             w2 = pg.all_reduce(t2)
-            expect(DistTimeoutError, ["all_reduce"],
+            expect_error(DistTimeoutError, ["all_reduce"],
                    lambda: w2.wait(timeout=timedelta(seconds=0.2)))
             # the blocking path (no Work) gives up the same way; the progress thread adopts it
             t3 = torch.ones(2)
-            expect(DistTimeoutError, ["rank 0", "all_reduce", "did not complete within 0.5"],
+            expect_error(DistTimeoutError, ["rank 0", "all_reduce", "did not complete within 0.5"],
                    lambda: pg.all_reduce_blocking(t3))
             t4 = torch.zeros(3)
-            expect(DistTimeoutError, ["rank 0", "broadcast", "did not complete within 0.5"],
+            expect_error(DistTimeoutError, ["rank 0", "broadcast", "did not complete within 0.5"],
                    lambda: pg.run_blocking("broadcast", t4, 1))
             store.set("go", b"1")
             w2.wait(timeout=timedelta(seconds=60))
@@ -694,18 +675,18 @@ def check_mpi_errors_surface(rank: int, ws: int) -> None:
         dist.send(torch.arange(8, dtype=torch.float32), dst=1, tag=31)
         dist.send(torch.arange(2, dtype=torch.float32), dst=1, tag=32)
     elif rank == 1:
-        expect(DistBackendError, ["rank 1", "recv", "mpi", "as large"],
+        expect_error(DistBackendError, ["rank 1", "recv", "mpi", "as large"],
                lambda: dist.recv(torch.zeros(4), src=0, tag=31))
         # a shorter message than the tensor: MPI allows it silently, plugdist does not
-        expect(DistBackendError, ["received 8 bytes from rank 0", "holds 16"],
+        expect_error(DistBackendError, ["received 8 bytes from rank 0", "holds 16"],
                lambda: dist.recv(torch.zeros(4), src=0, tag=32))
     dist.barrier()
     # refused before anything is sent, on every rank alike
-    expect(ValueError, ["tag", "0..", "rank"],
+    expect_error(ValueError, ["tag", "0..", "rank"],
            lambda: dist.isend(torch.zeros(1), dst=(rank + 1) % ws, tag=-3))
     odd = getattr(torch, "float8_e8m0fnu", None)  # a dtype MPI plugdist has no reduction for
     if odd is not None:
-        expect(ValueError, ["cannot reduce", "float8_e8m0fnu", "rank"],
+        expect_error(ValueError, ["cannot reduce", "float8_e8m0fnu", "rank"],
                lambda: dist.all_reduce(torch.zeros(2, dtype=odd)))
     # the world still works
     t = torch.ones(1)
@@ -716,14 +697,14 @@ def check_mpi_errors_surface(rank: int, ws: int) -> None:
 @check
 def check_rank_size_mismatch(rank: int, ws: int) -> None:
     store = HashStore()
-    expect(DistBackendError, ["MPI rank/size is", f"{rank}/{ws}", f"{(rank + 1) % ws}/{ws}"],
+    expect_error(DistBackendError, ["MPI rank/size is", f"{rank}/{ws}", f"{(rank + 1) % ws}/{ws}"],
            lambda: MPIProcessGroup(store, (rank + 1) % ws, ws, None))
-    expect(DistBackendError, ["MPI rank/size is", f"{rank}/{ws + 1}"],
+    expect_error(DistBackendError, ["MPI rank/size is", f"{rank}/{ws + 1}"],
            lambda: MPIProcessGroup(store, rank, ws + 1, None))
-    expect(DistBackendError, ["global ranks", str(ws), "do not exist"],
+    expect_error(DistBackendError, ["global ranks", str(ws), "do not exist"],
            lambda: MPIProcessGroup(store, 0, 2,
                                    GroupOptions(group_name="x", global_ranks=(rank, ws))))
-    expect(DistBackendError, ["global rank"],
+    expect_error(DistBackendError, ["global rank"],
            lambda: MPIProcessGroup(store, 0, 2, GroupOptions(group_name="y",
                                                              global_ranks=((rank + 1) % ws, rank))))
 
@@ -734,9 +715,9 @@ def check_shutdown_fails_pending_ops(rank: int, ws: int) -> None:
     buf = torch.zeros(1)
     w = dist.irecv(buf, src=None, group=g, tag=99)     # nobody ever sends this
     dist.destroy_process_group(g)
-    expect(DistBackendError, ["shut down", "op recv", f"rank {rank}"],
+    expect_error(DistBackendError, ["shut down", "op recv", f"rank {rank}"],
            lambda: w.wait(timeout=timedelta(seconds=10)))
-    expect(DistError, ["shut down"], lambda: g.all_reduce(torch.ones(1)))
+    expect_error(DistError, ["shut down"], lambda: g.all_reduce(torch.ones(1)))
     dist.barrier()
 
 
@@ -762,7 +743,7 @@ def check_user_mpi_traffic_is_separate(rank: int, ws: int) -> None:
 def check_zz_reinit(rank: int, ws: int) -> None:
     """Last: leave the world, fail to rejoin with a wrong rank, rejoin through MPI."""
     dist.destroy_process_group()
-    expect(DistBackendError, ["MPI rank/size is", f"{rank}/{ws}"],
+    expect_error(DistBackendError, ["MPI rank/size is", f"{rank}/{ws}"],
            lambda: dist.init_process_group("mpi", store=HashStore(), rank=(rank + 1) % ws,
                                            world_size=ws))
     assert not dist.is_initialized()

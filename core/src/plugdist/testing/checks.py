@@ -139,20 +139,28 @@ def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise AssertionError(f"{what}: got {got.tolist()}, want {want.tolist()}")
 
 
-def expect_error(exc_type: type[BaseException], fragment: str, fn: Callable[[], Any]) -> None:
+def expect_error(exc_type: type[BaseException], fragments: str | Sequence[str],
+                 fn: Callable[[], Any]) -> str:
+    """Call ``fn``; it must raise ``exc_type`` whose message mentions every fragment (case
+    ignored). Returns the message."""
+    wanted = [fragments] if isinstance(fragments, str) else list(fragments)
     try:
         fn()
     except exc_type as err:
-        if fragment.lower() not in str(err).lower():
-            raise AssertionError(f"error {err!r} does not mention {fragment!r}") from err
-        return
-    raise AssertionError(f"expected {exc_type.__name__} mentioning {fragment!r}, nothing raised")
+        text = str(err)
+        missing = [f for f in wanted if f.lower() not in text.lower()]
+        if missing:
+            raise AssertionError(f"error {err!r} does not mention {missing}") from err
+        return text
+    raise AssertionError(f"expected {exc_type.__name__} mentioning {wanted}, nothing raised")
 
 
 def run(work_or_none: Any, async_op: bool) -> None:
+    """Check what a collective returned: its Work for ``async_op`` (waited on here, and
+    successful), else None."""
     if async_op:
         assert work_or_none is not None, "async_op=True must return a Work"
-        work_or_none.wait()
+        assert work_or_none.wait() is True, "Work.wait() returns True on success"
         assert work_or_none.is_completed() and work_or_none.is_success()
     else:
         assert work_or_none is None, "a blocking collective returns None"

@@ -320,13 +320,10 @@ class MPIProcessGroup(ProcessGroup):
         here = self._here
         here.active = True
         try:
-            out = getattr(self, "native_" + op)(**kwargs)
+            # every native op issues through _issue, which runs it here and returns None
+            return getattr(self, "native_" + op)(**kwargs)
         finally:
             here.active = False
-        if out is not None and out is not NotImplemented:
-            out.wait()  # the op made a Work after all (it issued nothing through _issue)
-            return None
-        return out
 
     def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
         dt, mop = self._reduce_spec("reduce", op, tensor.dtype)
