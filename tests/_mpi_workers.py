@@ -31,6 +31,8 @@ from plugdist.world import world as _world
 from plugdist_mpi import MPIProcessGroup
 
 OPS_BLOCKING = frozenset(OPS) - {"send", "recv"}
+LEAN_OPS = {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+            "all_to_all_single"}
 
 R = ReduceOp
 FLOAT_OPS = [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX]
@@ -562,20 +564,66 @@ def check_wait_timeout_then_late_message(rank: int, ws: int) -> None:
 
 
 @check
-def check_sync_all_reduce_takes_the_blocking_path(rank: int, ws: int) -> None:
-    """Once an (op, dtype) was seen, a synchronous all_reduce runs MPI on the calling thread:
-    the backend's blocking hook accepts it (None, not NotImplemented) and gets every rank's
-    answer, for predefined and user-defined (float16) MPI ops alike."""
+def check_sync_hot_ops_take_their_lean_hooks(rank: int, ws: int) -> None:
+    """Each hot op's lean hook runs MPI on the calling thread (None, not NotImplemented: no Work)
+    with every rank's answer, for predefined and user-defined (float16) MPI ops alike; cases it
+    cannot do in place (no MPI spec made yet, overlapping tensors) it leaves to native_blocking,
+    and the frontend still gets them right (or refuses them, naming the fix)."""
     pg = dist.group.WORLD
-    assert type(pg)._blocking_all_reduce
-    cases = [(torch.float32, ReduceOp.SUM), (torch.int64, ReduceOp.MAX),
-             (torch.float16, ReduceOp.SUM), (torch.bfloat16, ReduceOp.MIN)]
+    assert set(type(pg)._lean) == LEAN_OPS
+    cases = [(torch.float32, R.SUM), (torch.int64, R.MAX), (torch.float16, R.SUM),
+             (torch.bfloat16, R.MIN)]
     for dtype, op in cases:
         dist.all_reduce(torch.ones(3, dtype=dtype), op=op)  # the first one makes the MPI spec
-        t = torch.full((3,), rank + 1, dtype=dtype)
+        want = expected(op, [values(dtype, r, op) for r in range(ws)])
+        t = values(dtype, rank, op)
         assert pg.native_all_reduce_blocking(tensor=t, op=op) is None, (dtype, op)
-        want = {ReduceOp.SUM: ws * (ws + 1) / 2, ReduceOp.MAX: ws, ReduceOp.MIN: 1}[op]
-        same(t, torch.full((3,), want, dtype=dtype), f"blocking all_reduce {dtype} {op.name}")
+        same(t, want, f"lean all_reduce {dtype} {op.name}")
+        for dst in range(ws):
+            t = values(dtype, rank, op)
+            assert pg.native_reduce_blocking(tensor=t, dst=dst, op=op) is None, (dtype, op)
+            same(t, want if rank == dst else values(dtype, rank, op),
+                 f"lean reduce {dtype} {op.name} to {dst}")
+        out = torch.zeros(N, dtype=dtype)
+        inp = torch.cat([values(dtype, rank * ws + i, op) for i in range(ws)])
+        assert pg.native_reduce_scatter_tensor_blocking(output=out, input=inp, op=op) is None
+        same(out, expected(op, [values(dtype, r * ws + rank, op) for r in range(ws)]),
+             f"lean reduce_scatter_tensor {dtype} {op.name}")
+        for src in range(ws):
+            t = values(dtype, rank)
+            assert pg.native_broadcast_blocking(tensor=t, src=src) is None
+            same(t, values(dtype, src), f"lean broadcast {dtype} from {src}")
+        flat = torch.zeros(ws * N, dtype=dtype)
+        assert pg.native_all_gather_into_tensor_blocking(output=flat,
+                                                         tensor=values(dtype, rank)) is None
+        same(flat, torch.cat([values(dtype, r) for r in range(ws)]), f"lean all_gather {dtype}")
+        # rows of 2 elements, 3 rows to each rank
+        src_rows = torch.cat([values(dtype, rank * 10 + j, n=6) for j in range(ws)]).reshape(-1, 2)
+        got = torch.zeros(ws * 3, 2, dtype=dtype)
+        assert pg.native_all_to_all_single_blocking(output=got, input=src_rows) is None
+        same(got, torch.cat([values(dtype, j * 10 + rank, n=6) for j in range(ws)]).reshape(-1, 2),
+             f"lean all_to_all_single {dtype}")
+    # in place: the input is this rank's slot of the output (MPI_IN_PLACE)
+    flat = torch.zeros(ws * 3)
+    flat[rank * 3:(rank + 1) * 3] = rank + 0.5
+    assert pg.native_all_gather_into_tensor_blocking(
+        output=flat, tensor=flat[rank * 3:(rank + 1) * 3]) is None
+    same(flat, torch.arange(ws).repeat_interleave(3) + 0.5, "lean in-place all_gather")
+    # declined, then done right through the frontend (native_blocking stages or refuses)
+    a2a = torch.arange(ws * 2.0) + rank * 100
+    assert pg.native_all_to_all_single_blocking(output=a2a, input=a2a) is NotImplemented
+    dist.all_to_all_single(a2a, a2a)
+    same(a2a, torch.cat([torch.arange(rank * 2.0, rank * 2 + 2) + j * 100 for j in range(ws)]),
+         "all_to_all_single in place")
+    # uint32 reductions are made nowhere else in this module: no MPI spec is cached yet
+    fresh = torch.full((2,), rank + 1, dtype=torch.uint32)
+    assert pg.native_all_reduce_blocking(tensor=fresh, op=R.MAX) is NotImplemented
+    dist.all_reduce(fresh, op=R.MAX)
+    assert fresh.tolist() == [ws, ws], fresh
+    lazy = torch.full((2,), 1.0 + 2.0j).conj()  # its memory holds 1+2j
+    assert lazy.is_conj() and lazy.is_contiguous()
+    expect_error(ValueError, [f"rank {rank}", "broadcast", "resolve_conj"],
+                 lambda: dist.broadcast(lazy, src=0))
 
 
 @check
@@ -640,7 +688,7 @@ def check_stuck_peer_times_out(rank: int, ws: int) -> None:
             # the blocking path (no Work) gives up the same way; the progress thread adopts it
             t3 = torch.ones(2)
             expect_error(DistTimeoutError, ["rank 0", "all_reduce", "did not complete within 0.5"],
-                   lambda: pg.all_reduce_blocking(t3))
+                   lambda: pg.run_blocking("all_reduce", t3))
             t4 = torch.zeros(3)
             expect_error(DistTimeoutError, ["rank 0", "broadcast", "did not complete within 0.5"],
                    lambda: pg.run_blocking("broadcast", t4, 1))

@@ -1,6 +1,5 @@
-"""The blocking path: a synchronous op runs the backend's ``native_blocking`` (and
-``all_reduce`` its ``native_all_reduce_blocking``) with no Work when it can, and waits on a Work
-otherwise.
+"""The blocking path: a synchronous op runs the backend's ``native_<op>_blocking`` (the hot
+ops) or ``native_blocking`` with no Work when it can, and waits on a Work otherwise.
 
 A one-rank backend records which path each call took; the MPI and Gloo plugins' own blocking
 paths run across real processes in their conformance runs and error-path tests.
@@ -37,7 +36,7 @@ class Solo(ProcessGroup):
 
     def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> Any:
         self.calls.append(("blocking", op))
-        return NotImplemented if tensor.dtype is torch.float64 else None
+        return NotImplemented if tensor.dtype in (torch.float64, torch.int8) else None
 
     def native_broadcast(self, *, tensor: torch.Tensor, src: int) -> Work:
         self.calls.append(("work", "broadcast"))
@@ -101,12 +100,18 @@ def test_composed_reduction_and_declined_call_wait_on_a_work() -> None:
 
 def _composed_and_declined(solo: Solo) -> None:
     t = torch.arange(4.0)
-    dist.all_reduce(t, op=ReduceOp.AVG)  # not native here: SUM through a Work, then a divide
-    assert solo.calls == [("work", ReduceOp.SUM)]
+    # AVG is not native here: a SUM through the generic hook, then a divide
+    dist.all_reduce(t, op=ReduceOp.AVG)
+    assert solo.calls == [("blocking", "all_reduce")]
     assert torch.equal(t, torch.arange(4.0))
     solo.calls.clear()
-    dist.all_reduce(torch.ones(2, dtype=torch.float64))  # the backend declines: NotImplemented
-    assert solo.calls == [("blocking", ReduceOp.SUM), ("work", ReduceOp.SUM)]
+    # the lean hook declines (NotImplemented): the generic hook is asked next
+    dist.all_reduce(torch.ones(2, dtype=torch.float64))
+    assert solo.calls == [("blocking", ReduceOp.SUM), ("blocking", "all_reduce")]
+    solo.calls.clear()
+    dist.all_reduce(torch.ones(2, dtype=torch.int8))  # declined by both: through a Work
+    assert solo.calls == [("blocking", ReduceOp.SUM), ("blocking", "all_reduce"),
+                          ("work", ReduceOp.SUM)]
 
 
 def test_bad_input_is_refused_before_the_backend_sees_it(solo: Solo) -> None:
@@ -155,3 +160,89 @@ def test_a_declined_or_failed_blocking_call_leaves_no_intent_behind() -> None:
         # the next op of this thread is not mistaken for the synchronous one that failed
         work = solo.broadcast(torch.ones(2))
         assert work.wait() and solo.calls == [("work", "broadcast")]
+
+
+class Lean(Solo):
+    """Overrides every lean hook; one rank, so each op is a copy (or nothing). The native ops
+    (needed: lean hooks serve native ops only) are never reached in these tests."""
+
+    def _unreached(self, **kwargs: Any) -> Work:
+        raise AssertionError("the lean hooks should have run this op")
+
+    native_reduce = native_all_gather_into_tensor = native_reduce_scatter_tensor = _unreached
+    native_all_to_all_single = _unreached
+
+    def native_broadcast_blocking(self, *, tensor: torch.Tensor, src: int) -> Any:
+        self.calls.append(("lean", "broadcast"))
+
+    def native_reduce_blocking(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Any:
+        self.calls.append(("lean", "reduce"))
+
+    def native_all_gather_into_tensor_blocking(self, *, output: torch.Tensor,
+                                               tensor: torch.Tensor) -> Any:
+        self.calls.append(("lean", "all_gather_into_tensor"))
+        output.copy_(tensor.reshape(output.shape))
+
+    def native_reduce_scatter_tensor_blocking(self, *, output: torch.Tensor, input: torch.Tensor,
+                                              op: ReduceOp) -> Any:
+        self.calls.append(("lean", "reduce_scatter_tensor"))
+        output.copy_(input.reshape(output.shape))
+
+    def native_all_to_all_single_blocking(self, *, output: torch.Tensor,
+                                          input: torch.Tensor) -> Any:
+        self.calls.append(("lean", "all_to_all_single"))
+        output.copy_(input)
+
+
+def test_hot_sync_ops_take_their_lean_hooks() -> None:
+    with world_of(Lean) as pg:
+        assert set(type(pg)._lean) == {"all_reduce", "broadcast", "reduce",
+                                       "all_gather_into_tensor", "reduce_scatter_tensor",
+                                       "all_to_all_single"}
+        t = torch.arange(6.0).reshape(3, 2)
+        out = torch.empty(3, 2)
+        dist.broadcast(t, src=0)
+        dist.reduce(t, dst=0, op=ReduceOp.MAX)
+        dist.all_gather_into_tensor(out, t)
+        assert torch.equal(out, t)
+        out.zero_()
+        dist.reduce_scatter_tensor(out, t)
+        assert torch.equal(out, t)
+        out.zero_()
+        dist.all_to_all_single(out, t)
+        assert torch.equal(out, t)
+        assert pg.calls == [("lean", op) for op in (
+            "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+            "all_to_all_single")]
+        pg.calls.clear()
+        # off the lean routes' narrow case: the general route validates (and does) the rest
+        dist.all_to_all_single(out, t, [3], [3])  # explicit splits
+        dist.reduce(t, dst=0, op=ReduceOp.AVG)    # not native: SUM, then a divide
+        assert pg.calls == [("blocking", "all_to_all_single"), ("blocking", "reduce")]
+
+
+def test_lean_routes_refuse_what_the_public_op_refuses() -> None:
+    with world_of(Lean) as pg:
+        t = torch.ones(4)
+        cases = [
+            (lambda: dist.broadcast(t, src=1), ValueError, "src=1 is not a member"),
+            (lambda: pg.run_blocking("broadcast", t, 1), ValueError, "src=1 is not a rank"),
+            (lambda: pg.run_blocking("reduce", t, -1), ValueError, "dst=-1 is not a rank"),
+            (lambda: dist.all_gather_into_tensor(torch.empty(5), t), ValueError,
+             "output must hold world_size x input"),
+            (lambda: dist.all_gather_into_tensor(torch.empty(4, dtype=torch.int64), t),
+             ValueError, "dtypes differ"),
+            (lambda: dist.reduce_scatter_tensor(torch.empty(2), t), ValueError,
+             "input must hold world_size x output"),
+            (lambda: dist.broadcast(torch.ones(4, 4).t(), src=0), ValueError, "not contiguous"),
+            (lambda: dist.reduce(torch.ones(2), dst=0, op=ReduceOp.BAND), ValueError, "BAND"),
+            (lambda: dist.broadcast(torch.ones(2, dtype=torch.cfloat).conj(), src=0), ValueError,
+             "resolve_conj"),
+            (lambda: dist.all_gather_into_tensor(torch.ones(4, dtype=torch.cfloat).conj(),
+                                                 torch.ones(4, dtype=torch.cfloat)), ValueError,
+             "output is a lazily conjugated"),
+        ]
+        for call, exc, text in cases:
+            with pytest.raises(exc, match=text):
+                call()
+        assert not [c for c in pg.calls if c[0] == "lean"], pg.calls

@@ -76,10 +76,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Any = N
     pg = resolve_group(group, "all_reduce")
     if pg is None:
         return None
-    if async_op:
-        return pg.all_reduce(tensor, op)
-    pg.all_reduce_blocking(tensor, op)
-    return None
+    return _call(pg, async_op, "all_reduce", tensor, op)
 
 
 def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,

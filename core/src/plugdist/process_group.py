@@ -7,12 +7,12 @@ Two layers in one class (the template-method pattern):
   errors naming rank, group, op and backend, raised before anything is sent), then run the op
   natively if the backend can, or compose it from the backend's native ops
   (:mod:`plugdist.composition`). Every public op returns a :class:`~plugdist.work.Work`.
-* **The blocking path** (``run_blocking(op, ...)``, and ``all_reduce_blocking`` for the hottest
-  op): what the synchronous frontend calls. It validates exactly as the public op does, then
-  runs the backend's ``native_blocking`` (``native_all_reduce_blocking``), which finishes the op
-  on the calling thread with no Work at all (a Work costs tens of microseconds, the whole budget
-  of a small message). Without those hooks, for composed ops, and for any op whose public method
-  a class overrides (a wrapper), it waits on the public op's Work.
+* **The blocking path** (``run_blocking(op, ...)``): what the synchronous frontend calls. It
+  validates exactly as the public op does, then runs the backend's ``native_<op>_blocking``
+  (the hot ops on plain CPU tensors, checks cached) or ``native_blocking``, which finish the op
+  on the calling thread with no Work at all (a Work costs tens of microseconds, the whole
+  budget of a small message). Without those hooks, for composed ops, and for any op whose public
+  method a class overrides (a wrapper), it waits on the public op's Work.
 * **Native hooks** (``native_all_reduce``, ...): what a backend overrides. Each receives already
   validated arguments in *group* ranks and returns a Work, or ``NotImplemented`` for arguments it
   cannot handle (e.g. uneven all_to_all lists), in which case the core composes the op. A backend overrides only what it does
@@ -61,6 +61,10 @@ _ALL_REDUCE_OPS = frozenset(ReduceOp) - {ReduceOp.AVG}
 # ops that may run through ``native_blocking``: not send/recv, whose Works carry results (the
 # sender of an any-source receive) and whose callers may pair them with ops issued later
 _BLOCKING_OPS = frozenset(OPS) - {"send", "recv"}
+# ops with a lean blocking route of their own (``native_<op>_blocking``, see _LEAN below): the
+# list-free ops that training loops and benchmarks call synchronously most
+_LEAN_OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
+             "reduce_scatter_tensor", "all_to_all_single")
 
 
 class _Waiting(threading.local):
@@ -123,26 +127,26 @@ class ProcessGroup:
     supports_any_source: ClassVar[bool] = False
     refused_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset()
     _caps: Capabilities | None = None  # this group's capabilities, fixed at first use
-    # set per class by __init_subclass__: which ops run_blocking may hand to native_blocking
+    # set per class by __init_subclass__: which ops run_blocking may hand to native_blocking,
+    # and the lean route (see _LEAN) of each op that has one here
     _blocking_ops: ClassVar[frozenset[str]] = frozenset()
-    _blocking_all_reduce: ClassVar[bool] = False
+    _lean: ClassVar[dict[str, Callable[..., bool]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # the blocking path may stand in for a public op only where that op is the core's own
         generic = cls.native_blocking is not ProcessGroup.native_blocking
-        cls._blocking_ops = frozenset(
-            op for op in _BLOCKING_OPS
-            if generic and getattr(cls, op) is getattr(ProcessGroup, op))
-        cls._blocking_all_reduce = cls.all_reduce is ProcessGroup.all_reduce and (
-            generic or
-            cls.native_all_reduce_blocking is not ProcessGroup.native_all_reduce_blocking)
+        own = [op for op in _BLOCKING_OPS if getattr(cls, op) is getattr(ProcessGroup, op)]
+        cls._blocking_ops = frozenset(own) if generic else frozenset()
+        cls._lean = {op: _LEAN[op] for op in _LEAN_OPS if op in own and getattr(
+            cls, f"native_{op}_blocking") is not getattr(ProcessGroup, f"native_{op}_blocking")}
 
     def __init__(self, rank: int, size: int, options: GroupOptions | None = None) -> None:
         self._rank = rank
         self._size = size
         self.options = options or GroupOptions(global_ranks=tuple(range(size)))
-        self._blocking_cpu: dict[tuple[ReduceOp, torch.dtype], bool] = {}
+        # (op, reduction, dtype) -> whether that op on a plain CPU tensor is native (_native_cpu)
+        self._lean_checked: dict[tuple[str, ReduceOp | None, torch.dtype], bool] = {}
 
     # -- identity ----------------------------------------------------------------------------
     def rank(self) -> int:
@@ -302,28 +306,17 @@ class ProcessGroup:
         return self._run(op, input, output=output, input=input, output_split_sizes=out_splits,
                          input_split_sizes=in_splits)
 
-    def all_reduce_blocking(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
-        """``all_reduce(tensor, op).wait()``: returns once the op finished on this rank, raises
-        its error, or ``DistTimeoutError`` after the group's timeout. Through the backend's
-        ``native_all_reduce_blocking`` when it has one and does ``op`` on this device natively."""
-        if self._blocking_all_reduce:
-            if type(tensor) is torch.Tensor and tensor.is_cpu and tensor.is_contiguous():
-                # the checks depend only on (op, dtype) for a plain contiguous CPU tensor
-                native = self._blocking_cpu.get((op, tensor.dtype))
-                if native is None:
-                    native = self._blocking_cpu[(op, tensor.dtype)] = self._blocks(tensor, op)
-            else:
-                native = self._blocks(tensor, op)
-            if native:
-                if self.native_all_reduce_blocking(tensor=tensor, op=op) is not NotImplemented:
-                    return
-        self.all_reduce(tensor, op).wait()
-
     def run_blocking(self, op: str, *args: Any) -> None:
-        """``getattr(self, op)(*args).wait()``, without the Work where the backend can: the
-        public op validates and plans as always, and a native op then runs through the backend's
-        ``native_blocking`` on this thread. Blocks until done (bounded by the group's timeout);
-        raises what the op and its ``wait`` would."""
+        """``getattr(self, op)(*args).wait()``, without the Work where the backend can.
+
+        Blocks until the op finished on this rank (bounded by the group's timeout) and raises
+        what the op and its ``wait`` would. Tried in order: the op's lean route (checks cached
+        for plain CPU tensors, then the backend's ``native_<op>_blocking``); the public op,
+        validating and planning as always, with a native op handed to the backend's
+        ``native_blocking`` on this thread; the public op's Work."""
+        lean = self._lean.get(op)
+        if lean is not None and lean(self, *args):
+            return
         if op not in self._blocking_ops:
             getattr(self, op)(*args).wait()
             return
@@ -335,12 +328,24 @@ class ProcessGroup:
             _waiting.call = outer
         work.wait()
 
-    def _blocks(self, tensor: torch.Tensor, op: ReduceOp) -> bool:
-        """Validate an all_reduce (raising as ``all_reduce`` would); True if it is native."""
-        self._check_tensor("all_reduce", tensor)
-        self._check_reduce("all_reduce", op, tensor)
-        caps = self.capabilities()
-        return op in caps.reduce_ops and caps.is_native("all_reduce", _device_type(tensor))
+    def _native_cpu(self, op: str, tensor: Any, red: ReduceOp | None = None,
+                    name: str = "tensor") -> bool:
+        """Whether ``op`` (with reduction ``red``) on ``tensor`` is native here and ``tensor`` a
+        plain contiguous CPU tensor; raises what the public op's checks of ``tensor`` and
+        ``red`` would. For such tensors those checks depend only on (op, red, dtype): cached."""
+        if (type(tensor) is not torch.Tensor or not tensor.is_cpu or not tensor.is_contiguous()
+                or tensor.is_conj() or tensor.is_neg()):
+            return False  # the public op checks (and refuses) the rest
+        key = (op, red, tensor.dtype)
+        native = self._lean_checked.get(key)
+        if native is None:
+            self._check_tensor(op, tensor, name)
+            if red is not None:
+                self._check_reduce(op, red, tensor)
+            caps = self.capabilities()
+            native = self._lean_checked[key] = caps.is_native(op, "cpu") and (
+                red is None or red in caps.reduce_ops)
+        return native
 
     def barrier(self) -> Work:
         device = self.device_types[0] if self.device_types else "cpu"
@@ -372,10 +377,32 @@ class ProcessGroup:
         alive). Never asked for send or recv."""
         return NotImplemented
 
+    # Optional lean hooks for the ops called synchronously most: the op on plain contiguous CPU
+    # tensors (no lazy conj/neg bit), checked as the public op checks them (ranks are group
+    # ranks), run to completion on the calling thread. Same contract as native_blocking;
+    # NotImplemented leaves the call to native_blocking, then to a Work. Only hooks a backend
+    # overrides are ever called.
     def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> Any:
-        """Optional: ``native_blocking("all_reduce", ...)`` (what it defaults to) with the
-        arguments spelled out, for backends that shave the hottest op's overhead."""
-        return self.native_blocking("all_reduce", {"tensor": tensor, "op": op})
+        return NotImplemented
+
+    def native_broadcast_blocking(self, *, tensor: torch.Tensor, src: int) -> Any:
+        return NotImplemented
+
+    def native_reduce_blocking(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Any:
+        return NotImplemented
+
+    def native_all_gather_into_tensor_blocking(self, *, output: torch.Tensor,
+                                               tensor: torch.Tensor) -> Any:
+        return NotImplemented
+
+    def native_reduce_scatter_tensor_blocking(self, *, output: torch.Tensor, input: torch.Tensor,
+                                              op: ReduceOp) -> Any:
+        return NotImplemented
+
+    def native_all_to_all_single_blocking(self, *, output: torch.Tensor,
+                                          input: torch.Tensor) -> Any:
+        """Even splits only: the rows of both tensors (of one shape) shared out alike."""
+        return NotImplemented
 
     def native_broadcast(self, *, tensor: torch.Tensor, src: int) -> Work:
         raise NotImplementedError
@@ -473,6 +500,10 @@ class ProcessGroup:
                              f"move it, or use a backend for {tensor.device.type}")
         if tensor.is_sparse:
             raise ValueError(f"{self.where(op)} sparse tensors are not supported")
+        if tensor.is_conj() or tensor.is_neg():
+            raise ValueError(f"{self.where(op)} {name} is a lazily conjugated/negated view, whose "
+                             f"memory does not hold its values; pass "
+                             f"{name}.resolve_conj().resolve_neg() (a copy)")
 
     def _check_rank(self, op: str, rank: int, name: str) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self._size:
@@ -527,3 +558,66 @@ class ProcessGroup:
             raise ValueError(f"{self.where(op)} {name}_split_sizes={splits} must have {self._size} "
                              f"non-negative entries summing to {name}.shape[0]={rows}")
         return splits
+
+
+# -- the lean routes of run_blocking ---------------------------------------------------------
+# Each takes the public op's arguments and returns True once the backend's native_<op>_blocking
+# did the op, or False (nothing done) for anything off its narrow case: a tensor that is not a
+# plain contiguous CPU one, a rank or shape the public op would have to check, an op that is not
+# native. run_blocking then takes the general route, which validates (and refuses) in full.
+
+
+def _same_kind(t: Any, like: torch.Tensor) -> bool:
+    """``t`` is a plain contiguous CPU tensor of ``like``'s dtype (see _native_cpu)."""
+    return (type(t) is torch.Tensor and t.is_cpu and t.is_contiguous() and t.dtype == like.dtype
+            and not t.is_conj() and not t.is_neg())
+
+
+def _lean_all_reduce(pg: ProcessGroup, tensor: Any, op: Any = ReduceOp.SUM) -> bool:
+    return (pg._native_cpu("all_reduce", tensor, op)
+            and pg.native_all_reduce_blocking(tensor=tensor, op=op) is not NotImplemented)
+
+
+def _lean_broadcast(pg: ProcessGroup, tensor: Any, src: Any = 0) -> bool:
+    return (type(src) is int and 0 <= src < pg._size and pg._native_cpu("broadcast", tensor)
+            and pg.native_broadcast_blocking(tensor=tensor, src=src) is not NotImplemented)
+
+
+def _lean_reduce(pg: ProcessGroup, tensor: Any, dst: Any = 0, op: Any = ReduceOp.SUM) -> bool:
+    return (type(dst) is int and 0 <= dst < pg._size and pg._native_cpu("reduce", tensor, op)
+            and pg.native_reduce_blocking(tensor=tensor, dst=dst, op=op) is not NotImplemented)
+
+
+def _lean_all_gather_into_tensor(pg: ProcessGroup, output: Any, tensor: Any) -> bool:
+    return (pg._native_cpu("all_gather_into_tensor", tensor) and _same_kind(output, tensor)
+            and output.numel() == tensor.numel() * pg._size
+            and pg.native_all_gather_into_tensor_blocking(output=output, tensor=tensor)
+            is not NotImplemented)
+
+
+def _lean_reduce_scatter_tensor(pg: ProcessGroup, output: Any, input: Any,
+                                op: Any = ReduceOp.SUM) -> bool:
+    return (pg._native_cpu("reduce_scatter_tensor", output, op, "output")
+            and _same_kind(input, output) and input.numel() == output.numel() * pg._size
+            and pg.native_reduce_scatter_tensor_blocking(output=output, input=input, op=op)
+            is not NotImplemented)
+
+
+def _lean_all_to_all_single(pg: ProcessGroup, output: Any, input: Any,
+                            output_split_sizes: Any = None, input_split_sizes: Any = None) -> bool:
+    """Only even splits (none given) of two tensors of one shape."""
+    if output_split_sizes or input_split_sizes or not pg._native_cpu("all_to_all_single", input):
+        return False
+    shape = input.shape
+    return (_same_kind(output, input) and len(shape) > 0 and output.shape == shape
+            and shape[0] % pg._size == 0
+            and pg.native_all_to_all_single_blocking(output=output, input=input)
+            is not NotImplemented)
+
+
+_LEAN: dict[str, Callable[..., bool]] = {
+    "all_reduce": _lean_all_reduce, "broadcast": _lean_broadcast, "reduce": _lean_reduce,
+    "all_gather_into_tensor": _lean_all_gather_into_tensor,
+    "reduce_scatter_tensor": _lean_reduce_scatter_tensor,
+    "all_to_all_single": _lean_all_to_all_single,
+}

@@ -71,10 +71,8 @@ def raw(MPI: Any, t: torch.Tensor) -> Any:
     """An MPI buffer over ``t``'s bytes (``t`` contiguous, on the CPU); no copy.
 
     The buffer does not keep ``t`` alive: whoever issues the op must hold ``t`` until it is done.
+    (The core refuses lazily conjugated/negated tensors, whose bytes are not their values.)
     """
-    if t.is_conj() or t.is_neg():
-        raise ValueError(f"a lazily conjugated/negated {t.dtype} tensor has no plain bytes to "
-                         f"send; call tensor.resolve_conj() / resolve_neg() first")
     return buffer_type(MPI).fromaddress(t.data_ptr(), t.nbytes)
 
 

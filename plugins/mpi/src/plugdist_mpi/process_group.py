@@ -297,26 +297,8 @@ class MPIProcessGroup(ProcessGroup):
         return self._issue("all_reduce", lambda c: c.Iallreduce(self._MPI.IN_PLACE, buf, mop),
                            [tensor])
 
-    def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> Any:
-        spec = dtypes.cached_spec(op, tensor.dtype)
-        comm = self._comm
-        if spec is None or comm is None or tensor.is_neg() or tensor.is_conj():
-            return NotImplemented  # the Work path makes the spec, or says what is wrong
-        # the same MPI buffer as _typed builds, spelled out: this path is all overhead
-        buf = [self._fromaddress(tensor.data_ptr(), tensor.nbytes), tensor.numel(), spec[0]]
-        timeout = self.options.timeout
-        try:
-            late = engine.run_here(comm.Iallreduce, (self._MPI.IN_PLACE, buf, spec[1]), timeout)
-        except Exception as exc:
-            raise self._translate("all_reduce", exc) from exc
-        if late is not None:
-            self._give_up("all_reduce", late, timeout, None, tensor)
-        return None
-
     def native_blocking(self, op: str, kwargs: dict[str, Any]) -> Any:
         """Every op is one non-blocking MPI call (issued by ``_issue``): run it on this thread."""
-        if op == "all_reduce":
-            return self.native_all_reduce_blocking(**kwargs)
         here = self._here
         here.active = True
         try:
@@ -324,6 +306,76 @@ class MPIProcessGroup(ProcessGroup):
             return getattr(self, "native_" + op)(**kwargs)
         finally:
             here.active = False
+
+    # -- lean blocking hooks: the same MPI calls as the native ops, spelled out (every
+    # microsecond here is overhead over raw mpi4py); NotImplemented leaves the cases that need an
+    # MPI reduction spec made or a staging copy to native_blocking
+    def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> Any:
+        spec = dtypes.cached_spec(op, tensor.dtype)
+        comm = self._comm
+        if spec is None or comm is None:
+            return NotImplemented
+        buf = [self._fromaddress(tensor.data_ptr(), tensor.nbytes), tensor.numel(), spec[0]]
+        return self._run_here("all_reduce", comm.Iallreduce, (self._MPI.IN_PLACE, buf, spec[1]),
+                              keep=tensor)
+
+    def native_broadcast_blocking(self, *, tensor: torch.Tensor, src: int) -> Any:
+        comm = self._comm
+        if comm is None:
+            return NotImplemented
+        buf = [self._fromaddress(tensor.data_ptr(), tensor.nbytes), self._MPI.BYTE]
+        return self._run_here("broadcast", comm.Ibcast, (buf, src), keep=tensor)
+
+    def native_reduce_blocking(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Any:
+        spec = dtypes.cached_spec(op, tensor.dtype)
+        comm = self._comm
+        if spec is None or comm is None:
+            return NotImplemented
+        buf = [self._fromaddress(tensor.data_ptr(), tensor.nbytes), tensor.numel(), spec[0]]
+        sides = (self._MPI.IN_PLACE, buf) if self._rank == dst else (buf, None)
+        return self._run_here("reduce", comm.Ireduce, (*sides, spec[1], dst), keep=tensor)
+
+    def native_all_gather_into_tensor_blocking(self, *, output: torch.Tensor,
+                                               tensor: torch.Tensor) -> Any:
+        comm = self._comm
+        if comm is None:
+            return NotImplemented
+        byte = self._MPI.BYTE
+        nbytes, at = tensor.nbytes, tensor.data_ptr()
+        out_at = output.data_ptr()
+        if nbytes and at == out_at + self._rank * nbytes:
+            send: Any = self._MPI.IN_PLACE  # the input already is this rank's slot
+        elif at < out_at + nbytes * self._size and out_at < at + nbytes:
+            return NotImplemented  # overlaps the output elsewhere: native_blocking copies it
+        else:
+            send = [self._fromaddress(at, nbytes), byte]
+        recv = [self._fromaddress(out_at, nbytes * self._size), byte]
+        return self._run_here("all_gather_into_tensor", comm.Iallgather, (send, recv),
+                              keep=(tensor, output))
+
+    def native_reduce_scatter_tensor_blocking(self, *, output: torch.Tensor, input: torch.Tensor,
+                                              op: ReduceOp) -> Any:
+        spec = dtypes.cached_spec(op, output.dtype)
+        comm = self._comm
+        if spec is None or comm is None or dtypes.overlap(input, output):
+            return NotImplemented
+        n = output.numel()  # mpi4py takes the send count of Reduce_scatter_block per block
+        send = [self._fromaddress(input.data_ptr(), input.nbytes), n, spec[0]]
+        recv = [self._fromaddress(output.data_ptr(), output.nbytes), n, spec[0]]
+        return self._run_here("reduce_scatter_tensor", comm.Ireduce_scatter_block,
+                              (send, recv, spec[1]), keep=(input, output))
+
+    def native_all_to_all_single_blocking(self, *, output: torch.Tensor,
+                                          input: torch.Tensor) -> Any:
+        comm = self._comm
+        nbytes, at, out_at = input.nbytes, input.data_ptr(), output.data_ptr()
+        if comm is None or (nbytes and at < out_at + nbytes and out_at < at + nbytes):
+            return NotImplemented  # aliased: native_blocking sends from a copy
+        byte = self._MPI.BYTE
+        send = [self._fromaddress(at, nbytes), byte]  # mpi4py cuts both into size blocks
+        recv = [self._fromaddress(out_at, nbytes), byte]
+        return self._run_here("all_to_all_single", comm.Ialltoall, (send, recv),
+                              keep=(input, output))
 
     def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
         dt, mop = self._reduce_spec("reduce", op, tensor.dtype)
