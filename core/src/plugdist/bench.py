@@ -112,11 +112,17 @@ def _mpi4py_op(op: str) -> Callable[[Any, Any], None]:
         return lambda arr, _g: comm.Allreduce(MPI.IN_PLACE, arr[0], op=MPI.SUM)
     if op == "broadcast":
         return lambda arr, _g: comm.Bcast(arr[0], root=0)
+    if op == "reduce":  # in place on the root, as plugdist's reduce
+        if comm.Get_rank() == 0:
+            return lambda arr, _g: comm.Reduce(MPI.IN_PLACE, arr[0], op=MPI.SUM, root=0)
+        return lambda arr, _g: comm.Reduce(arr[0], None, op=MPI.SUM, root=0)
     if op == "all_gather":
         return lambda arr, _g: comm.Allgather(arr[0], arr[1])
+    if op == "reduce_scatter":
+        return lambda arr, _g: comm.Reduce_scatter_block(arr[0], arr[1], op=MPI.SUM)
     if op == "all_to_all":
         return lambda arr, _g: comm.Alltoall(arr[0], arr[1])
-    raise ValueError(f"--compare mpi4py supports all_reduce, broadcast, all_gather, all_to_all; not {op}")
+    raise ValueError(f"unknown op {op!r}")
 
 
 def _pin_process(rank: int) -> None:

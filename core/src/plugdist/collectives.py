@@ -68,7 +68,10 @@ def broadcast(tensor: torch.Tensor, src: int | None = None, group: Any = None,
     if pg is None:
         return None
     src = _group_rank(pg, src, group_src, "src", "broadcast")
-    return _call(pg, async_op, "broadcast", tensor, src)
+    if async_op:
+        return pg.broadcast(tensor, src)
+    pg.run_blocking("broadcast", tensor, src)
+    return None
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Any = None,
@@ -76,7 +79,10 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Any = N
     pg = resolve_group(group, "all_reduce")
     if pg is None:
         return None
-    return _call(pg, async_op, "all_reduce", tensor, op)
+    if async_op:
+        return pg.all_reduce(tensor, op)
+    pg.run_blocking("all_reduce", tensor, op)
+    return None
 
 
 def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp.SUM,
@@ -85,7 +91,10 @@ def reduce(tensor: torch.Tensor, dst: int | None = None, op: ReduceOp = ReduceOp
     if pg is None:
         return None
     dst = _group_rank(pg, dst, group_dst, "dst", "reduce")
-    return _call(pg, async_op, "reduce", tensor, dst, op)
+    if async_op:
+        return pg.reduce(tensor, dst, op)
+    pg.run_blocking("reduce", tensor, dst, op)
+    return None
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
@@ -101,7 +110,10 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     pg = resolve_group(group, "all_gather_into_tensor")
     if pg is None:
         return None
-    return _call(pg, async_op, "all_gather_into_tensor", output_tensor, input_tensor)
+    if async_op:
+        return pg.all_gather_into_tensor(output_tensor, input_tensor)
+    pg.run_blocking("all_gather_into_tensor", output_tensor, input_tensor)
+    return None
 
 
 all_gather_single = all_gather_into_tensor
@@ -145,7 +157,10 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: ReduceO
     pg = resolve_group(group, "reduce_scatter_tensor")
     if pg is None:
         return None
-    return _call(pg, async_op, "reduce_scatter_tensor", output, input, op)
+    if async_op:
+        return pg.reduce_scatter_tensor(output, input, op)
+    pg.run_blocking("reduce_scatter_tensor", output, input, op)
+    return None
 
 
 reduce_scatter_single = reduce_scatter_tensor
@@ -166,8 +181,10 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     pg = resolve_group(group, "all_to_all_single")
     if pg is None:
         return None
-    return _call(pg, async_op, "all_to_all_single", output, input, output_split_sizes,
-                 input_split_sizes)
+    if async_op:
+        return pg.all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+    pg.run_blocking("all_to_all_single", output, input, output_split_sizes, input_split_sizes)
+    return None
 
 
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Work | None:

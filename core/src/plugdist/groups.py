@@ -348,7 +348,8 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
 def resolve_group(group: Any, what: str) -> ProcessGroup | None:
     """The ProcessGroup for ``group`` (None: the default); None for a non-member handle."""
     if group is None:
-        return world.require(what)
+        pg = world.default  # world.require, inlined: every collective call passes here
+        return pg if pg is not None else world.require(what)
     if group is _NON_MEMBER:
         return None
     if not isinstance(group, ProcessGroup):
