@@ -37,3 +37,14 @@ def test_sweep_prints_one_row_per_size_with_a_ratio(backend: str, compare: str) 
     for r in rows:
         ours, theirs, ratio = float(r[3]), float(r[6]), float(r[7])
         assert ours > 0 and theirs > 0 and 0 < ratio < 100, r
+
+
+@pytest.mark.parametrize("op", ["broadcast", "reduce", "all_gather", "reduce_scatter",
+                                "all_to_all"])
+def test_every_op_compares_with_raw_mpi4py(op: str) -> None:
+    if not plugdist.is_backend_available("mpi"):
+        pytest.skip("plugdist-mpi is not installed")
+    rows = _sweep("--backend", "mpi", "--op", op, "--compare", "mpi4py")
+    assert [r[0] for r in rows] == ["8", "32"]
+    for r in rows:
+        assert float(r[3]) > 0 and float(r[6]) > 0 and 0 < float(r[7]) < 100, r
