@@ -148,6 +148,9 @@ def check_world_is_mpi(rank: int, ws: int) -> None:
     level = os.environ.get("PLUGDIST_MPI_THREAD_LEVEL", "multiple")
     want = {"serialized": MPI.THREAD_SERIALIZED, "multiple": MPI.THREAD_MULTIPLE}[level]
     assert MPI.Query_thread() == want, (MPI.Query_thread(), level)
+    # plugdist's MPICH default, or the user's choice, or none (see IREDUCE in test_mpi.py)
+    got = os.environ.get("MPIR_CVAR_IREDUCE_INTRA_ALGORITHM", "")
+    assert got == os.environ["PLUGDIST_TEST_IREDUCE"], got
     caps = pg.capabilities()
     assert all(caps.is_native(op, "cpu") for op in OPS), caps
     assert caps.any_source_recv and R.AVG not in caps.reduce_ops

@@ -30,13 +30,20 @@ pytestmark = pytest.mark.skipif(
 
 WORLD_TIMEOUT = 150.0
 THREAD_LEVEL = {2: "serialized", 3: "multiple", 4: "multiple"}
+# MPICH's non-blocking reduce algorithm: plugdist's default (world 2), the user's (world 3),
+# MPICH's own with plugdist's tuning off (world 4); the worlds check what they got
+IREDUCE = {2: ({}, "tsp_tree"),
+           3: ({"MPIR_CVAR_IREDUCE_INTRA_ALGORITHM": "tsp_ring"}, "tsp_ring"),
+           4: ({"PLUGDIST_MPI_TUNE": "0"}, "")}
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
 def world_results(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
     n = request.param
+    env, want = IREDUCE[n]
     results = run_world(workers.mpi_checks, n, backend="mpi", timeout=WORLD_TIMEOUT,
-                        group_timeout=60.0, env={"PLUGDIST_MPI_THREAD_LEVEL": THREAD_LEVEL[n]})
+                        group_timeout=60.0, env={"PLUGDIST_MPI_THREAD_LEVEL": THREAD_LEVEL[n],
+                                                 "PLUGDIST_TEST_IREDUCE": want, **env})
     return n, results
 
 
@@ -88,9 +95,35 @@ def test_import_is_lazy_and_thread_level_checked() -> None:
         "import plugdist_mpi\n"
         "ok, why = plugdist_mpi.MPIProcessGroup.is_available()\n"
         "assert ok and 'MPICH' in why and 'thread level multiple' in why, why\n"
+        "import mpi4py\n"
+        "# MPI was initialized by plugdist (after tuning), and mpi4py still finalizes it at exit\n"
+        "assert mpi4py.rc.initialize is True and mpi4py.rc.finalize is True\n"
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PLUGDIST_MPI_THREAD_LEVEL"}
     out = subprocess.run([sys.executable, "-c", code2], capture_output=True, text=True,
                          timeout=50, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("library, preset, tune, want", [
+    ("MPICH Version:      5.0.2\nMPICH Release date: ...", None, None, "tsp_tree"),
+    ("MPICH Version:      4.0\n", None, None, "tsp_tree"),
+    ("MPICH Version:      5.0.2\n", "tsp_ring", None, "tsp_ring"),   # the user's value wins
+    ("MPICH Version:      5.0.2\n", None, "0", None),                # tuning turned off
+    ("MPICH Version:      3.4.3\n", None, None, None),  # 3.x names its algorithms otherwise
+    ("Open MPI v5.0.5, package: Open MPI", None, None, None),
+])
+def test_mpich_defaults_only_where_they_are_known_to_be_valid(
+        monkeypatch: pytest.MonkeyPatch, library: str, preset: str | None, tune: str | None,
+        want: str | None) -> None:
+    from plugdist_mpi import _mpi
+
+    var = "MPIR_CVAR_IREDUCE_INTRA_ALGORITHM"
+    for name, value in ((var, preset), (_mpi.TUNE_ENV, tune)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    _mpi._tune(library)
+    assert os.environ.get(var) == want
