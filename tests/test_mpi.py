@@ -125,5 +125,6 @@ def test_mpich_defaults_only_where_they_are_known_to_be_valid(
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-    _mpi._tune(library)
+    tuned = _mpi._tune(library)
     assert os.environ.get(var) == want
+    assert tuned == ({var: want} if want and not preset else {})

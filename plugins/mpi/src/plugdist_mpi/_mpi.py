@@ -8,8 +8,9 @@ thread, never at the same time (see :mod:`plugdist_mpi.engine`).
 
 When it initializes MPI itself, :func:`load` imports ``mpi4py.MPI`` without initializing, so
 that it can read which library that is and give MPICH 4+ the defaults of :data:`MPICH_DEFAULTS`
-(MPICH reads them at ``MPI_Init``; a variable already set wins; ``PLUGDIST_MPI_TUNE=0`` turns
-this off), then initializes MPI; mpi4py still finalizes it at exit.
+(through the environment, which MPICH reads at ``MPI_Init``, for that call only; a variable
+already set wins; ``PLUGDIST_MPI_TUNE=0`` turns this off), then initializes MPI; mpi4py still
+finalizes it at exit. :data:`applied` records what was given.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ MPICH_DEFAULTS = {"MPIR_CVAR_IREDUCE_INTRA_ALGORITHM": "tsp_tree"}
 
 _lock = threading.Lock()
 _module: Any = None
+applied: dict[str, str] = {}  # the MPICH_DEFAULTS this process's MPI_Init was given
 
 
 def _level_name(MPI: Any, level: int) -> str:
@@ -80,9 +82,14 @@ def load() -> Any:
             raise RuntimeError("MPI was already finalized in this process; MPI cannot be "
                                "initialized twice, so start a new process")
         if not MPI.Is_initialized():
-            _tune(MPI.Get_library_version())
+            tuned = _tune(MPI.Get_library_version())
             level = wanted or str(getattr(mpi4py.rc, "thread_level", "multiple"))
-            MPI.Init_thread(getattr(MPI, "THREAD_" + level.upper(), MPI.THREAD_MULTIPLE))
+            try:
+                MPI.Init_thread(getattr(MPI, "THREAD_" + level.upper(), MPI.THREAD_MULTIPLE))
+            finally:
+                for name in tuned:  # read by MPI_Init: keep them out of child processes
+                    os.environ.pop(name, None)
+            applied.update(tuned)
         provided = MPI.Query_thread()
         if provided < MPI.THREAD_SERIALIZED:
             raise RuntimeError(
@@ -94,16 +101,17 @@ def load() -> Any:
         return MPI
 
 
-def _tune(library: str) -> None:
-    """Give MPICH 4+ (named by ``library``, MPI_Get_library_version's text) the defaults of
-    MPICH_DEFAULTS that the environment does not set; call before MPI_Init."""
+def _tune(library: str) -> dict[str, str]:
+    """Put into the environment, for MPI_Init to read, the defaults of MPICH_DEFAULTS that it
+    does not set, if ``library`` (MPI_Get_library_version's text) is MPICH 4+; returns them."""
     if os.environ.get(TUNE_ENV, "1").strip().lower() in ("0", "no", "false", "off"):
-        return
+        return {}
     match = re.match(r"\s*MPICH Version:\s*(\d+)\.", library)
     if match is None or int(match.group(1)) < 4:
-        return
-    for name, value in MPICH_DEFAULTS.items():
-        os.environ.setdefault(name, value)
+        return {}
+    tuned = {name: value for name, value in MPICH_DEFAULTS.items() if name not in os.environ}
+    os.environ.update(tuned)
+    return tuned
 
 
 def availability() -> tuple[bool, str]:

@@ -3,9 +3,10 @@
 Threading model (one engine per process, shared by every MPI group of the process):
 
 * Every op is started as a **non-blocking** MPI call (``Iallreduce``, ``Isend``, ...) on the
-  thread that issues it, under the process-wide **MPI lock**. Issue order on a group is therefore
-  exactly the order in which the caller issued its ops, which is what MPI needs to match
-  collectives across ranks; and issuing never blocks the caller.
+  thread that issues it, under the process-wide **MPI lock** (synchronous ops at
+  ``MPI_THREAD_MULTIPLE`` excepted, see below). Issue order on a group is therefore exactly the
+  order in which the caller issued its ops, which is what MPI needs to match collectives across
+  ranks; and issuing never blocks the caller.
 * Pending requests are tested (``MPI_Test``, also under the MPI lock) by:
 
   - a thread **waiting** on one of their Works (:meth:`MPIWork.wait`, also for Works chained
