@@ -514,11 +514,19 @@ def check_threads_on_two_groups(rank: int, ws: int) -> None:
     results: dict[str, Any] = {}
 
     def hammer(name: str, g: Any, base: float) -> None:
+        """Synchronous ops (at THREAD_MULTIPLE tested without plugdist's lock) while the other
+        thread's run too, and async ones that the progress thread may be testing meanwhile."""
         try:
             acc = []
             for i in range(40):
                 t = torch.full((257,), base + i + rank)
+                pending = dist.all_reduce(t.clone(), group=g, async_op=True) if i % 4 else None
                 dist.all_reduce(t, group=g)
+                b = torch.full((5,), base + rank)
+                dist.broadcast(b, src=dist.get_global_rank(g, 0), group=g)
+                assert b.tolist() == [base] * 5, b
+                if pending is not None:
+                    run(pending, True)
                 acc.append(t[0].item())
             results[name] = acc
         except Exception as exc:  # noqa: BLE001
