@@ -212,6 +212,8 @@ def collectives_world(rank: int, n: int) -> dict[str, Any]:
     for dtype in (torch.float32, torch.int16, torch.complex64):
         c.guard(f"p2p {dtype}", lambda dtype=dtype: _p2p(pg, c, rank, n, dtype))
 
+    c.guard("lean blocking hooks", lambda: _lean_hooks(pg, c, rank, n))
+
     # the drop-in frontend reaches the same group
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -220,6 +222,44 @@ def collectives_world(rank: int, n: int) -> dict[str, Any]:
     c.check(work.wait() is True, "dist.broadcast async wait")
     pg.barrier().wait()
     return c.result()
+
+
+def _lean_hooks(pg: Any, c: Checks, rank: int, n: int) -> None:
+    """Synchronous hot ops take the lean hooks (no GlooWork) and get every rank's answer,
+    staged dtypes (bfloat16, bool) included."""
+    c.check(set(type(pg)._lean) == {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
+                                    "reduce_scatter_tensor", "all_to_all_single"},
+            "every hot op has a lean hook", sorted(type(pg)._lean))
+    t = values(torch.float32, rank)
+    c.check(pg.native_broadcast_blocking(tensor=t, src=n - 1) is None, "lean hook returns None")
+    c.check(same_bytes(t, values(torch.float32, n - 1)), "lean broadcast", _show(t))
+    for dtype in (torch.float32, torch.bfloat16, torch.int16, torch.bool):
+        red = ReduceOp.MAX
+        want = reduce_reference(red, dtype, [values(dtype, r) for r in range(n)])
+        t = values(dtype, rank)
+        dist.all_reduce(t, op=red)
+        c.check(close(t, want, red), f"sync all_reduce {dtype}", _show(t), _show(want))
+        t = values(dtype, rank)
+        dist.reduce(t, dst=0, op=red)
+        if rank == 0:  # elsewhere Gloo may use the tensor as scratch space, as torch's does
+            c.check(close(t, want, red), f"sync reduce {dtype}", _show(t), _show(want))
+        t = values(dtype, rank)
+        dist.broadcast(t, src=0)
+        c.check(same_bytes(t, values(dtype, 0)), f"sync broadcast {dtype}", _show(t))
+        flat = torch.zeros(n * N_ELEMS, dtype=dtype)
+        dist.all_gather_into_tensor(flat, values(dtype, rank))
+        c.check(same_bytes(flat, torch.cat([values(dtype, r) for r in range(n)])),
+                f"sync all_gather_into_tensor {dtype}", _show(flat))
+        out = torch.zeros(N_ELEMS, dtype=dtype)
+        dist.reduce_scatter_tensor(out, torch.cat([values(dtype, rank * n + j) for j in range(n)]),
+                                   op=red)
+        want = reduce_reference(red, dtype, [values(dtype, s * n + rank) for s in range(n)])
+        c.check(close(out, want, red), f"sync reduce_scatter_tensor {dtype}", _show(out))
+        src_rows = torch.cat([values(dtype, rank * 10 + j) for j in range(n)]).reshape(n, -1)
+        got = torch.zeros_like(src_rows)
+        dist.all_to_all_single(got, src_rows)
+        want_rows = torch.cat([values(dtype, j * 10 + rank) for j in range(n)]).reshape(n, -1)
+        c.check(same_bytes(got, want_rows), f"sync all_to_all_single {dtype}", _show(got))
 
 
 def _other_reductions(pg: Any, c: Checks, rank: int, n: int, dtype: torch.dtype) -> None:
@@ -352,6 +392,20 @@ def failure_world(rank: int, n: int) -> dict[str, Any]:
     else:
         store.wait(["silent-done"])
     pg.shutdown()
+    # 1b. the same through the synchronous lean route (no Work to wait on): a broadcast
+    pg = _group(store, "silent-sync", rank, n, 3)
+    pg.all_reduce(torch.ones(2)).wait()
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            pg.run_blocking("broadcast", torch.ones(2), 1)
+            out["silent_sync"] = ("no error", "", 0.0)
+        except DistError as exc:
+            out["silent_sync"] = (type(exc).__name__, str(exc), time.monotonic() - start)
+        store.set("silent-sync-done", b"1")
+    else:
+        store.wait(["silent-sync-done"])
+    pg.shutdown()
     # 2. a fresh group; rank 1 dies after one op
     g = _group(store, "dying", rank, n, 10)
     g.all_reduce(torch.ones(2)).wait()
@@ -379,6 +433,10 @@ def test_silent_rank_times_out_and_dead_rank_fails_fast() -> None:
     assert "op all_reduce" in msg and "group 'silent'" in msg and "rank 0" in msg, msg
     assert elapsed < 30, f"a 3 s group timeout took {elapsed:.1f}s to fire"
     assert res["silent_state"] == (True, False, "DistTimeoutError")
+    kind, msg, elapsed = res["silent_sync"]
+    assert kind == "DistTimeoutError", msg
+    assert "op broadcast" in msg and "group 'silent-sync'" in msg and "rank 0" in msg, msg
+    assert elapsed < 30, f"a 3 s group timeout took {elapsed:.1f}s to fire"
     kind, msg, elapsed = res["dead"]
     assert kind in ("DistNetworkError", "DistTimeoutError"), (kind, msg)
     assert "op all_reduce" in msg and "group 'dying'" in msg, msg

@@ -284,21 +284,61 @@ class GlooProcessGroup(ProcessGroup):
         opts = self._opts("AllreduceOptions", reduceOp=self._gloo_op(op, tensor))
         return self._issue("all_reduce", lambda pg: pg.allreduce([s.buf], opts), [tensor], [s])
 
+    # -- lean blocking hooks: the native ops above, waited on in torch's C++ wait (the GIL
+    # released) with no GlooWork: the synchronous frontend's path for the hot ops
+    def _block(self, op: str, call: Callable[[Any], Any], staged: Sequence[Staged] = ()) -> None:
+        """Run ``call(native_pg)`` and wait for it on this thread, bounded by the group's
+        timeout (then DistTimeoutError; the op may still finish: torch's work holds its
+        tensors); then write back ``staged`` tensors."""
+        pg = self._native(op)
+        try:
+            native = call(pg)
+        except Exception as exc:
+            raise self._translate(op, exc) from exc
+        try:
+            native.wait(self.timeout)
+        except Exception as exc:
+            if not native.is_completed():
+                raise self.timeout_error(op) from exc
+            raise self._translate(op, exc) from exc
+        for s in staged:
+            s.finish()
+
     def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> None:
         s = self._stage("all_reduce", tensor, op)
         opts = self._opts("AllreduceOptions", reduceOp=self._gloo_op(op, tensor))
-        pg = self._native("all_reduce")
-        try:
-            native = pg.allreduce([s.buf], opts)
-        except Exception as exc:
-            raise self._translate("all_reduce", exc) from exc
-        try:
-            native.wait(self.timeout)  # in C++, the GIL released
-        except Exception as exc:
-            if not native.is_completed():
-                raise self.timeout_error("all_reduce") from exc
-            raise self._translate("all_reduce", exc) from exc
-        s.finish()
+        self._block("all_reduce", lambda pg: pg.allreduce([s.buf], opts), [s])
+
+    def native_broadcast_blocking(self, *, tensor: torch.Tensor, src: int) -> None:
+        opts = self._opts("BroadcastOptions", rootRank=src, rootTensor=0)
+        self._block("broadcast", lambda pg: pg.broadcast([movable(tensor)], opts))
+
+    def native_reduce_blocking(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
+        s = self._stage("reduce", tensor, op)
+        opts = self._opts("ReduceOptions", reduceOp=self._gloo_op(op, tensor), rootRank=dst,
+                          rootTensor=0)
+        self._block("reduce", lambda pg: pg.reduce([s.buf], opts),
+                    [s] if self._rank == dst else [])
+
+    def native_all_gather_into_tensor_blocking(self, *, output: torch.Tensor,
+                                               tensor: torch.Tensor) -> None:
+        out, inp = movable(output).reshape(-1), movable(tensor).reshape(-1)
+        opts = self._opts("AllgatherOptions")
+        self._block("all_gather_into_tensor", lambda pg: pg._allgather_base(out, inp, opts))
+
+    def native_reduce_scatter_tensor_blocking(self, *, output: torch.Tensor,
+                                              input: torch.Tensor, op: ReduceOp) -> None:
+        s = self._stage("reduce_scatter_tensor", output, op)
+        inp = self._stage("reduce_scatter_tensor", input, op).buf.reshape(-1)
+        opts = self._opts("ReduceScatterOptions", reduceOp=self._gloo_op(op, output))
+        self._block("reduce_scatter_tensor",
+                    lambda pg: pg._reduce_scatter_base(s.buf.reshape(-1), inp, opts), [s])
+
+    def native_all_to_all_single_blocking(self, *, output: torch.Tensor,
+                                          input: torch.Tensor) -> None:
+        out, inp = movable(rows(output)), movable(rows(input))
+        opts = self._opts("AllToAllOptions")
+        self._block("all_to_all_single", lambda pg: pg.alltoall_base(out, inp, [], [], opts))
 
     def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
         s = self._stage("reduce", tensor, op)
