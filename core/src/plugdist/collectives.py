@@ -50,6 +50,9 @@ def _call(pg: ProcessGroup, async_op: bool, op: str, *args: Any) -> Work | None:
 def _group_rank(pg: ProcessGroup, global_rank: int | None, group_rank: int | None, name: str,
                 op: str) -> int:
     """Translate a global rank argument (or take the group-rank one) into a group rank."""
+    if (group_rank is None and pg is world.default and type(global_rank) is int
+            and 0 <= global_rank < world.size):
+        return global_rank  # the default group's ranks are the global ones
     if group_rank is not None:
         if global_rank is not None:
             raise ValueError(f"{pg.where(op)} pass {name}= or group_{name}=, not both")
