@@ -138,7 +138,11 @@ class Work:
 
     def _successor(self, op: str | None) -> Work:
         """The pending Work that ``then`` completes; backends return their own Work type."""
-        return Work(op=op or self.op, rank=self.rank, group=self.group, backend=self.backend,
+        return Work(**self._context(op))
+
+    def _context(self, op: str | None = None) -> dict[str, Any]:
+        """This Work's context (``op`` replaced if given), for a Work that follows from it."""
+        return dict(op=op or self.op, rank=self.rank, group=self.group, backend=self.backend,
                     timeout=self.timeout, source_rank=self.source_rank)
 
     # -- helpers -----------------------------------------------------------------------------
@@ -190,8 +194,7 @@ class _CompletedWork(Work):
 
     def then(self, fn: Callable[[Any], Any], *, op: str | None = None) -> Work:
         """``fn`` runs now, on this thread (this Work is done)."""
-        context = dict(op=op or self.op, rank=self.rank, group=self.group, backend=self.backend,
-                       timeout=self.timeout, source_rank=self._source_rank)
+        context = self._context(op)
         try:
             value = fn(self._value)
         except BaseException as exc:  # noqa: BLE001 - handed on to whoever waits

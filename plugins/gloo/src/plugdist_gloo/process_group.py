@@ -26,7 +26,7 @@ from .dtypes import Staged, effective_op, flat_bytes, movable, rows, stage_reduc
 from .options import GlooOptions, make_devices
 from .store_bridge import StoreBridge
 from .waiters import Waiters
-from .work import GlooWork
+from .work import GlooWork, wait_native
 
 __all__ = ["GlooProcessGroup"]
 
@@ -295,12 +295,11 @@ class GlooProcessGroup(ProcessGroup):
             native = call(pg)
         except Exception as exc:
             raise self._translate(op, exc) from exc
-        try:
-            native.wait(self.timeout)
-        except Exception as exc:
-            if not native.is_completed():
-                raise self.timeout_error(op) from exc
-            raise self._translate(op, exc) from exc
+        finished, error = wait_native(native, self.timeout)
+        if not finished:
+            raise self.timeout_error(op) from error
+        if error is not None:
+            raise self._translate(op, error) from error
         for s in staged:
             s.finish()
 

@@ -27,7 +27,7 @@ from .dtypes import Staged
 if TYPE_CHECKING:
     from .process_group import GlooProcessGroup
 
-__all__ = ["GlooWork"]
+__all__ = ["GlooWork", "wait_native"]
 
 _NO_SOURCE = -1
 
@@ -135,14 +135,10 @@ class GlooWork(Work):
             limit = self.timeout if timeout is None else timeout
             if limit is not None and not isinstance(limit, timedelta):
                 limit = timedelta(seconds=limit)
-            try:
-                native.wait() if limit is None else native.wait(limit)
-            except Exception as exc:  # noqa: BLE001
-                if not native.is_completed():
-                    raise self.timeout_error(self._seconds(timeout)) from exc
-                self._complete(exc)
-            else:
-                self._complete(None)
+            finished, error = wait_native(native, limit)
+            if not finished:
+                raise self.timeout_error(self._seconds(timeout)) from error
+            self._complete(error)
         if not self._finished:  # armed, or completed by another thread this very moment
             super().wait(timeout)
         if self._error is not None:
@@ -168,3 +164,13 @@ class GlooWork(Work):
     def get_future(self) -> torch.futures.Future:
         self._arm()
         return self._future
+
+
+def wait_native(native: Any, limit: timedelta | None) -> tuple[bool, BaseException | None]:
+    """torch's ``native.wait``, bounded by ``limit`` (None: no bound), the GIL released:
+    ``(False, error)`` when the op had not finished by then, else ``(True, its error or None)``."""
+    try:
+        native.wait() if limit is None else native.wait(limit)
+    except Exception as exc:  # noqa: BLE001 - the caller says what it means
+        return native.is_completed(), exc
+    return True, None

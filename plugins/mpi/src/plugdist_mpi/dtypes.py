@@ -27,10 +27,8 @@ from typing import Any
 import torch
 from plugdist import ReduceOp
 
-__all__ = ["raw", "buffer_type", "address", "overlap", "reduce_spec", "cached_spec", "scattered",
-           "staged", "displacements",
-           "ReduceSpec",
-           "STAGE_ALWAYS"]
+__all__ = ["raw", "buffer_type", "address", "overlap", "spans_overlap", "reduce_spec",
+           "cached_spec", "scattered", "staged", "displacements", "ReduceSpec", "STAGE_ALWAYS"]
 
 # tests set this to exercise the staging path of list collectives (see :func:`scattered`)
 STAGE_ALWAYS = False
@@ -82,11 +80,12 @@ def address(t: torch.Tensor) -> int:
 
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the bytes of ``a`` and ``b`` (contiguous) share any address."""
-    na, nb = a.nbytes, b.nbytes
-    if na == 0 or nb == 0:
-        return False
-    pa, pb = a.data_ptr(), b.data_ptr()
-    return pa < pb + nb and pb < pa + na
+    return spans_overlap(a.data_ptr(), a.nbytes, b.data_ptr(), b.nbytes)
+
+
+def spans_overlap(pa: int, na: int, pb: int, nb: int) -> bool:
+    """Whether ``na`` bytes from address ``pa`` and ``nb`` bytes from ``pb`` share any."""
+    return na > 0 and nb > 0 and pa < pb + nb and pb < pa + na
 
 
 def scattered(MPI: Any, tensors: list[torch.Tensor]) -> tuple[Any, list[int], list[int]] | None:

@@ -103,8 +103,7 @@ class MPIWork(Work):
     def _successor(self, op: str | None) -> Work:
         """A chained Work (``then``: AVG's divide, a DDP comm hook) drives this op's request
         too, so it does not wait for the progress thread."""
-        nxt = MPIWork(op=op or self.op, rank=self.rank, group=self.group, backend=self.backend,
-                      timeout=self.timeout, source_rank=self.source_rank)
+        nxt = MPIWork(**self._context(op))
         nxt._pending = self._pending
         return nxt
 
@@ -205,15 +204,21 @@ class Engine:
             if self._thread is None:
                 raise RuntimeError("the MPI progress engine is not running (the group was shut "
                                    "down)")
-            request = start()
-            p = _Pending(request, self._mpi.Status(), work, owner, done, fail, cancellable)
-            self._pending.append(p)
+            p = self._track(start(), work, owner, done, fail, cancellable)
             if isinstance(work, MPIWork):
                 work._pending = p
-            self._last_event = self._last_issue = time.perf_counter()
-            if self._idle:
-                self._changed.notify()
         return work
+
+    def _track(self, request: Any, work: Work, owner: object, done: Callable[[Any], Any],
+               fail: Callable[[BaseException], BaseException],
+               cancellable: bool = False) -> _Pending:
+        """Add ``request`` to the pending ones and wake the progress thread (lock held)."""
+        p = _Pending(request, self._mpi.Status(), work, owner, done, fail, cancellable)
+        self._pending.append(p)
+        self._last_event = self._last_issue = time.perf_counter()
+        if self._idle:
+            self._changed.notify()
+        return p
 
     def run_here(self, start: Callable[..., Any], args: tuple[Any, ...],
                  timeout: timedelta | None) -> Any:
@@ -222,35 +227,27 @@ class Engine:
         path). Returns None when done, or the still-active request once ``timeout`` has passed
         (hand it to :meth:`adopt`). MPI's errors propagate; MPI calls run under the MPI lock
         unless MPI runs at THREAD_MULTIPLE."""
-        if self._multiple:
+        lock = None if self._multiple else self.lock
+        if lock is None:
             test = start(*args).Test
-            for _ in _TRIES:
-                if test():
+            if _burst(test):
+                return None
+        else:
+            with lock:
+                test = start(*args).Test
+                if _burst(test):
                     return None
-            return self._keep_testing(test, timeout, None)
-        with self.lock:
-            test = start(*args).Test
-            for _ in _TRIES:
-                if test():
-                    return None
-        return self._keep_testing(test, timeout, self.lock)
-
-    @staticmethod
-    def _keep_testing(test: Callable[[], bool], timeout: timedelta | None,
-                      lock: threading.RLock | None) -> Any:
-        """run_here's loop for an op that outlived one burst of tests."""
+        # the clock is read only for ops that outlive one burst: most small ones do not
         deadline = None if timeout is None else time.perf_counter() + timeout.total_seconds()
         while True:
             os.sched_yield()  # let the peer process run
             if lock is None:
-                for _ in _TRIES:
-                    if test():
-                        return None
+                if _burst(test):
+                    return None
             else:
                 with lock:
-                    for _ in _TRIES:
-                        if test():
-                            return None
+                    if _burst(test):
+                        return None
             if deadline is not None and time.perf_counter() > deadline:
                 return test.__self__  # the request
 
@@ -261,11 +258,7 @@ class Engine:
         ``fail(exc)`` when it ends; whatever those hold (the op's buffers) stays alive until
         then."""
         with self.lock:
-            p = _Pending(request, self._mpi.Status(), work, owner, done, fail)
-            self._pending.append(p)
-            self._last_event = self._last_issue = time.perf_counter()
-            if self._idle:
-                self._changed.notify()
+            self._track(request, work, owner, done, fail)
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run a blocking MPI call on this thread under the MPI lock, and return its result."""
@@ -390,6 +383,14 @@ class Engine:
             _settle(p.work, exc=p.fail(err))
             return
         _settle(p.work, result=result)
+
+
+def _burst(test: Callable[[], bool]) -> bool:
+    """Call ``test`` (a request's Test) up to _BURST times in a row; True once it is done."""
+    for _ in _TRIES:
+        if test():
+            return True
+    return False
 
 
 def _settle(work: Work, result: Any = None, exc: BaseException | None = None) -> None:

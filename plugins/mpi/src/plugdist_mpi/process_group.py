@@ -165,8 +165,7 @@ class MPIProcessGroup(ProcessGroup):
             here.active = False
             self._run_here(op, start, (comm,), finish, keep)
             return None  # type: ignore[return-value]
-        work = MPIWork(op=op, rank=self._rank, group=self.group_name, backend=self.backend_name,
-                       timeout=self.timeout, source_rank=source_rank)
+        work = self._mpi_work(op, source_rank)
 
         def done(status: Any) -> Any:
             if finish is not None:
@@ -181,6 +180,11 @@ class MPIProcessGroup(ProcessGroup):
         except Exception as exc:
             raise self._translate(op, exc) from exc
 
+    def _mpi_work(self, op: str, source_rank: Callable[[], int] | int = -1) -> MPIWork:
+        """A pending MPIWork carrying this group's context (``ProcessGroup.work``'s, as MPIWork)."""
+        return MPIWork(op=op, rank=self._rank, group=self.group_name, backend=self.backend_name,
+                       timeout=self.timeout, source_rank=source_rank)
+
     def _run_here(self, op: str, start: Callable[..., Any], args: tuple[Any, ...],
                   finish: Callable[[Any], None] | None = None, keep: Any = None) -> None:
         """Run ``start(*args)`` (a non-blocking MPI call) to completion on this thread, then
@@ -191,20 +195,18 @@ class MPIProcessGroup(ProcessGroup):
         except Exception as exc:
             raise self._translate(op, exc) from exc
         if late is not None:
-            self._give_up(op, late, timeout, finish, keep)
+            self._give_up(op, late, finish, keep)
         if finish is not None:
             finish(None)  # only recv's finish reads the status, and recv never runs here
 
-    def _give_up(self, op: str, request: Any, timeout: timedelta, finish: Any,
-                 keep: Any) -> NoReturn:
+    def _give_up(self, op: str, request: Any, finish: Any, keep: Any) -> NoReturn:
         """An op run on the caller's thread outlived the timeout: the progress thread finishes
         it if the peers come (``keep`` and the buffers stay alive until then); the caller gets
         DistTimeoutError."""
-        work = MPIWork(op=op, rank=self._rank, group=self.group_name, backend=self.backend_name,
-                       timeout=timeout)
+        work = self._mpi_work(op)
         engine.adopt(self, work, request, finish or (lambda _status: None),
                      lambda exc: self._translate(op, exc, keep))
-        raise self.timeout_error(op, timeout.total_seconds())
+        raise self.timeout_error(op)
 
     def _translate(self, op: str, exc: BaseException, _keep: Any = None) -> BaseException:
         """A DistBackendError naming rank, group, op and the MPI error (class and text)."""
@@ -345,7 +347,7 @@ class MPIProcessGroup(ProcessGroup):
         out_at = output.data_ptr()
         if nbytes and at == out_at + self._rank * nbytes:
             send: Any = self._MPI.IN_PLACE  # the input already is this rank's slot
-        elif at < out_at + nbytes * self._size and out_at < at + nbytes:
+        elif dtypes.spans_overlap(at, nbytes, out_at, nbytes * self._size):
             return NotImplemented  # overlaps the output elsewhere: native_blocking copies it
         else:
             send = [self._fromaddress(at, nbytes), byte]
@@ -369,7 +371,7 @@ class MPIProcessGroup(ProcessGroup):
                                           input: torch.Tensor) -> Any:
         comm = self._comm
         nbytes, at, out_at = input.nbytes, input.data_ptr(), output.data_ptr()
-        if comm is None or (nbytes and at < out_at + nbytes and out_at < at + nbytes):
+        if comm is None or dtypes.spans_overlap(at, nbytes, out_at, nbytes):
             return NotImplemented  # aliased: native_blocking sends from a copy
         byte = self._MPI.BYTE
         send = [self._fromaddress(at, nbytes), byte]  # mpi4py cuts both into size blocks
