@@ -42,10 +42,9 @@ def build_model(layers: int, width: int) -> Any:
 def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(args.nproc))
+    import plugdist
     import torch
     import torch.distributed as tdist
-
-    import plugdist
     from plugdist.parallel import DistributedDataParallel as PDDP
 
     torch.set_num_threads(args.threads)

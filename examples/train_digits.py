@@ -16,13 +16,12 @@ import os
 import sys
 import time
 
-import torch
-from sklearn.datasets import load_digits
-from torch import nn
-
 import plugdist as dist
+import torch
 from plugdist.launcher import free_port
 from plugdist.parallel import DistributedDataParallel as DDP
+from sklearn.datasets import load_digits
+from torch import nn
 
 
 def load_data(seed: int = 0) -> tuple[torch.Tensor, ...]:

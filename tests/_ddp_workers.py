@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import copy
 import traceback
-from typing import Any, Callable
-
-import torch
-from torch import nn
+from collections.abc import Callable
+from typing import Any
 
 import plugdist as dist
+import torch
 from plugdist.debug_level import DebugLevel, set_debug_level
 from plugdist.errors import DistError
 from plugdist.hookspecs import hookimpl
-from plugdist.parallel import (BucketedReducer, DistributedDataParallel, GradBucket,
-                               fp16_compress_hook)
+from plugdist.parallel import (
+    BucketedReducer,
+    DistributedDataParallel,
+    GradBucket,
+    fp16_compress_hook,
+)
 from plugdist.registry import PluginNotFoundError, registry
 from plugdist.testing.checks import expect_error
+from torch import nn
 
 DDP = DistributedDataParallel
 F = nn.functional

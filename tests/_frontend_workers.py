@@ -7,9 +7,8 @@ import threading
 import time
 from datetime import timedelta
 
-import torch
-
 import plugdist as dist
+import torch
 
 
 def init_and_sum(rank: int, world_size: int, init_method: str | None, backend: str = "gloo") -> float:

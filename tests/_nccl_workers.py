@@ -4,11 +4,10 @@ modulo the GPU count)."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 import plugdist as dist
+import torch
 from plugdist.testing.checks import check_device
+from torch import nn
 
 
 def _gpu() -> torch.device:

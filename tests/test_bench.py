@@ -5,9 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 import plugdist
+import pytest
 from plugdist.bench import parse_size
 
 

@@ -11,10 +11,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import plugdist as dist
 import pytest
 import torch
-
-import plugdist as dist
 from plugdist import ProcessGroup, ReduceOp, Work
 from plugdist.registry import BACKENDS, registry
 

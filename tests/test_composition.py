@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from plugdist import GroupOptions, ProcessGroup
 from plugdist.cli import backend_table
 from plugdist.composition import plan

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from plugdist.testing.conformance import conformance_results, test_conformance  # noqa: F401
 
 

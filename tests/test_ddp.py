@@ -8,15 +8,13 @@ single-process reference computed from the same data.
 
 from __future__ import annotations
 
+import _ddp_workers as workers
+import plugdist
 import pytest
 import torch
-
-import plugdist
 from plugdist.parallel import compute_bucket_assignment
 from plugdist.registry import registry
 from plugdist.testing import run_world
-
-import _ddp_workers as workers
 
 pytestmark = pytest.mark.skipif("gloo" not in registry.names("plugdist.backends"),
                                 reason="the DDP tests run on plugdist-gloo, which is not installed")

@@ -3,13 +3,11 @@
 import re
 from pathlib import Path
 
+import _frontend_workers as w
+import plugdist as dist
 import pytest
 import torch
-
-import plugdist as dist
 from plugdist.testing import free_port, run_world
-
-import _frontend_workers as w
 
 pytestmark = pytest.mark.timeout(180)
 

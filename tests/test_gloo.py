@@ -12,13 +12,13 @@ import operator
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
-
-import pytest
-import torch
+from typing import Any
 
 import plugdist as dist
+import pytest
+import torch
 from plugdist.errors import DistError, DistNetworkError, DistTimeoutError
 from plugdist.process_group import OPS, GroupOptions
 from plugdist.reduce_op import ReduceOp
@@ -542,7 +542,6 @@ def test_registered_through_the_entry_point_only() -> None:
 def test_store_bridge_serves_torch_cpp_callers() -> None:
     """torch's C++ PrefixStore over the bridge calls every method through torch's trampoline."""
     import torch.distributed as tdist
-
     from plugdist_gloo.store_bridge import StoreBridge
     inner = HashStore(timeout=timedelta(seconds=300))
     bridge = StoreBridge(inner, timedelta(seconds=1))  # must outlive its C++ users

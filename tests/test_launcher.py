@@ -15,9 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
-
-from plugdist.launcher import (LaunchConfig, _split_argv, extract_traceback, free_port,
-                               is_launched, parse_args)
+from plugdist.launcher import (
+    LaunchConfig,
+    _split_argv,
+    extract_traceback,
+    free_port,
+    is_launched,
+    parse_args,
+)
 
 SCRIPTS = Path(__file__).parent / "launcher_scripts"
 WORKER = str(SCRIPTS / "launcher_worker.py")

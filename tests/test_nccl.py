@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 import _nccl_workers as workers
+import plugdist as dist
 import pytest
 import torch
-
-import plugdist as dist
 from plugdist.reduce_op import ReduceOp
 from plugdist.registry import BACKENDS, registry
 from plugdist.testing import run_world

@@ -8,9 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import plugdist as dist
+import pytest
 from plugdist.registry import BACKENDS, PluginNotFoundError, Registry, registry
 
 HERE = Path(__file__).parent

@@ -4,9 +4,8 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 import plugdist as dist
+import torch
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

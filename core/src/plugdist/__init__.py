@@ -5,23 +5,66 @@ installed plugins (``plugdist-gloo``, ``plugdist-mpi``, ``plugdist-nccl`` or a t
 found by entry point when first asked for. Importing plugdist discovers nothing.
 """
 
-from .collectives import (P2POp, all_gather, all_gather_coalesced, all_gather_into_tensor,
-                          all_gather_single, all_reduce, all_reduce_coalesced, all_to_all,
-                          all_to_all_single, barrier, batch_isend_irecv, broadcast, gather, irecv,
-                          isend, monitored_barrier, recv, reduce, reduce_scatter,
-                          reduce_scatter_single, reduce_scatter_tensor, scatter, send)
+from .collectives import (
+    P2POp,
+    all_gather,
+    all_gather_coalesced,
+    all_gather_into_tensor,
+    all_gather_single,
+    all_reduce,
+    all_reduce_coalesced,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    batch_isend_irecv,
+    broadcast,
+    gather,
+    irecv,
+    isend,
+    monitored_barrier,
+    recv,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_single,
+    reduce_scatter_tensor,
+    scatter,
+    send,
+)
 from .debug_level import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
-from .errors import (DistBackendError, DistError, DistNetworkError, DistStoreError,
-                     DistTimeoutError)
-from .groups import (GroupMember, destroy_process_group, get_backend,
-                     get_default_backend_for_device, get_global_rank, get_group_rank,
-                     get_node_local_rank, get_process_group_ranks, get_rank, get_world_size,
-                     group, init_process_group, is_available, is_backend_available,
-                     is_gloo_available, is_initialized, is_mpi_available, is_nccl_available,
-                     is_torchelastic_launched, new_group, new_subgroups,
-                     new_subgroups_by_enumeration, register_rendezvous_handler)
-from .object_collectives import (all_gather_object, broadcast_object_list, gather_object,
-                                 recv_object_list, scatter_object_list, send_object_list)
+from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError, DistTimeoutError
+from .groups import (
+    GroupMember,
+    destroy_process_group,
+    get_backend,
+    get_default_backend_for_device,
+    get_global_rank,
+    get_group_rank,
+    get_node_local_rank,
+    get_process_group_ranks,
+    get_rank,
+    get_world_size,
+    group,
+    init_process_group,
+    is_available,
+    is_backend_available,
+    is_gloo_available,
+    is_initialized,
+    is_mpi_available,
+    is_nccl_available,
+    is_torchelastic_launched,
+    new_group,
+    new_subgroups,
+    new_subgroups_by_enumeration,
+    register_rendezvous_handler,
+)
+from .object_collectives import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    recv_object_list,
+    scatter_object_list,
+    send_object_list,
+)
 from .process_group import Capabilities, GroupOptions, ProcessGroup
 from .reduce_op import ReduceOp, reduce_op
 from .registry import Backend

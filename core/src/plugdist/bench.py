@@ -19,8 +19,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["main", "parse_size"]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from . import composition
 from .process_group import OPS, ProcessGroup

@@ -8,9 +8,10 @@ otherwise it blocks until the op finished (bounded by the group's timeout) and r
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -17,8 +17,9 @@ which user code should leave alone.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,10 +38,10 @@ COMPOSED_TAG = 32700  # within MPI's guaranteed tag range (0..32767)
 @dataclass(frozen=True)
 class Recipe:
     needs: frozenset[str]
-    run: Callable[["ProcessGroup", dict[str, Any]], Work]
+    run: Callable[[ProcessGroup, dict[str, Any]], Work]
 
 
-def _ctx(pg: "ProcessGroup", op: str) -> dict[str, Any]:
+def _ctx(pg: ProcessGroup, op: str) -> dict[str, Any]:
     return dict(op=op, rank=pg.rank(), group=pg.group_name, backend=pg.backend_name,
                 timeout=pg.timeout)
 
@@ -64,7 +65,7 @@ def _row_views(t: torch.Tensor, splits: list[int]) -> list[torch.Tensor]:
 
 
 # -- point-to-point based recipes ------------------------------------------------------------
-def _p2p_exchange(pg: "ProcessGroup", sends: dict[int, torch.Tensor],
+def _p2p_exchange(pg: ProcessGroup, sends: dict[int, torch.Tensor],
                   recvs: dict[int, torch.Tensor], tag: int) -> list[Work]:
     # sends first: a simple backend may complete sends eagerly and park each receive
     works = [_do(pg, "send", tensor=t.contiguous(), dst=peer, tag=tag) for peer, t in sends.items()]
@@ -317,7 +318,7 @@ RECIPES: dict[str, list[Recipe]] = {
 
 
 @functools.lru_cache(maxsize=256)
-def _plans(caps: "Capabilities", device: str) -> dict[str, list[Recipe] | None]:
+def _plans(caps: Capabilities, device: str) -> dict[str, list[Recipe] | None]:
     """op -> None (native) or the usable recipes in preference order; missing ops: unsupported."""
     decided: dict[str, list[Recipe] | None] = {op: None for op in RECIPES if caps.is_native(op, device)}
     changed = True
@@ -333,7 +334,7 @@ def _plans(caps: "Capabilities", device: str) -> dict[str, list[Recipe] | None]:
     return decided
 
 
-def plan(caps: "Capabilities", op: str, device: str) -> tuple[str, frozenset[str]]:
+def plan(caps: Capabilities, op: str, device: str) -> tuple[str, frozenset[str]]:
     """How ``op`` runs on ``device``: ``("native", {})``, ``("composed", needs)`` or
     ``("unsupported", {})``. Used by ``plugdist info``."""
     plans = _plans(caps, device)
@@ -343,11 +344,11 @@ def plan(caps: "Capabilities", op: str, device: str) -> tuple[str, frozenset[str
     return ("native", frozenset()) if recipes is None else ("composed", recipes[0].needs)
 
 
-def is_available(caps: "Capabilities", op: str, device: str) -> bool:
+def is_available(caps: Capabilities, op: str, device: str) -> bool:
     return op in _plans(caps, device)
 
 
-def _device_of(pg: "ProcessGroup", kw: dict[str, Any]) -> str:
+def _device_of(pg: ProcessGroup, kw: dict[str, Any]) -> str:
     for v in kw.values():
         if isinstance(v, torch.Tensor):
             return v.device.type
@@ -356,7 +357,7 @@ def _device_of(pg: "ProcessGroup", kw: dict[str, Any]) -> str:
     return pg.device_types[0]
 
 
-def run_op(pg: "ProcessGroup", op: str, device: str, kwargs: dict[str, Any]) -> Work:
+def run_op(pg: ProcessGroup, op: str, device: str, kwargs: dict[str, Any]) -> Work:
     """Run ``op`` as planned: the native hook, or composed. A native hook that returns
     ``NotImplemented`` (arguments it cannot handle) is composed from the other ops instead."""
     caps = pg.capabilities()
@@ -367,17 +368,17 @@ def run_op(pg: "ProcessGroup", op: str, device: str, kwargs: dict[str, Any]) -> 
     return compose(pg, caps, op, device, kwargs)
 
 
-def _do(pg: "ProcessGroup", op_name: str, /, **kw: Any) -> Work:
+def _do(pg: ProcessGroup, op_name: str, /, **kw: Any) -> Work:
     return run_op(pg, op_name, _device_of(pg, kw), kw)
 
 
-def _fallback_recipes(caps: "Capabilities", op: str, device: str) -> list[Recipe]:
+def _fallback_recipes(caps: Capabilities, op: str, device: str) -> list[Recipe]:
     """For a native op that declined its arguments: recipes over the other available ops."""
     plans = _plans(caps, device)
     return [r for r in RECIPES[op] if op not in r.needs and r.needs <= plans.keys()]
 
 
-def compose(pg: "ProcessGroup", caps: "Capabilities", op: str, device: str,
+def compose(pg: ProcessGroup, caps: Capabilities, op: str, device: str,
             kwargs: dict[str, Any]) -> Work:
     """Run ``op`` from the first usable recipe for ``device`` (see :func:`plan`)."""
     planned = _plans(caps, device).get(op, [])
@@ -394,7 +395,7 @@ def compose(pg: "ProcessGroup", caps: "Capabilities", op: str, device: str,
 
 
 
-def reduce_by_gathering(pg: "ProcessGroup", caps: "Capabilities", op: str, device: str,
+def reduce_by_gathering(pg: ProcessGroup, caps: Capabilities, op: str, device: str,
                         kwargs: dict[str, Any]) -> Work:
     """A reduction the backend lacks (e.g. PRODUCT): all_gather the inputs, reduce locally."""
     red = kwargs["op"]

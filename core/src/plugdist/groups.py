@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
 from .debug_level import DebugLevel, get_debug_level

@@ -26,8 +26,8 @@ __all__ = ["hookspec", "hookimpl", "PROJECT"]
 
 
 @hookspec
-def plugdist_wrap_process_group(group: "ProcessGroup", store: "Store",
-                                debug_level: "DebugLevel") -> "ProcessGroup | None":
+def plugdist_wrap_process_group(group: ProcessGroup, store: Store,
+                                debug_level: DebugLevel) -> ProcessGroup | None:
     """Return a ProcessGroup that wraps ``group`` (used exactly like it), or None to leave it.
 
     Called on every member rank for every group built by ``init_process_group`` and
@@ -38,18 +38,18 @@ def plugdist_wrap_process_group(group: "ProcessGroup", store: "Store",
 
 
 @hookspec
-def plugdist_group_created(group: "ProcessGroup", global_ranks: tuple[int, ...],
+def plugdist_group_created(group: ProcessGroup, global_ranks: tuple[int, ...],
                            backend: str) -> None:
     """Observe a new group (after wrapping). Must not run collectives."""
 
 
 @hookspec
-def plugdist_group_destroyed(group: "ProcessGroup") -> None:
+def plugdist_group_destroyed(group: ProcessGroup) -> None:
     """Observe a group being destroyed, before its backend is shut down."""
 
 
 @hookspec
-def plugdist_debug_level_changed(level: "DebugLevel") -> None:
+def plugdist_debug_level_changed(level: DebugLevel) -> None:
     """Observe a change of the debug level (from the environment or ``set_debug_level``)."""
 
 
@@ -64,7 +64,7 @@ def plugdist_ddp_iteration(module: Any, iteration: int, stats: dict[str, Any]) -
 
 
 @hookspec
-def plugdist_add_cli_commands(subparsers: "argparse._SubParsersAction") -> None:
+def plugdist_add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add subcommands to the ``plugdist`` command line (e.g. ``plugdist debug analyze``).
     A subparser must set ``func`` (``set_defaults(func=...)``) taking the parsed args and
     returning an exit code."""

@@ -42,9 +42,10 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import IO, Callable, Mapping, Sequence
+from typing import IO
 
 __all__ = [
     "LaunchConfig",

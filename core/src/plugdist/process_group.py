@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -104,7 +105,7 @@ class Capabilities:
 
 
 @functools.cache
-def _derived_capabilities(cls: type["ProcessGroup"]) -> Capabilities:
+def _derived_capabilities(cls: type[ProcessGroup]) -> Capabilities:
     native = frozenset(
         (op, dev) for op in OPS for dev in cls.device_types
         if getattr(cls, "native_" + op) is not getattr(ProcessGroup, "native_" + op))

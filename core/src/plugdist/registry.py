@@ -13,8 +13,9 @@ from __future__ import annotations
 import importlib.metadata
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pluggy
 
@@ -199,7 +200,7 @@ class Backend(str):
     MPI = "mpi"
     NCCL = "nccl"
 
-    def __new__(cls, name: str) -> "Backend":
+    def __new__(cls, name: str) -> Backend:
         if not isinstance(name, str):
             raise ValueError(f"Backend name must be a string, got {type(name).__name__}")
         return super().__new__(cls, name.lower())

@@ -9,8 +9,8 @@ caller did not give them; it blocks until the store is reachable (bounded by ``t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 from urllib.parse import parse_qs, urlparse
 
 from .errors import DistError

@@ -8,8 +8,9 @@ uses the group's timeout, and raises ``DistTimeoutError`` naming rank, group and
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -120,7 +121,7 @@ class Work:
             return self._source_rank()
         return self._source_rank
 
-    def then(self, fn: Callable[[Any], Any], *, op: str | None = None) -> "Work":
+    def then(self, fn: Callable[[Any], Any], *, op: str | None = None) -> Work:
         """A new Work completed with ``fn(result)`` once this one succeeds (errors pass through).
         ``fn`` runs on whichever thread completes this Work."""
         nxt = self._successor(op)

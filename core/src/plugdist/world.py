@@ -31,7 +31,7 @@ class GroupInfo:
     name: str
     backend: str
     global_ranks: tuple[int, ...]
-    store: "Store"
+    store: Store
     timeout: timedelta
     barrier_seq: int = 0
     _index: dict[int, int] = field(default_factory=dict, repr=False)
@@ -65,7 +65,7 @@ class World:
     def initialized(self) -> bool:
         return self.default is not None
 
-    def require(self, what: str) -> "ProcessGroup":
+    def require(self, what: str) -> ProcessGroup:
         if self.default is None:
             raise NotInitializedError(
                 f"{what} needs the default process group: call plugdist.init_process_group() first")
@@ -77,15 +77,15 @@ class World:
             self.group_count += 1
             return str(self.group_count)
 
-    def add(self, pg: "ProcessGroup", info: GroupInfo) -> None:
+    def add(self, pg: ProcessGroup, info: GroupInfo) -> None:
         with self._lock:
             self.groups[id(pg)] = (pg, info)
 
-    def remove(self, pg: "ProcessGroup") -> None:
+    def remove(self, pg: ProcessGroup) -> None:
         with self._lock:
             self.groups.pop(id(pg), None)
 
-    def info(self, pg: "ProcessGroup") -> GroupInfo:
+    def info(self, pg: ProcessGroup) -> GroupInfo:
         entry = self.groups.get(id(pg))
         if entry is None:
             raise DistError(f"{pg!r} is not a group of this process's world (destroyed, or made "

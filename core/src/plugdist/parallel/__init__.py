@@ -5,10 +5,9 @@
 """
 
 from .bucketing import DEFAULT_FIRST_BUCKET_BYTES, compute_bucket_assignment
-from .comm_hooks import (CommHook, GradBucket, allreduce_hook, bf16_compress_hook,
-                         fp16_compress_hook)
+from .comm_hooks import CommHook, GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .ddp import DistributedDataParallel
-from .join import Join, JoinHook, Joinable
+from .join import Join, Joinable, JoinHook
 from .logging_data import DDPLogger
 from .reducer import BucketedReducer, Reducer, ReducerOptions
 

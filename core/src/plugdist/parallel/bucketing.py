@@ -7,7 +7,7 @@ and one all-reduce. Every bucket holds a single dtype and device; the first buck
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -13,7 +13,8 @@ Built-in hooks (also found by name through the ``plugdist.comm_hooks`` entry poi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,7 +36,7 @@ class GradBucket:
 
     def __init__(self, index: int, num_buckets: int, buffer: torch.Tensor,
                  parameters: list[torch.Tensor], offsets: list[int],
-                 process_group: "ProcessGroup") -> None:
+                 process_group: ProcessGroup) -> None:
         self._index = index
         self._num_buckets = num_buckets
         self._buffer = buffer
@@ -76,7 +77,7 @@ class GradBucket:
                 f"numel={self._buffer.numel()} params={len(self._parameters)}>")
 
 
-def _group(state: Any, bucket: GradBucket) -> "ProcessGroup":
+def _group(state: Any, bucket: GradBucket) -> ProcessGroup:
     return bucket._process_group if state is None else state
 
 
@@ -84,7 +85,7 @@ def _first_tensor(value: Any) -> torch.Tensor:
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
-def allreduce_hook(state: "ProcessGroup | None", bucket: GradBucket) -> torch.futures.Future:
+def allreduce_hook(state: ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
     """Average the bucket over the group: divide by its size, then all-reduce (sum)."""
     pg = _group(state, bucket)
     buf = bucket.buffer()
@@ -92,7 +93,7 @@ def allreduce_hook(state: "ProcessGroup | None", bucket: GradBucket) -> torch.fu
     return pg.all_reduce(buf).get_future().then(lambda fut: _first_tensor(fut.value()))
 
 
-def _compressed_allreduce(state: "ProcessGroup | None", bucket: GradBucket,
+def _compressed_allreduce(state: ProcessGroup | None, bucket: GradBucket,
                           dtype: torch.dtype) -> torch.futures.Future:
     pg = _group(state, bucket)
     # Dividing in the narrow dtype before the sum keeps the sum from overflowing.
@@ -106,13 +107,13 @@ def _compressed_allreduce(state: "ProcessGroup | None", bucket: GradBucket,
     return pg.all_reduce(compressed).get_future().then(decompress)
 
 
-def fp16_compress_hook(state: "ProcessGroup | None", bucket: GradBucket) -> torch.futures.Future:
+def fp16_compress_hook(state: ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
     """Average the bucket in float16 (cast, divide by the group size, all-reduce, cast back into
     the bucket): half the bytes on the wire for float32 gradients."""
     return _compressed_allreduce(state, bucket, torch.float16)
 
 
-def bf16_compress_hook(state: "ProcessGroup | None", bucket: GradBucket) -> torch.futures.Future:
+def bf16_compress_hook(state: ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
     """Average the bucket in bfloat16 (cast, divide by the group size, all-reduce, cast back
     into the bucket): float32's range at half the bytes."""
     return _compressed_allreduce(state, bucket, torch.bfloat16)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ from ..process_group import ProcessGroup
 from ..reduce_op import ReduceOp
 from .bucketing import DEFAULT_FIRST_BUCKET_BYTES
 from .comm_hooks import CommHook, GradBucket
-from .join import Join, JoinHook, Joinable
+from .join import Join, Joinable, JoinHook
 from .logging_data import DDPLogger
 from .reducer import Reducer, ReducerOptions
 from .sync import broadcast_coalesced, verify_model_across_ranks

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import abc
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,7 +70,7 @@ class Joinable(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def join_process_group(self) -> "ProcessGroup":
+    def join_process_group(self) -> ProcessGroup:
         """Group over which ranks join."""
 
 
@@ -102,7 +103,7 @@ class Join:
             j._join_config = _JoinConfig(enable=enable, throw_on_early_termination=self._throw,
                                          is_first_joinable=i == 0)
 
-    def __enter__(self) -> "Join":
+    def __enter__(self) -> Join:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -142,7 +143,7 @@ class Join:
         return float(t.item())
 
     @staticmethod
-    def notify_join_context(joinable: Joinable) -> "Work | None":
+    def notify_join_context(joinable: Joinable) -> Work | None:
         """Call at the start of each iteration of ``joinable`` (every rank, same order).
 
         Returns the Work of the all-reduce that counts the ranks still training (its result is

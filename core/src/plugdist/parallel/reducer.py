@@ -25,8 +25,9 @@ import abc
 import threading
 import warnings
 import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -64,7 +65,7 @@ class Reducer(abc.ABC):
     every rank of the group, in the same order; which ones do is stated per method.
     """
 
-    def __init__(self, parameters: Sequence[torch.nn.Parameter], process_group: "ProcessGroup",
+    def __init__(self, parameters: Sequence[torch.nn.Parameter], process_group: ProcessGroup,
                  options: ReducerOptions, logger: DDPLogger) -> None:
         self.parameters = list(parameters)
         self.process_group = process_group
@@ -180,7 +181,7 @@ def _aliases(grad: torch.Tensor, view: torch.Tensor) -> bool:
 class BucketedReducer(Reducer):
     """The default reducer: bucketed, overlapped with backward. See the module docstring."""
 
-    def __init__(self, parameters: Sequence[torch.nn.Parameter], process_group: "ProcessGroup",
+    def __init__(self, parameters: Sequence[torch.nn.Parameter], process_group: ProcessGroup,
                  options: ReducerOptions, logger: DDPLogger) -> None:
         super().__init__(parameters, process_group, options, logger)
         n = len(self.parameters)
@@ -765,7 +766,7 @@ class BucketedReducer(Reducer):
         raise RuntimeError(msg)
 
 
-def _make_hook(reducer_ref: "weakref.ReferenceType[BucketedReducer]",
+def _make_hook(reducer_ref: weakref.ReferenceType[BucketedReducer],
                index: int) -> Callable[[torch.Tensor], None]:
     def hook(_param: torch.Tensor) -> None:
         reducer = reducer_ref()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -54,7 +55,7 @@ def _describe(row: list[int]) -> str:
     return f"{_dtype_names().get(row[0], 'dtype#%d' % row[0])}{dims}{more}"
 
 
-def verify_model_across_ranks(pg: "ProcessGroup", params: Sequence[torch.Tensor],
+def verify_model_across_ranks(pg: ProcessGroup, params: Sequence[torch.Tensor],
                               names: Sequence[str], where: str) -> None:
     """Raise DistError on every rank unless all ranks hold parameters of the same shapes and
     dtypes in the same order. Two all-gathers; blocks up to the group's timeout."""
@@ -87,7 +88,7 @@ def verify_model_across_ranks(pg: "ProcessGroup", params: Sequence[torch.Tensor]
                         f"but the parameter counts differ: {per_rank} (rank -> count)")
 
 
-def broadcast_coalesced(pg: "ProcessGroup", tensors: Sequence[torch.Tensor], src: int,
+def broadcast_coalesced(pg: ProcessGroup, tensors: Sequence[torch.Tensor], src: int,
                         bucket_bytes: int = 250 * 1024 * 1024) -> None:
     """Copy ``tensors`` from group rank ``src`` into the same tensors on every other rank.
 

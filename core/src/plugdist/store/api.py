@@ -10,8 +10,8 @@ the missing keys. ``add`` on a key written by ``set`` with a non-integer value r
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 __all__ = ["Store", "DEFAULT_STORE_TIMEOUT", "to_bytes", "to_seconds"]
 

@@ -15,8 +15,9 @@ import operator
 import os
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
 from plugdist.reduce_op import ReduceOp
 
 __all__ = ["NATIVE_DTYPES", "Staged", "effective_op", "flat_bytes", "movable", "rows",

@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
-
 from plugdist.errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError, where
 from plugdist.log import get_logger
 from plugdist.process_group import GroupOptions, ProcessGroup

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as tdist
-
 from plugdist.store import Store
 
 __all__ = ["StoreBridge"]

@@ -19,7 +19,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from plugdist.work import Work
 
 from .dtypes import Staged

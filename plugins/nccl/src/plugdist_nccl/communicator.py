@@ -13,7 +13,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-
 from plugdist.errors import DistBackendError, DistTimeoutError
 from plugdist.store import Store
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from plugdist.reduce_op import ReduceOp
 
 from ._nccl import BF16_VERSION

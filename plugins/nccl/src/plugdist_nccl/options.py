@@ -43,7 +43,7 @@ class NCCLOptions:
         return dev
 
     @classmethod
-    def coerce(cls, value: Any) -> "NCCLOptions":
+    def coerce(cls, value: Any) -> NCCLOptions:
         """``value`` as NCCLOptions: None gives the defaults; an object with the attribute
         ``is_high_priority_stream`` (torch's options class) is read duck-typed."""
         if value is None:

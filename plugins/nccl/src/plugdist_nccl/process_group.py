@@ -22,7 +22,6 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
-
 from plugdist.errors import DistBackendError, DistError, DistTimeoutError, where
 from plugdist.log import get_logger
 from plugdist.process_group import GroupOptions, ProcessGroup

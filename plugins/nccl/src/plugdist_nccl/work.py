@@ -14,11 +14,11 @@ after the GPU finished, with the group's device current.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
-
 from plugdist.errors import DistTimeoutError
 from plugdist.work import Work
 
@@ -33,7 +33,7 @@ class NCCLWork(Work):
     """
 
     def __init__(self, *, device: torch.device, blocking: bool, tensors: list[torch.Tensor],
-                 flush: Callable[[], None], on_timeout: Callable[["NCCLWork"], BaseException],
+                 flush: Callable[[], None], on_timeout: Callable[[NCCLWork], BaseException],
                  result: Any, **context: Any) -> None:
         super().__init__(**context)
         self.device = device

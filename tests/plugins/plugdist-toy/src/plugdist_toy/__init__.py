@@ -12,9 +12,7 @@ import threading
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
-
 import torch
-
 from plugdist import GroupOptions, ProcessGroup, Store, Work
 
 
