@@ -455,13 +455,64 @@ def test_ddp_on_cuda_one_rank() -> None:
     assert max(diffs) < 1e-6, diffs
 
 
+def _two_ranks() -> None:
+    short = _gpu_shortfall("nccl", 2)
+    if short:
+        pytest.skip(short)
+
+
 @needs_gpu
-@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+@pytest.mark.timeout(150)
+def test_ddp_on_cuda_two_ranks() -> None:
+    _two_ranks()
+    results = run_world(workers.ddp_two_ranks, 2, backend="nccl", timeout=120,
+                        group_timeout=60.0)
+    assert results == [[], []], results
+
+
+@needs_gpu
+@pytest.mark.timeout(150)
+def test_p2p_eager_versus_held_back() -> None:
+    _two_ranks()
+    results = run_world(workers.p2p_eager_versus_held, 2, backend="nccl", timeout=120,
+                        group_timeout=60.0)
+    assert results == [[], []], results
+
+
+@needs_gpu
+@pytest.mark.timeout(120)
 def test_blocking_wait_raises_timeout() -> None:
+    _two_ranks()
     results = run_world(workers.blocking_wait_timeout, 2, backend="nccl", timeout=90,
                         group_timeout=3.0, env={"NCCL_BLOCKING_WAIT": "1"}, expect_errors=True)
     assert results[0].value is not None and results[0].value.startswith("timeout:"), results[0]
-    assert "NCCL_BLOCKING_WAIT" in results[0].value
+    assert "NCCL_BLOCKING_WAIT" in results[0].value and "was aborted" in results[0].value
+
+
+@needs_gpu
+@pytest.mark.timeout(120)
+def test_barrier_timeout_without_blocking_wait_leaves_the_communicator() -> None:
+    _two_ranks()
+    results = run_world(workers.barrier_timeout, 2, backend="nccl", timeout=90,
+                        group_timeout=3.0, env={"NCCL_ASYNC_ERROR_HANDLING": "0"},
+                        expect_errors=True)
+    assert results[0].value is not None and results[0].value.startswith("timeout:"), results[0]
+    assert "was not aborted" in results[0].value, results[0].value
+
+
+def test_gpu_sharing_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    from plugdist.testing.checks import RANKS_PER_GPU_ENV, gpu_shortfall
+
+    monkeypatch.delenv(RANKS_PER_GPU_ENV, raising=False)
+    assert gpu_shortfall("gloo", ("cpu", "cuda"), 64) is None
+    over = GPUS + 1
+    assert "needs one GPU per rank" in (gpu_shortfall("nccl", ("cuda",), over) or "")
+    monkeypatch.setenv(RANKS_PER_GPU_ENV, "2")
+    assert (gpu_shortfall("nccl", ("cuda",), over) is None) == (GPUS > 0)
+    assert "2 ranks each" in (gpu_shortfall("nccl", ("cuda",), 2 * GPUS + 1) or "")
+    monkeypatch.setenv(RANKS_PER_GPU_ENV, "zero")
+    with pytest.raises(ValueError, match=RANKS_PER_GPU_ENV):
+        gpu_shortfall("nccl", ("cuda",), 1)
 
 
 def test_gpu_tests_skip_with_the_reason() -> None:
