@@ -376,11 +376,14 @@ class NCCLProcessGroup(ProcessGroup):
                 "used any more")
             self._abort(err)
             return err
+        handling = int(self._policy.handling)
+        then = (f"the watchdog (NCCL_ASYNC_ERROR_HANDLING={handling}) acts when it outlives the "
+                f"group timeout") if self._policy.watchdog_op_timeout(seconds) is not None else \
+            "nothing else times it out (NCCL_ASYNC_ERROR_HANDLING=0)"
         return self._timeout_error(
             work, seconds, f"; the NCCL communicator was not aborted (NCCL_BLOCKING_WAIT is not "
-            f"set): the op may still finish, and the watchdog (NCCL_ASYNC_ERROR_HANDLING="
-            f"{int(self._policy.handling)}) acts when it outlives the group timeout. A peer may "
-            f"have died, be stuck, or be running a different op")
+            f"set): the op may still finish, and {then}. A peer may have died, be stuck, or be "
+            f"running a different op")
 
     def _watchdog_timeout(self, work: NCCLWork) -> None:
         abort, end = self._policy.on_failure()
