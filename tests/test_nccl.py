@@ -403,6 +403,57 @@ def test_watchdog_bounds_a_launch_and_stops_checking_once_broken() -> None:
     assert len(checks) == n and dog.stopped
 
 
+def test_group_failure_settles_works_and_stops_polling_before_the_abort() -> None:
+    """Defect 4, NCCLProcessGroup._abort's order on its real collaborators (Communicator,
+    Watchdog, NCCLWork) around a cupy-like stand-in and stand-in events: not NCCL, not a GPU.
+    The group object is made without __init__, which needs a GPU."""
+    from plugdist.log import get_logger
+    from plugdist_nccl.process_group import _P2P, NCCLProcessGroup
+
+    raw = _CupyLikeComm()
+    seen_at_abort: dict[str, Any] = {}
+    pending = [_work(op=f"op{i}") for i in range(3)]
+    held = _work(op="held-send")
+    polls: list[float] = []
+
+    def abort() -> None:
+        seen_at_abort["settled"] = [w.get_future().done() for w in [*pending, held]]
+        seen_at_abort["watchdog stopped"] = pg._watchdog.stopped  # type: ignore[union-attr]
+        _CupyLikeComm.abort(raw)
+
+    raw.abort = abort  # type: ignore[method-assign]
+    comm = Communicator(raw)
+    pg = NCCLProcessGroup.__new__(NCCLProcessGroup)
+    pg._state, pg._broken, pg._log = threading.Lock(), None, get_logger()
+    pg._p2p = [_P2P(True, torch.zeros(1), 1, held)]
+    pg._comm = comm
+    pg._watchdog = Watchdog("test-group", on_start=lambda: None,
+                            check_error=lambda: polls.append(time.monotonic()) or
+                            comm.check_async_error(),
+                            on_error=lambda e: None, on_timeout=lambda w: None,
+                            op_timeout_s=None, launch_timeout_s=None)
+    finished = _work(op="done-on-gpu")
+    finished.enqueued(_Event())
+    for w in pending:
+        w.enqueued(_Event())
+        pg._watchdog.track(w)
+    pg._watchdog.track(finished)
+    _until(lambda: len(polls) > 0)
+    finished._event = _Event(fired=True)  # its event fired; the others never will
+    failure = dist.DistBackendError("peer died")
+    pg._abort(failure)
+    assert seen_at_abort == {"settled": [True] * 4, "watchdog stopped": True}
+    for w in [*pending, held]:
+        assert w.exception() is not None and "peer died" in str(w.exception())
+    assert finished.get_future().value() == "out"  # finished on the GPU: not failed
+    assert pg._broken is failure and comm.closed and raw.calls.count("abort") == 1
+    n = len(polls)
+    time.sleep(0.3)
+    assert len(polls) == n, "the watchdog polled the communicator after the abort"
+    pg._abort(dist.DistBackendError("again"))  # idempotent: the first failure stays
+    assert pg._broken is failure
+
+
 def test_dtype_views() -> None:
     from plugdist_nccl.dtypes import data_buffer, nccl_op, reduction_buffer
 
