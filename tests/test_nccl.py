@@ -454,6 +454,48 @@ def test_group_failure_settles_works_and_stops_polling_before_the_abort() -> Non
     assert pg._broken is failure
 
 
+_EXIT_SCRIPT = """
+import threading, time, sys
+sys.path.insert(0, {tests!r})
+from datetime import timedelta
+from plugdist.log import get_logger
+from plugdist.process_group import GroupOptions
+from plugdist_nccl import process_group as m
+from plugdist_nccl.communicator import Communicator
+from plugdist_nccl.watchdog import Watchdog
+from test_nccl import _CupyLikeComm
+
+raw = _CupyLikeComm()
+pg = m.NCCLProcessGroup.__new__(m.NCCLProcessGroup)
+m.ProcessGroup.__init__(pg, 0, 1, GroupOptions(group_name="exit-test"))
+pg._state, pg._broken, pg._closed, pg._log = threading.Lock(), None, False, get_logger()
+pg._p2p, pg._stream, pg._comm = [], None, Communicator(raw)
+pg._watchdog = Watchdog("exit-test", on_start=lambda: None,
+                        check_error=pg._comm.check_async_error, on_error=print,
+                        on_timeout=print, op_timeout_s=None, launch_timeout_s=None)
+def destroy():
+    print("destroy; watchdog stopped:", pg._watchdog.stopped, flush=True)
+    raw.handle = 0
+raw.destroy = destroy
+m._LIVE_GROUPS.add(pg)
+m._register_exit_handler()
+print("leaving without destroy_process_group", flush=True)
+"""
+
+
+def test_exit_without_destroy_stops_the_watchdog_then_frees_the_communicator() -> None:
+    """The atexit hook of live groups, on a real interpreter exit: the watchdog stops before
+    the communicator is destroyed (a cupy-like stand-in; not NCCL, not a GPU)."""
+    code = _EXIT_SCRIPT.format(tests=str(Path(__file__).parent))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines == ["leaving without destroy_process_group",
+                     "destroy; watchdog stopped: True"], out.stdout + out.stderr
+    assert "destroy_process_group() was not called" in out.stdout + out.stderr
+
+
 def test_dtype_views() -> None:
     from plugdist_nccl.dtypes import data_buffer, nccl_op, reduction_buffer
 
