@@ -185,6 +185,42 @@ def test_unique_id_attempts_never_mix() -> None:
     assert next(ids) == b"C" * 128  # the abandoned attempt created no id
 
 
+def test_unique_id_reaches_cupy_as_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect 1: cupy 14 takes and returns the unique id as 128 bytes (a tuple was cupy 13's).
+    A stand-in with cupy 14's signature checks what create_communicator hands over; the device
+    context is a no-op here (no GPU). Tests the plugin's plumbing, not cupy or NCCL."""
+    import contextlib
+
+    from plugdist_nccl import communicator
+
+    made: list[tuple[int, Any, int]] = []
+
+    class Cupy14Nccl:
+        @staticmethod
+        def get_unique_id() -> bytes:
+            return bytes(range(128))  # bytes >= 0x80 included: no sign games
+
+        class NcclCommunicator:
+            def __init__(self, ndev: int, commId: bytes, rank: int) -> None:  # noqa: N803
+                if not isinstance(commId, bytes):
+                    raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got "
+                                    f"{type(commId).__name__})")
+                if len(commId) != 128:
+                    raise ValueError(f"commId length {len(commId)} != 128.")
+                made.append((ndev, commId, rank))
+
+    monkeypatch.setattr(communicator, "load", lambda: Cupy14Nccl)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    store = dist.HashStore()
+    comm = communicator.create_communicator(store, 0, 1, torch.device("cuda", 0),
+                                            timedelta(seconds=5), 1, "here:")
+    assert made == [(1, bytes(range(128)), 0)] and not comm.closed
+    store.set("nccl/attempt2/unique_id", b"short")  # e.g. a peer on another plugdist-nccl
+    with pytest.raises(dist.DistBackendError, match="5 bytes, not 128"):
+        communicator.create_communicator(store, 0, 1, torch.device("cuda", 0),
+                                         timedelta(seconds=5), 2, "here:")
+
+
 class _CupyLikeComm:
     """Stands in for cupy's NcclCommunicator to test the guard's state machine (not NCCL): like
     cupy, abort() zeroes the handle and a call on a zeroed handle raises NCCL's
