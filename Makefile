@@ -38,3 +38,14 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build */build */*/build
+
+# -- GPU verification of the NCCL plugin (see plugins/nccl/README.md) --------------------------
+# `make gpu-wheels` (needs PyPI) fills .gpu-wheels/ with the pure-Python wheels a bare GPU machine
+# lacks; `make gpu-check` (on that machine, offline, with its own python3) installs the repo into
+# .gpu-venv and runs the NCCL tests and the conformance suite at world sizes 1 and 2.
+.PHONY: gpu-wheels gpu-check
+gpu-wheels:
+	scripts/gpu_wheels.sh .gpu-wheels
+
+gpu-check:
+	scripts/gpu_check.sh $(GPU_CHECK_RESULTS)

@@ -18,8 +18,8 @@ def _gpu() -> torch.device:
 
 def stream_ordering(rank: int, ws: int) -> list[str]:
     """The seed's example: an all_reduce consumed on another stream after ``wait()`` (which must
-    not block the host) and that stream's ``wait_stream``; a long kernel queued first on the
-    caller's stream must be ordered before the collective."""
+    not block the host) and that stream's ``wait_stream`` on the caller's stream; a long kernel
+    queued first on the caller's stream must be ordered before the collective."""
     dev = _gpu()
     problems = []
     side = torch.cuda.Stream(dev)
@@ -30,8 +30,9 @@ def stream_ordering(rank: int, ws: int) -> list[str]:
         out.mul_(1.0)
         work = dist.all_reduce(out, async_op=True)
         work.wait()
+        caller = torch.cuda.current_stream(dev)
+        side.wait_stream(caller)  # outside the `with`: inside it, the current stream is `side`
         with torch.cuda.stream(side):
-            side.wait_stream(torch.cuda.current_stream())
             out.add_(100)
         side.synchronize()
         want = ws * (ws + 1) / 2 + 100
@@ -74,7 +75,7 @@ def ddp_one_rank(rank: int, ws: int) -> list[float]:
     nn.functional.mse_loss(ddp(x), y).backward()
     nn.functional.mse_loss(ref(x), y).backward()
     return [float((a.grad - b.grad).abs().max()) for a, b in zip(model.parameters(),
-                                                                  ref.parameters())]
+                                                                  ref.parameters(), strict=True)]
 
 
 def blocking_wait_timeout(rank: int, ws: int) -> str:
@@ -90,6 +91,104 @@ def blocking_wait_timeout(rank: int, ws: int) -> str:
         return "slept"
     try:
         dist.all_reduce(t)
+    except dist.DistTimeoutError as err:
+        return f"timeout: {err}"
+    return "no error"
+
+
+def ddp_two_ranks(rank: int, ws: int) -> list[str]:
+    """DDP on CUDA at world size 2: the paths a world of one never reaches (bucket rebuild
+    agreement, find_unused_parameters' all_reduce, static_graph) run with CUDA tensors."""
+    from plugdist.parallel import DistributedDataParallel
+
+    dev = _gpu()
+    problems = []
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.unused = nn.Linear(8, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x)))
+
+    # (flags, drop the unused layer, buckets regrouped: not with find_unused_parameters)
+    for kwargs, plain, rebuilds in (({"find_unused_parameters": True}, False, False),
+                                    ({"static_graph": True}, False, True), ({}, True, True)):
+        torch.manual_seed(0)
+        model = Branchy().to(dev)
+        if plain:
+            del model.unused
+        ddp = DistributedDataParallel(model, device_ids=[dev.index], **kwargs)
+        for step in range(3):
+            torch.manual_seed(100 + step * ws + rank)
+            x, y = torch.randn(16, 8, device=dev), torch.randn(16, 2, device=dev)
+            ddp.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(ddp(x), y).backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+        everyone = [torch.zeros_like(grads) for _ in range(ws)]
+        dist.all_gather(everyone, grads)
+        if not all(torch.equal(everyone[0], g) for g in everyone):
+            problems.append(f"{kwargs}: gradients differ across ranks")
+        if rebuilds and not ddp.reducer.has_rebuilt_buckets:
+            problems.append(f"{kwargs}: buckets were never rebuilt")
+    return problems
+
+
+def p2p_eager_versus_held(rank: int, ws: int) -> list[str]:
+    """Settles the held-back point-to-point question on a GPU: rank 0 isends and then blocks on
+    the store until rank 1 has the data on the host. With NCCLOptions(eager_p2p=True) (torch's
+    behaviour) that completes; held back (the default), the send waits for rank 0's next call on
+    the group, so rank 1 must see a timeout there, not the data."""
+    from plugdist.world import world
+    from plugdist_nccl import NCCLOptions
+
+    dev = _gpu()
+    store = world.store
+    assert store is not None
+    problems = []
+    for eager in (True, False):
+        g = dist.new_group([0, 1], pg_options=NCCLOptions(device_id=dev.index, eager_p2p=eager))
+        key = f"p2p-test/{eager}"
+        if rank == 0:
+            work = dist.isend(torch.full((4,), 7.0, device=dev), dst=1, group=g)
+            got = store.get(key).decode()  # rank 1's verdict, before rank 0 touches the work
+            work.wait()
+            want = "data" if eager else "nothing yet"
+            if got != want:
+                problems.append(f"eager_p2p={eager}: rank 1 saw {got!r}, expected {want!r}")
+        elif rank == 1:
+            t = torch.zeros(4, device=dev)
+            work = dist.irecv(t, src=0, group=g)
+            try:
+                work.wait(timeout=5.0)  # the host waits for the data
+                seen = "data" if t.sum().item() == 28.0 else f"wrong data {t.tolist()}"
+            except dist.DistTimeoutError:
+                seen = "nothing yet"
+            store.set(key, seen)
+            if seen == "nothing yet":  # the held send goes out once rank 0 waits on it
+                work.wait(timeout=60.0)
+                if t.sum().item() != 28.0:
+                    problems.append(f"eager_p2p={eager}: the held send delivered {t.tolist()}")
+        dist.barrier()
+    return problems
+
+
+def barrier_timeout(rank: int, ws: int) -> str:
+    """Without NCCL_BLOCKING_WAIT (and with the watchdog's handling off) a barrier whose peer
+    never comes raises DistTimeoutError after the group timeout and leaves the communicator
+    alone."""
+    dev = _gpu()
+    t = torch.ones(4, device=dev)
+    dist.all_reduce(t)  # builds the communicator on both
+    torch.cuda.synchronize()
+    if rank == 1:
+        import time
+        time.sleep(8)
+        dist.barrier()  # the late arrival lets rank 0's stuck barrier finish
+        return "slept"
+    try:
+        dist.barrier()
     except dist.DistTimeoutError as err:
         return f"timeout: {err}"
     return "no error"

@@ -103,7 +103,7 @@ class Reducer(abc.ABC):
         """For a joined rank that never ran a backward: record a bucket order so that it regroups
         its buckets in step with the other ranks. Local."""
 
-    def set_forward_pass_work(self, work: Work, use_static_world_size: bool) -> None:
+    def set_forward_pass_work(self, work: Work, use_static_world_size: bool) -> None:  # noqa: B027 - no-op default
         """Join support: ``work`` all-reduces the number of ranks still training this iteration;
         unless ``use_static_world_size``, gradients are averaged over that number."""
 
@@ -112,7 +112,7 @@ class Reducer(abc.ABC):
         the forward's outputs through a pass-through autograd node). Local."""
         return False
 
-    def on_backward_start(self) -> None:
+    def on_backward_start(self) -> None:  # noqa: B027 - no-op default
         """Called by autograd when the backward reaches the forward's outputs, before any
         parameter gradient: the place to queue end-of-backward callbacks on the outermost
         backward. Local."""
@@ -125,7 +125,7 @@ class Reducer(abc.ABC):
         """Bytes of each bucket, in reduction order."""
         return []
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - no-op default
         """Remove hooks; the reducer does nothing afterwards. Idempotent."""
 
 
@@ -139,19 +139,19 @@ class _Bucket:
     __slots__ = ("index", "indices", "params", "offsets", "buffer", "views", "pending", "work",
                  "future", "deferred")
 
-    def __init__(self, index: int, indices: list[int], params: list[torch.Tensor],
+    def __init__(self, index: int, indices: list[int], params: Sequence[torch.Tensor],
                  offsets: list[int], buffer: torch.Tensor, views: list[torch.Tensor],
                  fused: list[bool]) -> None:
         self.index = index
         self.indices = indices
-        self.params = params
+        self.params = list(params)
         self.offsets = offsets
         self.buffer = buffer
         self.views = views
         self.pending = len(indices)
         self.work: Work | None = None
         self.future: torch.futures.Future | None = None
-        self.deferred = [(p, v) for p, v, f in zip(params, views, fused) if not f]
+        self.deferred = [(p, v) for p, v, f in zip(params, views, fused, strict=True) if not f]
 
 
 def _view_like(buffer: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
@@ -189,6 +189,9 @@ class BucketedReducer(Reducer):
         self._rank = process_group.rank()
         self._world_size = process_group.size()
         self._timeout = process_group.timeout.total_seconds()
+        # the reducer's own bookkeeping collectives (which parameters were used, the bucket
+        # order) run where the gradients live: a CUDA-only backend refuses CPU tensors
+        self._device = self.parameters[0].device if self.parameters else torch.device("cpu")
         self._find_unused = options.find_unused_parameters
         self._static = options.static_graph
         self._as_view = options.gradient_as_bucket_view
@@ -263,10 +266,10 @@ class BucketedReducer(Reducer):
                 offsets.append(total)
                 total += p.numel()
             buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
-            views = [_view_like(buffer, p, o) for p, o in zip(params, offsets)]
+            views = [_view_like(buffer, p, o) for p, o in zip(params, offsets, strict=True)]
             bucket = _Bucket(bucket_index, list(indices), params, offsets, buffer, views,
                              [self._fused[i] for i in indices])
-            for i, view in zip(indices, views):
+            for i, view in zip(indices, views, strict=True):
                 locators[i] = (bucket, view)
                 p = self.parameters[i]
                 if self._as_view and p.grad is not None and not _aliases(p.grad, view):
@@ -542,7 +545,8 @@ class BucketedReducer(Reducer):
         if not self._tracks_used():
             return
         used = torch.frombuffer(self._local_used, dtype=torch.uint8)
-        self._local_used_tensor = used.to(torch.int32)  # a sum over ranks outgrows uint8
+        # int32: a sum over ranks outgrows uint8
+        self._local_used_tensor = used.to(device=self._device, dtype=torch.int32)
         self._local_used_work = self.process_group.all_reduce(self._local_used_tensor)
 
     def _delayed_reduce_callback(self) -> None:
@@ -588,7 +592,7 @@ class BucketedReducer(Reducer):
                 bucket.buffer.copy_(result.reshape(-1))
             dst: list[torch.Tensor] = []
             src: list[torch.Tensor] = []
-            for index, view in zip(bucket.indices, bucket.views):
+            for index, view in zip(bucket.indices, bucket.views, strict=True):
                 if used is not None and not used[index]:
                     continue  # unused on every rank: leave .grad alone
                 param = self.parameters[index]
@@ -671,15 +675,15 @@ class BucketedReducer(Reducer):
         n = len(self.parameters)
         if self._world_size == 1:
             return assignment
-        flat = torch.empty(2 * n, dtype=torch.int64)
+        flat = torch.empty(2 * n, dtype=torch.int64, device=self._device)
         if self._rank == 0:
             order = [i for members in assignment for i in members]
             ids = [b for b, members in enumerate(assignment) for _ in members]
-            flat.copy_(torch.tensor(order + ids, dtype=torch.int64))
+            flat.copy_(torch.tensor(order + ids, dtype=torch.int64, device=self._device))
         self.process_group.broadcast(flat, 0).wait()
         values = flat.tolist()
         result: list[list[int]] = []
-        for index, bucket_id in zip(values[:n], values[n:]):
+        for index, bucket_id in zip(values[:n], values[n:], strict=True):
             if bucket_id == len(result):
                 result.append([])
             result[bucket_id].append(index)
@@ -734,7 +738,7 @@ class BucketedReducer(Reducer):
             used_work = None
             if self._tracks_used():
                 used_work = self.process_group.all_reduce(
-                    torch.zeros(len(self.parameters), dtype=torch.int32))
+                    torch.zeros(len(self.parameters), dtype=torch.int32, device=self._device))
             for bucket in self._buckets:
                 self._wait_bucket(bucket)
                 bucket.work = bucket.future = None

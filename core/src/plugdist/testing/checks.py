@@ -13,6 +13,7 @@ import contextlib
 import functools
 import operator
 import os
+import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -23,8 +24,14 @@ import torch
 
 import plugdist as dist
 from plugdist import ReduceOp
+from plugdist.work import Work
 
-__all__ = ["CHECKS", "run_checks", "check_names"]
+__all__ = ["CHECKS", "run_checks", "check_names", "gpu_shortfall", "RANKS_PER_GPU_ENV"]
+
+# Ranks of a CUDA-only backend that may share one GPU (default 1). Set by the GPU check to run
+# world size 2 on a one-GPU machine; each sharing rank then gets its own NCCL_HOSTID, since NCCL
+# refuses two ranks on one device of one host ("Duplicate GPU detected").
+RANKS_PER_GPU_ENV = "PLUGDIST_TEST_RANKS_PER_GPU"
 
 CHECKS: dict[str, Callable[[int, int], None]] = {}
 
@@ -49,16 +56,65 @@ def cuda_only(device_types: Sequence[str]) -> bool:
     return "cuda" in device_types and "cpu" not in device_types
 
 
+def _ranks_per_gpu() -> int:
+    raw = os.environ.get(RANKS_PER_GPU_ENV, "1").strip() or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{RANKS_PER_GPU_ENV}={raw!r} must be a positive integer")
+    return int(raw)
+
+
+def gpu_shortfall(backend: str, device_types: Sequence[str], world_size: int) -> str | None:
+    """Why ``world_size`` ranks of a backend with these device types cannot run here (one GPU
+    each, or ``PLUGDIST_TEST_RANKS_PER_GPU`` per GPU), or None."""
+    if not cuda_only(device_types):
+        return None
+    gpus, per_gpu = torch.cuda.device_count(), _ranks_per_gpu()
+    if world_size <= gpus * per_gpu:
+        return None
+    return (f"backend {backend!r} needs one GPU per rank: world size {world_size}, {gpus} GPU(s) "
+            f"here" + (f", {per_gpu} ranks each" if per_gpu > 1 else ""))
+
+
 def check_device() -> torch.device | None:
     """Where the checks create tensors: None (torch's default, the CPU), or for a backend that
     handles only CUDA, this rank's GPU (``LOCAL_RANK`` modulo the GPU count), which is then
-    also made the current device."""
-    if not cuda_only(dist.group.WORLD.capabilities().device_types):
+    also made the current device. When ranks share a GPU (``PLUGDIST_TEST_RANKS_PER_GPU``), each
+    gets its own ``NCCL_HOSTID`` (read by NCCL when the rank's first communicator is built)."""
+    if not cuda_only(_world().capabilities().device_types):
         return None
     local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-    device = torch.device("cuda", local % torch.cuda.device_count())
+    gpus = torch.cuda.device_count()
+    device = torch.device("cuda", local % gpus)
     torch.cuda.set_device(device)
+    if dist.get_world_size() > gpus and _ranks_per_gpu() > 1:
+        tag = f"-plugdist-rank{local}"
+        host = os.environ.get("NCCL_HOSTID") or socket.gethostname()
+        if not host.endswith(tag):
+            os.environ["NCCL_HOSTID"] = host + tag
     return device
+
+
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    if world is None:
+        raise AssertionError("the checks run inside an initialized world")
+    return world
+
+
+def _async(work: Work | None) -> Work:
+    """The Work an ``async_op=True`` call returned (a member's call never returns None)."""
+    if work is None:
+        raise AssertionError("async_op=True must return a Work")
+    return work
+
+
+def settle(work: Any) -> None:
+    """Wait on ``work`` and, on a GPU, let the host wait for the current stream too: a CUDA
+    backend's ``wait()`` only orders the current stream after the op (as torch's NCCL backend
+    does), so completion may be asserted only after that stream finished."""
+    assert work.wait() is True, "Work.wait() returns True on success"
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
 
 
 def run_checks(rank: int, world_size: int, only: list[str] | None = None) -> dict[str, str | None]:
@@ -98,10 +154,12 @@ def value(rank: int, dtype: torch.dtype, n: int = 5, op: ReduceOp = ReduceOp.SUM
 
 def expected(op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
     dtype = tensors[0].dtype
-    wide = torch.complex128 if dtype.is_complex else (torch.float64 if dtype.is_floating_point else torch.int64)
+    wide = torch.complex128 if dtype.is_complex else \
+        (torch.float64 if dtype.is_floating_point else torch.int64)
     stacked = torch.stack([t.to(wide) if dtype is not torch.bool else t for t in tensors])
     if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR):
-        fn = {ReduceOp.BAND: operator.and_, ReduceOp.BOR: operator.or_, ReduceOp.BXOR: operator.xor}[op]
+        fn = {ReduceOp.BAND: operator.and_, ReduceOp.BOR: operator.or_,
+              ReduceOp.BXOR: operator.xor}[op]
         return functools.reduce(fn, tensors)
     if op is ReduceOp.SUM:
         res = stacked.sum(0)
@@ -129,7 +187,8 @@ def ops_for(dtype: torch.dtype) -> list[ReduceOp]:
 
 def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     if got.dtype != want.dtype or got.shape != want.shape:
-        raise AssertionError(f"{what}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}")
+        raise AssertionError(f"{what}: got {got.dtype}{list(got.shape)}, "
+                             f"want {want.dtype}{list(want.shape)}")
     if want.dtype.is_floating_point or want.dtype.is_complex:
         ok = torch.allclose(got.to(torch.complex128 if want.dtype.is_complex else torch.float64),
                             want.to(torch.complex128 if want.dtype.is_complex else torch.float64),
@@ -161,7 +220,7 @@ def run(work_or_none: Any, async_op: bool) -> None:
     successful), else None."""
     if async_op:
         assert work_or_none is not None, "async_op=True must return a Work"
-        assert work_or_none.wait() is True, "Work.wait() returns True on success"
+        settle(work_or_none)
         assert work_or_none.is_completed() and work_or_none.is_success()
     else:
         assert work_or_none is None, "a blocking collective returns None"
@@ -177,14 +236,18 @@ def check_init_state(rank: int, ws: int) -> None:
     assert dist.get_process_group_ranks(dist.group.WORLD) == list(range(ws))
 
 
+def _all_reduce_value(rank: int, dtype: torch.dtype, op: ReduceOp) -> None:
+    dist.all_reduce(value(rank, dtype), op=op)
+
+
 @check
 def check_all_reduce(rank: int, ws: int) -> None:
-    refused = dist.group.WORLD.capabilities().refused_reduce_ops
+    refused = _world().capabilities().refused_reduce_ops
     for dtype in DTYPES:
         for op in ops_for(dtype):
             if op in refused:  # a backend may refuse a reduction, clearly and before sending
                 expect_error(ValueError, op.name,
-                             lambda d=dtype, o=op: dist.all_reduce(value(rank, d), op=o))
+                             functools.partial(_all_reduce_value, rank, dtype, op))
                 continue
             for async_op in (False, True):
                 t = value(rank, dtype, op=op)
@@ -230,7 +293,7 @@ def check_reduce(rank: int, ws: int) -> None:
                     same(t, expected(op, [value(r, dtype, op=op) for r in range(ws)]),
                          f"reduce {dtype} {op} to {dst}")
     t = value(rank, torch.float32)
-    work = dist.reduce(t, dst=0, op=ReduceOp.AVG, async_op=True)
+    work = _async(dist.reduce(t, dst=0, op=ReduceOp.AVG, async_op=True))
     work.wait()
     if rank == 0:
         same(t, expected(ReduceOp.AVG, [value(r, torch.float32) for r in range(ws)]), "reduce AVG")
@@ -246,10 +309,11 @@ def check_all_gather(rank: int, ws: int) -> None:
                 same(outs[r], value(r, dtype), f"all_gather {dtype} slot {r}")
     flat = torch.zeros(ws * 5, dtype=torch.float32)
     dist.all_gather_into_tensor(flat, value(rank, torch.float32))
-    same(flat, torch.cat([value(r, torch.float32) for r in range(ws)]), "all_gather_into_tensor flat")
+    same(flat, torch.cat([value(r, torch.float32) for r in range(ws)]),
+         "all_gather_into_tensor flat")
     stacked = torch.zeros(ws, 2, 3, dtype=torch.int32)
     mine = torch.full((2, 3), rank, dtype=torch.int32)
-    work = dist.all_gather_single(stacked, mine, async_op=True)
+    work = _async(dist.all_gather_single(stacked, mine, async_op=True))
     work.wait()
     same(stacked, torch.stack([torch.full((2, 3), r, dtype=torch.int32) for r in range(ws)]),
          "all_gather_into_tensor stacked")
@@ -261,7 +325,7 @@ def check_gather_scatter(rank: int, ws: int) -> None:
         for root in range(ws):
             gl = [torch.zeros(5, dtype=dtype) for _ in range(ws)] if rank == root else None
             dist.gather(value(rank, dtype), gather_list=gl, dst=root)
-            if rank == root:
+            if gl is not None:
                 for r in range(ws):
                     same(gl[r], value(r, dtype), f"gather {dtype} slot {r}")
             out = torch.zeros(5, dtype=dtype)
@@ -282,7 +346,7 @@ def check_reduce_scatter(rank: int, ws: int) -> None:
                  f"reduce_scatter {dtype} {op}")
             flat = torch.cat([value(rank * ws + i, dtype, op=op) for i in range(ws)])
             out2 = torch.zeros(5, dtype=dtype)
-            work = dist.reduce_scatter_tensor(out2, flat, op=op, async_op=True)
+            work = _async(dist.reduce_scatter_tensor(out2, flat, op=op, async_op=True))
             work.wait()
             same(out2, expected(op, [value(r * ws + rank, dtype, op=op) for r in range(ws)]),
                  f"reduce_scatter_tensor {dtype} {op}")
@@ -307,7 +371,7 @@ def check_all_to_all(rank: int, ws: int) -> None:
     out_splits = [(j + rank) % 3 + 1 for j in range(ws)]
     inp = torch.cat([torch.full((s, 2), float(rank * 10 + j)) for j, s in enumerate(in_splits)])
     out = torch.zeros(sum(out_splits), 2)
-    work = dist.all_to_all_single(out, inp, out_splits, in_splits, async_op=True)
+    work = _async(dist.all_to_all_single(out, inp, out_splits, in_splits, async_op=True))
     work.wait()
     want = torch.cat([torch.full((s, 2), float(j * 10 + rank)) for j, s in enumerate(out_splits)])
     same(out, want, "all_to_all_single uneven splits")
@@ -316,7 +380,7 @@ def check_all_to_all(rank: int, ws: int) -> None:
 @check
 def check_barriers(rank: int, ws: int) -> None:
     dist.barrier()
-    work = dist.barrier(async_op=True)
+    work = _async(dist.barrier(async_op=True))
     work.wait()
     dist.monitored_barrier(timeout=timedelta(seconds=30))
     dist.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)
@@ -330,8 +394,8 @@ def check_point_to_point(rank: int, ws: int) -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.bool):
         out = value(rank, dtype)
         got = torch.zeros(5, dtype=dtype)
-        sw = dist.isend(out, dst=right, tag=3)
-        rw = dist.irecv(got, src=left, tag=3)
+        sw = _async(dist.isend(out, dst=right, tag=3))
+        rw = _async(dist.irecv(got, src=left, tag=3))
         sw.wait()
         rw.wait()
         same(got, value(left, dtype), f"isend/irecv ring {dtype}")
@@ -358,7 +422,7 @@ def check_point_to_point(rank: int, ws: int) -> None:
 def check_recv_any_source(rank: int, ws: int) -> None:
     if ws == 1:
         return
-    pg = dist.group.WORLD
+    pg = _world()
     if not pg.capabilities().any_source_recv:
         expect_error(RuntimeError, "any source", lambda: dist.recv(torch.zeros(1)))
         return
@@ -385,7 +449,7 @@ def check_object_collectives(rank: int, ws: int) -> None:
     dist.all_gather_object(gathered, ("x" * rank, rank))
     assert gathered == [("x" * r, r) for r in range(ws)], gathered
     dst = ws - 1
-    glist: list[Any] = [None] * ws if rank == dst else None
+    glist: list[Any] | None = [None] * ws if rank == dst else None
     dist.gather_object({"r": rank}, glist, dst=dst)
     if rank == dst:
         assert glist == [{"r": r} for r in range(ws)], glist
@@ -411,7 +475,8 @@ def check_coalesced(rank: int, ws: int) -> None:
     same(ts[1], torch.full((2, 2), total, dtype=torch.int64), "coalesced int")
     same(ts[2], torch.full((1,), float(total + ws)), "coalesced second float")
     outs = [[torch.zeros(2), torch.zeros(1, dtype=torch.int32)] for _ in range(ws)]
-    dist.all_gather_coalesced(outs, [torch.full((2,), float(rank)), torch.tensor([rank], dtype=torch.int32)])
+    dist.all_gather_coalesced(outs, [torch.full((2,), float(rank)),
+                                     torch.tensor([rank], dtype=torch.int32)])
     for r in range(ws):
         same(outs[r][0], torch.full((2,), float(r)), "all_gather_coalesced[0]")
         same(outs[r][1], torch.tensor([r], dtype=torch.int32), "all_gather_coalesced[1]")
@@ -442,15 +507,16 @@ def check_subgroups(rank: int, ws: int) -> None:
         dist.broadcast(b, src=ranks[-1], group=g)          # src is a GLOBAL rank
         same(b, torch.tensor([float(ranks[-1])]), f"subgroup {ranks} broadcast")
         outs = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
-        work = dist.all_gather(outs, torch.tensor([rank]), group=g, async_op=True)
+        work = _async(dist.all_gather(outs, torch.tensor([rank]), group=g, async_op=True))
         work.wait()
         assert [int(o) for o in outs] == ranks
         objs: list[Any] = [None] * len(ranks)
         dist.all_gather_object(objs, rank, group=g)
         assert objs == ranks
         dist.barrier(group=g)
-        expect_error(ValueError, "not a member", lambda: dist.broadcast(
-            torch.zeros(1), src=next((r for r in range(ws) if r not in ranks), -5), group=g))
+        outsider = next((r for r in range(ws) if r not in ranks), -5)
+        expect_error(ValueError, "not a member", functools.partial(
+            dist.broadcast, torch.zeros(1), src=outsider, group=g))
     mine, all_groups = dist.new_subgroups_by_enumeration([[r] for r in range(ws)])
     assert len(all_groups) == ws and dist.get_world_size(mine) == 1
     t = torch.tensor([3.0])
@@ -462,24 +528,24 @@ def check_subgroups(rank: int, ws: int) -> None:
 @check
 def check_work_api(rank: int, ws: int) -> None:
     t = torch.ones(4)
-    work = dist.all_reduce(t, async_op=True)
-    assert work.wait(timeout=timedelta(seconds=60)) is True
+    work = _async(dist.all_reduce(t, async_op=True))
+    assert work.wait(timeout=timedelta(seconds=60)) is True  # with a timeout the host waits
     assert work.is_completed() and work.is_success() and work.exception() is None
     res = work.result()
     assert isinstance(res, list) and torch.equal(res[0], torch.full((4,), float(ws)))
-    fut = dist.all_reduce(torch.ones(2), async_op=True).get_future()
+    fut = _async(dist.all_reduce(torch.ones(2), async_op=True)).get_future()
     assert isinstance(fut, torch.futures.Future)
     got = fut.wait()
     assert torch.equal(got[0], torch.full((2,), float(ws))), got
-    chained = dist.all_reduce(torch.ones(2), async_op=True).get_future().then(
+    chained = _async(dist.all_reduce(torch.ones(2), async_op=True)).get_future().then(
         lambda f: f.value()[0] * 2)
     assert torch.equal(chained.wait(), torch.full((2,), 2.0 * ws))
     # polling alone completes a Work: no wait, no future asked for (collective and p2p)
-    polled = [dist.all_reduce(torch.ones(3), async_op=True)]
+    polled = [_async(dist.all_reduce(torch.ones(3), async_op=True))]
     if ws > 1:
         got_p2p = torch.zeros(1)
-        polled += [dist.isend(torch.full((1,), float(rank)), dst=(rank + 1) % ws),
-                   dist.irecv(got_p2p, src=(rank - 1) % ws)]
+        polled += [_async(dist.isend(torch.full((1,), float(rank)), dst=(rank + 1) % ws)),
+                   _async(dist.irecv(got_p2p, src=(rank - 1) % ws))]
     deadline = time.monotonic() + 60
     while not all(w.is_completed() for w in polled):
         assert time.monotonic() < deadline, "is_completed() never became True"
@@ -487,11 +553,11 @@ def check_work_api(rank: int, ws: int) -> None:
     assert torch.equal(polled[0].result()[0], torch.full((3,), float(ws)))
     if ws > 1:
         assert got_p2p.item() == float((rank - 1) % ws), got_p2p
-    # the future of a Work already waited on is done, and holds the value
-    waited = dist.all_reduce(torch.ones(1), async_op=True)
-    waited.wait()
+    # the future of a Work already waited on (and, on a GPU, its stream finished) is done
+    waited = _async(dist.all_reduce(torch.ones(1), async_op=True))
+    settle(waited)
     assert waited.get_future().done()
-    assert torch.equal(waited.get_future().value()[0], torch.full((1,), float(ws)))
+    assert torch.equal(waited.get_future().wait()[0], torch.full((1,), float(ws)))
 
 
 @check
@@ -500,8 +566,8 @@ def check_error_paths(rank: int, ws: int) -> None:
     expect_error(ValueError, "contiguous", lambda: dist.all_reduce(nc))
     expect_error(ValueError, "not a member", lambda: dist.broadcast(torch.zeros(1), src=ws))
     expect_error(ValueError, "BAND", lambda: dist.all_reduce(torch.zeros(2), op=ReduceOp.BAND))
-    expect_error(ValueError, "complex", lambda: dist.all_reduce(torch.zeros(2, dtype=torch.complex64),
-                                                               op=ReduceOp.MAX))
+    expect_error(ValueError, "complex", lambda: dist.all_reduce(
+        torch.zeros(2, dtype=torch.complex64), op=ReduceOp.MAX))
     expect_error(ValueError, "one per rank", lambda: dist.all_gather([torch.zeros(1)] * (ws + 1),
                                                                     torch.zeros(1)))
     expect_error(ValueError, "must match", lambda: dist.all_gather([torch.zeros(2)] * ws,
@@ -510,7 +576,8 @@ def check_error_paths(rank: int, ws: int) -> None:
         torch.zeros(ws * 2 + 1), torch.zeros(2)))
     expect_error(ValueError, "split_sizes", lambda: dist.all_to_all_single(
         torch.zeros(ws), torch.zeros(ws), [ws + 1] + [0] * (ws - 1), None))
-    expect_error(TypeError, "torch.Tensor", lambda: dist.all_reduce([1.0, 2.0]))
+    expect_error(TypeError, "torch.Tensor",
+                 lambda: dist.all_reduce([1.0, 2.0]))  # type: ignore[arg-type]
     expect_error(ValueError, "own rank", lambda: dist.send(torch.zeros(1), dst=rank))
     # the world must still work after refused calls
     t = torch.ones(1)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from plugdist.testing.checks import check_names, cuda_only, run_checks
+from plugdist.testing.checks import check_names, gpu_shortfall, run_checks
 from plugdist.testing.harness import run_world
 
 WORLD_TIMEOUT = 240.0
@@ -24,13 +24,7 @@ def _gpu_shortfall(backend: str, world_size: int) -> str | None:
     from plugdist.registry import BACKENDS, registry
 
     types = tuple(getattr(registry.load(BACKENDS, backend), "device_types", ("cpu",)))
-    if not cuda_only(types):
-        return None
-    import torch
-
-    gpus = torch.cuda.device_count()
-    return None if world_size <= gpus else \
-        f"backend {backend!r} needs one GPU per rank: world size {world_size}, {gpus} GPU(s) here"
+    return gpu_shortfall(backend, types, world_size)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,13 @@ import functools
 from typing import Any
 
 __all__ = ["availability", "is_nccl_available", "load", "version", "format_version",
-           "MIN_VERSION", "AVG_VERSION", "BF16_VERSION"]
+           "MIN_VERSION", "MIN_CUPY", "AVG_VERSION", "BF16_VERSION"]
 
-MIN_VERSION = (2, 7, 0)    # ncclSend/ncclRecv
-AVG_VERSION = (2, 10, 0)   # ncclAvg
+# cupy 14 is built against NCCL >= 2.18 and creates communicators with ncclCommInitRankConfig
+# (new in 2.18), so an older libnccl cannot serve it; cupy 14 also passes the unique id as bytes
+MIN_VERSION = (2, 18, 1)
+MIN_CUPY = 14
+AVG_VERSION = (2, 10, 0)   # ncclAvg (always there from MIN_VERSION on; kept for the dtype table)
 BF16_VERSION = (2, 10, 0)  # ncclBfloat16
 
 _INSTALL_HINT = ("pip install 'plugdist-nccl[cuda12]' (or [cuda13], matching the CUDA runtime of "
@@ -31,8 +34,8 @@ def format_version(code: int) -> tuple[int, int, int]:
 def availability() -> tuple[bool, str]:
     """``(True, "NCCL x.y.z ...")`` when NCCL can run here, else ``(False, why)``. Cached.
 
-    Checks, in order: a CUDA device visible to torch, cupy importable, cupy built with NCCL,
-    NCCL's runtime version at least 2.7 (point-to-point). Never raises.
+    Checks, in order: a CUDA device visible to torch, cupy importable and at least 14, cupy able
+    to load NCCL, NCCL's runtime version at least 2.18.1. Never raises.
     """
     try:
         import torch
@@ -49,18 +52,30 @@ def availability() -> tuple[bool, str]:
         return False, f"cupy is not installed ({exc}); {_INSTALL_HINT}"
     except Exception as exc:  # noqa: BLE001 - a broken cupy install must not break plugdist
         return False, f"cupy failed to import: {type(exc).__name__}: {exc}"
+    import cupy
+
+    cupy_major = _major(getattr(cupy, "__version__", "0"))
+    if cupy_major < MIN_CUPY:
+        return False, (f"cupy {cupy.__version__} is too old; plugdist-nccl needs cupy {MIN_CUPY} "
+                       f"or later (NCCL's unique id as bytes); {_INSTALL_HINT}")
     if not getattr(nccl, "available", False):
-        return False, ("cupy cannot load the NCCL library; install it (pip install "
-                       "nvidia-nccl-cu12, or python -m cupyx.tools.install_library --library "
-                       "nccl) and make it findable")
+        return False, ("cupy cannot load the NCCL library (cupy wheels do not ship it); "
+                       f"{_INSTALL_HINT}, which installs nvidia-nccl-cu12/-cu13 >= 2.18.1")
     try:
         found = format_version(int(nccl.get_version()))
     except Exception as exc:  # noqa: BLE001
         return False, f"NCCL is present but ncclGetVersion failed: {exc}"
     if found < MIN_VERSION:
         return False, (f"NCCL {'.'.join(map(str, found))} is too old; plugdist-nccl needs "
-                       f"{'.'.join(map(str, MIN_VERSION))} or later (point-to-point)")
-    return True, f"NCCL {'.'.join(map(str, found))} through cupy, {torch.cuda.device_count()} GPU(s)"
+                       f"{'.'.join(map(str, MIN_VERSION))} or later (cupy {cupy_major} creates "
+                       f"communicators with ncclCommInitRankConfig)")
+    gpus = torch.cuda.device_count()
+    return True, f"NCCL {'.'.join(map(str, found))} through cupy {cupy.__version__}, {gpus} GPU(s)"
+
+
+def _major(version: str) -> int:
+    head = version.split(".", 1)[0]
+    return int(head) if head.isdigit() else 0
 
 
 def is_nccl_available() -> bool:

@@ -17,5 +17,6 @@ def from_cupy(array: Any) -> torch.Tensor:
     must be ordered before the op by the caller (e.g. ``cupy_stream.synchronize()``).
     """
     if not hasattr(array, "__dlpack__"):
-        raise TypeError(f"from_cupy expects a cupy array (with __dlpack__), got {type(array).__name__}")
+        raise TypeError(f"from_cupy expects a cupy array (with __dlpack__), got "
+                        f"{type(array).__name__}")
     return torch.from_dlpack(array)

@@ -7,15 +7,23 @@ is queued on the group's stream after the caller's current stream and returns an
 
 Point-to-point ops are held back and queued together (one NCCL group call) when this process next
 waits on, queries or chains any of them, or issues another op on the group: a ring of
-``isend``/``irecv`` then cannot deadlock, which NCCL would do if each send went alone.
+``isend``/``irecv`` then cannot deadlock. ``NCCLOptions(eager_p2p=True)`` hands each to NCCL at
+once instead, as torch does (see the README for what each choice can deadlock on).
+
+Locks: ``_lock`` orders the ops of the group (every NCCL call is made under it, so all ranks see
+the same order); the communicator has its own lock (see :class:`Communicator`); ``_state`` guards
+the failure state and the held-back ops. A failure (``_abort``) never takes ``_lock``: the thread
+holding it may be stuck inside an NCCL call that only the abort can end.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -30,9 +38,9 @@ from plugdist.store import Store
 from plugdist.work import Work
 
 from ._nccl import AVG_VERSION, availability, load, version
-from .communicator import create_communicator
+from .communicator import Communicator, CommunicatorClosed, create_communicator
 from .dtypes import Buffer, check_reducible, data_buffer, nccl_op, reduction_buffer
-from .options import ErrorHandling, NCCLOptions, blocking_wait_from_env, error_handling_from_env
+from .options import ASYNC_ERROR_HANDLING_ENV, FailurePolicy, NCCLOptions
 from .watchdog import Watchdog
 from .work import NCCLWork
 
@@ -55,9 +63,10 @@ class NCCLProcessGroup(ProcessGroup):
 
     Construction is cheap and local unless ``NCCLOptions.device_id`` is given (then collective,
     as the first op otherwise is: every member must reach it, bounded by ``options.timeout``).
-    Ops never block the host (except a barrier's wait, the first op, and waits under
-    ``NCCL_BLOCKING_WAIT``). Thread-safe: ops may be issued from several threads; all ranks must
-    issue them in the same order.
+    Ops never block the host (except a barrier's wait, the first op, ``wait(timeout=...)`` and
+    waits under ``NCCL_BLOCKING_WAIT``). Thread-safe: ops may be issued from several threads; all
+    ranks must issue them in the same order. Groups not shut down (``destroy_process_group``)
+    are freed at interpreter exit: watchdog first, then the communicator.
     """
 
     backend_name: ClassVar[str] = "nccl"
@@ -86,20 +95,24 @@ class NCCLProcessGroup(ProcessGroup):
         caps = self.static_capabilities()
         self._caps = caps if self._version >= AVG_VERSION else \
             replace(caps, reduce_ops=caps.reduce_ops - {ReduceOp.AVG})
-        self._blocking = blocking_wait_from_env()
-        self._handling = error_handling_from_env()
-        if self._blocking and self._handling is not ErrorHandling.OFF:
+        self._policy = FailurePolicy.from_env()
+        self._blocking = self._policy.blocking_wait
+        if self._blocking and any(os.environ.get(n, "").strip() for n in ASYNC_ERROR_HANDLING_ENV):
             self._log.warning("NCCL_BLOCKING_WAIT and NCCL_ASYNC_ERROR_HANDLING are both set; "
-                              "blocking wait wins, the watchdog will not end the process")
-            self._handling = ErrorHandling.OFF
+                              "blocking wait wins: waiters time ops out, the watchdog will not "
+                              "end the process")
         self._lock = threading.RLock()
-        self._comm: Any = None
+        self._state = threading.Lock()
+        self._comm: Communicator | None = None
+        self._comm_attempts = 0
         self._device: torch.device | None = None
         self._stream: torch.cuda.Stream | None = None
         self._watchdog: Watchdog | None = None
         self._p2p: list[_P2P] = []
         self._broken: BaseException | None = None
         self._closed = False
+        _LIVE_GROUPS.add(self)
+        _register_exit_handler()
         device = self.nccl_options.device()
         if device is not None:
             with self._lock:
@@ -108,7 +121,8 @@ class NCCLProcessGroup(ProcessGroup):
     # -- plugin metadata ------------------------------------------------------------------------
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
-        """Whether a GPU, cupy and NCCL >= 2.7 are usable here, and why not. Never raises."""
+        """Whether a GPU, cupy >= 14 and NCCL >= 2.18.1 are usable here, and why not. Never
+        raises."""
         return availability()
 
     @property
@@ -121,29 +135,26 @@ class NCCLProcessGroup(ProcessGroup):
         """The internal stream this group's ops run on (None before the first op)."""
         return self._stream
 
-    def shutdown(self) -> None:
-        """Fail held-back point-to-point ops, stop the watchdog and free the communicator
-        (``ncclCommDestroy`` once the stream drained within 10 s, else ``ncclCommAbort``).
+    def shutdown(self, drain: timedelta = timedelta(seconds=10)) -> None:
+        """Fail held-back point-to-point ops, stop the watchdog, then free the communicator
+        (``ncclCommDestroy`` once the stream drained within ``drain``, else ``ncclCommAbort``).
         Idempotent."""
-        with self._lock:
+        with self._state:
             if self._closed:
                 return
             self._closed = True
             pending, self._p2p = self._p2p, []
-            comm, self._comm = self._comm, None
+        _LIVE_GROUPS.discard(self)
         closed = DistBackendError(f"{self.where('shutdown')} the group was shut down before "
                                   f"this op was queued")
         for p in pending:
             p.work.fail(closed)
-        watchdog = self._watchdog
-        drained = self._drain_stream(timedelta(seconds=10))
-        if watchdog is not None:
+        comm, watchdog = self._comm, self._watchdog
+        drained = self._broken is None and self._drain_stream(drain)
+        if watchdog is not None:  # before the communicator goes: it polls it
             watchdog.stop()
             for w in watchdog.drain():
-                if w.gpu_done():
-                    w.finish()
-                else:
-                    w.fail(closed)
+                w.finish_or_fail(closed)
         if comm is not None:
             try:
                 comm.destroy() if drained else comm.abort()
@@ -155,13 +166,17 @@ class NCCLProcessGroup(ProcessGroup):
         stream = self._stream
         if stream is None:
             return True
-        event = torch.cuda.Event()
-        event.record(stream)
-        end = time.monotonic() + limit.total_seconds()
-        while not event.query():
-            if time.monotonic() > end:
-                return False
-            time.sleep(1e-3)
+        try:
+            event = torch.cuda.Event()
+            event.record(stream)
+            end = time.monotonic() + limit.total_seconds()
+            while not event.query():
+                if time.monotonic() > end:
+                    return False
+                time.sleep(1e-3)
+        except Exception as exc:  # noqa: BLE001 - a broken CUDA context: abort instead
+            self._log.debug("draining the stream failed", error=str(exc))
+            return False
         return True
 
     # -- the communicator and the stream --------------------------------------------------------
@@ -185,22 +200,26 @@ class NCCLProcessGroup(ProcessGroup):
             self._device = device
         return self._stream
 
-    def _ensure_comm(self, op: str, device: torch.device) -> Any:
+    def _ensure_comm(self, op: str, device: torch.device) -> Communicator:
         """The communicator, built on ``device`` at the first op. Caller holds the lock."""
         self._check_usable(op, device)
         if self._comm is not None:
             return self._comm
         self._ensure_stream(device)
-        self._comm = create_communicator(self._store, self._rank, self._size, device,
-                                         self.timeout, self.where(op))
-        handling = self._handling is not ErrorHandling.OFF
+        self._comm_attempts += 1  # a retry after a failed build uses fresh store keys
+        comm = create_communicator(self._store, self._rank, self._size, device, self.timeout,
+                                   self._comm_attempts, self.where(op))
+        seconds = self.timeout.total_seconds()
         self._watchdog = Watchdog(
-            f"plugdist-nccl-{self.group_name}-r{self._rank}", device,
-            self.timeout.total_seconds() if handling else None,
-            self._async_error, self._watchdog_error, self._watchdog_timeout)
+            f"plugdist-nccl-{self.group_name}-r{self._rank}",
+            on_start=lambda: torch.cuda.set_device(device), check_error=comm.check_async_error,
+            on_error=self._watchdog_error, on_timeout=self._watchdog_timeout,
+            op_timeout_s=self._policy.watchdog_op_timeout(seconds),
+            launch_timeout_s=self._policy.watchdog_launch_timeout(seconds))
+        self._comm = comm
         self._log.debug("nccl communicator created", device=str(device), size=self._size,
                         high_priority=self.nccl_options.is_high_priority_stream)
-        return self._comm
+        return comm
 
     def _device_of(self, t: torch.Tensor | None) -> torch.device:
         if t is not None:
@@ -230,25 +249,31 @@ class NCCLProcessGroup(ProcessGroup):
             self._launch(op, comm, [work], issue)
         return work
 
-    def _launch(self, op: str, comm: Any, works: list[NCCLWork], issue: Issue) -> None:
+    def _launch(self, op: str, comm: Communicator, works: list[NCCLWork], issue: Issue) -> None:
         """Run ``issue`` on the stream (caller holds the lock), then record one event for
-        ``works``; an NCCL error fails them and is raised as DistBackendError."""
-        assert self._stream is not None and self._watchdog is not None  # set with the comm
-        stream = self._stream
+        ``works``; an NCCL error fails them and is raised as DistBackendError.
+
+        The works are tracked before the NCCL calls: a call that blocks the host (``ncclGroupEnd``
+        waiting for a peer to connect) is then bounded by the watchdog's launch timeout."""
+        watchdog, stream = self._watchdog, self._stream
+        if watchdog is None or stream is None:
+            raise DistBackendError(f"{self.where(op)} no communicator (internal error)")
         stream.wait_stream(torch.cuda.current_stream(stream.device))
+        for w in works:
+            w.issued_at = time.monotonic()
+            watchdog.track(w)
         try:
-            with torch.cuda.stream(stream):
-                issue(comm, stream.cuda_stream)
+            with comm.use() as raw, torch.cuda.stream(stream):
+                issue(raw, stream.cuda_stream)
+                event = torch.cuda.Event()
+                event.record(stream)
         except Exception as exc:
             err = self._translate(op, exc)
             for w in works:
                 w.fail(err)
             raise err from exc
-        event = torch.cuda.Event()
-        event.record(stream)
         for w in works:
             w.enqueued(event)
-            self._watchdog.track(w)
 
     def _flush(self) -> None:
         if self._p2p:
@@ -256,10 +281,11 @@ class NCCLProcessGroup(ProcessGroup):
                 self._flush_locked()
 
     def _flush_locked(self) -> None:
-        """Queue every held-back send/recv as one NCCL group call."""
-        if not self._p2p:
+        """Queue every held-back send/recv as one NCCL group call. Caller holds the lock."""
+        with self._state:
+            pending, self._p2p = self._p2p, []
+        if not pending:
             return
-        pending, self._p2p = self._p2p, []
         works = [p.work for p in pending]
         try:
             comm = self._ensure_comm(pending[0].work.op, pending[0].work.device)
@@ -292,11 +318,17 @@ class NCCLProcessGroup(ProcessGroup):
                 work.enqueued(_record_current(device))
                 work.finish()
                 return work
-            self._p2p.append(_P2P(send, tensor, peer, work))
+            with self._state:
+                self._p2p.append(_P2P(send, tensor, peer, work))
+            if self.nccl_options.eager_p2p:
+                self._flush_locked()
         return work
 
     # -- failures ------------------------------------------------------------------------------
     def _translate(self, op: str, exc: BaseException) -> DistError:
+        if isinstance(exc, CommunicatorClosed):
+            return DistBackendError(f"{self.where(op)} {exc} after an earlier failure "
+                                    f"({self._broken}); create a new group")
         if isinstance(exc, DistError):
             return exc
         msg = str(exc).strip() or type(exc).__name__
@@ -305,75 +337,81 @@ class NCCLProcessGroup(ProcessGroup):
         err.__cause__ = exc
         return err
 
-    def _async_error(self) -> BaseException | None:
-        comm = self._comm
-        if comm is None:
-            return None
-        check = getattr(comm, "check_async_error", None)
-        if check is None:
-            return None
-        try:
-            check()
-        except Exception as exc:  # noqa: BLE001 - NCCL's own error, reported to the waiters
-            return exc
-        return None
-
     def _abort(self, exc: BaseException) -> None:
-        """Abort the communicator and fail every pending Work with ``exc``. Any thread.
-
-        The abort comes before taking the lock: the thread holding it may be stuck inside an
-        NCCL call that only the abort can end."""
-        if self._broken is None:
-            self._broken = exc
+        """Mark the group broken, settle every pending Work (``exc`` for those the GPU did not
+        finish), stop the watchdog, then abort the communicator. Any thread; never takes
+        ``_lock`` (its holder may be stuck in an NCCL call that only the abort ends)."""
+        with self._state:
+            if self._broken is None:
+                self._broken = exc
+            pending, self._p2p = self._p2p, []
+        watchdog = self._watchdog
+        works = [p.work for p in pending] + (watchdog.drain() if watchdog is not None else [])
+        for w in works:
+            w.finish_or_fail(exc)
+        if watchdog is not None:
+            watchdog.stop()  # no more polling of a communicator being aborted
         comm = self._comm
         if comm is not None:
             try:
                 comm.abort()
             except Exception as err:  # noqa: BLE001 - already failing
                 self._log.debug("ncclCommAbort failed", error=str(err))
-        with self._lock:
-            self._comm = None
-            pending, self._p2p = self._p2p, []
-        works = [p.work for p in pending]
-        if self._watchdog is not None:
-            works += self._watchdog.drain()
-        for w in works:
-            w.fail(exc)
 
-    def _timeout_error(self, work: NCCLWork, tail: str) -> DistTimeoutError:
-        """``work`` outlived the group's timeout; ``tail`` says what happens about it."""
-        return DistTimeoutError(f"{work._where()} did not finish on {work.device} within "
-                                f"{self.timeout.total_seconds():.1f}s{tail}")
+    def _timeout_error(self, work: NCCLWork, seconds: float, tail: str) -> DistTimeoutError:
+        """``work`` outlived ``seconds``; ``tail`` says what happens about it."""
+        what = "did not finish on" if work.launched else "was still being queued by NCCL on"
+        return DistTimeoutError(f"{work._where()} {what} {work.device} within {seconds:.1f}s"
+                                f"{tail}")
 
-    def _wait_timeout(self, work: NCCLWork) -> BaseException:
-        """NCCL_BLOCKING_WAIT ran out: abort the communicator (its state is unknown now) and
-        return the error for the waiter to raise."""
-        err = self._timeout_error(
-            work, " (NCCL_BLOCKING_WAIT); the NCCL communicator was aborted. A peer may have "
-                  "died, be stuck, or be running a different op; this group cannot be used any "
-                  "more")
-        self._log.error("nccl op timed out", op=work.op, seconds=self.timeout.total_seconds())
-        self._abort(err)
-        return err
+    def _wait_timeout(self, work: NCCLWork, seconds: float) -> BaseException:
+        """A host-blocking wait ran out. Under NCCL_BLOCKING_WAIT the communicator is aborted
+        (its state is unknown now); otherwise it is left to the watchdog's error handling.
+        Returns the error for the waiter to raise."""
+        self._log.error("nccl wait timed out", op=work.op, seconds=seconds)
+        if self._policy.wait_timeout_aborts():
+            err = self._timeout_error(
+                work, seconds, " (NCCL_BLOCKING_WAIT); the NCCL communicator was aborted. A peer "
+                "may have died, be stuck, or be running a different op; this group cannot be "
+                "used any more")
+            self._abort(err)
+            return err
+        handling = int(self._policy.handling)
+        then = (f"the watchdog (NCCL_ASYNC_ERROR_HANDLING={handling}) acts when it outlives the "
+                f"group timeout") if self._policy.watchdog_op_timeout(seconds) is not None else \
+            "nothing else times it out (NCCL_ASYNC_ERROR_HANDLING=0)"
+        return self._timeout_error(
+            work, seconds, f"; the NCCL communicator was not aborted (NCCL_BLOCKING_WAIT is not "
+            f"set): the op may still finish, and {then}. A peer may have died, be stuck, or be "
+            f"running a different op")
 
     def _watchdog_timeout(self, work: NCCLWork) -> None:
+        abort, end = self._policy.on_failure()
+        what = "aborts the NCCL communicator" if abort else "does not abort the communicator"
+        then = " and ends the process" if end else "; this group cannot be used any more"
+        seconds = self.timeout.total_seconds()
         self._fail_async(self._timeout_error(
-            work, f"; the watchdog (NCCL_ASYNC_ERROR_HANDLING={int(self._handling)}) aborts the "
-                  "NCCL communicator: a peer may have died, be stuck, or be running a different "
-                  "op"))
+            work, seconds, f"; the watchdog ({self._policy_name()}) {what}{then}. A peer may "
+            f"have died, be stuck, or be running a different op"))
 
     def _watchdog_error(self, exc: BaseException) -> None:
         err = DistBackendError(f"{self.where('watchdog')} NCCL reported an asynchronous error on "
-                               f"{self._device}: {exc}")
+                               f"{self._device}: {type(exc).__name__}: {exc}")
         err.__cause__ = exc
         self._fail_async(err)
 
+    def _policy_name(self) -> str:
+        if self._policy.blocking_wait:
+            return "NCCL_BLOCKING_WAIT"
+        return f"NCCL_ASYNC_ERROR_HANDLING={int(self._policy.handling)}"
+
     def _fail_async(self, err: DistError) -> None:
-        self._log.error("nccl group failed", error=str(err), handling=int(self._handling))
-        if self._handling is ErrorHandling.SKIP_CLEANUP:
-            _end_process(err)
-        self._abort(err)
-        if self._handling is ErrorHandling.TEAR_DOWN:
+        """A failure the watchdog found: abort and/or end the process, as the policy says."""
+        abort, end = self._policy.on_failure()
+        self._log.error("nccl group failed", error=str(err), handling=self._policy_name())
+        if abort:
+            self._abort(err)
+        if end:
             _end_process(err)
 
     # -- validation ----------------------------------------------------------------------------
@@ -425,7 +463,8 @@ class NCCLProcessGroup(ProcessGroup):
         def issue(c: Any, s: int) -> None:
             if inp.count:
                 c.allGather(inp.ptr, out.ptr, inp.count, inp.dtype, s)
-            for dst, part in zip(output_tensors, flat.chunk(self._size) if flat.numel() else []):
+            parts = flat.chunk(self._size) if flat.numel() else []
+            for dst, part in zip(output_tensors, parts, strict=False):
                 dst.view(-1).copy_(part)  # on the group's stream, after the gather
 
         return self._issue("all_gather", tensor, issue, [tensor, flat, *output_tensors],
@@ -487,6 +526,8 @@ class NCCLProcessGroup(ProcessGroup):
         return self._exchange("scatter", tensor, [None] * n, recvs, [tensor], [tensor])
 
     def native_barrier(self) -> Work:
+        # wait() blocks the host until every rank arrived; bounded by the group timeout, which
+        # aborts the communicator only under NCCL_BLOCKING_WAIT
         device = self._device_of(None)
         flag = torch.zeros(1, dtype=torch.float32, device=device)
         buf = data_buffer(flag, self._version)
@@ -572,5 +613,39 @@ def _end_process(err: BaseException) -> None:
     sys.stderr.write(f"plugdist-nccl: ending the process: {err}\n")
     sys.stderr.flush()
     os._exit(6)
+
+
+# -- interpreter exit without destroy_process_group ---------------------------------------------
+# cupy frees a communicator (ncclCommDestroy) when the object is collected during interpreter
+# teardown, while the group's daemon watchdog thread may still be polling it. So at exit, before
+# teardown, every group still alive is shut down here: its watchdog stopped first, then its
+# communicator destroyed (or aborted when its stream does not drain in time: a dead peer must not
+# hang the exit). torch's NCCL backend warns in the same situation.
+_LIVE_GROUPS: weakref.WeakSet[NCCLProcessGroup] = weakref.WeakSet()
+_EXIT_HANDLER = threading.Lock()
+_exit_registered = False
+EXIT_DRAIN = timedelta(seconds=2)
+
+
+def _register_exit_handler() -> None:
+    global _exit_registered
+    with _EXIT_HANDLER:
+        if not _exit_registered:
+            atexit.register(_shutdown_at_exit)
+            _exit_registered = True
+
+
+def _shutdown_at_exit() -> None:
+    groups = list(_LIVE_GROUPS)
+    if not groups:
+        return
+    if any(g._comm is not None for g in groups):
+        groups[0]._log.warning("plugdist-nccl: destroy_process_group() was not called before "
+                               "exit; freeing NCCL communicators now", groups=len(groups))
+    for group in groups:
+        try:
+            group.shutdown(drain=EXIT_DRAIN)
+        except Exception:  # noqa: BLE001 - one group's failure must not keep others alive
+            pass
 
 
