@@ -314,3 +314,22 @@ def run_suite(rank: int, ws: int) -> dict[str, str | None]:
             results[name] = "".join(traceback.format_exception(exc))[-3000:]
         dist.barrier()
     return results
+
+
+def abandon(rank: int, ws: int) -> list[str] | None:
+    """Rank 1 leaves after one forward: rank 0's backward, and its next forward, must fail
+    within the group's timeout, saying which layer and pass, instead of hanging."""
+    torch.set_num_threads(1)
+    sync = SyncBatchNorm(3)
+    out = sync(torch.randn(4, 3, 2, requires_grad=True))
+    if rank != 0:
+        return None  # leave: the harness tears this rank's group down and exits
+    errors = []
+    for step in (lambda: out.sum().backward(), lambda: sync(torch.randn(4, 3, 2))):
+        try:
+            step()
+            errors.append("no error")
+        except dist.DistError as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
+

@@ -13,8 +13,9 @@ import plugdist
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from plugdist import Capabilities
 from plugdist.nn import SyncBatchNorm
-from plugdist.nn.sync_batchnorm import adopt_torch_sync_batchnorms
+from plugdist.nn.sync_batchnorm import _comm_device, adopt_torch_sync_batchnorms
 from plugdist.testing import run_world
 from torch import nn
 
@@ -39,6 +40,17 @@ def test_world(world: list[dict], check: str) -> None:
     assert not missing, f"{check} did not run on ranks {missing}"
     failures = {rank: r[check] for rank, r in enumerate(world) if r[check]}
     assert not failures, "\n".join(f"--- rank {rank}:\n{text}" for rank, text in failures.items())
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_leaves_gives_an_error_not_a_hang() -> None:
+    results = run_world(workers.abandon, 2, backend="gloo", timeout=60, group_timeout=5)
+    assert results[1] is None
+    backward, forward = results[0]
+    for text, phase in ((backward, "backward"), (forward, "forward")):
+        assert text.startswith("Dist"), text
+        assert f"the {phase} pass's collective failed" in text and "rank 0" in text, text
+        assert "SyncBatchNorm" in text and "same order" in text, text
 
 
 # -- in this process: no world ---------------------------------------------------------------------
@@ -190,3 +202,24 @@ def test_untracked_eval_uses_the_batch() -> None:
     x = torch.randn(4, 2, 3)
     assert torch.equal(sync(x), F.batch_norm(x, None, None, sync.weight, sync.bias, True, 0.0,
                                              sync.eps))
+
+
+class _GroupOn:
+    """Only what ``_comm_device`` reads of a group: its backend's device types."""
+
+    def __init__(self, *device_types: str) -> None:
+        self.caps = Capabilities(native=frozenset(), device_types=device_types)
+
+    def capabilities(self) -> Capabilities:
+        return self.caps
+
+
+@pytest.mark.timeout(30)
+def test_statistics_travel_on_a_device_the_backend_handles() -> None:
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert _comm_device(_GroupOn("cpu"), cpu) == cpu
+    assert _comm_device(_GroupOn("cpu"), meta) == cpu  # e.g. CUDA statistics over Gloo or MPI
+    assert _comm_device(_GroupOn("cpu", "meta"), meta) == meta
+    if torch.cuda.is_available():  # CPU statistics over NCCL go to the current GPU
+        want = torch.device("cuda", torch.cuda.current_device())
+        assert _comm_device(_GroupOn("cuda"), cpu) == want

@@ -5,7 +5,8 @@ count) with one ``all_gather_into_tensor`` and combines them, so ranks may hold 
 different sizes, an empty one included; each backward all-reduces the two per-channel sums the
 input gradient needs. Both go through plugdist's public collectives on the module's group, so
 they run on every backend (composed from send/recv where a backend has nothing better), on CPU
-and CUDA tensors alike. Weight and bias gradients stay per-rank sums, for DDP to reduce.
+and CUDA tensors alike (the statistics are staged through a device the backend handles when it
+does not handle the input's). Weight and bias gradients stay per-rank sums, for DDP to reduce.
 
 Collective contract: every rank of the group runs each training-mode forward and its backward,
 in the same order (a rank whose batch is empty too). Waits are bounded by the group's timeout.
@@ -14,6 +15,8 @@ Eval mode, ``world size 1`` and a process without an initialized world communica
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -23,7 +26,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
 from .. import collectives
-from ..errors import where
+from ..errors import DistError, where
 from ..groups import GroupMember, is_initialized, resolve_group
 from ..process_group import ProcessGroup
 from ..reduce_op import ReduceOp
@@ -206,6 +209,37 @@ def _stats_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
+@contextmanager
+def _explained(pg: ProcessGroup, phase: str) -> Iterator[None]:
+    """Say which layer's collective failed, and the likely cause, keeping the error's type."""
+    try:
+        yield
+    except DistError as err:
+        message = (f"{pg.where(_OP)} the {phase} pass's collective failed: {err}. Every rank of "
+                   f"the group must run each training-mode forward and backward of every "
+                   f"SyncBatchNorm layer, in the same order (a rank with an empty batch too)")
+        try:
+            explained = type(err)(message)
+        except TypeError:  # an error class with another signature: keep it as it is
+            raise err from None
+        raise explained from err
+
+
+def _comm_device(pg: ProcessGroup, device: torch.device) -> torch.device:
+    """Where the statistics travel: the input's device when the group's backend handles it,
+    else one it does (a few numbers per channel, so staging them costs little): CUDA inputs
+    then work over a CPU-only backend such as Gloo or MPI, and CPU inputs over NCCL."""
+    types = pg.capabilities().device_types
+    if device.type in types:
+        return device
+    if "cpu" in types:
+        return torch.device("cpu")
+    accelerator = getattr(torch, types[0], None)
+    if accelerator is not None and hasattr(accelerator, "current_device"):
+        return torch.device(types[0], accelerator.current_device())
+    return torch.device(types[0])
+
+
 class _SyncBatchNormFunction(torch.autograd.Function):
     """Training-mode batch norm over a group (see the module docstring for the contract)."""
 
@@ -228,10 +262,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             local[:channels] = mean
             local[channels:2 * channels] = var.to(stats_dtype) * count
             local[2 * channels] = count
-        gathered = torch.empty(pg.size() * local.numel(), dtype=stats_dtype,
-                               device=input.device)
-        collectives.all_gather_into_tensor(gathered, local, group=pg)
-        gathered = gathered.view(pg.size(), -1)
+        comm = _comm_device(pg, input.device)
+        gathered = torch.empty(pg.size() * local.numel(), dtype=stats_dtype, device=comm)
+        with _explained(pg, "forward"):
+            collectives.all_gather_into_tensor(gathered, local.to(comm), group=pg)
+        gathered = gathered.view(pg.size(), -1).to(input.device)
         means, sq_devs, counts = gathered[:, :channels], gathered[:, channels:-1], gathered[:, -1:]
 
         total = float(counts.sum())
@@ -289,8 +324,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
         grad_input = None
         if need_input:
-            sums = torch.cat([sum_dy, sum_dy_xmu])
-            collectives.all_reduce(sums, ReduceOp.SUM, group=pg)
+            sums = torch.cat([sum_dy, sum_dy_xmu]).to(_comm_device(pg, input.device))
+            with _explained(pg, "backward"):
+                collectives.all_reduce(sums, ReduceOp.SUM, group=pg)
+            sums = sums.to(input.device)
             mean_dy = sums[:channels] / ctx.total
             mean_dy_xmu = sums[channels:] / ctx.total
             # dx = a * (dy - mean_dy) + b * (x - mean), per channel
