@@ -258,10 +258,14 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         count = input.numel() // channels
         local = torch.zeros(2 * channels + 1, dtype=stats_dtype, device=input.device)
         if count > 0:
-            var, mean = torch.var_mean(x, dim=dims, correction=0)
+            # two passes (mean, then squared deviations from it): accurate, and on CPU some
+            # hundred times faster than torch.var_mean over several dimensions
+            mean = x.sum(dims) / count
+            centered = x - mean.view(shape)
             local[:channels] = mean
-            local[channels:2 * channels] = var.to(stats_dtype) * count
+            local[channels:2 * channels] = (centered * centered).sum(dims)
             local[2 * channels] = count
+            del centered
         comm = _comm_device(pg, input.device)
         gathered = torch.empty(pg.size() * local.numel(), dtype=stats_dtype, device=comm)
         with _explained(pg, "forward"):
