@@ -185,7 +185,10 @@ def check_subgroups(rank: int, ws: int) -> None:
     alone = dist.new_group([1])
     case = CASES["1d_on_3d_input_no_affine_cumulative"]
     sizes = [s if r in members else 0 for r, s in enumerate(UNEVEN[ws])]
-    ref, sync = make_layers(case, process_group=pair)
+    ref, original = make_layers(case, process_group=pair)
+    sync = copy.deepcopy(original)  # a copy (an EMA model, say) shares the group
+    if sync.process_group is not original.process_group:
+        raise AssertionError("deepcopy copied the process group")
     if rank in members:
         compare_steps(rank, case, sizes, ref, sync, group=pair, label="pair")
     else:

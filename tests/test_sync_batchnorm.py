@@ -8,6 +8,8 @@ asserts that one check passed on every rank.
 
 from __future__ import annotations
 
+import copy
+
 import _sync_batchnorm_workers as workers
 import plugdist
 import pytest
@@ -115,6 +117,10 @@ def test_convert_round_trip_on_a_nested_model() -> None:
     again = SyncBatchNorm.convert_sync_batchnorm(nested(), plugdist.GroupMember.NON_GROUP_MEMBER)
     again.load_state_dict(plain.state_dict())
     assert again[0].process_group is plugdist.GroupMember.NON_GROUP_MEMBER
+    copied = copy.deepcopy(again)  # copies share the group: here the non-member marker
+    assert copied[0].process_group is plugdist.GroupMember.NON_GROUP_MEMBER
+    assert copied[0].weight is not again[0].weight
+    assert torch.equal(copied[0].weight, again[0].weight)
 
     root = nn.BatchNorm1d(3)
     new_root = SyncBatchNorm.convert_sync_batchnorm(root)

@@ -15,6 +15,7 @@ Eval mode, ``world size 1`` and a process without an initialized world communica
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -58,6 +59,16 @@ class SyncBatchNorm(_BatchNorm):
                          device=device, dtype=dtype, **extra)
         _check_group_argument(process_group)
         self.process_group = process_group
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
+        # a group is a handle on live communicators (or the non-member marker, compared by
+        # identity): a copy of the layer shares it, as copies of a model share the world
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        if self.process_group is not None:
+            memo[id(self.process_group)] = self.process_group
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
