@@ -57,8 +57,11 @@ CASES = {
     "2d_input_without_grad": Case(nn.BatchNorm2d, 4, (3, 3), input_grad=False),
     "3d_float64": Case(nn.BatchNorm3d, 3, (2, 3, 2), {"dtype": torch.float64},
                        input_dtype=torch.float64, tol=(1e-10, 1e-12)),
+    "3d_channels_last": Case(nn.BatchNorm3d, 4, (2, 3, 2), channels_last=True),
     "2d_bfloat16_input": Case(nn.BatchNorm2d, 4, (3, 3), input_dtype=torch.bfloat16,
                               tol=(2e-2, 2e-2)),
+    "2d_bfloat16_layer": Case(nn.BatchNorm2d, 4, (3, 3), {"dtype": torch.bfloat16},
+                              input_dtype=torch.bfloat16, tol=(3e-2, 3e-2)),
 }
 
 
@@ -85,10 +88,14 @@ def global_batch(case: Case, n: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     return x.to(case.input_dtype), grad.to(case.input_dtype)
 
 
+def memory_format(case: Case, t: torch.Tensor) -> torch.memory_format:
+    if not case.channels_last:
+        return torch.contiguous_format
+    return torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+
+
 def layout(t: torch.Tensor, case: Case) -> torch.Tensor:
-    if case.channels_last:
-        return t.contiguous(memory_format=torch.channels_last)
-    return t.contiguous()
+    return t.contiguous(memory_format=memory_format(case, t))
 
 
 def close(got: torch.Tensor | None, want: torch.Tensor | None, what: str,
@@ -128,7 +135,7 @@ def compare_steps(rank: int, case: Case, sizes: list[int], ref: nn.Module, sync:
 
         close(out, sliced(out_ref, sizes, rank), f"{what}: output", case.tol)
         if case.channels_last and out.numel() and not out.is_contiguous(
-                memory_format=torch.channels_last):
+                memory_format=memory_format(case, out)):
             raise AssertionError(f"{what}: a channels_last input gave output strides "
                                  f"{out.stride()}")
         if case.input_grad:
