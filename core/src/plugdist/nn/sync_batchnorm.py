@@ -32,7 +32,7 @@ from ..groups import GroupMember, is_initialized, resolve_group
 from ..process_group import ProcessGroup
 from ..reduce_op import ReduceOp
 
-__all__ = ["SyncBatchNorm", "adopt_torch_sync_batchnorms"]
+__all__ = ["SyncBatchNorm", "AdoptedTorchSyncBatchNorm", "adopt_torch_sync_batchnorms"]
 
 _OP = "SyncBatchNorm"
 
@@ -163,7 +163,7 @@ class SyncBatchNorm(_BatchNorm):
         return new
 
 
-class _AdoptedTorchSyncBatchNorm(SyncBatchNorm, nn.SyncBatchNorm):
+class AdoptedTorchSyncBatchNorm(SyncBatchNorm, nn.SyncBatchNorm):
     """A ``torch.nn.SyncBatchNorm`` that plugdist's DDP made synchronise over plugdist: the same
     object, still an instance of torch's class, with this package's forward."""
 
@@ -193,7 +193,7 @@ def adopt_torch_sync_batchnorms(module: nn.Module, context: str) -> list[str]:
                 f"{type(layer.process_group).__qualname__}, not a plugdist group; {fix}, with "
                 f"process_group from plugdist.new_group (or None for the default group)")
     for _, layer in found:
-        layer.__class__ = _AdoptedTorchSyncBatchNorm
+        layer.__class__ = AdoptedTorchSyncBatchNorm
     return [name for name, _ in found]
 
 
