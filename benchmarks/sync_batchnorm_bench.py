@@ -8,6 +8,8 @@ floats in backward). Variants, interleaved round by round on every rank:
 
     bn              torch.nn.BatchNorm2d, each rank alone (no communication)
     bn+torch_comm   BatchNorm2d plus those two collectives over torch.distributed (Gloo)
+    bn+plugdist_comm  the same, the collectives over plugdist's group (what SyncBatchNorm's own
+                    arithmetic costs is the difference between it and plugdist_sync)
     plugdist_sync   plugdist.nn.SyncBatchNorm over plugdist's group (--backend, default gloo)
 
 A step is forward and backward of one layer on a (batch, C, H, W) channels_last input.
@@ -15,8 +17,9 @@ A step is forward and backward of one layer on a (batch, C, H, W) channels_last 
     python benchmarks/sync_batchnorm_bench.py                      # gloo, 2 ranks
     python benchmarks/sync_batchnorm_bench.py --channels 256 --size 14 --backend toy
 
-Ranks are started here with env:// rendezvous (not under mpiexec). Prints the median time per
-step on rank 0 and the ratios to bn+torch_comm.
+Ranks are started here with env:// rendezvous (not under mpiexec). Prints the median wall time per
+step on rank 0, the CPU time of rank 0's process per step (all threads; steadier on a busy
+machine), and both ratios to bn+torch_comm.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-VARIANTS = ("bn", "bn+torch_comm", "plugdist_sync")
+VARIANTS = ("bn", "bn+torch_comm", "bn+plugdist_comm", "plugdist_sync")
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
@@ -59,14 +62,16 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
 
     def step(variant: str) -> None:
         layer = sync if variant == "plugdist_sync" else bn
-        if variant == "bn+torch_comm":
-            tdist.all_gather_into_tensor(gathered, stats)
+        comm = {"bn+torch_comm": tdist, "bn+plugdist_comm": plugdist}.get(variant)
+        if comm is not None:
+            comm.all_gather_into_tensor(gathered, stats)
         out = layer(x)
         out.backward(grad)
-        if variant == "bn+torch_comm":
-            tdist.all_reduce(sums)
+        if comm is not None:
+            comm.all_reduce(sums)
 
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for v in VARIANTS:
         for _ in range(args.warmup):
             step(v)
@@ -74,12 +79,13 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
         order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
         for v in order:
             tdist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(args.iters):
                 step(v)
             times[v].append((time.perf_counter() - t0) / args.iters)
+            cpu[v].append((time.process_time() - c0) / args.iters)
     if rank == 0:
-        queue.put(times)
+        queue.put((times, cpu))
     tdist.destroy_process_group()
     plugdist.destroy_process_group()
 
@@ -116,18 +122,20 @@ def main() -> None:
     procs = [ctx.Process(target=_worker, args=(r, args, port, queue)) for r in range(args.nproc)]
     for p in procs:
         p.start()
-    times = queue.get(timeout=600)
+    times, cpu = queue.get(timeout=600)
     for p in procs:
         p.join()
     base = statistics.median(times["bn+torch_comm"])
+    cpu_base = statistics.median(cpu["bn+torch_comm"])
     print(f"SyncBatchNorm step (forward + backward), input ({args.batch}, {args.channels}, "
           f"{args.size}, {args.size}) channels_last, {args.nproc} ranks x {args.threads} thread, "
           f"plugdist backend {args.backend}; median of {args.rounds} rounds x {args.iters} steps")
-    print(f"{'variant':<16}{'ms/step':>10}{'min':>9}{'max':>9}{'vs bn+torch_comm':>18}")
+    print(f"{'variant':<18}{'wall ms':>9}{'min':>8}{'max':>8}{'ratio':>7}"
+          f"{'cpu ms':>9}{'ratio':>7}   (ratios to bn+torch_comm; cpu: rank 0's process)")
     for v in VARIANTS:
-        med = statistics.median(times[v])
-        print(f"{v:<16}{med * 1e3:>10.3f}{min(times[v]) * 1e3:>9.3f}{max(times[v]) * 1e3:>9.3f}"
-              f"{med / base:>17.2f}x")
+        med, cmed = statistics.median(times[v]), statistics.median(cpu[v])
+        print(f"{v:<18}{med * 1e3:>9.3f}{min(times[v]) * 1e3:>8.3f}{max(times[v]) * 1e3:>8.3f}"
+              f"{med / base:>6.2f}x{cmed * 1e3:>9.3f}{cmed / cpu_base:>6.2f}x")
 
 
 if __name__ == "__main__":

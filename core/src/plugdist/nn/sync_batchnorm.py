@@ -268,15 +268,15 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # this rank's moments: [mean (C) | sum of squared deviations (C) | count (1)]
         count = input.numel() // channels
         local = torch.zeros(2 * channels + 1, dtype=stats_dtype, device=input.device)
+        local_mean, centered = None, None
         if count > 0:
             # two passes (mean, then squared deviations from it): accurate, and on CPU some
             # hundred times faster than torch.var_mean over several dimensions
-            mean = x.sum(dims) / count
-            centered = x - mean.view(shape)
-            local[:channels] = mean
+            local_mean = x.sum(dims) / count
+            centered = x - local_mean.view(shape)
+            local[:channels] = local_mean
             local[channels:2 * channels] = (centered * centered).sum(dims)
             local[2 * channels] = count
-            del centered
         comm = _comm_device(pg, input.device)
         gathered = torch.empty(pg.size() * local.numel(), dtype=stats_dtype, device=comm)
         with _explained(pg, "forward"):
@@ -306,11 +306,15 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
         mean_c, invstd_c = global_mean.to(x.dtype), invstd.to(x.dtype)
         scale = invstd_c if weight is None else invstd_c * weight.to(x.dtype)
-        shift = -mean_c * scale
-        if bias is not None:
-            shift = shift + bias.to(x.dtype)
-        # y = x * scale + shift in one pass; broadcasting keeps the input's memory format
-        output = torch.addcmul(shift.view(shape), x, scale.view(shape)).to(input.dtype)
+        shift = torch.zeros_like(scale) if bias is None else bias.to(x.dtype)
+        # y = (x - mean) * scale + bias, in one pass over the centered input, written in place
+        # (a large tensor fewer to allocate); broadcasting keeps the input's memory format
+        if centered is None or local_mean is None:  # an empty batch
+            output = torch.addcmul((shift - mean_c * scale).view(shape), x, scale.view(shape))
+        else:
+            shift = shift + (local_mean - mean_c) * scale
+            output = torch.addcmul(shift.view(shape), centered, scale.view(shape), out=centered)
+        output = output.to(input.dtype)
 
         ctx.save_for_backward(input, weight, mean_c, invstd_c)
         ctx.pg, ctx.total = pg, total
@@ -331,11 +335,13 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
         # this rank's sums (empty on a rank whose batch is empty: zeros, which still take
         # part in the all-reduce the others wait for)
-        centered = x - mean.view(shape)
         sum_dy = dy.sum(dims)
+        grad_bias = sum_dy.to(ctx.bias_dtype) if need_bias else None
+        if not (need_input or need_weight):
+            return None, None, grad_bias, None, None, None, None, None
+        centered = x - mean.view(shape)
         sum_dy_xmu = (dy * centered).sum(dims)
         grad_weight = (sum_dy_xmu * invstd).to(weight.dtype) if need_weight else None
-        grad_bias = sum_dy.to(ctx.bias_dtype) if need_bias else None
 
         grad_input = None
         if need_input:
@@ -345,10 +351,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             sums = sums.to(input.device)
             mean_dy = sums[:channels] / ctx.total
             mean_dy_xmu = sums[channels:] / ctx.total
-            # dx = a * (dy - mean_dy) + b * (x - mean), per channel
+            # dx = a * (dy - mean_dy) + b * (x - mean), per channel, in two passes written
+            # over the centered input (no further large allocation)
             a = invstd if weight is None else invstd * weight.to(mean.dtype)
             b = -a * invstd * invstd * mean_dy_xmu
-            grad_input = torch.addcmul((-a * mean_dy).view(shape), dy, a.view(shape))
-            grad_input.addcmul_(centered, b.view(shape))
+            grad_input = torch.addcmul((-a * mean_dy).view(shape), centered, b.view(shape),
+                                       out=centered)
+            grad_input.addcmul_(dy, a.view(shape))
             grad_input = grad_input.to(input.dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
