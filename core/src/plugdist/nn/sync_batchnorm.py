@@ -149,8 +149,9 @@ class SyncBatchNorm(_BatchNorm):
         sample = next((t for t in (bn.weight, bn.running_mean) if t is not None), None)
         factory: dict[str, Any] = ({} if sample is None else
                                    {"device": sample.device, "dtype": sample.dtype})
+        has_bias = bn.bias is not None or not bn.affine  # bias= matters only when affine
         new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
-                  process_group, bias=bn.bias is not None, **factory)
+                  process_group, bias=has_bias, **factory)
         if bn.affine:
             new.weight = bn.weight
             new.bias = bn.bias
