@@ -4,6 +4,8 @@
 text}``. Each check builds the same global batch on every rank (same seed), gives each rank its
 own slice (of a different size on each rank, an empty one included), and compares what
 SyncBatchNorm did on this rank with torch's BatchNorm run in this process on the whole batch.
+The suite can run once more on a group of another backend built inside the same world (the toy
+backend inside a Gloo world), which spares starting a world for it.
 """
 
 from __future__ import annotations
@@ -154,42 +156,57 @@ def compare_steps(rank: int, case: Case, sizes: list[int], ref: nn.Module, sync:
 
 
 # -- checks ----------------------------------------------------------------------------------------
-def check_matches_single_process(rank: int, ws: int) -> None:
+@dataclass(frozen=True)
+class Ctx:
+    """Where a check runs: this rank, the world size, the group the layers synchronise over
+    (None: the default group) and the backend of the groups a check builds (None: the
+    default group's)."""
+
+    rank: int
+    ws: int
+    group: Any = None
+    backend: str | None = None
+
+
+def check_matches_single_process(c: Ctx) -> None:
     for i, (name, case) in enumerate(CASES.items()):
-        for sizes in (UNEVEN[ws], WITH_EMPTY[ws]):
-            ref, sync = make_layers(case, seed=i)
-            compare_steps(rank, case, sizes, ref, sync, label=name)
+        for sizes in (UNEVEN[c.ws], WITH_EMPTY[c.ws]):
+            ref, sync = make_layers(case, process_group=c.group, seed=i)
+            compare_steps(c.rank, case, sizes, ref, sync, group=c.group, label=name)
 
 
-def check_eval_mode_is_local(rank: int, ws: int) -> None:
+def check_eval_mode_is_local(c: Ctx) -> None:
     """Eval mode never communicates: each rank runs a different number of eval forwards, and
     the training steps around them still pair up."""
     case = CASES["2d_channels_last"]
-    ref, sync = make_layers(case, seed=3)
-    compare_steps(rank, case, UNEVEN[ws], ref, sync, steps=1, label="before eval")
+    ref, sync = make_layers(case, process_group=c.group, seed=3)
+    compare_steps(c.rank, case, UNEVEN[c.ws], ref, sync, steps=1, group=c.group,
+                  label="before eval")
     sync.eval()
-    for i in range(rank + 1):
+    for i in range(c.rank + 1):
         x, _ = global_batch(case, 2 + i, seed=50 + i)
         want = F.batch_norm(x, sync.running_mean, sync.running_var, sync.weight, sync.bias,
                             False, 0.0, sync.eps)
         close(sync(x), want, f"eval forward {i}", case.tol)
     sync.train()
-    compare_steps(rank, case, UNEVEN[ws], ref, sync, steps=1, label="after eval")
+    compare_steps(c.rank, case, UNEVEN[c.ws], ref, sync, steps=1, group=c.group,
+                  label="after eval")
 
     # without running statistics, eval normalizes each rank's own batch, still locally
-    untracked = SyncBatchNorm(3, track_running_stats=False).eval()
-    for i in range(rank + 1):
+    untracked = SyncBatchNorm(3, track_running_stats=False, process_group=c.group).eval()
+    for i in range(c.rank + 1):
         x = torch.randn(3 + i, 3, 2)
         close(untracked(x), F.batch_norm(x, None, None, untracked.weight, untracked.bias, True,
                                          0.0, untracked.eps), "untracked eval", case.tol)
 
 
-def check_subgroups(rank: int, ws: int) -> None:
+def check_subgroups(c: Ctx) -> None:
     """A layer on a sub-group synchronises its members only; a non-member, and a group of one
     rank, normalize locally."""
+    rank, ws = c.rank, c.ws
     members = [0, ws - 1]
-    pair = dist.new_group(members)
-    alone = dist.new_group([1])
+    pair = dist.new_group(members, backend=c.backend)
+    alone = dist.new_group([1], backend=c.backend)
     case = CASES["1d_on_3d_input_no_affine_cumulative"]
     sizes = [s if r in members else 0 for r, s in enumerate(UNEVEN[ws])]
     ref, original = make_layers(case, process_group=pair)
@@ -207,15 +224,15 @@ def check_subgroups(rank: int, ws: int) -> None:
         ref, sync = make_layers(case, process_group=alone)
         compare_steps(rank, case, [0, 5] + [0] * (ws - 2), ref, sync, group=alone,
                       label="group of one")
-    dist.barrier()
+    dist.barrier(group=c.group)
 
 
-def check_one_value_per_channel_is_an_error(rank: int, ws: int) -> None:
+def check_one_value_per_channel_is_an_error(c: Ctx) -> None:
     """One value per channel in the whole group cannot give a variance: every rank raises."""
-    sync = SyncBatchNorm(4)
-    x = torch.randn(1 if rank == ws - 1 else 0, 4)
+    sync = SyncBatchNorm(4, process_group=c.group)
+    x = torch.randn(1 if c.rank == c.ws - 1 else 0, 4)
     expect_error(ValueError, ("more than 1 value per channel across the group", "got 1",
-                              f"rank {rank}", "model.eval()"), lambda: sync(x))
+                              f"rank {c.rank}", "model.eval()"), lambda: sync(x))
 
 
 def ddp_model(bn: Callable[[int], nn.Module]) -> nn.Module:
@@ -225,16 +242,17 @@ def ddp_model(bn: Callable[[int], nn.Module]) -> nn.Module:
                          nn.BatchNorm1d(3))
 
 
-def run_ddp(rank: int, ws: int, convert: Callable[[nn.Module], nn.Module], label: str,
+def run_ddp(c: Ctx, convert: Callable[[nn.Module], nn.Module], label: str,
             steps: int = 3) -> DDP:
     """DDP over a SyncBatchNorm model against the BatchNorm model on the whole batch. The
     per-rank loss is summed over its samples and divided by the global batch size, so the sum
     of the ranks' losses is the reference's mean loss; DDP averages, hence the reference's
     loss is divided by the world size too."""
+    rank, ws = c.rank, c.ws
     torch.manual_seed(11)
     ref = ddp_model(nn.BatchNorm2d)
     local = convert(copy.deepcopy(ref))
-    model = DDP(local)
+    model = DDP(local, process_group=c.group)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.2)
     for step in range(steps):
@@ -259,49 +277,50 @@ def run_ddp(rank: int, ws: int, convert: Callable[[nn.Module], nn.Module], label
     return model
 
 
-def check_inside_ddp(rank: int, ws: int) -> None:
-    run_ddp(rank, ws, SyncBatchNorm.convert_sync_batchnorm, "plugdist SyncBatchNorm")
+def check_inside_ddp(c: Ctx) -> None:
+    run_ddp(c, lambda m: SyncBatchNorm.convert_sync_batchnorm(m, c.group),
+            "plugdist SyncBatchNorm")
 
 
-def check_torch_sync_batchnorm_inside_ddp(rank: int, ws: int) -> None:
+def check_torch_sync_batchnorm_inside_ddp(c: Ctx) -> None:
     """torch.nn.SyncBatchNorm layers are adopted in place: same objects, same tensors, still
     torch's class, and synchronised."""
     layers: list[nn.Module] = []
 
     def convert(m: nn.Module) -> nn.Module:
-        m = nn.SyncBatchNorm.convert_sync_batchnorm(m)
+        m = nn.SyncBatchNorm.convert_sync_batchnorm(m, c.group)  # None, or a plugdist group
         layers.extend((x, x.weight, x.running_mean) for x in m.modules()
                       if isinstance(x, nn.SyncBatchNorm))
         return m
 
-    model = run_ddp(rank, ws, convert, "torch SyncBatchNorm")
+    model = run_ddp(c, convert, "torch SyncBatchNorm")
     found = [m for m in model.module.modules() if isinstance(m, nn.SyncBatchNorm)]
     if len(found) != 3 or len(layers) != 3:
         raise AssertionError(f"expected 3 SyncBatchNorm layers, found {len(found)}")
     for m, (old, weight, running_mean) in zip(found, layers, strict=True):
         if m is not old or m.weight is not weight or m.running_mean is not running_mean:
             raise AssertionError("DDP replaced a torch.nn.SyncBatchNorm instead of adopting it")
-        if not isinstance(m, SyncBatchNorm):
-            raise AssertionError(f"{type(m)} was not adopted")
+        if not isinstance(m, SyncBatchNorm) or m.process_group is not c.group:
+            raise AssertionError(f"{type(m)} was not adopted with its group")
 
 
 class MySyncBN(nn.SyncBatchNorm):
     pass
 
 
-def check_ddp_refuses_what_it_cannot_synchronise(rank: int, ws: int) -> None:
+def check_ddp_refuses_what_it_cannot_synchronise(c: Ctx) -> None:
     sub = nn.Sequential(nn.Linear(3, 4), MySyncBN(4))
     expect_error(TypeError, ("'1'", "MySyncBN", "plugdist.nn.SyncBatchNorm.convert_sync_batchnorm",
-                             "DistributedDataParallel"), lambda: DDP(sub))
+                             "DistributedDataParallel"), lambda: DDP(sub, process_group=c.group))
     foreign = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4, process_group="not a group"))
     expect_error(TypeError, ("'1'", "not a plugdist group",
                              "plugdist.nn.SyncBatchNorm.convert_sync_batchnorm"),
-                 lambda: DDP(foreign))
+                 lambda: DDP(foreign, process_group=c.group))
     if type(foreign[1]) is not nn.SyncBatchNorm or type(sub[1]) is not MySyncBN:
         raise AssertionError("a refused layer was changed")
 
 
-SUITE: dict[str, Callable[[int, int], None]] = {
+SUITE: dict[str, Callable[[Ctx], None]] = {
     "matches_single_process": check_matches_single_process,
     "eval_mode_is_local": check_eval_mode_is_local,
     "subgroups": check_subgroups,
@@ -312,17 +331,22 @@ SUITE: dict[str, Callable[[int, int], None]] = {
 }
 
 
-def run_suite(rank: int, ws: int) -> dict[str, str | None]:
-    """Every check, in the same order on every rank; a failing check is reported, not fatal."""
+def run_suite(rank: int, ws: int, also_on: tuple[str, ...] = ()) -> dict[str, str | None]:
+    """Every check on the default group, then on a group of all ranks of each backend in
+    ``also_on`` (results keyed ``"<backend>/<check>"``); in the same order on every rank. A
+    failing check is reported, not fatal."""
     torch.set_num_threads(1)
     results: dict[str, str | None] = {}
-    for name, fn in SUITE.items():
-        try:
-            fn(rank, ws)
-            results[name] = None
-        except BaseException as exc:  # noqa: BLE001 - reported per check
-            results[name] = "".join(traceback.format_exception(exc))[-3000:]
-        dist.barrier()
+    contexts = [("", Ctx(rank, ws))] + [
+        (f"{b}/", Ctx(rank, ws, dist.new_group(backend=b), b)) for b in also_on]
+    for prefix, ctx in contexts:
+        for name, fn in SUITE.items():
+            try:
+                fn(ctx)
+                results[prefix + name] = None
+            except BaseException as exc:  # noqa: BLE001 - reported per check
+                results[prefix + name] = "".join(traceback.format_exception(exc))[-3000:]
+            dist.barrier()
     return results
 
 

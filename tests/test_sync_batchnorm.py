@@ -1,9 +1,10 @@
 """plugdist.nn.SyncBatchNorm: on real worlds against torch's BatchNorm on the whole batch, and
 in this process for what needs no world (conversion, errors, the no-world fallback).
 
-Each world (Gloo with 2 and 3 ranks, MPI under mpiexec with 2 and 3, the toy send/recv-only
-backend with 3) runs every check of tests/_sync_batchnorm_workers.py once; each test below
-asserts that one check passed on every rank.
+Each world (Gloo with 2 and 3 ranks, MPI under mpiexec with 2 and 3) runs every check of
+tests/_sync_batchnorm_workers.py once on its default group; Gloo's 3-rank world runs them again
+on a group of the toy send/recv-only backend (whose collectives the core composes). Each test
+below asserts that one check passed on every rank.
 """
 
 from __future__ import annotations
@@ -21,26 +22,39 @@ from plugdist.nn.sync_batchnorm import _comm_device, adopt_torch_sync_batchnorms
 from plugdist.testing import run_world
 from torch import nn
 
-WORLDS = [(b, n) for b, n in (("gloo", 2), ("gloo", 3), ("mpi", 2), ("mpi", 3), ("toy", 3))
-          if plugdist.is_backend_available(b)]
 WORLD_TIMEOUT = 180
+# (backend, ranks, backends of further groups the same world runs the suite on)
+WORLDS = [(b, n, also) for b, n, also in (("gloo", 2, ()), ("gloo", 3, ("toy",)), ("mpi", 2, ()),
+                                           ("mpi", 3, ()))
+          if plugdist.is_backend_available(b)]
+# what each test reads: (world, result key prefix); the toy backend's run shares Gloo's world
+RUNS = [(w, "") for w in WORLDS] + [(w, f"{b}/") for w in WORLDS for b in w[2]
+                                    if plugdist.is_backend_available(b)]
+_worlds: dict[tuple, list[dict]] = {}
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"{w[0]}-{w[1]}")
-def world(request: pytest.FixtureRequest) -> list[dict]:
-    backend, size = request.param
-    results = run_world(workers.run_suite, size, backend=backend, timeout=WORLD_TIMEOUT,
-                        group_timeout=30)
-    assert len(results) == size
-    return results
+def world_results(world: tuple) -> list[dict]:
+    """Start each world once for the whole module (a fixture per run would start Gloo's
+    3-rank world twice)."""
+    if world not in _worlds:
+        backend, size, also = world
+        also = tuple(b for b in also if plugdist.is_backend_available(b))
+        _worlds[world] = run_world(workers.run_suite, size, backend=backend, args=(also,),
+                                   timeout=WORLD_TIMEOUT, group_timeout=30)
+    return _worlds[world]
 
 
 @pytest.mark.timeout(WORLD_TIMEOUT + 60)
 @pytest.mark.parametrize("check", list(workers.SUITE))
-def test_world(world: list[dict], check: str) -> None:
-    missing = [rank for rank, r in enumerate(world) if check not in r]
-    assert not missing, f"{check} did not run on ranks {missing}"
-    failures = {rank: r[check] for rank, r in enumerate(world) if r[check]}
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: f"{r[1] or r[0][0] + '/'}{r[0][1]}ranks")
+def test_world(run: tuple, check: str) -> None:
+    world, prefix = run
+    results = world_results(world)
+    assert len(results) == world[1]
+    key = prefix + check
+    missing = [rank for rank, r in enumerate(results) if key not in r]
+    assert not missing, f"{key} did not run on ranks {missing}"
+    failures = {rank: r[key] for rank, r in enumerate(results) if r[key]}
     assert not failures, "\n".join(f"--- rank {rank}:\n{text}" for rank, text in failures.items())
 
 
