@@ -20,6 +20,7 @@ from plugdist import Capabilities
 from plugdist.nn import SyncBatchNorm
 from plugdist.nn.sync_batchnorm import _comm_device, adopt_torch_sync_batchnorms
 from plugdist.testing import run_world
+from plugdist.testing.harness import WorldError
 from torch import nn
 
 WORLD_TIMEOUT = 180
@@ -30,18 +31,25 @@ WORLDS = [(b, n, also) for b, n, also in (("gloo", 2, ()), ("gloo", 3, ("toy",))
 # what each test reads: (world, result key prefix); the toy backend's run shares Gloo's world
 RUNS = [(w, "") for w in WORLDS] + [(w, f"{b}/") for w in WORLDS for b in w[2]
                                     if plugdist.is_backend_available(b)]
-_worlds: dict[tuple, list[dict]] = {}
+_worlds: dict[tuple, list[dict] | WorldError] = {}
 
 
 def world_results(world: tuple) -> list[dict]:
     """Start each world once for the whole module (a fixture per run would start Gloo's
-    3-rank world twice)."""
+    3-rank world twice); a world that failed fails every test that reads it, without
+    starting it again."""
     if world not in _worlds:
         backend, size, also = world
         also = tuple(b for b in also if plugdist.is_backend_available(b))
-        _worlds[world] = run_world(workers.run_suite, size, backend=backend, args=(also,),
-                                   timeout=WORLD_TIMEOUT, group_timeout=30)
-    return _worlds[world]
+        try:
+            _worlds[world] = run_world(workers.run_suite, size, backend=backend, args=(also,),
+                                       timeout=WORLD_TIMEOUT, group_timeout=30)
+        except WorldError as err:
+            _worlds[world] = err
+    found = _worlds[world]
+    if isinstance(found, WorldError):
+        raise found
+    return found
 
 
 @pytest.mark.timeout(WORLD_TIMEOUT + 60)
