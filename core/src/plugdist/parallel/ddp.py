@@ -5,6 +5,8 @@ model and copies rank 0's parameters and buffers to the others; each forward bro
 0's buffers (``broadcast_buffers``); each backward averages the gradients across ranks through
 a :class:`~plugdist.parallel.reducer.Reducer` (the bucketed one by default, or any found under
 the ``plugdist.reducers`` entry points), overlapping communication with the rest of backward.
+A ``torch.nn.SyncBatchNorm`` in the module is made to synchronise over plugdist (see
+:func:`plugdist.nn.sync_batchnorm.adopt_torch_sync_batchnorms`).
 
 Collective contract: every rank constructs the model, and runs forward/backward, in the same
 order and the same number of times (use :meth:`DistributedDataParallel.join` for uneven
@@ -26,6 +28,7 @@ from torch import nn
 from ..errors import DistError
 from ..groups import resolve_group
 from ..log import get_logger
+from ..nn.sync_batchnorm import adopt_torch_sync_batchnorms
 from ..process_group import ProcessGroup
 from ..reduce_op import ReduceOp
 from .bucketing import DEFAULT_FIRST_BUCKET_BYTES
@@ -90,6 +93,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._divide_by_initial_world_size = True
         self._rank = self.process_group.rank()
         self._log = get_logger(rank=self._rank, group=self.process_group.group_name)
+        adopted = adopt_torch_sync_batchnorms(
+            module, self.process_group.where("DistributedDataParallel"))
+        if adopted:
+            self._log.info("ddp_sync_batchnorm_adopted", layers=adopted)
         if check_reduction:
             warnings.warn("DistributedDataParallel(check_reduction=...) is deprecated and has no "
                           "effect: the reducer always checks that reductions finish",
@@ -292,13 +299,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Reduce gradient buckets with ``hook(state, bucket) -> torch.futures.Future`` (see
         :mod:`plugdist.parallel.comm_hooks`); ``hook`` may name a ``plugdist.comm_hooks`` entry
         point (``"allreduce"``, ``"fp16_compress"``, ...). Once, before the first backward."""
-        name = hook if isinstance(hook, str) else getattr(hook, "__qualname__", repr(hook))
         if isinstance(hook, str):
             from ..registry import registry
 
-            hook = registry.load(COMM_HOOKS, hook)
-        _check_comm_hook(hook)
-        self.reducer.register_comm_hook(state, hook)
+            name, resolved = hook, registry.load(COMM_HOOKS, hook)
+        else:
+            name, resolved = getattr(hook, "__qualname__", repr(hook)), hook
+        _check_comm_hook(resolved)
+        self.reducer.register_comm_hook(state, resolved)
         self.logger.data["comm_hook"] = name
 
     # -- introspection -----------------------------------------------------------------------------
@@ -441,7 +449,7 @@ def _route_through_sink(output: Any, reducer: Reducer) -> Any:
     if not slots:
         return output
     passed = _BackwardStartSink.apply(reducer, *(leaves[i] for i in slots))
-    for i, t in zip(slots, passed):
+    for i, t in zip(slots, passed, strict=True):
         leaves[i] = t
     return tree_unflatten(leaves, spec)
 

@@ -1,0 +1,8 @@
+"""Layers that communicate: ``plugdist.nn.SyncBatchNorm``, batch norm over a process group.
+
+``import plugdist.nn`` (like ``plugdist.parallel``, not imported by ``import plugdist``).
+"""
+
+from .sync_batchnorm import SyncBatchNorm
+
+__all__ = ["SyncBatchNorm"]
