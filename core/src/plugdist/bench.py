@@ -176,7 +176,7 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
         buf = _buffers(cfg["op"], count, dtype, world_size, device)
         iters = max(cfg["iters"], 3 * _CHUNKS) if cfg["iters"] else _iters(nbytes)
         samples: dict[str, list[float]] = {"ours": [], "theirs": []}
-        impls = [("ours", ours, buf)]
+        impls: list[tuple[str, Callable[[Any, Any], None], Any]] = [("ours", ours, buf)]
         if theirs is not None:
             their_buf = (tuple(None if b is None else b.numpy() for b in buf)
                          if cfg["compare"] == "mpi4py" else buf)
@@ -213,7 +213,8 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
 
 def _format(rows: list[dict[str, Any]], cfg: dict[str, Any], n: int) -> str:
     bus = _BUS_FACTOR[cfg["op"]](n)
-    head = f"{'size(B)':>12} {'count':>10} {'type':>9} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
+    head = (f"{'size(B)':>12} {'count':>10} {'type':>9} {'time(us)':>10} "
+            f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}")
     if cfg["compare"]:
         head += f" {cfg['compare'] + '(us)':>12} {'ratio':>7}"
     lines = [f"# plugdist-bench: op={cfg['op']} backend={cfg['backend']} nproc={n} "

@@ -47,7 +47,7 @@ def _ctx(pg: ProcessGroup, op: str) -> dict[str, Any]:
 
 
 def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    for d, s in zip(dst, src):
+    for d, s in zip(dst, src, strict=True):
         if d.data_ptr() != s.data_ptr():
             d.copy_(s)
 
@@ -215,7 +215,8 @@ def _scatter_bcast(pg, kw):
 def _reduce_scatter_via_tensor(pg, kw):
     out, inputs = kw["output"], kw["input_list"]
     flat = torch.cat([i.reshape(-1) for i in inputs])
-    return _do(pg, "reduce_scatter_tensor", output=out, input=flat, op=kw["op"]).then(lambda _v: [out])
+    work = _do(pg, "reduce_scatter_tensor", output=out, input=flat, op=kw["op"])
+    return work.then(lambda _v: [out])
 
 
 def _reduce_scatter_allreduce(pg, kw):
@@ -228,7 +229,8 @@ def _reduce_scatter_allreduce(pg, kw):
 def _rs_tensor_via_list(pg, kw):
     out, inp = kw["output"], kw["input"]
     views = _chunks(inp, pg.size(), out.shape)
-    return _do(pg, "reduce_scatter", output=out, input_list=views, op=kw["op"]).then(lambda _v: [out])
+    work = _do(pg, "reduce_scatter", output=out, input_list=views, op=kw["op"])
+    return work.then(lambda _v: [out])
 
 
 def _rs_tensor_allreduce(pg, kw):
@@ -320,7 +322,8 @@ RECIPES: dict[str, list[Recipe]] = {
 @functools.lru_cache(maxsize=256)
 def _plans(caps: Capabilities, device: str) -> dict[str, list[Recipe] | None]:
     """op -> None (native) or the usable recipes in preference order; missing ops: unsupported."""
-    decided: dict[str, list[Recipe] | None] = {op: None for op in RECIPES if caps.is_native(op, device)}
+    decided: dict[str, list[Recipe] | None] = {
+        op: None for op in RECIPES if caps.is_native(op, device)}
     changed = True
     while changed:
         changed = False

@@ -26,7 +26,8 @@ def _parse(value: str, source: str) -> DebugLevel:
     try:
         return DebugLevel[value.strip().upper()]
     except KeyError:
-        raise ValueError(f"{source}={value!r} is not a debug level; use OFF, INFO or DETAIL") from None
+        raise ValueError(
+            f"{source}={value!r} is not a debug level; use OFF, INFO or DETAIL") from None
 
 
 def _from_env() -> DebugLevel:

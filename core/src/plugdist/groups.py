@@ -221,7 +221,8 @@ def _warn_if_detail_unserved(level: DebugLevel) -> None:
             and not registry.has_hook("plugdist_wrap_process_group"):
         _warned_no_debug_plugin = True
         warnings.warn("TORCH_DISTRIBUTED_DEBUG=DETAIL asks for collective checks, but no debug "
-                      "plugin is installed: pip install plugdist-debug", RuntimeWarning, stacklevel=3)
+                      "plugin is installed: pip install plugdist-debug", RuntimeWarning,
+                      stacklevel=3)
 
 
 def _store_barrier(store: Store, tag: str, group_rank: int, size: int, timeout: timedelta,
@@ -295,7 +296,8 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = No
         raise ValueError(f"new_group: ranks {list(ranks or [])} contain duplicates")
     bad = [r for r in members if not 0 <= r < world.size]
     if bad:
-        raise ValueError(f"new_group: ranks {bad} are not in the world (valid: 0..{world.size - 1})")
+        raise ValueError(
+            f"new_group: ranks {bad} are not in the world (valid: 0..{world.size - 1})")
     if not members:
         raise ValueError("new_group: ranks must not be empty")
     name = world.next_group_name()
@@ -306,7 +308,8 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = No
                         timeout or default_info.timeout, pg_options)
 
 
-def new_subgroups(group_size: int | None = None, group: Any = None, timeout: timedelta | None = None,
+def new_subgroups(group_size: int | None = None, group: Any = None,
+                  timeout: timedelta | None = None,
                   backend: str | None = None, pg_options: Any = None) -> tuple[Any, list[Any]]:
     """Split the world into consecutive subgroups of ``group_size`` ranks (default: the ranks of
     one node, LOCAL_WORLD_SIZE). Returns (this rank's subgroup, every subgroup handle)."""

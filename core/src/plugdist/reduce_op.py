@@ -34,7 +34,10 @@ _ORDERED = {ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT}
 
 
 def check_reduce_op(op: ReduceOp, dtype: torch.dtype, *, context: str = "") -> None:
-    """Raise ``ValueError`` when ``op`` has no meaning for ``dtype`` (bitwise on floats, MAX on complex)."""
+    """Raise ``ValueError`` when ``op`` has no meaning for ``dtype``.
+
+    Bitwise ops have none on floats, MIN/MAX none on complex numbers.
+    """
     if not isinstance(op, ReduceOp):
         raise TypeError(f"{context} expected a plugdist.ReduceOp, got {op!r}".strip())
     if op in _BITWISE and (dtype.is_floating_point or dtype.is_complex):

@@ -58,7 +58,7 @@ def free_port() -> int:
 
 
 def mpiexec_path() -> str:
-    """The ``mpiexec`` next to this interpreter (the one a pip-installed MPI provides), else PATH's."""
+    """The ``mpiexec`` next to this interpreter (a pip-installed MPI's), else the one on PATH."""
     candidate = Path(sys.executable).with_name("mpiexec")
     return str(candidate) if candidate.exists() else "mpiexec"
 
@@ -196,14 +196,17 @@ def _collect(tmp: str, world_size: int, procs: list[subprocess.Popen],
 
 
 def _report(results: list[RankResult], hung: bool, timeout: float) -> str:
-    lines = [f"world of {len(results)} ranks failed" + (f" (stopped after {timeout:.0f}s)" if hung else "")]
+    stopped = f" (stopped after {timeout:.0f}s)" if hung else ""
+    lines = [f"world of {len(results)} ranks failed{stopped}"]
     for r in results:
         if r.ok:
             lines.append(f"--- rank {r.rank}: ok")
             continue
-        lines.append(f"--- rank {r.rank}: exit {r.exitcode}: {r.error.strip().splitlines()[-1] if r.error else ''}")
+        last = r.error.strip().splitlines()[-1] if r.error else ""
+        lines.append(f"--- rank {r.rank}: exit {r.exitcode}: {last}")
         if r.error and "\n" in r.error:
             lines.append(r.error.rstrip())
         if r.stderr_tail:
-            lines.append("    output tail:\n" + "\n".join("    " + s for s in r.stderr_tail.splitlines()))
+            tail = "\n".join("    " + s for s in r.stderr_tail.splitlines())
+            lines.append("    output tail:\n" + tail)
     return "\n".join(lines)

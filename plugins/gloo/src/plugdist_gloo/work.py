@@ -96,7 +96,7 @@ class GlooWork(Work):
     def _materialize(self) -> torch.futures.Future:
         with self._lock:
             if self._fut is None:
-                fut = torch.futures.Future()
+                fut: torch.futures.Future = torch.futures.Future()
                 if self._finished:  # no callbacks on a new future: safe under the lock
                     if self._error is not None:
                         fut.set_exception(self._error)
