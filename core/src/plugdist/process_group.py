@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
 
 from . import composition
+from .capabilities import ALL_REDUCE_OPS, Capabilities
 from .errors import DistTimeoutError, op_timeout, where
 from .reduce_op import ReduceOp, check_reduce_op
 from .work import Work, completed_work
@@ -57,7 +58,6 @@ OPS: tuple[str, ...] = (
     "all_to_all_single", "barrier",
 )
 
-_ALL_REDUCE_OPS = frozenset(ReduceOp) - {ReduceOp.AVG}
 
 # ops that may run through ``native_blocking``: not send/recv, whose Works carry results (the
 # sender of an any-source receive) and whose callers may pair them with ops issued later
@@ -90,20 +90,6 @@ class GroupOptions:
     backend_options: Any = None  # the user's ``pg_options``, passed through untouched
 
 
-@dataclass(frozen=True)
-class Capabilities:
-    """Which ``(op, device_type)`` pairs a backend does natively, and which reductions."""
-
-    native: frozenset[tuple[str, str]]
-    reduce_ops: frozenset[ReduceOp] = field(default=_ALL_REDUCE_OPS)
-    any_source_recv: bool = False
-    device_types: tuple[str, ...] = ("cpu",)
-    refused_reduce_ops: frozenset[ReduceOp] = frozenset()  # raised as errors, never composed
-
-    def is_native(self, op: str, device_type: str) -> bool:
-        return (op, device_type) in self.native
-
-
 _derived: dict[type[ProcessGroup], Capabilities] = {}
 
 
@@ -129,7 +115,7 @@ class ProcessGroup:
 
     backend_name: ClassVar[str] = "unknown"
     device_types: ClassVar[tuple[str, ...]] = ("cpu",)
-    native_reduce_ops: ClassVar[frozenset[ReduceOp]] = _ALL_REDUCE_OPS
+    native_reduce_ops: ClassVar[frozenset[ReduceOp]] = ALL_REDUCE_OPS
     supports_any_source: ClassVar[bool] = False
     refused_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset()
     _caps: Capabilities | None = None  # this group's capabilities, fixed at first use

@@ -19,7 +19,7 @@ from typing import Any
 
 import pluggy
 
-from . import hookspecs
+from . import debug_level, hookspecs
 from .errors import DistError
 
 __all__ = ["Registry", "registry", "PluginInfo", "GROUPS", "Backend", "PluginNotFoundError"]
@@ -187,6 +187,13 @@ class Registry:
 
 
 registry = Registry()
+
+
+def _tell_plugins(level: debug_level.DebugLevel) -> None:
+    registry.plugins().hook.plugdist_debug_level_changed(level=level)
+
+
+debug_level.observe(_tell_plugins)
 
 
 class Backend(str):
