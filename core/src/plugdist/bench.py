@@ -247,15 +247,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin ranks to CPUs")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole sweep")
     args = p.parse_args(argv)
-    from .testing.harness import free_port, run_world
+    from .testing.harness import WorldError, free_port, run_world
 
     cfg = {"op": args.op, "backend": args.backend, "dtype": args.dtype, "compare": args.compare,
            "pin": args.pin, "torch_port": free_port(), "iters": args.iters,
            "sizes": _sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)}
     # under ``python -m plugdist.bench`` this module is __main__; ranks import by real name
     from . import bench
-    results = run_world(bench.bench_rank, args.nproc, backend=args.backend, args=(cfg,),
-                        timeout=args.timeout)
+    try:
+        results = run_world(bench.bench_rank, args.nproc, backend=args.backend, args=(cfg,),
+                            timeout=args.timeout)
+    except WorldError as err:  # a rank failed: the others were stopped within seconds
+        print(f"plugdist-bench: {err}", file=sys.stderr)
+        return 1
     print(_format(results[0], cfg, args.nproc))
     sys.stdout.flush()
     return 0
