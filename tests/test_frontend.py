@@ -21,6 +21,31 @@ def test_init_methods_each_scheme(scheme: str, tmp_path: Path) -> None:
     assert results == [6.0, 6.0, 6.0]
 
 
+def test_reduce_op_warns_like_torch() -> None:
+    with pytest.warns(FutureWarning, match=r"`plugdist.reduce_op` is deprecated.*ReduceOp"):
+        assert dist.reduce_op.SUM is dist.ReduceOp.SUM
+    with pytest.warns(FutureWarning, match=r"reduce_op` is deprecated"):
+        torch.distributed.reduce_op.SUM  # noqa: B018 - the same use warns the same way in torch
+    with pytest.raises(AttributeError):
+        dist.reduce_op.NOT_AN_OP  # noqa: B018
+
+
+def test_default_backend_names_an_installed_but_unavailable_volunteer() -> None:
+    from plugdist.registry import BACKENDS, registry
+
+    assert dist.get_default_backend_for_device("cpu") == "gloo"
+    if "nccl" not in registry.names(BACKENDS):
+        pytest.skip("plugdist-nccl is not installed")
+    ok, reason = registry.load(BACKENDS, "nccl").is_available()
+    if ok:
+        pytest.skip("nccl works here: cuda has a default backend")
+    with pytest.raises(dist.DistError) as info:
+        dist.get_default_backend_for_device(torch.device("cuda", 0))
+    msg = str(info.value)
+    assert f"'nccl' is installed but unavailable here: {reason}" in msg, msg
+    assert "pip install" not in msg and "backend=" in msg, msg
+
+
 def test_explicit_store_and_reinit() -> None:
     assert run_world(w.explicit_store, 2, args=(free_port(),)) == [[4.0, 4.0], [4.0, 4.0]]
 
