@@ -1,6 +1,6 @@
 # `make test` builds everything from nothing (a virtualenv at .venv, torch pinned to the CPU
 # build on this machine's disk, every distribution of the repo in editable mode, test tools)
-# and runs every test. `make demo` runs the main example.
+# and runs lint (ruff, mypy) and then every test. `make demo` runs the main example.
 
 PYTHON ?= python3
 VENV := .venv
@@ -12,7 +12,10 @@ DISTS := core/pyproject.toml $(sort $(wildcard plugins/*/pyproject.toml)) \
          tests/plugins/plugdist-toy/pyproject.toml pyproject.toml
 EDITABLES := $(foreach d,$(filter-out pyproject.toml,$(DISTS:/pyproject.toml=)),-e $(d)) -e ".[dev]"
 
-.PHONY: test demo bench info clean venv
+# what mypy checks: the core and every plugin's sources
+TYPED := core/src/plugdist $(sort $(wildcard plugins/*/src))
+
+.PHONY: test lint demo bench info clean venv
 
 venv: $(STAMP)
 
@@ -24,7 +27,14 @@ $(STAMP): $(DISTS) Makefile
 	$(PIP) install -q --no-build-isolation $(EDITABLES)
 	touch $(STAMP)
 
-test: $(STAMP)
+# ruff with the rules in pyproject.toml, then mypy (both run, so one pass shows every finding);
+# .pre-commit-config.yaml runs the same
+lint: $(STAMP)
+	status=0; $(VENV)/bin/ruff check . || status=1; $(VENV)/bin/mypy $(TYPED) || status=1; \
+	exit $$status
+
+# lint first: a finding fails the build the way a failing test does
+test: lint
 	$(PY) -m pytest
 
 demo: $(STAMP)

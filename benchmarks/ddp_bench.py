@@ -1,13 +1,17 @@
 """Benchmark: plugdist DistributedDataParallel against torch.nn.parallel.DistributedDataParallel.
 
-Both run in the same processes, over Gloo, on the same model (by default 8 x Linear(1024, 1024)
-+ ReLU, batch 32, 2 ranks, 1 intra-op thread each). Variants are interleaved round by round (in
-alternating order) so that both see the same machine load; the figure per variant is the median
-time per iteration (zero_grad, forward, loss, backward, SGD step) measured on rank 0 after
-warm-up.
+Both run in the same processes on the same model (by default 8 x Linear(1024, 1024) + ReLU,
+batch 32, 2 ranks, 1 intra-op thread each): plugdist's DDP over ``--backend`` (gloo by default;
+mpi starts the ranks with mpiexec), torch's DDP over torch's Gloo. Variants are interleaved
+round by round (in alternating order) so that both see the same machine load; the figure per
+variant is the median time per iteration (zero_grad, forward, loss, backward, SGD step) measured
+on rank 0 after warm-up.
 
     python benchmarks/ddp_bench.py                       # defaults above
-    python benchmarks/ddp_bench.py --iters 30 --rounds 5 --backend gloo
+    python benchmarks/ddp_bench.py --iters 30 --rounds 5 --backend mpi
+
+The ranks run under plugdist.testing.run_world: a rank that fails stops the run within seconds,
+and the benchmark exits 1 with that rank's error.
 
 Prints one line per variant (wall-clock median, min, max, and the CPU time of rank 0's process
 per iteration, all threads: steadier than wall time on a busy machine), the plugdist/torch
@@ -17,8 +21,6 @@ ratios, and plugdist's measured communication/computation overlap (its runtime l
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
 import socket
 import statistics
 import sys
@@ -39,19 +41,17 @@ def build_model(layers: int, width: int) -> Any:
     return torch.nn.Sequential(*mods)
 
 
-def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(args.nproc))
-    import plugdist
+def bench_rank(rank: int, world_size: int, args: argparse.Namespace,
+               torch_port: int) -> dict[str, Any] | None:
+    """One rank (plugdist's group already initialized by run_world); rank 0 returns the data."""
     import torch
     import torch.distributed as tdist
     from plugdist.parallel import DistributedDataParallel as PDDP
 
     torch.set_num_threads(args.threads)
-    plugdist.init_process_group(args.backend, timeout=timedelta(seconds=300))
-    tstore = tdist.TCPStore("127.0.0.1", port + 1, args.nproc, rank == 0,
+    tstore = tdist.TCPStore("127.0.0.1", torch_port, world_size, rank == 0,
                             timedelta(seconds=300))
-    tdist.init_process_group("gloo", store=tstore, rank=rank, world_size=args.nproc)
+    tdist.init_process_group("gloo", store=tstore, rank=rank, world_size=world_size)
 
     def make(variant: str) -> Any:
         model = build_model(args.layers, args.width)
@@ -101,52 +101,49 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
             keys = ("avg_backward_compute_time", "avg_backward_comm_time",
                     "avg_backward_compute_comm_overlap_time", "bucket_sizes")
             overlap[v] = {k: data[k] for k in keys}
-    if rank == 0:
-        queue.put({"times": times, "cpu": cpu, "overlap": overlap})
     tdist.destroy_process_group()
-    plugdist.destroy_process_group()
+    return {"times": times, "cpu": cpu, "overlap": overlap} if rank == 0 else None
 
 
 def _free_port() -> int:
-    from plugdist.launcher import free_port
-
-    while True:
-        port = free_port()
-        with socket.socket() as s:  # the torch store takes port + 1
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", default="gloo", help="plugdist backend (default gloo)")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--backend", default="gloo",
+                   help="plugdist backend under plugdist's DDP (default gloo; mpi runs the "
+                        "ranks under mpiexec); torch's DDP always uses torch's gloo")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--bucket-cap-mb", type=float, default=25)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--layers", type=int, default=8, help="Linear+ReLU layers (default 8)")
+    p.add_argument("--width", type=int, default=1024, help="features per layer (default 1024)")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP bucket size, both DDPs")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per variant")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per variant")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds for the whole run before the ranks are stopped")
     args = p.parse_args(argv)
     args.variants = args.variants.split(",")
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args, port, queue)) for r in range(args.nproc)]
-    for proc in procs:
-        proc.start()
+    # the ranks import bench_rank by module name, and this file runs as __main__: import it
+    # as ``ddp_bench`` (its directory is sys.path[0], which run_world hands to the ranks)
+    import ddp_bench
+    from plugdist.testing.harness import WorldError, run_world
+
     try:
-        result = queue.get(timeout=1800)
-    finally:
-        for proc in procs:
-            proc.join(timeout=60)
+        results = run_world(ddp_bench.bench_rank, args.nproc, backend=args.backend,
+                            args=(args, _free_port()), timeout=args.timeout, group_timeout=300)
+    except WorldError as err:
+        print(f"ddp_bench: {err}", file=sys.stderr)
+        return 1
+    result = results[0]
     times, overlap = result["times"], result["overlap"]
     med = {v: statistics.median(ts) * 1e3 for v, ts in times.items() if ts}
     print(f"model {args.layers} x Linear({args.width}, {args.width}) + ReLU, batch {args.batch}, "

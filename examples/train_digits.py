@@ -5,8 +5,8 @@
 
 Every rank trains on its own shard of each epoch's shuffled training set (shards differ by at
 most one sample, hence ``model.join()`` for the uneven last batches); gradients are averaged by
-DDP over Gloo. Rank 0 draws a progress line and prints each epoch's loss and test accuracy;
-at the end every rank's parameters are compared and the result printed.
+DDP over Gloo. Rank 0 shows a tqdm progress bar (in a terminal) and prints each epoch's loss
+and test accuracy; at the end every rank's parameters are compared and the result printed.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from plugdist.launcher import free_port
 from plugdist.parallel import DistributedDataParallel as DDP
 from sklearn.datasets import load_digits
 from torch import nn
+from tqdm import tqdm
 
 
 def load_data(seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -35,19 +36,6 @@ def load_data(seed: int = 0) -> tuple[torch.Tensor, ...]:
     mean, std = x[train].mean(0), x[train].std(0).clamp_min(1e-3)
     x = (x - mean) / std
     return x[train], y[train], x[test], y[test]
-
-
-def bar(epoch: int, epochs: int, done: int, total: int, width: int = 24) -> str:
-    filled = int(width * done / max(total, 1))
-    return f"epoch {epoch:>2}/{epochs} [{'#' * filled}{'.' * (width - filled)}] {done:>3}/{total}"
-
-
-def progress(line: str) -> None:
-    """Redraw the progress line in a terminal; elsewhere (a pipe, plugdist-run's prefixed
-    output) only the finished epoch line is printed."""
-    if sys.stdout.isatty():
-        sys.stdout.write("\r" + line)
-        sys.stdout.flush()
 
 
 def main() -> int:
@@ -80,20 +68,20 @@ def main() -> int:
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
         mine = order[rank::world]  # this rank's shard of the epoch
         batches = list(mine.split(args.batch_size))
-        # the ranks may differ by one batch: join() lets the ones that finish first wait
-        total_batches = (len(order[0::world]) + args.batch_size - 1) // args.batch_size
         stats = torch.zeros(3)  # loss sum, samples, batches (this rank)
         model.train()
+        # rank 0 only, and only in a terminal (disable=None): not in plugdist-run's piped output
+        steps = tqdm(batches, desc=f"epoch {epoch:>2}/{args.epochs}", leave=False,
+                     disable=None if rank == 0 else True)
+        # the ranks may differ by one batch: join() lets the ones that finish first wait
         with model.join():
-            for i, idx in enumerate(batches):
+            for idx in steps:
                 opt.zero_grad()
                 loss = loss_fn(model(x_train[idx]), y_train[idx])
                 loss.backward()
                 opt.step()
                 stats += torch.tensor([loss.item() * len(idx), len(idx), 1])
-                if rank == 0:
-                    progress(f"{bar(epoch, args.epochs, i + 1, total_batches)} "
-                             f"loss {stats[0].item() / stats[1].item():.4f}")
+                steps.set_postfix(loss=f"{stats[0].item() / stats[1].item():.4f}")
         dist.all_reduce(stats)
         model.eval()
         with torch.no_grad():
@@ -103,9 +91,7 @@ def main() -> int:
         dist.all_reduce(counts)
         accuracy = 100.0 * counts[0].item() / counts[1].item()
         if rank == 0:
-            done = bar(epoch, args.epochs, len(batches), total_batches)
-            redraw = "\r" if sys.stdout.isatty() else ""
-            print(f"{redraw}{done}  train loss {stats[0] / stats[1]:.4f}  "
+            print(f"epoch {epoch:>2}/{args.epochs}  train loss {stats[0] / stats[1]:.4f}  "
                   f"test accuracy {accuracy:5.1f}%")
 
     # every rank must hold the same parameters: compare each with rank 0's

@@ -10,6 +10,7 @@ buffers, as DDP's per-forward broadcast does) and the gradients averaged.
 from __future__ import annotations
 
 import copy
+import functools
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -172,7 +173,7 @@ def reference_step(ref: nn.Module, opt: torch.optim.Optimizer, shards: list[tupl
     rank_buffers = []
     for r, (x, y) in enumerate(shards):
         with torch.no_grad():
-            for b, s in zip(ref.buffers(), start):
+            for b, s in zip(ref.buffers(), start, strict=True):
                 b.copy_(s)
         for p in params:
             p.grad = None
@@ -182,11 +183,11 @@ def reference_step(ref: nn.Module, opt: torch.optim.Optimizer, shards: list[tupl
                 part = p.grad / n
                 acc[i] = part if acc[i] is None else acc[i] + part
         rank_buffers.append([b.detach().clone() for b in ref.buffers()])
-    for p, g in zip(params, acc):
+    for p, g in zip(params, acc, strict=True):
         p.grad = g
     if rank_buffers:
         with torch.no_grad():
-            for b, s in zip(ref.buffers(), rank_buffers[0]):
+            for b, s in zip(ref.buffers(), rank_buffers[0], strict=True):
                 b.copy_(s)
     opt.step()
     return rank_buffers
@@ -196,7 +197,7 @@ def assert_close_lists(got: list[torch.Tensor], want: list[torch.Tensor], what: 
                        rtol: float, atol: float) -> None:
     if len(got) != len(want):
         raise AssertionError(f"{what}: {len(got)} tensors vs {len(want)}")
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         if b is None or a is None:
             if a is not b:
                 raise AssertionError(f"{what}[{i}]: one is None ({a is None}, {b is None})")
@@ -363,7 +364,7 @@ def check_no_sync(rank: int, ws: int) -> None:
         for m in micro[:2]:
             ref.zero_grad()
             F.mse_loss(ref(m[rank][0]), m[rank][1]).backward()
-            mine = [a + p.grad for a, p in zip(mine, ref.parameters())]
+            mine = [a + p.grad for a, p in zip(mine, ref.parameters(), strict=True)]
         assert_close_lists([p.grad for p in local.parameters()], mine, "inside no_sync",
                            1e-5, 1e-6)
         x, y = micro[2][rank]
@@ -373,7 +374,7 @@ def check_no_sync(rank: int, ws: int) -> None:
             for r in range(ws):
                 ref.zero_grad()
                 F.mse_loss(ref(m[r][0]), m[r][1]).backward()
-                want = [a + p.grad / ws for a, p in zip(want, ref.parameters())]
+                want = [a + p.grad / ws for a, p in zip(want, ref.parameters(), strict=True)]
         assert_close_lists([p.grad for p in local.parameters()], want,
                            f"after no_sync (gradient_as_bucket_view={as_view})", 1e-5, 1e-6)
 
@@ -507,8 +508,9 @@ def check_custom_hook_chain(rank: int, ws: int) -> None:
     def hook(state: dict, bucket: GradBucket) -> torch.futures.Future:
         pg = ddp.process_group
         grads, params = bucket.gradients(), bucket.parameters()
+        shapes_ok = all(g.shape == p.shape for g, p in zip(grads, params, strict=True))
         calls.append(dict(index=bucket.index(), last=bucket.is_last(), n=len(params),
-                          shapes_ok=all(g.shape == p.shape for g, p in zip(grads, params)),
+                          shapes_ok=shapes_ok,
                           views_ok=all(g.data_ptr() >= bucket.buffer().data_ptr() for g in grads)))
         fut = pg.all_reduce(bucket.buffer()).get_future()
         fut = fut.then(lambda f: f.value()[0] / pg.size())       # average
@@ -605,7 +607,7 @@ def check_join_variants(rank: int, ws: int) -> None:
         for step, shards in enumerate(data):
             active = [(r, s) for r, s in enumerate(shards) if step < counts[r]]
             reference_step(ref, ropt, [s for _, s in active], loss_for(kind),
-                           lambda i, active=active: kwargs_for(active[i][0]), divisor=ws)
+                           [kwargs_for(r) for r, _ in active].__getitem__, divisor=ws)
         tol = 2e-3 if label == "fp16 hook" else 1e-6
         assert_close_lists(list(local.parameters()), list(ref.parameters()), f"join + {label}",
                            tol * 5, tol)
@@ -643,8 +645,8 @@ def check_unused_without_flag(rank: int, ws: int) -> None:
             ddp = DDP(Branchy())
             x, y = batches("branchy", 1, ws, 2)[0][rank]
             F.mse_loss(ddp(x), y).backward()
-            msg = expect_raises(RuntimeError, lambda: ddp(x), "find_unused_parameters=True",
-                                f"rank {rank}", "[2, 3, 4, 5]")
+            msg = expect_raises(RuntimeError, functools.partial(ddp, x),
+                                "find_unused_parameters=True", f"rank {rank}", "[2, 3, 4, 5]")
             if level is DebugLevel.INFO:
                 for name in ("extra.weight", "extra.bias", "never.weight", "never.bias"):
                     if name not in msg:

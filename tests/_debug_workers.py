@@ -221,3 +221,14 @@ def levels_and_ddp(rank: int, ws: int) -> dict[str, Any]:
     out["from_torch_env"] = dist.get_debug_level().name
     dist.set_debug_level("OFF")
     return out
+
+
+# -- a report reaches every rank even when the store's rank leaves at once -------------------------
+def mismatch_then_exit(rank: int, ws: int, out_dir: str) -> None:
+    """Rank 0 (whose process serves the store) all-reduces while rank 1 reduces; each rank
+    writes what it raised to ``out_dir`` and exits at once, the way a crashing job would."""
+    t = torch.ones(8)
+    outcome = _error_of(lambda: dist.reduce(t, dst=0) if rank == 1 else dist.all_reduce(t))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
+    sys.stdout.flush()
+    os._exit(0)

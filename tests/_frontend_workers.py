@@ -11,9 +11,12 @@ import plugdist as dist
 import torch
 
 
-def init_and_sum(rank: int, world_size: int, init_method: str | None, backend: str = "gloo") -> float:
-    kwargs = {"rank": rank, "world_size": world_size} if init_method and not init_method.startswith("env") else {}
-    dist.init_process_group(backend, init_method=init_method, timeout=timedelta(seconds=60), **kwargs)
+def init_and_sum(rank: int, world_size: int, init_method: str | None,
+                 backend: str = "gloo") -> float:
+    explicit = init_method and not init_method.startswith("env")
+    kwargs = {"rank": rank, "world_size": world_size} if explicit else {}
+    dist.init_process_group(backend, init_method=init_method, timeout=timedelta(seconds=60),
+                            **kwargs)
     try:
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)
@@ -61,7 +64,8 @@ def init_destroy_loop(rank: int, world_size: int, port_base: int, loops: int) ->
     counts["fds_end"], counts["threads_end"] = _fds(), threading.active_count()
     # Thread.join returns a moment before the OS thread is gone from /proc: allow it to finish
     deadline = time.monotonic() + 2.0
-    while len(os.listdir("/proc/self/task")) > counts["tasks_start"] and time.monotonic() < deadline:
+    while (len(os.listdir("/proc/self/task")) > counts["tasks_start"]
+           and time.monotonic() < deadline):
         time.sleep(0.01)
     counts["tasks_end"] = len(os.listdir("/proc/self/task"))
     return counts

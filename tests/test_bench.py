@@ -7,7 +7,18 @@ import sys
 
 import plugdist
 import pytest
-from plugdist.bench import parse_size
+from plugdist.bench import parse_size, parser
+
+
+def test_help_explains_every_option() -> None:
+    actions = [a for a in parser()._actions if a.dest != "help"]
+    assert {a.dest for a in actions} >= {"backend", "op", "nproc", "minbytes", "maxbytes",
+                                         "stepfactor", "dtype", "compare", "iters", "pin",
+                                         "timeout"}
+    for action in actions:
+        assert action.help and len(action.help) > 15, f"{action.option_strings}: {action.help!r}"
+    text = parser().format_help()
+    assert "-b MINBYTES, --minbytes MINBYTES" in text and "K, M and G suffixes" in text
 
 
 def test_parse_size() -> None:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -243,3 +246,29 @@ def test_core_warns_once_when_detail_has_no_plugin(monkeypatch: pytest.MonkeyPat
         warnings.simplefilter("error")
         groups._warn_if_detail_unserved(DebugLevel.DETAIL)     # once only
         groups._warn_if_detail_unserved(DebugLevel.INFO)
+
+
+# -- a report reaches every rank before any rank raises ------------------------------------------
+@pytest.mark.timeout(150)
+def test_mismatch_report_reaches_the_peer_of_a_rank_that_exits_at_once(tmp_path: Path) -> None:
+    """Rank 0 serves the store and exits right after raising; rank 1 still gets the report, not a
+    lost connection. Three 2-rank worlds at once, beside a process spinning on a core."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        dirs = [tmp_path / f"world{i}" for i in range(3)]
+        for d in dirs:
+            d.mkdir()
+        with ThreadPoolExecutor(len(dirs)) as pool:
+            list(pool.map(lambda d: run_world(
+                w.mismatch_then_exit, 2, backend="gloo", args=(str(d),), env=_env(d),
+                group_timeout=60, timeout=120, expect_errors=True), dirs))
+    finally:
+        spinner.kill()
+        spinner.wait()
+    for d in dirs:
+        for rank in (0, 1):
+            path = d / f"rank{rank}.json"
+            assert path.exists(), f"{d.name} rank {rank} wrote no outcome"
+            outcome = json.loads(path.read_text())
+            assert outcome["type"] == "CollectiveMismatchError", f"{d.name} rank {rank}: {outcome}"
+            assert "op: all_reduce on rank 0 vs reduce on rank 1" in outcome["differences"], outcome

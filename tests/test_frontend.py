@@ -21,6 +21,31 @@ def test_init_methods_each_scheme(scheme: str, tmp_path: Path) -> None:
     assert results == [6.0, 6.0, 6.0]
 
 
+def test_reduce_op_warns_like_torch() -> None:
+    with pytest.warns(FutureWarning, match=r"`plugdist.reduce_op` is deprecated.*ReduceOp"):
+        assert dist.reduce_op.SUM is dist.ReduceOp.SUM
+    with pytest.warns(FutureWarning, match=r"reduce_op` is deprecated"):
+        torch.distributed.reduce_op.SUM  # noqa: B018 - the same use warns the same way in torch
+    with pytest.raises(AttributeError):
+        dist.reduce_op.NOT_AN_OP  # noqa: B018
+
+
+def test_default_backend_names_an_installed_but_unavailable_volunteer() -> None:
+    from plugdist.registry import BACKENDS, registry
+
+    assert dist.get_default_backend_for_device("cpu") == "gloo"
+    if "nccl" not in registry.names(BACKENDS):
+        pytest.skip("plugdist-nccl is not installed")
+    ok, reason = registry.load(BACKENDS, "nccl").is_available()
+    if ok:
+        pytest.skip("nccl works here: cuda has a default backend")
+    with pytest.raises(dist.DistError) as info:
+        dist.get_default_backend_for_device(torch.device("cuda", 0))
+    msg = str(info.value)
+    assert f"'nccl' is installed but unavailable here: {reason}" in msg, msg
+    assert "pip install" not in msg and "backend=" in msg, msg
+
+
 def test_explicit_store_and_reinit() -> None:
     assert run_world(w.explicit_store, 2, args=(free_port(),)) == [[4.0, 4.0], [4.0, 4.0]]
 
@@ -46,7 +71,8 @@ def test_non_members_and_subgroups() -> None:
     results = run_world(w.non_member_handles, 2, backend="gloo")
     assert results[0]["is_non_member"] is False and results[0]["rank"] == 0
     assert results[1]["is_non_member"] is True
-    assert results[1]["rank"] == -1 and results[1]["size"] == -1 and results[1]["all_reduce"] is None
+    assert results[1]["rank"] == -1 and results[1]["size"] == -1
+    assert results[1]["all_reduce"] is None
     for r in results:
         assert r["subgroups"] == 2 and r["sub_rank"] == 0 and r["backend"] == "gloo"
 
@@ -75,8 +101,10 @@ def test_unknown_backend_names_installed_ones_and_package() -> None:
 
 
 @pytest.mark.parametrize("var", ["MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"])
-def test_env_rendezvous_names_the_missing_variable(var: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+def test_env_rendezvous_names_the_missing_variable(var: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+           "WORLD_SIZE": "1"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv(var)
@@ -88,7 +116,8 @@ def test_env_rendezvous_names_the_missing_variable(var: str, monkeypatch: pytest
 def test_bad_init_method_lists_registered_schemes() -> None:
     with pytest.raises(ValueError) as info:
         dist.init_process_group("gloo", init_method="bogus://x", rank=0, world_size=1)
-    assert "bogus://" in str(info.value) and "env://" in str(info.value) and "tcp://" in str(info.value)
+    for scheme in ("bogus://", "env://", "tcp://"):
+        assert scheme in str(info.value)
 
 
 def test_bad_rank_and_world_size() -> None:

@@ -93,7 +93,7 @@ def _wrap(v: int, dtype: torch.dtype) -> int:
 
 def reduce_reference(op: ReduceOp, dtype: torch.dtype, parts: list[torch.Tensor]) -> torch.Tensor:
     """What reducing ``parts`` with ``op`` must give, computed in Python numbers."""
-    cols = list(zip(*[_show(p) for p in parts]))
+    cols = list(zip(*[_show(p) for p in parts], strict=True))
     if dtype is torch.bool:
         fn = {R.SUM: any, R.MAX: any, R.BOR: any, R.PRODUCT: all, R.MIN: all, R.BAND: all,
               R.BXOR: lambda c: functools.reduce(operator.xor, c)}[op]
@@ -484,7 +484,7 @@ def test_create_shutdown_50_times_leaks_nothing() -> None:
         # A leaking group leaks at least a listening socket, a connection and Gloo's worker
         # threads each round: 48 rounds would add 48+ of each. The small slack absorbs the
         # TCPStore's connection pool, which opens/closes a socket as requests overlap.
-        grown = [end - start for start, end in zip(res["after_warmup"], res["at_end"])]
+        grown = [end - start for start, end in zip(res["after_warmup"], res["at_end"], strict=True)]
         assert max(grown) <= 2, (
             f"rank {r}: (fds, python threads, os threads) went from {res['after_warmup']} "
             f"to {res['at_end']} over 48 create/shutdown rounds")

@@ -104,8 +104,12 @@ def test_backend_name_normalisation() -> None:
         dist.Backend(3)  # type: ignore[arg-type]
 
 
-def test_importing_plugdist_loads_no_plugin() -> None:
+def test_importing_plugdist_loads_no_plugin_and_subpackages_on_first_use() -> None:
     code = ("import sys, plugdist\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('plugdist_', 'stevedore'))))")
+            "print(sorted(m for m in sys.modules if m.startswith(('plugdist_', 'stevedore'))))\n"
+            "print('plugdist.parallel' in sys.modules, 'plugdist.testing' in sys.modules)\n"
+            "print(plugdist.parallel.DistributedDataParallel.__name__)\n"
+            "print(plugdist.testing.run_world.__name__, hasattr(plugdist, 'no_such_thing'))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == ["[]", "False False", "DistributedDataParallel",
+                                        "run_world False"], proc.stdout + proc.stderr

@@ -3,7 +3,14 @@
 ``import plugdist as dist`` is a drop-in for the torch.distributed API; backends come from
 installed plugins (``plugdist-gloo``, ``plugdist-mpi``, ``plugdist-nccl`` or a third party's),
 found by entry point when first asked for. Importing plugdist discovers nothing.
+
+The subpackages ``plugdist.parallel`` (DistributedDataParallel), ``plugdist.testing`` and
+``plugdist.nn`` are reachable as attributes after ``import plugdist``, imported on first use so
+that ``import plugdist`` does not pay for them.
 """
+
+import importlib
+from typing import Any
 
 from .collectives import (
     P2POp,
@@ -72,6 +79,19 @@ from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
 from .work import Work
 
 __version__ = "0.1.0"
+
+_LAZY_SUBPACKAGES = frozenset({"nn", "parallel", "testing"})
+
+
+def __getattr__(name: str) -> Any:
+    """``plugdist.parallel`` and the other subpackages: imported on first access."""
+    if name in _LAZY_SUBPACKAGES:
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise  # the subpackage exists but something it imports is missing
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Backend", "Capabilities", "DebugLevel", "DistBackendError", "DistError", "DistNetworkError",

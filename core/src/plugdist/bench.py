@@ -23,7 +23,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["main", "parse_size"]
+__all__ = ["main", "parser", "parse_size"]
 
 _BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -176,7 +176,7 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
         buf = _buffers(cfg["op"], count, dtype, world_size, device)
         iters = max(cfg["iters"], 3 * _CHUNKS) if cfg["iters"] else _iters(nbytes)
         samples: dict[str, list[float]] = {"ours": [], "theirs": []}
-        impls = [("ours", ours, buf)]
+        impls: list[tuple[str, Callable[[Any, Any], None], Any]] = [("ours", ours, buf)]
         if theirs is not None:
             their_buf = (tuple(None if b is None else b.numpy() for b in buf)
                          if cfg["compare"] == "mpi4py" else buf)
@@ -213,7 +213,8 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
 
 def _format(rows: list[dict[str, Any]], cfg: dict[str, Any], n: int) -> str:
     bus = _BUS_FACTOR[cfg["op"]](n)
-    head = f"{'size(B)':>12} {'count':>10} {'type':>9} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
+    head = (f"{'size(B)':>12} {'count':>10} {'type':>9} {'time(us)':>10} "
+            f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}")
     if cfg["compare"]:
         head += f" {cfg['compare'] + '(us)':>12} {'ratio':>7}"
     lines = [f"# plugdist-bench: op={cfg['op']} backend={cfg['backend']} nproc={n} "
@@ -231,30 +232,57 @@ def _format(rows: list[dict[str, Any]], cfg: dict[str, Any], n: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="plugdist-bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default="gloo")
-    p.add_argument("--op", default="all_reduce", choices=sorted(_BUS_FACTOR))
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("-b", "--minbytes", default="8")
-    p.add_argument("-e", "--maxbytes", default="64M")
-    p.add_argument("-f", "--stepfactor", type=int, default=4)
-    p.add_argument("--dtype", default="float32", choices=_DTYPES)
-    p.add_argument("--compare", choices=["torch", "mpi4py"], default=None)
+def parser() -> argparse.ArgumentParser:
+    """plugdist-bench's command line; every option says what it does in ``--help``."""
+    p = argparse.ArgumentParser(
+        prog="plugdist-bench", description=__doc__.split("\n\n")[0].replace("``", ""),
+        epilog="Sizes take K, M and G suffixes (powers of 1024). Prints one row per size: "
+               "plugdist's per-op latency on rank 0, algbw and busbw (as nccl-tests), and with "
+               "--compare the comparison's latency and the ratio plugdist / comparison.")
+    p.add_argument("--backend", default="gloo",
+                   help="plugdist backend to time (default gloo); an installed plugin's name")
+    p.add_argument("--op", default="all_reduce", choices=sorted(_BUS_FACTOR),
+                   help="the collective to time (default all_reduce)")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="ranks on this host (default 2): one process each, started by "
+                        "mpiexec -n for a backend that launches that way (mpi)")
+    p.add_argument("-b", "--minbytes", default="8",
+                   help="smallest size in bytes of each rank's input tensor (default 8)")
+    p.add_argument("-e", "--maxbytes", default="64M",
+                   help="largest size in bytes of each rank's input tensor (default 64M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=4,
+                   help="multiply the size by this from one row to the next (default 4)")
+    p.add_argument("--dtype", default="float32", choices=_DTYPES,
+                   help="element type of the tensors (default float32)")
+    p.add_argument("--compare", choices=["torch", "mpi4py"], default=None,
+                   help="also time torch.distributed on the same backend (torch) or raw mpi4py "
+                        "on the same buffers (mpi4py, with --backend mpi), interleaved with "
+                        "plugdist in the same processes; default: plugdist alone")
     p.add_argument("--iters", type=int, default=0,
                    help="ops per side for every size (default: ~40 MB moved, at least 24)")
-    p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin ranks to CPUs")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole sweep")
-    args = p.parse_args(argv)
-    from .testing.harness import free_port, run_world
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="do not pin rank r to CPU r (by default each rank is pinned, with one "
+                        "torch thread)")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds for the whole sweep before the ranks are stopped (default 1800)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from .testing.harness import WorldError, free_port, run_world
 
     cfg = {"op": args.op, "backend": args.backend, "dtype": args.dtype, "compare": args.compare,
            "pin": args.pin, "torch_port": free_port(), "iters": args.iters,
            "sizes": _sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)}
     # under ``python -m plugdist.bench`` this module is __main__; ranks import by real name
     from . import bench
-    results = run_world(bench.bench_rank, args.nproc, backend=args.backend, args=(cfg,),
-                        timeout=args.timeout)
+    try:
+        results = run_world(bench.bench_rank, args.nproc, backend=args.backend, args=(cfg,),
+                            timeout=args.timeout)
+    except WorldError as err:  # a rank failed: the others were stopped within seconds
+        print(f"plugdist-bench: {err}", file=sys.stderr)
+        return 1
     print(_format(results[0], cfg, args.nproc))
     sys.stdout.flush()
     return 0

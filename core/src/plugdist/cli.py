@@ -77,7 +77,8 @@ def _info(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plugdist", description="plugdist command line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    info = sub.add_parser("info", help="installed plugins, their versions, and what each backend does")
+    info = sub.add_parser("info",
+                          help="installed plugins, their versions, and what each backend does")
     info.set_defaults(func=_info)
     registry.plugins().hook.plugdist_add_cli_commands(subparsers=sub)
     return parser

@@ -249,7 +249,8 @@ def monitored_barrier(group: Any = None, timeout: timedelta | None = None,
         msg = (f"{what} in group {pg.group_name!r} within {timeout.total_seconds():.1f}s "
                f"(group ranks; global {[info.global_ranks[r] for r in missing]})")
         store.set(f"{prefix}/release", msg.encode())
-        raise DistTimeoutError(f"{where(rank=0, group=pg.group_name, op='monitored_barrier')} {msg}")
+        here = where(rank=0, group=pg.group_name, op="monitored_barrier")
+        raise DistTimeoutError(f"{here} {msg}")
     store.set(f"{prefix}/release", b"ok")
     return None
 
@@ -270,7 +271,8 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: 
     pg = resolve_group(group, "irecv")
     if pg is None:
         return None
-    peer = None if src is None and group_src is None else _group_rank(pg, src, group_src, "src", "recv")
+    peer = (None if src is None and group_src is None
+            else _group_rank(pg, src, group_src, "src", "recv"))
     return pg.recv(tensor, peer, tag)
 
 

@@ -19,35 +19,53 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from datetime import timedelta
+from typing import Any, Protocol
 
 import torch
 
+from .capabilities import Capabilities
 from .errors import DistBackendError
 from .reduce_op import ReduceOp, apply_local
 from .work import Work, gather_works
-
-if TYPE_CHECKING:
-    from .process_group import Capabilities, ProcessGroup
 
 __all__ = ["compose", "plan", "reduce_by_gathering", "COMPOSED_TAG"]
 
 COMPOSED_TAG = 32700  # within MPI's guaranteed tag range (0..32767)
 
 
+class GroupLike(Protocol):
+    """What composing an op needs of a group; ``ProcessGroup`` is one. Ops run through the
+    group's ``native_<op>`` hooks, looked up by name, so this module never imports the class
+    that calls it."""
+
+    @property
+    def group_name(self) -> str: ...
+    @property
+    def backend_name(self) -> str: ...
+    @property
+    def device_types(self) -> tuple[str, ...]: ...
+    @property
+    def timeout(self) -> timedelta: ...
+    def rank(self) -> int: ...
+    def size(self) -> int: ...
+    def capabilities(self) -> Capabilities: ...
+    def where(self, op: str) -> str: ...
+
+
 @dataclass(frozen=True)
 class Recipe:
     needs: frozenset[str]
-    run: Callable[[ProcessGroup, dict[str, Any]], Work]
+    run: Callable[[GroupLike, dict[str, Any]], Work]
 
 
-def _ctx(pg: ProcessGroup, op: str) -> dict[str, Any]:
+def _ctx(pg: GroupLike, op: str) -> dict[str, Any]:
     return dict(op=op, rank=pg.rank(), group=pg.group_name, backend=pg.backend_name,
                 timeout=pg.timeout)
 
 
 def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    for d, s in zip(dst, src):
+    for d, s in zip(dst, src, strict=True):
         if d.data_ptr() != s.data_ptr():
             d.copy_(s)
 
@@ -65,7 +83,7 @@ def _row_views(t: torch.Tensor, splits: list[int]) -> list[torch.Tensor]:
 
 
 # -- point-to-point based recipes ------------------------------------------------------------
-def _p2p_exchange(pg: ProcessGroup, sends: dict[int, torch.Tensor],
+def _p2p_exchange(pg: GroupLike, sends: dict[int, torch.Tensor],
                   recvs: dict[int, torch.Tensor], tag: int) -> list[Work]:
     # sends first: a simple backend may complete sends eagerly and park each receive
     works = [_do(pg, "send", tensor=t.contiguous(), dst=peer, tag=tag) for peer, t in sends.items()]
@@ -215,7 +233,8 @@ def _scatter_bcast(pg, kw):
 def _reduce_scatter_via_tensor(pg, kw):
     out, inputs = kw["output"], kw["input_list"]
     flat = torch.cat([i.reshape(-1) for i in inputs])
-    return _do(pg, "reduce_scatter_tensor", output=out, input=flat, op=kw["op"]).then(lambda _v: [out])
+    work = _do(pg, "reduce_scatter_tensor", output=out, input=flat, op=kw["op"])
+    return work.then(lambda _v: [out])
 
 
 def _reduce_scatter_allreduce(pg, kw):
@@ -228,7 +247,8 @@ def _reduce_scatter_allreduce(pg, kw):
 def _rs_tensor_via_list(pg, kw):
     out, inp = kw["output"], kw["input"]
     views = _chunks(inp, pg.size(), out.shape)
-    return _do(pg, "reduce_scatter", output=out, input_list=views, op=kw["op"]).then(lambda _v: [out])
+    work = _do(pg, "reduce_scatter", output=out, input_list=views, op=kw["op"])
+    return work.then(lambda _v: [out])
 
 
 def _rs_tensor_allreduce(pg, kw):
@@ -320,7 +340,8 @@ RECIPES: dict[str, list[Recipe]] = {
 @functools.lru_cache(maxsize=256)
 def _plans(caps: Capabilities, device: str) -> dict[str, list[Recipe] | None]:
     """op -> None (native) or the usable recipes in preference order; missing ops: unsupported."""
-    decided: dict[str, list[Recipe] | None] = {op: None for op in RECIPES if caps.is_native(op, device)}
+    decided: dict[str, list[Recipe] | None] = {
+        op: None for op in RECIPES if caps.is_native(op, device)}
     changed = True
     while changed:
         changed = False
@@ -348,7 +369,7 @@ def is_available(caps: Capabilities, op: str, device: str) -> bool:
     return op in _plans(caps, device)
 
 
-def _device_of(pg: ProcessGroup, kw: dict[str, Any]) -> str:
+def _device_of(pg: GroupLike, kw: dict[str, Any]) -> str:
     for v in kw.values():
         if isinstance(v, torch.Tensor):
             return v.device.type
@@ -357,7 +378,7 @@ def _device_of(pg: ProcessGroup, kw: dict[str, Any]) -> str:
     return pg.device_types[0]
 
 
-def run_op(pg: ProcessGroup, op: str, device: str, kwargs: dict[str, Any]) -> Work:
+def run_op(pg: GroupLike, op: str, device: str, kwargs: dict[str, Any]) -> Work:
     """Run ``op`` as planned: the native hook, or composed. A native hook that returns
     ``NotImplemented`` (arguments it cannot handle) is composed from the other ops instead."""
     caps = pg.capabilities()
@@ -368,7 +389,7 @@ def run_op(pg: ProcessGroup, op: str, device: str, kwargs: dict[str, Any]) -> Wo
     return compose(pg, caps, op, device, kwargs)
 
 
-def _do(pg: ProcessGroup, op_name: str, /, **kw: Any) -> Work:
+def _do(pg: GroupLike, op_name: str, /, **kw: Any) -> Work:
     return run_op(pg, op_name, _device_of(pg, kw), kw)
 
 
@@ -378,7 +399,7 @@ def _fallback_recipes(caps: Capabilities, op: str, device: str) -> list[Recipe]:
     return [r for r in RECIPES[op] if op not in r.needs and r.needs <= plans.keys()]
 
 
-def compose(pg: ProcessGroup, caps: Capabilities, op: str, device: str,
+def compose(pg: GroupLike, caps: Capabilities, op: str, device: str,
             kwargs: dict[str, Any]) -> Work:
     """Run ``op`` from the first usable recipe for ``device`` (see :func:`plan`)."""
     planned = _plans(caps, device).get(op, [])
@@ -395,7 +416,7 @@ def compose(pg: ProcessGroup, caps: Capabilities, op: str, device: str,
 
 
 
-def reduce_by_gathering(pg: ProcessGroup, caps: Capabilities, op: str, device: str,
+def reduce_by_gathering(pg: GroupLike, caps: Capabilities, op: str, device: str,
                         kwargs: dict[str, Any]) -> Work:
     """A reduction the backend lacks (e.g. PRODUCT): all_gather the inputs, reduce locally."""
     red = kwargs["op"]

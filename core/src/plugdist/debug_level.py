@@ -1,14 +1,17 @@
 """Debug levels: ``TORCH_DISTRIBUTED_DEBUG`` (OFF/INFO/DETAIL), overridden by ``PLUGDIST_DEBUG``.
 
 The level is read once on first use and may be changed at runtime; plugins observe changes
-through the ``plugdist_debug_level_changed`` hook. DETAIL is carried out by a plugin that
-implements ``plugdist_wrap_process_group`` (the ``plugdist-debug`` distribution).
+through the ``plugdist_debug_level_changed`` hook, which the registry calls as an observer of
+this module (this module imports nothing of plugdist's, so the hook specs can name its enum).
+DETAIL is carried out by a plugin that implements ``plugdist_wrap_process_group`` (the
+``plugdist-debug`` distribution).
 """
 
 from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Callable
 
 __all__ = ["DebugLevel", "get_debug_level", "set_debug_level", "set_debug_level_from_env"]
 
@@ -20,13 +23,15 @@ class DebugLevel(enum.IntEnum):
 
 
 _level: DebugLevel | None = None
+_observers: list[Callable[[DebugLevel], None]] = []
 
 
 def _parse(value: str, source: str) -> DebugLevel:
     try:
         return DebugLevel[value.strip().upper()]
     except KeyError:
-        raise ValueError(f"{source}={value!r} is not a debug level; use OFF, INFO or DETAIL") from None
+        raise ValueError(
+            f"{source}={value!r} is not a debug level; use OFF, INFO or DETAIL") from None
 
 
 def _from_env() -> DebugLevel:
@@ -49,8 +54,13 @@ def set_debug_level(level: DebugLevel | str) -> None:
     """Set the level for this process; groups created afterwards follow it."""
     global _level
     _level = _parse(level, "level") if isinstance(level, str) else DebugLevel(level)
-    from .registry import registry  # late: the registry imports this module
-    registry.plugins().hook.plugdist_debug_level_changed(level=_level)
+    for observer in _observers:
+        observer(_level)
+
+
+def observe(observer: Callable[[DebugLevel], None]) -> None:
+    """Call ``observer(level)`` after every :func:`set_debug_level`, on the caller's thread."""
+    _observers.append(observer)
 
 
 def set_debug_level_from_env() -> None:

@@ -79,8 +79,16 @@ def is_backend_available(backend: str) -> bool:
         factory = registry.load(BACKENDS, Backend(backend))
     except PluginNotFoundError:
         return False
+    return _availability(factory)[0]
+
+
+def _availability(factory: Any) -> tuple[bool, str]:
+    """``factory.is_available()``: whether its library works here, and why not."""
     check = getattr(factory, "is_available", None)
-    return bool(check()[0]) if callable(check) else True
+    if not callable(check):
+        return True, ""
+    ok, reason = check()
+    return bool(ok), str(reason)
 
 
 def is_gloo_available() -> bool:
@@ -97,18 +105,27 @@ def is_nccl_available() -> bool:
 
 def get_default_backend_for_device(device: Any) -> str:
     """The installed backend that volunteers as default for ``device``'s type (its factory's
-    ``default_for`` attribute), e.g. 'cpu' -> 'gloo' when plugdist-gloo is installed."""
+    ``default_for`` attribute) and works here, e.g. 'cpu' -> 'gloo' when plugdist-gloo is
+    installed. Raises DistError naming the volunteers that do not work here, and why."""
     dev = device.type if hasattr(device, "type") else str(device).split(":")[0]
+    unavailable = []
     for name in registry.names(BACKENDS):
         try:
             factory = registry.load(BACKENDS, name)
         except PluginNotFoundError:
             continue
-        if dev in getattr(factory, "default_for", ()) and is_backend_available(name):
-            return name
+        if dev in getattr(factory, "default_for", ()):
+            ok, reason = _availability(factory)
+            if ok:
+                return name
+            unavailable.append(f"{name!r} is installed but unavailable here: {reason}")
+    installed = ", ".join(registry.names(BACKENDS)) or "none"
+    if unavailable:
+        raise DistError(f"no default backend for {dev!r} devices: {'; '.join(unavailable)} "
+                        f"(installed: {installed}); fix that, or pass backend= explicitly")
     raise DistError(f"no installed backend volunteers as default for {dev!r} devices (installed: "
-                    f"{', '.join(registry.names(BACKENDS)) or 'none'}); pass backend= explicitly "
-                    f"or install one, e.g. pip install plugdist-gloo")
+                    f"{installed}); pass backend= explicitly or install one, e.g. "
+                    f"pip install plugdist-gloo")
 
 
 def register_rendezvous_handler(scheme: str, handler: Any) -> None:
@@ -221,7 +238,8 @@ def _warn_if_detail_unserved(level: DebugLevel) -> None:
             and not registry.has_hook("plugdist_wrap_process_group"):
         _warned_no_debug_plugin = True
         warnings.warn("TORCH_DISTRIBUTED_DEBUG=DETAIL asks for collective checks, but no debug "
-                      "plugin is installed: pip install plugdist-debug", RuntimeWarning, stacklevel=3)
+                      "plugin is installed: pip install plugdist-debug", RuntimeWarning,
+                      stacklevel=3)
 
 
 def _store_barrier(store: Store, tag: str, group_rank: int, size: int, timeout: timedelta,
@@ -295,7 +313,8 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = No
         raise ValueError(f"new_group: ranks {list(ranks or [])} contain duplicates")
     bad = [r for r in members if not 0 <= r < world.size]
     if bad:
-        raise ValueError(f"new_group: ranks {bad} are not in the world (valid: 0..{world.size - 1})")
+        raise ValueError(
+            f"new_group: ranks {bad} are not in the world (valid: 0..{world.size - 1})")
     if not members:
         raise ValueError("new_group: ranks must not be empty")
     name = world.next_group_name()
@@ -306,7 +325,8 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = No
                         timeout or default_info.timeout, pg_options)
 
 
-def new_subgroups(group_size: int | None = None, group: Any = None, timeout: timedelta | None = None,
+def new_subgroups(group_size: int | None = None, group: Any = None,
+                  timeout: timedelta | None = None,
                   backend: str | None = None, pg_options: Any = None) -> tuple[Any, list[Any]]:
     """Split the world into consecutive subgroups of ``group_size`` ranks (default: the ranks of
     one node, LOCAL_WORLD_SIZE). Returns (this rank's subgroup, every subgroup handle)."""

@@ -59,7 +59,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
     padded[: mine.numel()] = mine
     outs = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(pg.size())]
     pg.all_gather(outs, padded).wait()
-    for i, (t, s) in enumerate(zip(outs, sizes)):
+    for i, (t, s) in enumerate(zip(outs, sizes, strict=True)):
         object_list[i] = _from_tensor(t, int(s.item()))
 
 
@@ -92,9 +92,11 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
     root = c._group_rank(pg, src, group_src, "src", "broadcast_object_list")
     dev = _device(pg, device)
     payload = _to_tensor(list(object_list), dev) if pg.rank() == root else None
-    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=dev)
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64,
+                        device=dev)
     pg.broadcast(size, root).wait()
-    buf = payload if payload is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    buf = (payload if payload is not None
+           else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
     pg.broadcast(buf, root).wait()
     if pg.rank() != root:
         received = _from_tensor(buf, int(size.item()))

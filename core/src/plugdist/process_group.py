@@ -15,7 +15,8 @@ Two layers in one class (the template-method pattern):
   method a class overrides (a wrapper), it waits on the public op's Work.
 * **Native hooks** (``native_all_reduce``, ...): what a backend overrides. Each receives already
   validated arguments in *group* ranks and returns a Work, or ``NotImplemented`` for arguments it
-  cannot handle (e.g. uneven all_to_all lists), in which case the core composes the op. A backend overrides only what it does
+  cannot handle (e.g. uneven all_to_all lists), in which case the core composes the op. A backend
+  overrides only what it does
   natively; ``capabilities()`` is derived from which hooks it overrides (override it for finer
   control, e.g. an op native on CUDA only).
 
@@ -33,16 +34,16 @@ composed), ``is_available() -> (bool, reason)`` and ``rendezvous(timeout) ->
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
 
 from . import composition
+from .capabilities import ALL_REDUCE_OPS, Capabilities
 from .errors import DistTimeoutError, op_timeout, where
 from .reduce_op import ReduceOp, check_reduce_op
 from .work import Work, completed_work
@@ -57,7 +58,6 @@ OPS: tuple[str, ...] = (
     "all_to_all_single", "barrier",
 )
 
-_ALL_REDUCE_OPS = frozenset(ReduceOp) - {ReduceOp.AVG}
 
 # ops that may run through ``native_blocking``: not send/recv, whose Works carry results (the
 # sender of an any-source receive) and whose callers may pair them with ops issued later
@@ -90,29 +90,20 @@ class GroupOptions:
     backend_options: Any = None  # the user's ``pg_options``, passed through untouched
 
 
-@dataclass(frozen=True)
-class Capabilities:
-    """Which ``(op, device_type)`` pairs a backend does natively, and which reductions."""
-
-    native: frozenset[tuple[str, str]]
-    reduce_ops: frozenset[ReduceOp] = field(default=_ALL_REDUCE_OPS)
-    any_source_recv: bool = False
-    device_types: tuple[str, ...] = ("cpu",)
-    refused_reduce_ops: frozenset[ReduceOp] = frozenset()  # raised as errors, never composed
-
-    def is_native(self, op: str, device_type: str) -> bool:
-        return (op, device_type) in self.native
+_derived: dict[type[ProcessGroup], Capabilities] = {}
 
 
-@functools.cache
 def _derived_capabilities(cls: type[ProcessGroup]) -> Capabilities:
-    native = frozenset(
-        (op, dev) for op in OPS for dev in cls.device_types
-        if getattr(cls, "native_" + op) is not getattr(ProcessGroup, "native_" + op))
-    return Capabilities(native=native, reduce_ops=frozenset(cls.native_reduce_ops),
-                        any_source_recv=cls.supports_any_source,
-                        device_types=tuple(cls.device_types),
-                        refused_reduce_ops=frozenset(cls.refused_reduce_ops))
+    caps = _derived.get(cls)
+    if caps is None:
+        native = frozenset(
+            (op, dev) for op in OPS for dev in cls.device_types
+            if getattr(cls, "native_" + op) is not getattr(ProcessGroup, "native_" + op))
+        caps = _derived[cls] = Capabilities(
+            native=native, reduce_ops=frozenset(cls.native_reduce_ops),
+            any_source_recv=cls.supports_any_source, device_types=tuple(cls.device_types),
+            refused_reduce_ops=frozenset(cls.refused_reduce_ops))
+    return caps
 
 
 def _device_type(t: torch.Tensor) -> str:
@@ -124,7 +115,7 @@ class ProcessGroup:
 
     backend_name: ClassVar[str] = "unknown"
     device_types: ClassVar[tuple[str, ...]] = ("cpu",)
-    native_reduce_ops: ClassVar[frozenset[ReduceOp]] = _ALL_REDUCE_OPS
+    native_reduce_ops: ClassVar[frozenset[ReduceOp]] = ALL_REDUCE_OPS
     supports_any_source: ClassVar[bool] = False
     refused_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset()
     _caps: Capabilities | None = None  # this group's capabilities, fixed at first use
@@ -184,7 +175,10 @@ class ProcessGroup:
         return caps
 
     def shutdown(self) -> None:
-        """Release sockets, threads and communicators. Idempotent; called by destroy_process_group."""
+        """Release sockets, threads and communicators.
+
+        Idempotent; called by destroy_process_group.
+        """
 
     def work(self, op: str, **kwargs: Any) -> Work:
         """A fresh pending Work carrying this group's context, for backends to complete."""
@@ -301,7 +295,8 @@ class ProcessGroup:
         self._check_tensor(op, output, "output")
         self._check_tensor(op, input, "input")
         if output.dtype != input.dtype:
-            raise ValueError(f"{self.where(op)} output dtype {output.dtype} != input dtype {input.dtype}")
+            raise ValueError(f"{self.where(op)} output dtype {output.dtype} != "
+                             f"input dtype {input.dtype}")
         out_splits = self._splits(op, "output", output, output_split_sizes)
         in_splits = self._splits(op, "input", input, input_split_sizes)
         return self._run(op, input, output=output, input=input, output_split_sizes=out_splits,
@@ -414,7 +409,8 @@ class ProcessGroup:
     def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
         raise NotImplementedError
 
-    def native_all_gather(self, *, output_tensors: list[torch.Tensor], tensor: torch.Tensor) -> Work:
+    def native_all_gather(self, *, output_tensors: list[torch.Tensor],
+                          tensor: torch.Tensor) -> Work:
         raise NotImplementedError
 
     def native_all_gather_into_tensor(self, *, output: torch.Tensor, tensor: torch.Tensor) -> Work:
@@ -441,7 +437,8 @@ class ProcessGroup:
         raise NotImplementedError
 
     def native_all_to_all_single(self, *, output: torch.Tensor, input: torch.Tensor,
-                                 output_split_sizes: list[int], input_split_sizes: list[int]) -> Work:
+                                 output_split_sizes: list[int],
+                                 input_split_sizes: list[int]) -> Work:
         raise NotImplementedError
 
     def native_barrier(self) -> Work:
@@ -491,13 +488,16 @@ class ProcessGroup:
     # -- validation --------------------------------------------------------------------------
     def _check_tensor(self, op: str, tensor: Any, name: str = "tensor") -> None:
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{self.where(op)} {name} must be a torch.Tensor, got {type(tensor).__name__}")
+            raise TypeError(f"{self.where(op)} {name} must be a torch.Tensor, "
+                            f"got {type(tensor).__name__}")
         if not tensor.is_contiguous():
-            raise ValueError(f"{self.where(op)} {name} is not contiguous (shape {list(tensor.shape)}, "
+            raise ValueError(f"{self.where(op)} {name} is not contiguous "
+                             f"(shape {list(tensor.shape)}, "
                              f"stride {list(tensor.stride())}); pass tensor.contiguous()")
         if _device_type(tensor) not in self.capabilities().device_types:
             raise ValueError(f"{self.where(op)} {name} is on {tensor.device}, but backend "
-                             f"{self.backend_name!r} handles {', '.join(self.device_types)} tensors; "
+                             f"{self.backend_name!r} handles "
+                             f"{', '.join(self.device_types)} tensors; "
                              f"move it, or use a backend for {tensor.device.type}")
         if tensor.is_sparse:
             raise ValueError(f"{self.where(op)} sparse tensors are not supported")
@@ -536,8 +536,8 @@ class ProcessGroup:
         for i, t in enumerate(tensors):
             self._check_tensor(op, t, f"{name}[{i}]")
             if t.shape != like.shape or t.dtype != like.dtype:
-                raise ValueError(f"{self.where(op)} {name}[{i}] is {t.dtype}{list(t.shape)} but must "
-                                 f"match {like.dtype}{list(like.shape)}")
+                raise ValueError(f"{self.where(op)} {name}[{i}] is {t.dtype}{list(t.shape)} "
+                                 f"but must match {like.dtype}{list(like.shape)}")
 
     def _check_flat(self, op: str, a: torch.Tensor, b: torch.Tensor, ok: bool,
                     why: Callable[[], str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import warnings
 
 import torch
 
@@ -27,14 +28,33 @@ class ReduceOp(enum.Enum):
     __hash__ = object.__hash__
 
 
-reduce_op = ReduceOp  # deprecated alias kept for old scripts
+class _DeprecatedReduceOp:
+    """``reduce_op``, ReduceOp's old name, kept for old scripts: reading a member gives
+    ReduceOp's and warns (FutureWarning) where it is read, as ``torch.distributed.reduce_op``
+    does, so code run under both sees the same warning."""
+
+    def __getattr__(self, name: str) -> ReduceOp:
+        if name not in ReduceOp.__members__:  # incl. protocol lookups (copy, pickle, inspect)
+            raise AttributeError(f"plugdist.reduce_op has no member {name!r}")
+        warnings.warn("`plugdist.reduce_op` is deprecated, please use `plugdist.ReduceOp` "
+                      "instead", FutureWarning, stacklevel=2)
+        return getattr(ReduceOp, name)
+
+    def __repr__(self) -> str:
+        return "plugdist.reduce_op (deprecated: use plugdist.ReduceOp)"
+
+
+reduce_op = _DeprecatedReduceOp()
 
 _BITWISE = {ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
 _ORDERED = {ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT}
 
 
 def check_reduce_op(op: ReduceOp, dtype: torch.dtype, *, context: str = "") -> None:
-    """Raise ``ValueError`` when ``op`` has no meaning for ``dtype`` (bitwise on floats, MAX on complex)."""
+    """Raise ``ValueError`` when ``op`` has no meaning for ``dtype``.
+
+    Bitwise ops have none on floats, MIN/MAX none on complex numbers.
+    """
     if not isinstance(op, ReduceOp):
         raise TypeError(f"{context} expected a plugdist.ReduceOp, got {op!r}".strip())
     if op in _BITWISE and (dtype.is_floating_point or dtype.is_complex):

@@ -19,7 +19,7 @@ from typing import Any
 
 import pluggy
 
-from . import hookspecs
+from . import debug_level, hookspecs
 from .errors import DistError
 
 __all__ = ["Registry", "registry", "PluginInfo", "GROUPS", "Backend", "PluginNotFoundError"]
@@ -111,8 +111,8 @@ class Registry:
                 f"the {_KIND[group]} {name!r} is installed but failed to load:\n"
                 f"{self._errors[key]}\nreinstall it or fix the error above (working ones: "
                 f"{available or 'none'})")
-        hint = f"; to get it, install the distribution that provides it (e.g. pip install plugdist-{name})" \
-            if group == BACKENDS else ""
+        hint = ("; to get it, install the distribution that provides it "
+                f"(e.g. pip install plugdist-{name})") if group == BACKENDS else ""
         raise PluginNotFoundError(f"no {_KIND[group]} named {name!r} (entry-point group {group}); "
                                   f"installed: {available or 'none'}{hint}")
 
@@ -187,6 +187,13 @@ class Registry:
 
 
 registry = Registry()
+
+
+def _tell_plugins(level: debug_level.DebugLevel) -> None:
+    registry.plugins().hook.plugdist_debug_level_changed(level=level)
+
+
+debug_level.observe(_tell_plugins)
 
 
 class Backend(str):

@@ -62,7 +62,7 @@ class GradBucket:
     def gradients(self) -> list[torch.Tensor]:
         """Views of ``buffer()``, one per parameter, shaped like the parameter."""
         return [self._buffer[o:o + p.numel()].view(p.shape)
-                for o, p in zip(self._offsets, self._parameters)]
+                for o, p in zip(self._offsets, self._parameters, strict=True)]
 
     def parameters(self) -> list[torch.Tensor]:
         """The parameters whose gradients this bucket holds, in bucket order."""

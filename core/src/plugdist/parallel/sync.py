@@ -52,7 +52,7 @@ def _describe(row: list[int]) -> str:
     ndim = row[1]
     dims = row[2:2 + min(ndim, _MAX_DIMS)]
     more = "..." if ndim > _MAX_DIMS else ""
-    return f"{_dtype_names().get(row[0], 'dtype#%d' % row[0])}{dims}{more}"
+    return f"{_dtype_names().get(row[0], f'dtype#{row[0]}')}{dims}{more}"
 
 
 def verify_model_across_ranks(pg: ProcessGroup, params: Sequence[torch.Tensor],

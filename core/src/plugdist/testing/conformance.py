@@ -2,7 +2,8 @@
 
 Run it against any installed backend (yours included) with::
 
-    pytest --pyargs plugdist.testing.conformance --plugdist-backend NAME [--plugdist-world-sizes 1,2,3,4]
+    pytest --pyargs plugdist.testing.conformance --plugdist-backend NAME \\
+        [--plugdist-world-sizes 1,2,3,4]
 
 Each (backend, world size) starts one real world that runs every check of
 :mod:`plugdist.testing.checks` on every rank; each check is then reported as its own test, failing

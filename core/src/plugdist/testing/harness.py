@@ -23,7 +23,10 @@ from typing import Any
 
 from ..errors import DistError
 
-__all__ = ["run_world", "RankResult", "WorldError", "free_port", "mpiexec_path"]
+__all__ = ["run_world", "RankResult", "WorldError", "free_port", "mpiexec_path", "FAILURE_GRACE"]
+
+# seconds the other ranks get, once one failed, to finish or report their own error
+FAILURE_GRACE = 3.0
 
 
 @dataclass
@@ -58,7 +61,7 @@ def free_port() -> int:
 
 
 def mpiexec_path() -> str:
-    """The ``mpiexec`` next to this interpreter (the one a pip-installed MPI provides), else PATH's."""
+    """The ``mpiexec`` next to this interpreter (a pip-installed MPI's), else the one on PATH."""
     candidate = Path(sys.executable).with_name("mpiexec")
     return str(candidate) if candidate.exists() else "mpiexec"
 
@@ -78,16 +81,20 @@ def run_world(fn: Callable[..., Any], world_size: int, *, backend: str | None = 
               init_method: str | None = None, timeout: float = 120.0, args: Sequence[Any] = (),
               kwargs: dict[str, Any] | None = None, env: dict[str, str] | None = None,
               launcher: str | None = None, expect_errors: bool = False,
-              group_timeout: float | None = None) -> list[Any]:
+              group_timeout: float | None = None,
+              failure_grace: float = FAILURE_GRACE) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh processes.
 
     With ``backend``, each rank first calls ``plugdist.init_process_group(backend, ...)`` and
-    afterwards ``destroy_process_group()``. Blocks until every rank exited or ``timeout`` seconds
-    passed; then stops the stragglers (SIGTERM, then SIGKILL). Returns each rank's return value,
-    in rank order. Raises :class:`WorldError` with a per-rank report when a rank raised, crashed
-    or hung — unless ``expect_errors``, which returns the :class:`RankResult` list instead.
-    ``launcher`` is ``"subprocess"`` or ``"mpiexec"``; by default the backend's ``launcher``
-    attribute decides.
+    afterwards ``destroy_process_group()``. Blocks until every rank exited, or ``timeout``
+    seconds passed, or — unless ``expect_errors`` — ``failure_grace`` seconds after the first
+    rank failed (raised, crashed or exited without a result: its peers would otherwise wait for
+    it until their group timeout); then stops the stragglers (SIGTERM, then SIGKILL). Returns
+    each rank's return value, in rank order. Raises :class:`WorldError` with a per-rank report
+    when a rank failed or hung — unless ``expect_errors``, which waits for every rank (bounded by
+    ``timeout``: the caller wants each rank's own outcome) and returns the :class:`RankResult`
+    list instead. ``launcher`` is ``"subprocess"`` or ``"mpiexec"``; by default the backend's
+    ``launcher`` attribute decides.
     """
     launcher = launcher or _launcher_for(backend)
     with tempfile.TemporaryDirectory(prefix="plugdist-world-") as tmp:
@@ -123,10 +130,15 @@ def run_world(fn: Callable[..., Any], world_size: int, *, backend: str | None = 
                                               stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + timeout
         hung = False
+        watch = None if expect_errors else _FailureWatch(tmp, procs, launcher)
         try:
             while any(p.poll() is None for p in procs):
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     hung = True
+                    break
+                if watch is not None and watch.first_failure(now) is not None \
+                        and now > watch.failed_at + failure_grace:
                     break
                 time.sleep(0.02)
         finally:
@@ -138,8 +150,47 @@ def run_world(fn: Callable[..., Any], world_size: int, *, backend: str | None = 
     if expect_errors:
         return results
     if failed or hung:
-        raise WorldError(_report(results, hung, timeout), results)
+        first = watch.failed_rank if watch is not None else None
+        raise WorldError(_report(results, hung, timeout, first, failure_grace), results)
     return [r.value for r in results]
+
+
+class _FailureWatch:
+    """Notices the first rank that failed while the world runs: a process that exited non-zero
+    or without a result, or (under mpiexec, one process for all ranks) an error result."""
+
+    def __init__(self, tmp: str, procs: list[subprocess.Popen], launcher: str) -> None:
+        self._tmp, self._procs, self._launcher = tmp, procs, launcher
+        self._read: set[str] = set()
+        self.failed_rank: int | None = None
+        self.failed_at = 0.0
+
+    def first_failure(self, now: float) -> int | None:
+        """The first failed rank seen so far (-1: the mpiexec process itself), else None."""
+        if self.failed_rank is None:
+            rank = self._scan()
+            if rank is not None:
+                self.failed_rank, self.failed_at = rank, now
+        return self.failed_rank
+
+    def _scan(self) -> int | None:
+        if self._launcher != "mpiexec":
+            for rank, p in enumerate(self._procs):
+                code = p.poll()
+                if code is not None and (code != 0 or not self._has_result(rank)):
+                    return rank
+            return None
+        for name in os.listdir(self._tmp):
+            if name.startswith("rank") and name.endswith(".pkl") and name not in self._read:
+                self._read.add(name)
+                with open(os.path.join(self._tmp, name), "rb") as f:
+                    if pickle.load(f)[0] != "ok":
+                        return int(name[4:-4])
+        code = self._procs[0].poll()
+        return -1 if code not in (None, 0) else None
+
+    def _has_result(self, rank: int) -> bool:
+        return os.path.exists(os.path.join(self._tmp, f"rank{rank}.pkl"))
 
 
 def _stop(procs: list[subprocess.Popen], grace: float = 3.0) -> None:
@@ -195,15 +246,26 @@ def _collect(tmp: str, world_size: int, procs: list[subprocess.Popen],
     return results
 
 
-def _report(results: list[RankResult], hung: bool, timeout: float) -> str:
-    lines = [f"world of {len(results)} ranks failed" + (f" (stopped after {timeout:.0f}s)" if hung else "")]
+def _report(results: list[RankResult], hung: bool, timeout: float, first_failed: int | None,
+            grace: float) -> str:
+    if hung:
+        stopped = f" (stopped after {timeout:.0f}s)"
+    elif first_failed is not None:
+        who = "mpiexec" if first_failed < 0 else f"rank {first_failed}"
+        stopped = (f" ({who} failed first; ranks still running {grace:.0f}s later were "
+                   f"stopped)")
+    else:
+        stopped = ""
+    lines = [f"world of {len(results)} ranks failed{stopped}"]
     for r in results:
         if r.ok:
             lines.append(f"--- rank {r.rank}: ok")
             continue
-        lines.append(f"--- rank {r.rank}: exit {r.exitcode}: {r.error.strip().splitlines()[-1] if r.error else ''}")
+        last = r.error.strip().splitlines()[-1] if r.error else ""
+        lines.append(f"--- rank {r.rank}: exit {r.exitcode}: {last}")
         if r.error and "\n" in r.error:
             lines.append(r.error.rstrip())
         if r.stderr_tail:
-            lines.append("    output tail:\n" + "\n".join("    " + s for s in r.stderr_tail.splitlines()))
+            tail = "\n".join("    " + s for s in r.stderr_tail.splitlines())
+            lines.append("    output tail:\n" + tail)
     return "\n".join(lines)

@@ -10,6 +10,7 @@ import signal
 import sys
 import traceback
 from datetime import timedelta
+from typing import Any
 
 
 def _rank_from_env() -> tuple[int, int]:
@@ -34,11 +35,11 @@ def main(spec_path: str) -> int:
         import plugdist as dist
 
         module = importlib.import_module(spec["module"])
-        fn = module
+        fn: Any = module
         for part in spec["name"].split("."):
             fn = getattr(fn, part)
         if spec["backend"] is not None:
-            extra = {}
+            extra: dict[str, Any] = {}
             if spec["group_timeout"] is not None:
                 extra["timeout"] = timedelta(seconds=spec["group_timeout"])
             dist.init_process_group(spec["backend"], init_method=spec["init_method"], **extra)
@@ -47,7 +48,7 @@ def main(spec_path: str) -> int:
         finally:
             if spec["backend"] is not None and dist.is_initialized():
                 dist.destroy_process_group()
-        result = ("ok", value, None)
+        result: tuple[str, Any, str | None] = ("ok", value, None)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit non-zero
         result = ("error", traceback.format_exc(), type(exc).__name__)
     try:

@@ -12,6 +12,13 @@ mismatched cannot hide the report.
   arrives late raises at once instead of running a collective nobody else will join.
 * Keys are deleted one collective later (:meth:`FingerprintExchange.forget`): once every rank
   has written ``seq``, all of them have read ``seq - 1``.
+* Before raising a report, a rank acknowledges under ``fp/<seq>/ack/<group rank>`` that it has
+  read the fingerprints, and waits (bounded by the group's timeout) for the acknowledgements of
+  the ranks its report is shared with: all of them on a mismatch, the ones that arrived on a
+  timeout. A rank whose process serves the store may exit right after raising; without the
+  wait, a peer still reading would see "connection lost" instead of the report. The missing
+  ranks of a timeout are not waited for (a dead one would double the time to the report); a
+  late rank reads the "gave up" markers if the store still runs. Only failures pay for this.
 """
 
 from __future__ import annotations
@@ -83,6 +90,19 @@ class FingerprintExchange:
     def _key(self, seq: int, rank: int) -> str:
         return f"fp/{seq}/{rank}"
 
+    def _acknowledge(self, seq: int, peers: Sequence[int]) -> None:
+        """Say this rank has read collective ``seq``'s fingerprints, then wait until ``peers``
+        said so too (bounded by the group's timeout). Errors end the wait quietly: the store or
+        a peer is gone, and this rank already holds what it will raise."""
+        me = self._ident.rank
+        try:
+            self._store.set(f"fp/{seq}/ack/{me}", b"")
+            others = [f"fp/{seq}/ack/{r}" for r in peers if r != me]
+            if others:
+                self._store.wait(others, self._timeout)
+        except DistError:
+            pass
+
     def check(self, fp: Fingerprint, doc: dict[str, Any] | None = None) -> None:
         """Block until every rank posted its fingerprint for ``fp.seq`` (bounded by the group's
         timeout), then compare. ``doc``: ``fp.to_json()`` when the caller already has it.
@@ -131,6 +151,7 @@ class FingerprintExchange:
                f"program (TORCH_DISTRIBUTED_DEBUG=DETAIL check, nothing was sent)")
         # tell a late rank not to run a collective nobody will join
         self._store.set(keys[ident.rank], json.dumps({_GAVE_UP: msg, "seq": fp.seq}).encode())
+        self._acknowledge(fp.seq, [r for r in range(ident.size) if r not in missing])
         reason = f"timeout at collective #{fp.seq} {fp.op}, missing {rank_list(missing)}"
         raise DistTimeoutError(msg + self._note(reason, f"DistTimeoutError: {msg}")) from err
 
@@ -140,6 +161,7 @@ class FingerprintExchange:
                f"{rank_list(gave_up)} gave up waiting for this rank after "
                f"{self._timeout.total_seconds():.1f}s and will not join it; this rank arrived "
                f"too late; the group is out of step, restart the job")
+        self._acknowledge(fp.seq, [])  # a rank that took this one for present waits for it
         reason = f"arrived late at collective #{fp.seq} {fp.op}"
         raise DistTimeoutError(msg + self._note(reason, f"DistTimeoutError: {msg}"))
 
@@ -154,6 +176,7 @@ class FingerprintExchange:
         lines.append("Fingerprints:")
         lines += [f"  {d}" for d in describe(fps, [ident.label(r) for r in range(ident.size)])]
         msg = "\n".join(lines)
+        self._acknowledge(fp.seq, range(ident.size))
         reason = f"mismatch at collective #{fp.seq}: " + "; ".join(diffs)
         raise CollectiveMismatchError(
             msg + self._note(reason, f"CollectiveMismatchError: {msg}"), diffs)

@@ -60,7 +60,7 @@ def _peer_addresses(store: Store, size: int, devices: int) -> dict[int, list[byt
     except Exception:  # noqa: BLE001 - only error messages lose detail
         return {}
     peers: dict[int, list[bytes]] = {}
-    for key, blob in zip(keys, blobs):
+    for key, blob in zip(keys, blobs, strict=True):
         peers.setdefault(int(key.split("/")[1]), []).append(bytes(blob))
     return peers
 
@@ -406,7 +406,7 @@ class GlooProcessGroup(ProcessGroup):
         out_sizes = [t.numel() * t.element_size() for t in output_tensors]
         packed_out = torch.empty(sum(out_sizes), dtype=torch.uint8)
         staged = [Staged(chunk, flat_bytes(t), _same)
-                  for chunk, t in zip(packed_out.split(out_sizes), output_tensors)]
+                  for chunk, t in zip(packed_out.split(out_sizes), output_tensors, strict=True)]
         in_sizes = [t.numel() * t.element_size() for t in input_tensors]
         return self._issue("all_to_all",
                            lambda pg: pg.alltoall_base(packed_out, packed_in, out_sizes,

@@ -14,21 +14,41 @@ have no future, only a blocking wait that one thread may call (a waiter thread, 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from plugdist.errors import DistError
 from plugdist.work import Work
 
 from .dtypes import Staged
 
-if TYPE_CHECKING:
-    from .process_group import GlooProcessGroup
-
-__all__ = ["GlooWork", "wait_native"]
+__all__ = ["GlooWork", "IssuingGroup", "wait_native"]
 
 _NO_SOURCE = -1
+
+
+class IssuingGroup(Protocol):
+    """What a GlooWork needs of the group that issued its op; ``GlooProcessGroup`` is one (it
+    imports this module, so this module names only the protocol)."""
+
+    @property
+    def _rank(self) -> int: ...
+    @property
+    def group_name(self) -> str: ...
+    @property
+    def backend_name(self) -> str: ...
+    @property
+    def timeout(self) -> timedelta: ...
+
+    def _translate(self, op: str, exc: BaseException) -> DistError:
+        """The op's error as a DistError naming rank, group, op and backend."""
+        ...
+
+    def _arm(self, native_work: Any, complete: Callable[[BaseException | None], None]) -> None:
+        """Call ``complete(error_or_None)`` on another thread once ``native_work`` is done."""
+        ...
 
 
 class GlooWork(Work):
@@ -40,7 +60,7 @@ class GlooWork(Work):
     and is done with ``result``; Gloo's errors become ``DistError`` through the group.
     """
 
-    def __init__(self, pg: GlooProcessGroup, op: str, result: Any,
+    def __init__(self, pg: IssuingGroup, op: str, result: Any,
                  staged: Sequence[Staged] = (), any_source: bool = False) -> None:
         super().__init__(op=op, rank=pg._rank, group=pg.group_name, backend=pg.backend_name,
                          timeout=pg.timeout)
@@ -96,7 +116,7 @@ class GlooWork(Work):
     def _materialize(self) -> torch.futures.Future:
         with self._lock:
             if self._fut is None:
-                fut = torch.futures.Future()
+                fut: torch.futures.Future = torch.futures.Future()
                 if self._finished:  # no callbacks on a new future: safe under the lock
                     if self._error is not None:
                         fut.set_exception(self._error)
