@@ -48,7 +48,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
     from plugdist.parallel import DistributedDataParallel as PDDP
 
     torch.set_num_threads(args.threads)
-    plugdist.init_process_group(args.backend, timeout=timedelta(seconds=300))
+    plugdist.init_process_group(args.backend, timeout=timedelta(seconds=300), torch_world=False)
     tstore = tdist.TCPStore("127.0.0.1", port + 1, args.nproc, rank == 0,
                             timedelta(seconds=300))
     tdist.init_process_group("gloo", store=tstore, rank=rank, world_size=args.nproc)

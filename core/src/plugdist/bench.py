@@ -253,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
            "sizes": _sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)}
     # under ``python -m plugdist.bench`` this module is __main__; ranks import by real name
     from . import bench
+    # torch's own default group is the comparison: plugdist's world must not take its place
     results = run_world(bench.bench_rank, args.nproc, backend=args.backend, args=(cfg,),
-                        timeout=args.timeout)
+                        timeout=args.timeout, env={"PLUGDIST_TORCH_WORLD": "0"})
     print(_format(results[0], cfg, args.nproc))
     sys.stdout.flush()
     return 0
