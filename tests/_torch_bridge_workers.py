@@ -546,3 +546,41 @@ def dead_peer(rank: int, n: int, port: int) -> dict[str, Any]:
         except Exception as err:  # noqa: BLE001 - the error is the result
             out[name] = (f"{type(err).__name__}: {err}", time.monotonic() - t0)
     return out
+
+
+def detail_suite(rank: int, n: int, port: int) -> dict[str, str | None]:
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL (set by the test): plugdist-debug wraps the bridged
+    groups; torch's DDP builds on them; a mismatched collective is caught before it is sent."""
+    from plugdist.errors import DistError
+
+    tdist.init_process_group("plugdist_gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                             world_size=n, timeout=timedelta(seconds=30))
+    sub = tdist.new_group(backend="plugdist_toy")
+
+    def wrapped() -> None:
+        for group in (tdist.group.WORLD, sub):
+            inner = type(group.plugdist_group).__name__
+            if inner != "DebugProcessGroup":
+                raise AssertionError(f"{group!r} is not wrapped by plugdist-debug ({inner})")
+
+    def ddp_builds() -> None:
+        model = nn.parallel.DistributedDataParallel(_mlp())
+        model(torch.ones(2, 8)).sum().backward()
+
+    def mismatch_caught() -> None:
+        for group in (None, sub):
+            try:
+                tdist.all_reduce(torch.ones(2 + rank), group=group)
+            except DistError as err:
+                text = str(err)
+                if "tensor shape: [2] on rank 0 vs [3] on rank 1" not in text:
+                    raise AssertionError(f"unexpected message: {text}") from err
+                continue
+            raise AssertionError(f"mismatched all_reduce over {group} was not caught")
+
+    try:
+        return run_checks({"DETAIL wraps bridged groups": wrapped,
+                           "DETAIL torch DDP constructs": ddp_builds,
+                           "DETAIL mismatch caught": mismatch_caught})
+    finally:
+        tdist.destroy_process_group()

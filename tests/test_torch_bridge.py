@@ -75,6 +75,13 @@ def test_dead_peer_fails_torch_wait_within_the_group_timeout() -> None:
             assert part in message, f"{backend}: {message!r} lacks {part!r}"
 
 
+@pytest.mark.timeout(120)
+def test_debug_detail_checks_bridged_groups(tmp_path: Path) -> None:
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "PLUGDIST_FLIGHT_RECORDER_DIR": str(tmp_path)}
+    results = run_world(workers.detail_suite, 2, timeout=100, args=(free_port(),), env=env)
+    assert all(len(res) == 3 for res in results) and not _failures(results), _failures(results)
+
+
 # -- in one process -----------------------------------------------------------------------------
 def _python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -88,6 +88,8 @@ def create_group(backend: str, backend_options: Any, pg_options: Any = None) -> 
     """torch's factory for ``plugdist_<backend>`` (``extended_api``: ``backend_options`` is
     torch's ``_DistributedBackendOptions``). Builds plugdist's group of the same ranks on torch's
     store, blocking until every member built it (bounded by the group's timeout)."""
+    factory = registry.load(BACKENDS, backend)  # a broken plugin is reported here, by name
+    _learn_devices(backend, factory)
     adopted = _adopting.group
     if adopted is not None and not backend_options.global_ranks_in_group:
         _adopting.group = None
@@ -95,8 +97,6 @@ def create_group(backend: str, backend_options: Any, pg_options: Any = None) -> 
     size = backend_options.group_size
     global_ranks = tuple(backend_options.global_ranks_in_group) or tuple(range(size))
     timeout = backend_options.timeout
-    factory = registry.load(BACKENDS, backend)  # a broken plugin is reported here, by name
-    _learn_devices(backend, factory)
     pg = build_group(backend, TorchStoreView(backend_options.store, timeout), global_ranks,
                      backend_options.group_rank, f"torch:{backend_options.group_id}", timeout,
                      pg_options, global_rank=global_ranks[backend_options.group_rank])
