@@ -8,6 +8,7 @@ inputs. Bodies in tests/_torch_bridge_workers.py.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -80,6 +81,19 @@ def test_debug_detail_checks_bridged_groups(tmp_path: Path) -> None:
     env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "PLUGDIST_FLIGHT_RECORDER_DIR": str(tmp_path)}
     results = run_world(workers.detail_suite, 2, timeout=100, args=(free_port(),), env=env)
     assert all(len(res) == 3 for res in results) and not _failures(results), _failures(results)
+
+
+@pytest.mark.timeout(120)
+def test_script_launched_by_plugdist_run_sees_torch_world(tmp_path: Path) -> None:
+    launcher = Path(sys.executable).with_name("plugdist-run")
+    proc = subprocess.run([str(launcher), "--standalone", "--nproc-per-node", "2",
+                           str(HERE / "torch_scripts" / "sampler_script.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got == {"rank": rank, "world": 2, "indices": list(range(rank, 10, 2)), "sum": 3.0,
+                       "backend": "plugdist_gloo", "torch_after_destroy": False}, got
 
 
 # -- in one process -----------------------------------------------------------------------------
