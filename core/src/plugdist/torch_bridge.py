@@ -349,6 +349,9 @@ def _as_list(tensors: Any) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else tensors
 
 
+_FUTURE_LOCK = threading.Lock()
+
+
 class BridgeWork(_TorchWork):
     """A plugdist Work as torch sees it.
 
@@ -363,7 +366,6 @@ class BridgeWork(_TorchWork):
         self.plugdist_work = work
         self._outputs = outputs
         self._future: torch.futures.Future | None = None
-        self._lock = threading.Lock()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if isinstance(timeout, timedelta) and timeout <= timedelta(0):
@@ -393,7 +395,10 @@ class BridgeWork(_TorchWork):
         return self.plugdist_work.source_rank()
 
     def get_future(self) -> torch.futures.Future:
-        with self._lock:
+        fut = self._future
+        if fut is not None:
+            return fut
+        with _FUTURE_LOCK:  # one lock for all: a future is made once per Work at most
             if self._future is None:
                 self._future = self._make_future()
             return self._future
