@@ -130,6 +130,17 @@ def test_explicit_registration_of_a_runtime_backend() -> None:
     assert proc.stdout.split("\n")[:2] == ["['plugdist_mytoy'] ['plugdist_mytoy']", "[1.0, 1.0]"]
 
 
+def test_entry_point_turns_any_failure_into_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    import _plugdist_torch_autoload as autoload
+
+    def broken_metadata(**_kwargs: object) -> None:
+        raise OSError("unreadable metadata")
+
+    monkeypatch.setattr(autoload.importlib.metadata, "entry_points", broken_metadata)
+    with pytest.warns(RuntimeWarning, match="unreadable metadata.*PLUGDIST_TORCH_BACKENDS=0"):
+        autoload.autoload()
+
+
 @pytest.fixture(scope="module")
 def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     target = tmp_path_factory.mktemp("site")
