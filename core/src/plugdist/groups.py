@@ -202,9 +202,9 @@ def _share_with_torch(pg: ProcessGroup, backend: str, store: Store, rank: int, w
                       timeout: timedelta, explicit: bool) -> None:
     """torch's default group over ``pg`` (see plugdist.torch_bridge.share_world). A failure is
     an error when asked for explicitly, else a warning: the plugdist world works without it."""
-    from . import torch_bridge
-
     try:
+        from . import torch_bridge  # needs torch built with distributed support
+
         world.torch_default = torch_bridge.share_world(pg, backend, PrefixStore("torch", store),
                                                        rank, world_size, timeout)
     except Exception as err:
