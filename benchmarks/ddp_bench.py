@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         results = run_world(ddp_bench.bench_rank, args.nproc, backend=args.backend,
-                            args=(args, _free_port()), timeout=args.timeout, group_timeout=300)
+                            args=(args, _free_port()), timeout=args.timeout, group_timeout=300,
+                            env={"PLUGDIST_TORCH_WORLD": "0"})  # torch DDP gets its own gloo
     except WorldError as err:
         print(f"ddp_bench: {err}", file=sys.stderr)
         return 1

@@ -519,7 +519,8 @@ def side_by_side_world(rank: int, n: int, torch_port: int) -> dict[str, Any]:
 def test_side_by_side_with_torch_distributed_over_socket_ifname() -> None:
     n = 2
     results = run_world(side_by_side_world, n, backend="gloo", timeout=90, args=(free_port(),),
-                        env={"GLOO_SOCKET_IFNAME": "lo"}, group_timeout=60)
+                        env={"GLOO_SOCKET_IFNAME": "lo", "PLUGDIST_TORCH_WORLD": "0"},
+                        group_timeout=60)
     total = n * (n + 1) / 2
     for r, res in enumerate(results):
         assert res == {"torch_initialized_by_plugdist": False, "plugdist": total,

@@ -277,9 +277,10 @@ def main(argv: list[str] | None = None) -> int:
            "sizes": _sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)}
     # under ``python -m plugdist.bench`` this module is __main__; ranks import by real name
     from . import bench
+    # torch's own default group is the comparison: plugdist's world must not take its place
     try:
         results = run_world(bench.bench_rank, args.nproc, backend=args.backend, args=(cfg,),
-                            timeout=args.timeout)
+                            timeout=args.timeout, env={"PLUGDIST_TORCH_WORLD": "0"})
     except WorldError as err:  # a rank failed: the others were stopped within seconds
         print(f"plugdist-bench: {err}", file=sys.stderr)
         return 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -28,7 +28,7 @@ __all__ = [
     "get_backend", "get_global_rank", "get_group_rank", "get_process_group_ranks",
     "get_node_local_rank", "is_backend_available", "is_gloo_available", "is_mpi_available",
     "is_nccl_available", "is_torchelastic_launched", "get_default_backend_for_device",
-    "register_rendezvous_handler", "group", "GroupMember", "resolve_group",
+    "register_rendezvous_handler", "group", "GroupMember", "resolve_group", "build_group",
 ]
 
 
@@ -138,13 +138,17 @@ def register_rendezvous_handler(scheme: str, handler: Any) -> None:
 def init_process_group(backend: str | None = None, init_method: str | None = None,
                        timeout: timedelta | None = None, world_size: int = -1, rank: int = -1,
                        store: Store | None = None, group_name: str = "", pg_options: Any = None,
-                       device_id: Any = None) -> None:
+                       device_id: Any = None, torch_world: bool | None = None) -> None:
     """Join the world: rendezvous, build the default group, wait until every rank has joined.
 
     Blocks until all ``world_size`` ranks called it (bounded by ``timeout``, default 30 min);
     raises DistTimeoutError naming the ranks that did not arrive. ``init_method`` and ``store``
     are exclusive; with neither, ``env://`` is used, unless the backend knows the world itself
     (MPI under mpiexec) and the environment names no master.
+
+    ``torch_world`` (default: on, unless ``PLUGDIST_TORCH_WORLD=0``): also make torch's default
+    group run over this world's default group (backend ``plugdist_<backend>``), so code that asks
+    ``torch.distributed`` sees this world; skipped when torch's default group already exists.
     """
     if world.initialized:
         raise DistError("init_process_group was already called in this process; call "
@@ -195,38 +199,87 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         world.reset()
         raise
     world.default = pg
+    if _wants_torch_world(torch_world):
+        _share_with_torch(pg, name, store, rank, world_size, timeout, explicit=bool(torch_world))
     get_logger(rank=rank, group=pg.group_name).info("init_process_group", backend=name,
-                                                    world_size=world_size)
+                                                    world_size=world_size,
+                                                    torch_world=world.torch_default is not None)
+
+
+TORCH_WORLD_ENV = "PLUGDIST_TORCH_WORLD"
+
+
+def _wants_torch_world(arg: bool | None) -> bool:
+    if arg is not None:
+        return arg
+    return os.environ.get(TORCH_WORLD_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _share_with_torch(pg: ProcessGroup, backend: str, store: Store, rank: int, world_size: int,
+                      timeout: timedelta, explicit: bool) -> None:
+    """torch's default group over ``pg`` (see plugdist.torch_bridge.share_world). A failure is
+    an error when asked for explicitly, else a warning: the plugdist world works without it."""
+    try:
+        from . import torch_bridge  # needs torch built with distributed support
+
+        world.torch_default = torch_bridge.share_world(pg, backend, PrefixStore("torch", store),
+                                                       rank, world_size, timeout)
+    except Exception as err:
+        if explicit:
+            destroy_process_group()
+            raise
+        warnings.warn(f"{where(rank=rank, backend=backend)} torch.distributed could not be set "
+                      f"to run over plugdist's world ({type(err).__name__}: {err}); torch's "
+                      f"default group stays uninitialized. Pass torch_world=False or set "
+                      f"{TORCH_WORLD_ENV}=0 to skip this step", RuntimeWarning, stacklevel=3)
 
 
 def _build_group(backend: str, global_ranks: tuple[int, ...], name: str, timeout: timedelta,
                  pg_options: Any) -> ProcessGroup:
-    """Build this process's member of a group, wrap it, and wait for the other members."""
+    """Build this process's member of a group of the world and record it there."""
     assert world.store is not None  # callers hold an initialized world
     base = PrefixStore(f"plugdist/group/{name}", world.store)
-    group_rank = global_ranks.index(world.rank)
+    info = GroupInfo(name=name, backend=backend, global_ranks=global_ranks, store=base,
+                     timeout=timeout)
+    return build_group(backend, base, global_ranks, global_ranks.index(world.rank), name,
+                       timeout, pg_options, global_rank=world.rank,
+                       record=lambda pg: world.add(pg, info))
+
+
+def build_group(backend: str, store: Store, global_ranks: tuple[int, ...], group_rank: int,
+                name: str, timeout: timedelta, pg_options: Any = None, *,
+                global_rank: int | None = None,
+                record: Callable[[ProcessGroup], None] | None = None) -> ProcessGroup:
+    """Build this process's member of a group: the backend's group on ``store`` (private to the
+    group), wrapped by the plugins (the debug plugin at DETAIL), once every member has built
+    its side; then ``record`` it and announce it to the plugins. Blocks up to ``timeout`` for
+    the other members.
+
+    The one path every group takes: the world's groups (:func:`init_process_group`,
+    :func:`new_group`) and the groups torch.distributed builds over a ``plugdist_*`` backend
+    (:mod:`plugdist.torch_bridge`), which plugdist's world does not record.
+    """
+    me = group_rank if global_rank is None else global_rank
     options = GroupOptions(group_name=name, timeout=timeout, global_ranks=global_ranks,
                            backend_options=pg_options)
     factory = registry.load(BACKENDS, backend)
     try:
-        pg = factory(PrefixStore("backend", base), group_rank, len(global_ranks), options)
+        pg = factory(PrefixStore("backend", store), group_rank, len(global_ranks), options)
     except DistError:
         raise
     except Exception as err:
-        raise DistError(f"{where(rank=world.rank, group=name, backend=backend)} could not create "
+        raise DistError(f"{where(rank=me, group=name, backend=backend)} could not create "
                         f"the group: {type(err).__name__}: {err}") from err
     level = get_debug_level()
-    pg = registry.wrap_group(pg, store=PrefixStore("debug", base), debug_level=level)
+    pg = registry.wrap_group(pg, store=PrefixStore("debug", store), debug_level=level)
     _warn_if_detail_unserved(level)
-    info = GroupInfo(name=name, backend=backend, global_ranks=global_ranks, store=base,
-                     timeout=timeout)
-    world.add(pg, info)
     try:
-        _store_barrier(base, "created", group_rank, len(global_ranks), timeout, name)
+        _store_barrier(store, "created", group_rank, len(global_ranks), timeout, name)
     except BaseException:
-        world.remove(pg)
         pg.shutdown()
         raise
+    if record is not None:
+        record(pg)
     registry.plugins().hook.plugdist_group_created(group=pg, global_ranks=global_ranks,
                                                    backend=backend)
     return pg
@@ -287,6 +340,11 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         return
     hook = registry.plugins().hook
     if group is None or group is world.default:
+        if world.torch_default is not None:
+            from . import torch_bridge
+
+            torch_bridge.release_world(world.torch_default)
+            world.torch_default = None
         for pg in reversed(world.members()):
             hook.plugdist_group_destroyed(group=pg)
             pg.shutdown()

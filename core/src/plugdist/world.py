@@ -60,6 +60,8 @@ class World:
             self.groups: dict[int, tuple[ProcessGroup, GroupInfo]] = {}
             self.group_count = 0
             self.owned_store = False
+            # torch's default group while it runs over ours (plugdist.torch_bridge.share_world)
+            self.torch_default: Any = None
 
     @property
     def initialized(self) -> bool:

@@ -1,0 +1,275 @@
+"""Benchmark: torch.distributed over plugdist backends (``plugdist_*``), against torch's own Gloo.
+
+Every comparison runs both sides in the same processes, interleaved chunk by chunk (alternating
+which goes first) so that both see the same machine load; 2 ranks, 1 intra-op thread each.
+
+    python benchmarks/bridge_bench.py                  # every part
+    python benchmarks/bridge_bench.py --parts allreduce,overhead -e 1M
+
+Parts:
+  allreduce  torch.distributed.all_reduce over plugdist_mpi vs over torch's gloo, 8 B .. 64 MiB
+             (mpiexec; torch's default group is plugdist's MPI world, gloo a torch subgroup)
+  overhead   the bridge's own cost: torch.distributed.all_reduce over plugdist_gloo vs
+             plugdist.all_reduce on the very same plugdist gloo group
+  ddp        torch DDP iteration on 8 x Linear(1024) + ReLU, batch 32: plugdist_mpi vs gloo
+  fsdp       the same model under FSDP2 (fully_shard per Linear and the root)
+  import     what the torch.backends entry point adds to ``import torch``
+
+Times are the best chunk's median per op (or iteration); ratio is the median over chunks of
+ours/theirs measured back to back (below 1: ours is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+PARTS = ("allreduce", "overhead", "ddp", "fsdp", "import")
+_CHUNKS = 6
+
+
+def _sizes(lo: int, hi: int, factor: int) -> list[int]:
+    out, n = [], lo
+    while n < hi:
+        out.append(n)
+        n *= factor
+    return out + [hi]
+
+
+def _parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+
+
+def _interleaved(sides: dict[str, Callable[[], None]], iters: int, barrier: Callable[[], None],
+                 chunks: int = _CHUNKS) -> dict[str, Any]:
+    """Per side: the best chunk's median time of one call; ratio of the first side to the
+    second as the median of chunk-by-chunk ratios."""
+    names = list(sides)
+    for fn in sides.values():  # warm-up
+        for _ in range(3):
+            fn()
+    med: dict[str, list[float]] = {n: [] for n in names}
+    for c in range(chunks):
+        for name in (names if c % 2 == 0 else names[::-1]):
+            fn = sides[name]
+            barrier()
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            med[name].append(statistics.median(times))
+    out: dict[str, Any] = {n: min(v) for n, v in med.items()}
+    if len(names) >= 2:
+        out["ratio"] = statistics.median(a / b for a, b in zip(med[names[0]], med[names[1]],
+                                                               strict=True))
+    return out
+
+
+def _iters(nbytes: int) -> int:
+    return max(5, min(400, int(20e6 / max(nbytes, 1))))
+
+
+# -- rank bodies (run by plugdist.testing.run_world) -------------------------------------------
+def allreduce_rank(rank: int, n: int, sizes: list[int]) -> list[dict[str, Any]]:
+    """Under mpiexec, plugdist's MPI world (the harness's init) is torch's default group."""
+    import torch
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    gloo = tdist.new_group(backend="gloo")
+    rows = []
+    for nbytes in sizes:
+        t = torch.ones(max(1, nbytes // 4))
+        res = _interleaved({"plugdist_mpi": lambda t=t: tdist.all_reduce(t),
+                            "gloo": lambda t=t: tdist.all_reduce(t, group=gloo)},
+                           _iters(nbytes), tdist.barrier)
+        rows.append({"bytes": nbytes, **res})
+    return rows
+
+
+def overhead_rank(rank: int, n: int, sizes: list[int]) -> list[dict[str, Any]]:
+    """plugdist's gloo world (the harness's init) is torch's default group: the same group
+    called through torch (the bridge) and through plugdist's frontend."""
+    import plugdist
+    import torch
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    rows = []
+    for nbytes in sizes:
+        t = torch.ones(max(1, nbytes // 4))
+        res = _interleaved({"torch_over_bridge": lambda t=t: tdist.all_reduce(t),
+                            "plugdist": lambda t=t: plugdist.all_reduce(t),
+                            "torch_async_wait": lambda t=t: tdist.all_reduce(
+                                t, async_op=True).wait()},
+                           4 * _iters(nbytes), plugdist.barrier)
+        rows.append({"bytes": nbytes, **res})
+    return rows
+
+
+def overhead_in_process(sizes: list[int]) -> list[dict[str, Any]]:
+    """The same comparison in a world of one (this process): no peer, no network, so what is
+    left is the per-op cost of each route in Python and C++."""
+    import plugdist
+    import torch
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    plugdist.init_process_group("gloo", store=plugdist.HashStore(), rank=0, world_size=1)
+    try:
+        rows = overhead_rank(0, 1, sizes)
+    finally:
+        plugdist.destroy_process_group()
+    if tdist.is_initialized():
+        raise RuntimeError("torch's default group outlived plugdist's world")
+    return rows
+
+
+def _reference_mlp(layers: int = 8, width: int = 1024) -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*mods)
+
+
+def training_rank(rank: int, n: int, kind: str, iters: int) -> dict[str, Any]:
+    """DDP or FSDP2 iterations on the reference MLP over plugdist_mpi (torch's default group)
+    and over a torch gloo group."""
+    import torch
+    import torch.distributed as tdist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    groups = {"plugdist_mpi": tdist.group.WORLD, "gloo": tdist.new_group(backend="gloo")}
+    x, y = torch.randn(32, 1024), torch.randn(32, 1024)
+    steps = {}
+    for name, group in groups.items():
+        model = _reference_mlp()
+        if kind == "ddp":
+            net = torch.nn.parallel.DistributedDataParallel(model, process_group=group)
+        else:
+            mesh = DeviceMesh.from_group(group, "cpu")
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            net = fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(net.parameters(), lr=1e-4)
+
+        def step(net: Any = net, opt: Any = opt) -> None:
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+
+        steps[name] = step
+    return _interleaved(steps, iters, tdist.barrier, chunks=4)
+
+
+# -- import cost ----------------------------------------------------------------------------------
+# run with PLUGDIST_TORCH_BACKENDS=0, so that import torch skipped the entry point
+_ENTRY_COST = ("import os, time\n"
+               "import torch\n"
+               "del os.environ['PLUGDIST_TORCH_BACKENDS']\n"
+               "t0 = time.perf_counter()\n"
+               "import _plugdist_torch_autoload as a\n"
+               "a.autoload()\n"
+               "print(time.perf_counter() - t0)\n")
+
+
+def import_cost(runs: int) -> dict[str, float]:
+    """The entry point's own time (run by hand after ``import torch`` with the automatic run
+    switched off), and ``import torch`` wall time with and without it (alternating)."""
+    py = sys.executable
+    off = {**os.environ, "PLUGDIST_TORCH_BACKENDS": "0"}
+    entry = []
+    for _ in range(runs):
+        out = subprocess.run([py, "-c", _ENTRY_COST], env=off, capture_output=True, text=True,
+                             check=True)
+        entry.append(float(out.stdout.strip()))
+    walls: dict[str, list[float]] = {"on": [], "off": []}
+    for i in range(2 * runs):
+        which = "on" if i % 2 == 0 else "off"
+        env = {**os.environ} if which == "on" else off
+        t0 = time.perf_counter()
+        subprocess.run([py, "-c", "import torch"], env=env, check=True)
+        walls[which].append(time.perf_counter() - t0)
+    return {"entry_point_ms": 1e3 * statistics.median(entry),
+            "import_torch_on_ms": 1e3 * statistics.median(walls["on"]),
+            "import_torch_off_ms": 1e3 * statistics.median(walls["off"])}
+
+
+# -- driver ---------------------------------------------------------------------------------------
+def _table(rows: list[dict[str, Any]], ours: str, theirs: str) -> str:
+    """speed-up: theirs / ours of the best chunks; paired: the same from the median of the
+    back-to-back chunk ratios (steadier when the machine's load drifts)."""
+    lines = [f"{'size(B)':>10} {ours + '(us)':>18} {theirs + '(us)':>14} {'speed-up':>9} "
+             f"{'paired':>8}"]
+    for r in rows:
+        lines.append(f"{r['bytes']:>10} {1e6 * r[ours]:>18.1f} {1e6 * r[theirs]:>14.1f} "
+                     f"{r[theirs] / r[ours]:>8.1f}x {1 / r['ratio']:>7.1f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("-b", "--minbytes", default="8")
+    p.add_argument("-e", "--maxbytes", default="64M")
+    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("--train-iters", type=int, default=10, help="timed iterations per chunk")
+    p.add_argument("--import-runs", type=int, default=10)
+    args = p.parse_args(argv)
+    parts = args.parts.split(",")
+    import bridge_bench  # ranks import this module by its real name
+    from plugdist.testing import run_world
+
+    sizes = _sizes(_parse_size(args.minbytes), _parse_size(args.maxbytes), args.stepfactor)
+    if "allreduce" in parts:
+        rows = run_world(bridge_bench.allreduce_rank, 2, backend="mpi", args=(sizes,),
+                         timeout=1800)[0]
+        print("torch.distributed.all_reduce over plugdist_mpi vs torch's gloo (2 ranks)")
+        print(_table(rows, "plugdist_mpi", "gloo"), flush=True)
+    if "overhead" in parts:
+        small = [s for s in sizes if s <= 64 << 10] or sizes[:1]
+        rows = run_world(bridge_bench.overhead_rank, 2, backend="gloo", args=(small,),
+                         timeout=1800)[0]
+        for title, got in (("2 ranks", rows), ("1 rank, in this process: no network",
+                                                overhead_in_process(small))):
+            print(f"\nthe bridge's cost: torch.distributed.all_reduce over plugdist_gloo vs "
+                  f"plugdist.all_reduce, same group ({title})")
+            print(f"{'size(B)':>10} {'torch->bridge(us)':>18} {'async+wait(us)':>15} "
+                  f"{'plugdist(us)':>13} {'bridge cost(us)':>16}")
+            for r in got:
+                print(f"{r['bytes']:>10} {1e6 * r['torch_over_bridge']:>18.1f} "
+                      f"{1e6 * r['torch_async_wait']:>15.1f} {1e6 * r['plugdist']:>13.1f} "
+                      f"{1e6 * (r['torch_over_bridge'] - r['plugdist']):>16.1f}", flush=True)
+    for kind in ("ddp", "fsdp"):
+        if kind in parts:
+            res = run_world(bridge_bench.training_rank, 2, backend="mpi",
+                            args=(kind, args.train_iters), timeout=1800)[0]
+            print(f"\ntorch {kind.upper()} iteration, 8 x Linear(1024), batch 32, 2 ranks x 1 "
+                  f"thread: plugdist_mpi {1e3 * res['plugdist_mpi']:.2f} ms, torch's gloo "
+                  f"{1e3 * res['gloo']:.2f} ms; time ratio {res['plugdist_mpi'] / res['gloo']:.3f} "
+                  f"(best), {res['ratio']:.3f} (paired)", flush=True)
+    if "import" in parts:
+        res = import_cost(args.import_runs)
+        print(f"\nimport torch: the plugdist entry point takes {res['entry_point_ms']:.2f} ms "
+              f"(median of {args.import_runs}); import torch wall {res['import_torch_on_ms']:.0f} "
+              f"ms with it, {res['import_torch_off_ms']:.0f} ms with PLUGDIST_TORCH_BACKENDS=0",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

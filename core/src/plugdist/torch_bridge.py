@@ -1,0 +1,550 @@
+"""plugdist's groups seen as torch.distributed process groups: the ``plugdist_*`` backends.
+
+Every installed plugdist backend ``X`` is registered with torch.distributed as ``plugdist_X``
+(on ``import torch``, through the ``torch.backends`` entry point: see
+:mod:`_plugdist_torch_autoload`; or explicitly with :func:`register`). When torch builds a group
+of it (``init_process_group``, ``new_group``, ``init_device_mesh``), :func:`create_group` builds a
+plugdist group of the same ranks through plugdist's own group-building path (so plugins such as
+the debug wrapper apply) and hands torch a :class:`BridgeGroup` over it.
+
+The bridge translates and owns no communication: each op torch calls becomes one call of
+plugdist's public :class:`~plugdist.ProcessGroup` API, and returns at once with a
+:class:`BridgeWork` whose ``wait`` is plugdist's ``Work.wait`` (bounded by the group's timeout;
+errors name rank, group, op and backend) and whose future completes when plugdist's Work does.
+
+The other direction, :func:`share_world`: ``plugdist.init_process_group`` makes torch's default
+group a BridgeGroup over plugdist's default group, so libraries that ask torch.distributed see
+the world the script built (see docs/torch.md).
+
+The shape torch expects: a Python subclass of torch's ``ProcessGroup`` (the ``Backend`` class
+has no Python constructor in torch 2.x) that also answers ``getGroupName``/``setGroupName``, since
+torch keeps a group's name on its backends and a Python group has none; without them FSDP2 and
+functional collectives fail with "ProcessGroup name not set".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import _plugdist_torch_autoload as autoload
+import torch
+import torch.distributed as tdist
+from torch._C import _distributed_c10d as c10d
+
+from .errors import DistError, DistStoreError, DistTimeoutError, where
+from .groups import build_group
+from .process_group import ProcessGroup
+from .reduce_op import ReduceOp
+from .registry import BACKENDS, registry
+from .store import Store
+from .store.api import to_bytes
+from .work import Work, gather_works
+
+__all__ = ["register", "create_group", "BridgeGroup", "BridgeWork", "share_world",
+           "release_world", "torch_name", "PREFIX", "ENV_SWITCH"]
+
+PREFIX = autoload.PREFIX
+ENV_SWITCH = autoload.ENV_SWITCH  # "0" keeps ``import torch`` from registering plugdist_* names
+
+# torch's classes typed as Any: the bridge overrides their methods with torch's Python-side
+# signatures (tensor lists, options objects), which its C++ stubs spell differently
+_TorchProcessGroup: Any = c10d.ProcessGroup
+_TorchWork: Any = c10d.Work
+_TorchStore: Any = tdist.Store
+_RED: Any = c10d.ReduceOp.RedOpType
+_REDUCE_OPS = {_RED.SUM: ReduceOp.SUM, _RED.AVG: ReduceOp.AVG, _RED.PRODUCT: ReduceOp.PRODUCT,
+               _RED.MIN: ReduceOp.MIN, _RED.MAX: ReduceOp.MAX, _RED.BAND: ReduceOp.BAND,
+               _RED.BOR: ReduceOp.BOR, _RED.BXOR: ReduceOp.BXOR}
+
+
+def torch_name(backend: str) -> str:
+    """The torch.distributed name of plugdist backend ``backend``: ``plugdist_<backend>``."""
+    return PREFIX + backend.lower()
+
+
+def register(names: Sequence[str] | None = None) -> list[str]:
+    """Register ``plugdist_<name>`` with torch.distributed for each of ``names`` (default: every
+    plugdist backend, installed or registered at runtime with ``plugdist.Backend``). Returns the
+    torch names. Idempotent; imports no plugin. What ``import torch`` does unless
+    ``PLUGDIST_TORCH_BACKENDS=0``."""
+    return autoload.register(registry.names(BACKENDS) if names is None else names)
+
+
+# -- groups torch builds ----------------------------------------------------------------------
+class _Adopting(threading.local):
+    """Per thread: the plugdist group that the torch group being built must wrap (share_world)."""
+
+    group: ProcessGroup | None = None
+
+
+_adopting = _Adopting()
+
+
+def create_group(backend: str, backend_options: Any, pg_options: Any = None) -> BridgeGroup:
+    """torch's factory for ``plugdist_<backend>`` (``extended_api``: ``backend_options`` is
+    torch's ``_DistributedBackendOptions``). Builds plugdist's group of the same ranks on torch's
+    store, blocking until every member built it (bounded by the group's timeout)."""
+    factory = registry.load(BACKENDS, backend)  # a broken plugin is reported here, by name
+    _learn_devices(backend, factory)
+    adopted = _adopting.group
+    if adopted is not None and not backend_options.global_ranks_in_group:
+        _adopting.group = None
+        return BridgeGroup(adopted, backend, owned=False, name=backend_options.group_id)
+    size = backend_options.group_size
+    global_ranks = tuple(backend_options.global_ranks_in_group) or tuple(range(size))
+    timeout = backend_options.timeout
+    pg = build_group(backend, TorchStoreView(backend_options.store, timeout), global_ranks,
+                     backend_options.group_rank, f"torch:{backend_options.group_id}", timeout,
+                     pg_options, global_rank=global_ranks[backend_options.group_rank])
+    return BridgeGroup(pg, backend, owned=True, name=backend_options.group_id)
+
+
+def _learn_devices(backend: str, factory: Any) -> None:
+    """Replace the provisional device list of the torch name with the backend's own."""
+    devices = list(getattr(factory, "device_types", autoload.PROVISIONAL_DEVICES))
+    tdist.Backend.backend_capability[torch_name(backend)] = devices
+
+
+class BridgeGroup(_TorchProcessGroup):
+    """A plugdist group as torch.distributed sees it.
+
+    Each op torch calls (with its list-of-tensors arguments and options objects; ranks are group
+    ranks) is one call of the plugdist group's public API, issued at once; it returns a
+    :class:`BridgeWork` and never blocks. Thread-safety and ordering are the plugdist group's:
+    every member issues the same ops in the same order. ``owned`` groups (built by torch) are
+    shut down with torch's; a shared one (plugdist's default group) is left to plugdist.
+    """
+
+    def __init__(self, group: ProcessGroup, backend: str, *, owned: bool, name: str = "") -> None:
+        super().__init__(group.rank(), group.size())
+        self.plugdist_group = group
+        self._backend = torch_name(backend)
+        self._owned = owned
+        self._name = name
+        self._desc = ""
+        self._coalesced: list[Work] | None = None
+
+    # -- identity: what torch keeps on a group's backends, kept here -------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - torch's C++ names, looked up by its binding
+        return self._backend
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._desc = desc
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device(d) for d in self.plugdist_group.capabilities().device_types]
+
+    def __repr__(self) -> str:
+        return (f"<BridgeGroup {self._backend} torch group {self._name!r} over "
+                f"{self.plugdist_group!r}>")
+
+    def shutdown(self) -> None:
+        """torch's destroy_process_group: shut the plugdist group down if torch built it."""
+        if self._owned:
+            self._owned = False
+            registry.plugins().hook.plugdist_group_destroyed(group=self.plugdist_group)
+            self.plugdist_group.shutdown()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    # -- translation helpers -------------------------------------------------------------------
+    def _reduction(self, opts: Any, op_name: str) -> ReduceOp:
+        red = getattr(opts, "reduceOp", opts)
+        red = getattr(red, "op", red)  # a torch ReduceOp object holds its RedOpType in .op
+        found = _REDUCE_OPS.get(red)
+        if found is None:
+            raise ValueError(f"{self._where(op_name)} "
+                             f"{red} is not supported through the plugdist bridge (PREMUL_SUM "
+                             f"included): multiply the tensor by the factor yourself and use "
+                             f"ReduceOp.SUM")
+        return found
+
+    def _where(self, op: str | None = None) -> str:
+        pg = self.plugdist_group
+        return where(rank=pg.rank(), group=pg.group_name, op=op, backend=self._backend)
+
+    def _work(self, work: Work, outputs: list[torch.Tensor]) -> BridgeWork:
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return BridgeWork(work, outputs)
+
+    # -- collectives ---------------------------------------------------------------------------
+    def allreduce(self, tensors: Any, opts: Any = None) -> BridgeWork:
+        tensors = _as_list(tensors)
+        red = self._reduction(opts, "all_reduce") if opts is not None else ReduceOp.SUM
+        if len(tensors) == 1:
+            return self._work(self.plugdist_group.all_reduce(tensors[0], red), tensors)
+        return self._gathered([self.plugdist_group.all_reduce(t, red) for t in tensors], tensors,
+                              "all_reduce")
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
+        red = self._reduction(opts, "all_reduce_coalesced") if opts is not None else ReduceOp.SUM
+        from .collectives import all_reduce_coalesced
+
+        work = all_reduce_coalesced(list(tensors), red, group=self.plugdist_group, async_op=True)
+        assert work is not None  # a plugdist group (not a non-member handle) always gives one
+        return self._work(work, list(tensors))
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> BridgeWork:
+        tensors = _as_list(tensors)
+        root = opts.rootRank if opts is not None else 0
+        return self._work(self.plugdist_group.broadcast(tensors[0], root), tensors)
+
+    def reduce(self, tensors: Any, opts: Any = None) -> BridgeWork:
+        tensors = _as_list(tensors)
+        red = self._reduction(opts, "reduce") if opts is not None else ReduceOp.SUM
+        root = opts.rootRank if opts is not None else 0
+        return self._work(self.plugdist_group.reduce(tensors[0], root, red), tensors)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: Any,
+                  opts: Any = None) -> BridgeWork:
+        inputs = _as_list(input_tensors)
+        return self._work(self.plugdist_group.all_gather(output_tensors[0], inputs[0]),
+                          list(output_tensors[0]))
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            input_tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
+        pg = self.plugdist_group
+        works = [pg.all_gather([outs[i] for outs in output_lists], t)
+                 for i, t in enumerate(input_tensors)]
+        return self._gathered(works, [t for outs in output_lists for t in outs],
+                              "all_gather_coalesced")
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
+                        opts: Any = None) -> BridgeWork:
+        return self._work(self.plugdist_group.all_gather_into_tensor(output, input), [output])
+
+    all_gather_single = _allgather_base
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> BridgeWork:
+        pg = self.plugdist_group
+        works = [pg.all_gather_into_tensor(o, i) for o, i in zip(outputs, inputs, strict=True)]
+        return self._gathered(works, list(outputs), "all_gather_into_tensor_coalesced")
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: Any,
+               opts: Any = None) -> BridgeWork:
+        inputs = _as_list(input_tensors)
+        root = opts.rootRank if opts is not None else 0
+        gather_list = list(output_tensors[0]) if output_tensors else None
+        return self._work(self.plugdist_group.gather(inputs[0], gather_list, root),
+                          gather_list or [])
+
+    def scatter(self, output_tensors: Any, input_tensors: list[list[torch.Tensor]],
+                opts: Any = None) -> BridgeWork:
+        outputs = _as_list(output_tensors)
+        root = opts.rootRank if opts is not None else 0
+        scatter_list = list(input_tensors[0]) if input_tensors else None
+        return self._work(self.plugdist_group.scatter(outputs[0], scatter_list, root), outputs)
+
+    def reduce_scatter(self, output_tensors: Any, input_tensors: list[list[torch.Tensor]],
+                       opts: Any = None) -> BridgeWork:
+        outputs = _as_list(output_tensors)
+        red = self._reduction(opts, "reduce_scatter") if opts is not None else ReduceOp.SUM
+        return self._work(self.plugdist_group.reduce_scatter(outputs[0], input_tensors[0], red),
+                          outputs)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: Any = None) -> BridgeWork:
+        red = self._reduction(opts, "reduce_scatter_tensor") if opts is not None else ReduceOp.SUM
+        return self._work(self.plugdist_group.reduce_scatter_tensor(output, input, red), [output])
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any = None) -> BridgeWork:
+        red = (self._reduction(opts, "reduce_scatter_tensor_coalesced") if opts is not None
+               else ReduceOp.SUM)
+        pg = self.plugdist_group
+        works = [pg.reduce_scatter_tensor(o, i, red) for o, i in zip(outputs, inputs, strict=True)]
+        return self._gathered(works, list(outputs), "reduce_scatter_tensor_coalesced")
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> BridgeWork:
+        return self._work(self.plugdist_group.all_to_all(output_tensors, input_tensors),
+                          list(output_tensors))
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
+                      opts: Any = None) -> BridgeWork:
+        work = self.plugdist_group.all_to_all_single(
+            output, input, list(output_split_sizes) or None, list(input_split_sizes) or None)
+        return self._work(work, [output])
+
+    all_to_all_single = alltoall_base
+
+    def barrier(self, opts: Any = None) -> BridgeWork:
+        return self._work(self.plugdist_group.barrier(), [])
+
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
+        """plugdist's monitored barrier where plugdist's world knows the group (it names the
+        ranks that did not arrive), else a barrier bounded by the timeout."""
+        from .collectives import monitored_barrier
+        from .world import world
+
+        timeout = getattr(opts, "timeout", None)
+        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+            timeout = None
+        pg = self.plugdist_group
+        if id(pg) in world.groups:
+            monitored_barrier(pg, timeout=timeout, wait_all_ranks=wait_all_ranks)
+        else:
+            pg.barrier().wait(timeout)
+
+    # -- point to point --------------------------------------------------------------------------
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> BridgeWork:
+        tensors = _as_list(tensors)
+        return self._work(self.plugdist_group.send(tensors[0], dst, tag), tensors)
+
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> BridgeWork:
+        tensors = _as_list(tensors)
+        return self._work(self.plugdist_group.recv(tensors[0], src, tag), tensors)
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> BridgeWork:
+        tensors = _as_list(tensors)
+        return self._work(self.plugdist_group.recv(tensors[0], None, tag), tensors)
+
+    # -- coalescing (torch's _coalescing_manager) ----------------------------------------------
+    def start_coalescing(self, device: Any = None) -> None:
+        """Ops issued until ``end_coalescing`` run as usual; their works are gathered into one."""
+        if self._coalesced is not None:
+            raise RuntimeError(f"{self._where('start_coalescing')} coalescing is already "
+                               f"started on this group")
+        self._coalesced = []
+
+    def end_coalescing(self, device: Any = None) -> BridgeWork:
+        works, self._coalesced = self._coalesced or [], None
+        return self._gathered(works, [], "coalesced")
+
+    _start_coalescing = start_coalescing
+    _end_coalescing = end_coalescing
+
+    def _gathered(self, works: list[Work], outputs: list[torch.Tensor], op: str) -> BridgeWork:
+        pg = self.plugdist_group
+        work = gather_works(works, outputs, op=op, rank=pg.rank(), group=pg.group_name,
+                            backend=pg.backend_name, timeout=pg.timeout)
+        return self._work(work, outputs)
+
+
+def _as_list(tensors: Any) -> list[torch.Tensor]:
+    return [tensors] if isinstance(tensors, torch.Tensor) else tensors
+
+
+_FUTURE_LOCK = threading.Lock()
+
+
+class BridgeWork(_TorchWork):
+    """A plugdist Work as torch sees it.
+
+    ``wait`` is plugdist's (bounded by the group's timeout, or ``timeout`` when positive;
+    raises plugdist's error naming rank, group, op and backend). ``get_future`` is a
+    ``torch.futures.Future`` completed with the op's output tensors (or its error) when
+    plugdist's Work completes, made on first request. Thread-safe as plugdist's Work is.
+    """
+
+    def __init__(self, work: Work, outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.plugdist_work = work
+        self._outputs = outputs
+        self._future: torch.futures.Future | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if isinstance(timeout, timedelta) and timeout <= timedelta(0):
+            timeout = None  # torch's "no timeout given": the group's applies
+        return self.plugdist_work.wait(timeout)
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def is_completed(self) -> bool:
+        return self.plugdist_work.is_completed()
+
+    def is_success(self) -> bool:
+        return self.plugdist_work.is_success()
+
+    def exception(self) -> BaseException | None:
+        return self.plugdist_work.exception()
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def _source_rank(self) -> int:
+        return self.plugdist_work.source_rank()
+
+    def source_rank(self) -> int:
+        return self.plugdist_work.source_rank()
+
+    def get_future(self) -> torch.futures.Future:
+        fut = self._future
+        if fut is not None:
+            return fut
+        with _FUTURE_LOCK:  # one lock for all: a future is made once per Work at most
+            if self._future is None:
+                self._future = self._make_future()
+            return self._future
+
+    def _make_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        work, outputs = self.plugdist_work, self._outputs
+
+        def done(_inner: torch.futures.Future) -> None:
+            exc = work.exception()
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(outputs)
+
+        work.get_future().add_done_callback(done)
+        return fut
+
+
+# -- stores, both ways ------------------------------------------------------------------------
+class TorchStoreView(Store):
+    """A ``torch.distributed.Store`` through plugdist's :class:`~plugdist.store.Store` interface,
+    for the plugdist group a torch-built group runs on. torch's timeout errors become
+    ``DistTimeoutError``, its other store errors ``DistStoreError``."""
+
+    def __init__(self, store: Any, timeout: timedelta) -> None:
+        super().__init__(timeout)
+        self.torch_store = store
+
+    def set(self, key: str, value: bytes | str) -> None:
+        with _store_errors(key):
+            self.torch_store.set(key, to_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        with _store_errors(key):
+            return bytes(self.torch_store.get(key))
+
+    def add(self, key: str, amount: int) -> int:
+        with _store_errors(key):
+            return int(self.torch_store.add(key, int(amount)))
+
+    def compare_set(self, key: str, expected_value: bytes | str,
+                    desired_value: bytes | str) -> bytes:
+        with _store_errors(key):
+            return bytes(self.torch_store.compare_set(key, to_bytes(expected_value),
+                                                      to_bytes(desired_value)))
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        with _store_errors(", ".join(keys)):
+            self.torch_store.wait(list(keys), timeout if timeout is not None else self.timeout)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        with _store_errors(", ".join(keys)):
+            return bool(self.torch_store.check(list(keys)))
+
+    def num_keys(self) -> int:
+        with _store_errors("*"):
+            return int(self.torch_store.num_keys())
+
+    def delete_key(self, key: str) -> bool:
+        with _store_errors(key):
+            return bool(self.torch_store.delete_key(key))
+
+
+@contextlib.contextmanager
+def _store_errors(keys: str) -> Iterator[None]:
+    """torch's store errors as plugdist's: timeouts as DistTimeoutError, the rest DistStoreError."""
+    try:
+        yield
+    except DistError:
+        raise
+    except RuntimeError as err:
+        text = str(err)
+        cls = DistTimeoutError if "timeout" in text.lower() else DistStoreError
+        raise cls(f"torch store, keys {keys}: {text}") from err
+
+
+class PlugdistStoreForTorch(_TorchStore):
+    """A plugdist :class:`~plugdist.store.Store` through torch's ``Store`` interface: the store
+    of torch's default group when plugdist's world is shared with torch (:func:`share_world`).
+    Called from C++ on any thread; blocking calls are bounded by the given timeout, else the
+    plugdist store's."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__()
+        self.store = store
+        _TorchStore.set_timeout(self, store.timeout)
+
+    def set(self, key: str, value: Any) -> None:
+        self.store.set(key, _bytes(value))
+
+    def get(self, key: str) -> bytes:
+        return self.store.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        return self.store.add(key, int(value))
+
+    def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
+        return self.store.compare_set(key, _bytes(expected_value), _bytes(desired_value))
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        self.store.wait(list(keys), timeout)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self.store.check(list(keys))
+
+    def num_keys(self) -> int:
+        return self.store.num_keys()
+
+    def delete_key(self, key: str) -> bool:
+        return self.store.delete_key(key)
+
+    getNumKeys = num_keys  # noqa: N815 - the C++ names torch's binding looks up
+    deleteKey = delete_key  # noqa: N815
+
+
+def _bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+# -- plugdist's world as torch's ----------------------------------------------------------------
+def share_world(group: ProcessGroup, backend: str, store: Store, rank: int, world_size: int,
+                timeout: timedelta) -> Any:
+    """Make torch's default group a BridgeGroup over ``group`` (plugdist's default group);
+    returns it, or None when torch's default group already exists (then it is left alone).
+    Not collective beyond torch's own ``init_process_group`` (which, with a store, waits for no
+    one)."""
+    if not tdist.is_available() or tdist.is_initialized():
+        return None
+    autoload.register([backend])
+    torch_store = PlugdistStoreForTorch(store)
+    _adopting.group = group
+    try:
+        tdist.init_process_group(torch_name(backend), store=torch_store, rank=rank,
+                                 world_size=world_size, timeout=timeout)
+    finally:
+        _adopting.group = None
+    shared: Any = tdist.group.WORLD
+    # torch holds the store in C++ only; its Python methods live as long as this object does
+    shared.keepalive = torch_store
+    return shared
+
+
+def release_world(shared: Any) -> None:
+    """Undo :func:`share_world`: destroy torch's groups if torch's default group is still
+    ``shared`` (the user may have destroyed it already)."""
+    if shared is not None and tdist.is_initialized() and tdist.group.WORLD is shared:
+        tdist.destroy_process_group()

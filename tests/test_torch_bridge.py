@@ -1,0 +1,167 @@
+"""plugdist backends inside torch.distributed (``plugdist_*``), and plugdist's world seen by torch.
+
+Real worlds: every op, torch's DDP and FSDP2, DeviceMesh, over plugdist_gloo, plugdist_toy and
+plugdist_mpi (under mpiexec), each compared with torch's own Gloo in the same world on the same
+inputs. Bodies in tests/_torch_bridge_workers.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import _torch_bridge_workers as workers
+import pytest
+from plugdist.testing import run_world
+from plugdist.testing.harness import free_port, mpiexec_path
+
+HERE = Path(__file__).parent
+
+
+def _failures(results: list[dict[str, str | None]]) -> dict[str, str]:
+    return {f"rank {r} {name}": err for r, res in enumerate(results)
+            for name, err in res.items() if err is not None}
+
+
+@pytest.mark.timeout(300)
+def test_torch_first_world_of_2() -> None:
+    """torch alone over plugdist_gloo/plugdist_toy: every op, DDP (plain, bucket views, no_sync,
+    find_unused_parameters), FSDP2, DeviceMesh (2,), the device-map form; then plugdist's world
+    shared with torch, destroyed, opted out of, and re-initialized."""
+    ports = [free_port() for _ in range(6)]
+    results = run_world(workers.torch_first_suite, 2, timeout=280, args=(ports,))
+    assert len(results[0]) > 60 and results[0].keys() == results[1].keys()
+    assert not _failures(results), "\n".join(f"--- {k}\n{v}" for k, v in _failures(results).items())
+
+
+@pytest.mark.timeout(240)
+def test_every_op_in_a_world_of_3() -> None:
+    results = run_world(workers.ops_suite, 3, timeout=220, args=(free_port(),))
+    assert len(results[0]) > 50
+    assert not _failures(results), "\n".join(f"--- {k}\n{v}" for k, v in _failures(results).items())
+
+
+@pytest.mark.timeout(180)
+def test_device_mesh_2x2() -> None:
+    results = run_world(workers.mesh_2d_suite, 4, timeout=160, args=(free_port(),))
+    assert all(res == {"DeviceMesh (2, 2)": None} for res in results), _failures(results)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    shutil.which(mpiexec_path()) is None or importlib.util.find_spec("mpi4py") is None,
+    reason="needs mpi4py and mpiexec: pip install 'plugdist-mpi[mpich]'")
+def test_mpi_world_shared_with_torch() -> None:
+    results = run_world(workers.mpi_suite, 2, backend="mpi", timeout=280, group_timeout=60)
+    assert len(results[0]) > 50
+    assert not _failures(results), "\n".join(f"--- {k}\n{v}" for k, v in _failures(results).items())
+
+
+@pytest.mark.timeout(120)
+def test_dead_peer_fails_torch_wait_within_the_group_timeout() -> None:
+    results = run_world(workers.dead_peer, 2, timeout=100, args=(free_port(),),
+                        expect_errors=True)
+    out = results[0].value
+    assert results[0].ok and out is not None, results[0]
+    for backend, limit in (("plugdist_toy", 3), ("plugdist_gloo", 5)):
+        message, seconds = out[backend]
+        assert message != "no error", out
+        assert seconds < limit + 5, f"{backend}: error after {seconds:.1f}s: {message}"
+        for part in ("rank 0", "op all_reduce", "backend"):
+            assert part in message, f"{backend}: {message!r} lacks {part!r}"
+
+
+@pytest.mark.timeout(120)
+def test_debug_detail_checks_bridged_groups(tmp_path: Path) -> None:
+    env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "PLUGDIST_FLIGHT_RECORDER_DIR": str(tmp_path)}
+    results = run_world(workers.detail_suite, 2, timeout=100, args=(free_port(),), env=env)
+    assert all(len(res) == 3 for res in results) and not _failures(results), _failures(results)
+
+
+@pytest.mark.timeout(120)
+def test_script_launched_by_plugdist_run_sees_torch_world(tmp_path: Path) -> None:
+    launcher = Path(sys.executable).with_name("plugdist-run")
+    proc = subprocess.run([str(launcher), "--standalone", "--nproc-per-node", "2",
+                           str(HERE / "torch_scripts" / "sampler_script.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got == {"rank": rank, "world": 2, "indices": list(range(rank, 10, 2)), "sum": 3.0,
+                       "backend": "plugdist_gloo", "torch_after_destroy": False}, got
+
+
+# -- in one process -----------------------------------------------------------------------------
+def _python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_import_torch_registers_names_without_importing_plugins() -> None:
+    code = ("import sys, torch, torch.distributed as d\n"
+            "print(sorted(n for n in d.Backend.backend_list if n.startswith('plugdist_')))\n"
+            "mine = ('plugdist', 'plugdist_gloo', 'plugdist_mpi', 'plugdist_toy', 'mpi4py')\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in mine))\n")
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    names, imported = proc.stdout.splitlines()
+    assert {"plugdist_gloo", "plugdist_toy", "plugdist_mpi"} <= set(eval(names))
+    assert eval(imported) == []
+    off = _python(code, {"PLUGDIST_TORCH_BACKENDS": "0"})
+    assert off.returncode == 0 and off.stdout.splitlines()[0] == "[]", off.stdout + off.stderr
+
+
+def test_explicit_registration_of_a_runtime_backend() -> None:
+    code = ("import torch, torch.distributed as d, plugdist\n"
+            "from plugdist_toy import ToyProcessGroup\n"
+            "plugdist.Backend.register_backend('mytoy', ToyProcessGroup)\n"
+            "from plugdist.torch_bridge import register\n"
+            "print(register(['mytoy']), register(['mytoy']))\n"
+            "d.init_process_group('plugdist_mytoy', store=d.HashStore(), rank=0, world_size=1)\n"
+            "t = torch.ones(2); d.all_reduce(t, op=d.ReduceOp.AVG); print(t.tolist())\n"
+            "d.destroy_process_group()\n")
+    proc = _python(code, {"PLUGDIST_TORCH_BACKENDS": "0"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["['plugdist_mytoy'] ['plugdist_mytoy']", "[1.0, 1.0]"]
+
+
+def test_entry_point_turns_any_failure_into_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    import _plugdist_torch_autoload as autoload
+
+    def broken_metadata(**_kwargs: object) -> None:
+        raise OSError("unreadable metadata")
+
+    monkeypatch.setattr(autoload.importlib.metadata, "entry_points", broken_metadata)
+    with pytest.warns(RuntimeWarning, match="unreadable metadata.*PLUGDIST_TORCH_BACKENDS=0"):
+        autoload.autoload()
+
+
+@pytest.fixture(scope="module")
+def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--target", str(target),
+                    str(HERE / "plugins" / "plugdist-broken")], check=True, timeout=160)
+    return target
+
+
+@pytest.mark.timeout(200)
+def test_import_torch_survives_a_broken_plugin(broken_site: Path) -> None:
+    code = ("import torch, torch.distributed as d\n"
+            "print('plugdist_broken' in d.Backend.backend_list)\n"
+            "try:\n"
+            "    d.init_process_group('plugdist_broken', store=d.HashStore(), rank=0,\n"
+            "                         world_size=1)\n"
+            "except Exception as e:\n"
+            "    print('ERR', type(e).__name__, e)\n")
+    env = {"PYTHONPATH": f"{broken_site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = _python(code, env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("True\nERR "), proc.stdout
+    assert "failed to load" in proc.stdout
+    assert "plugdist_dependency_that_does_not_exist" in proc.stdout
