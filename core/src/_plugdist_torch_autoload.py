@@ -67,8 +67,13 @@ def register(names: Iterable[str] | None = None) -> list[str]:
     return done
 
 
+# The bridge is named here, not imported: it imports this module (for ``register``), and this
+# module must stay importable without plugdist. Loaded like any entry point, on first use.
+BRIDGE_FACTORY = "plugdist.torch_bridge:create_group"
+
+
 def _create(name: str, backend_options: Any, pg_options: Any) -> Any:
     """What torch calls to build a group of ``plugdist_<name>``: the first import of plugdist."""
-    from plugdist.torch_bridge import create_group
-
+    create_group = importlib.metadata.EntryPoint(
+        name=name, value=BRIDGE_FACTORY, group="torch.backends").load()
     return create_group(name, backend_options, pg_options)

@@ -41,7 +41,6 @@ from .debug_level import DebugLevel, get_debug_level, set_debug_level, set_debug
 from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError, DistTimeoutError
 from .groups import (
     GroupMember,
-    destroy_process_group,
     get_backend,
     get_default_backend_for_device,
     get_global_rank,
@@ -51,7 +50,6 @@ from .groups import (
     get_rank,
     get_world_size,
     group,
-    init_process_group,
     is_available,
     is_backend_available,
     is_gloo_available,
@@ -64,6 +62,7 @@ from .groups import (
     new_subgroups_by_enumeration,
     register_rendezvous_handler,
 )
+from .lifecycle import destroy_process_group, init_process_group
 from .object_collectives import (
     all_gather_object,
     broadcast_object_list,

@@ -23,7 +23,7 @@ from .store import PrefixStore, Store
 from .world import GroupInfo, NotInitializedError, world
 
 __all__ = [
-    "init_process_group", "destroy_process_group", "is_initialized", "is_available",
+    "init_world", "destroy", "is_initialized", "is_available",
     "new_group", "new_subgroups", "new_subgroups_by_enumeration", "get_rank", "get_world_size",
     "get_backend", "get_global_rank", "get_group_rank", "get_process_group_ranks",
     "get_node_local_rank", "is_backend_available", "is_gloo_available", "is_mpi_available",
@@ -135,10 +135,10 @@ def register_rendezvous_handler(scheme: str, handler: Any) -> None:
 
 
 # -- init / destroy -------------------------------------------------------------------------------
-def init_process_group(backend: str | None = None, init_method: str | None = None,
-                       timeout: timedelta | None = None, world_size: int = -1, rank: int = -1,
-                       store: Store | None = None, group_name: str = "", pg_options: Any = None,
-                       device_id: Any = None, torch_world: bool | None = None) -> None:
+def init_world(backend: str | None = None, init_method: str | None = None,
+               timeout: timedelta | None = None, world_size: int = -1, rank: int = -1,
+               store: Store | None = None, group_name: str = "", pg_options: Any = None,
+               device_id: Any = None) -> ProcessGroup:
     """Join the world: rendezvous, build the default group, wait until every rank has joined.
 
     Blocks until all ``world_size`` ranks called it (bounded by ``timeout``, default 30 min);
@@ -199,39 +199,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         world.reset()
         raise
     world.default = pg
-    if _wants_torch_world(torch_world):
-        _share_with_torch(pg, name, store, rank, world_size, timeout, explicit=bool(torch_world))
-    get_logger(rank=rank, group=pg.group_name).info("init_process_group", backend=name,
-                                                    world_size=world_size,
-                                                    torch_world=world.torch_default is not None)
-
-
-TORCH_WORLD_ENV = "PLUGDIST_TORCH_WORLD"
-
-
-def _wants_torch_world(arg: bool | None) -> bool:
-    if arg is not None:
-        return arg
-    return os.environ.get(TORCH_WORLD_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _share_with_torch(pg: ProcessGroup, backend: str, store: Store, rank: int, world_size: int,
-                      timeout: timedelta, explicit: bool) -> None:
-    """torch's default group over ``pg`` (see plugdist.torch_bridge.share_world). A failure is
-    an error when asked for explicitly, else a warning: the plugdist world works without it."""
-    try:
-        from . import torch_bridge  # needs torch built with distributed support
-
-        world.torch_default = torch_bridge.share_world(pg, backend, PrefixStore("torch", store),
-                                                       rank, world_size, timeout)
-    except Exception as err:
-        if explicit:
-            destroy_process_group()
-            raise
-        warnings.warn(f"{where(rank=rank, backend=backend)} torch.distributed could not be set "
-                      f"to run over plugdist's world ({type(err).__name__}: {err}); torch's "
-                      f"default group stays uninitialized. Pass torch_world=False or set "
-                      f"{TORCH_WORLD_ENV}=0 to skip this step", RuntimeWarning, stacklevel=3)
+    return pg
 
 
 def _build_group(backend: str, global_ranks: tuple[int, ...], name: str, timeout: timedelta,
@@ -333,18 +301,13 @@ def _leave() -> None:
                                             error=str(err))
 
 
-def destroy_process_group(group: ProcessGroup | None = None) -> None:
+def destroy(group: ProcessGroup | None = None) -> None:
     """Destroy ``group``, or (default) every group and the world. Not collective; releases
     sockets and threads. Afterwards ``init_process_group`` may be called again."""
     if group is _NON_MEMBER:
         return
     hook = registry.plugins().hook
     if group is None or group is world.default:
-        if world.torch_default is not None:
-            from . import torch_bridge
-
-            torch_bridge.release_world(world.torch_default)
-            world.torch_default = None
         for pg in reversed(world.members()):
             hook.plugdist_group_destroyed(group=pg)
             pg.shutdown()
