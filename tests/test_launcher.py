@@ -17,16 +17,16 @@ from pathlib import Path
 import pytest
 from plugdist.launcher import (
     LaunchConfig,
-    _split_argv,
     extract_traceback,
     free_port,
     is_launched,
     parse_args,
+    split_argv,
 )
 
 SCRIPTS = Path(__file__).parent / "launcher_scripts"
 WORKER = str(SCRIPTS / "launcher_worker.py")
-LAUNCHER = [sys.executable, "-m", "plugdist.launcher"]
+LAUNCHER = [sys.executable, "-m", "plugdist_run"]   # the console script's module: no torch
 
 
 def launch(*args: str, timeout: float = 60, env: dict[str, str] | None = None,
@@ -105,22 +105,62 @@ def _kill_leftovers(tmp_path: Path):
 @pytest.mark.timeout(30)
 def test_parse_args_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = parse_args(["--nproc-per-node", "3", "--standalone", WORKER, "--", "-m", "--nnodes"])
-    assert (cfg.nproc_per_node, cfg.nnodes, cfg.master_addr) == (3, 1, "127.0.0.1")
+    assert (cfg.nproc_per_node, cfg.nnodes, cfg.master_addr) == (3, 1, None)
     assert cfg.args == ("--", "-m", "--nnodes")       # everything after the script, untouched
-    assert cfg.master_port != 29500 and len(cfg.run_id) == 12
+    assert cfg.master_port is None and len(cfg.run_id) == 12 and cfg.standalone
     cfg = parse_args(["--nnodes=2", "--node_rank", "1", "--master-port", "1234", WORKER])
     assert (cfg.nnodes, cfg.node_rank, cfg.master_port, cfg.run_id) == (2, 1, 1234, "none")
-    assert cfg.world_size == 2 and cfg.global_rank(0) == 1
     assert parse_args(["-m", "pkg.mod", "x"]).command()[1:] == ["-m", "pkg.mod", "x"]
-    assert _split_argv(["--run-id", "r", "--", "-x.py", "a"],
-                       {"--run-id"}) == (["--run-id", "r"], ["-x.py", "a"])
+    assert split_argv(["--run-id", "r", "--", "-x.py", "a"],
+                      {"--run-id"}) == (["--run-id", "r"], ["-x.py", "a"])
+    # torchrun's flags, both spellings, torchrun's values
+    cfg = parse_args(["--nnodes", "1:3", "--rdzv_backend=c10d", "--rdzv-endpoint", "h:29400",
+                      "--rdzv_id", "job7", "--rdzv-conf", "join_timeout=5,last_call_timeout=0.5",
+                      "--max_restarts", "2", "--monitor-interval", "0.5", "--start_method",
+                      "fork", "--role", "trainer", "--log_dir", "/tmp/x", "-r", "0:3,1:1",
+                      "-t3", "--local-ranks-filter", "0,2", "--local_addr", "10.0.0.9",
+                      "--signals-to-handle", "SIGUSR1,TERM", "--shutdown-timeout", "2",
+                      "--no-rank-prefix", "--run-path", WORKER])
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.node_rank) == (1, 3, None)
+    assert (cfg.rdzv_backend, cfg.rdzv_endpoint, cfg.run_id) == ("c10d", "h:29400", "job7")
+    assert cfg.rdzv.join_timeout.total_seconds() == 5
+    assert cfg.rdzv.last_call_timeout.total_seconds() == 0.5
+    assert (cfg.max_restarts, cfg.monitor_interval.total_seconds(), cfg.role) == (2, 0.5,
+                                                                                 "trainer")
+    assert cfg.redirects.of(0) == 3 and cfg.redirects.of(1) == 1 and cfg.redirects.of(2) == 0
+    assert cfg.tee.of(5) == 3 and cfg.local_ranks_filter == {0, 2}
+    assert cfg.signals_to_handle == (signal.SIGUSR1, signal.SIGTERM)
+    assert cfg.grace_period.total_seconds() == 2 and not cfg.rank_prefix and cfg.run_path
+    assert parse_args(["--tee", "3", WORKER]).entrypoint == WORKER   # not a script named "3"
+    assert parse_args(["--nproc-per-node", "cpu", WORKER]).nproc_per_node == os.cpu_count()
+    env = {"PET_NPROC_PER_NODE": "3", "PET_MAX_RESTARTS": "4"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        cfg = parse_args([WORKER])
+    assert (cfg.nproc_per_node, cfg.max_restarts) == (3, 4)
 
     bad = {
         ("--standalone", "--nnodes", "2", WORKER): "--standalone is for a single node",
         ("--standalone", "--master-port", "5", WORKER): "drop --master-addr/--master-port",
         ("--nnodes", "2", "--node-rank", "2", WORKER): "--node-rank must be in [0, 1]",
         ("--nproc-per-node", "0", WORKER): "--nproc-per-node must be >= 1",
+        ("--nproc-per-node", "lots", WORKER): "not a number, auto, cpu or gpu",
         ("--grace-period", "-1", WORKER): "--grace-period must be >= 0",
+        ("--nnodes", "3:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", WORKER):
+            "MIN (3) is greater than MAX (2)",
+        ("--nnodes", "1:2", WORKER): "needs --rdzv-backend c10d",
+        ("--nnodes", "two", WORKER): "is not N or MIN:MAX",
+        ("--rdzv-backend", "c10d", WORKER): "needs --rdzv-endpoint",
+        ("--rdzv-backend", "c10d", "--rdzv-endpoint", "nohostport", WORKER): "is not HOST:PORT",
+        ("--rdzv_endpont", "h:1", WORKER): "unknown option --rdzv_endpont; did you mean "
+                                           "--rdzv_endpoint?",
+        ("--max-restart=2", WORKER): "did you mean --max-restarts?",
+        ("--rdzv-conf", "join_timeot=3", WORKER): "unknown key 'join_timeot'",
+        ("--rdzv-conf", "join_timeout=-3", WORKER): "join_timeout must be > 0",
+        ("--tee", "4", WORKER): "'4' is not one of 0",
+        ("--signals-to-handle", "SIGNOPE", WORKER): "unknown signal 'SIGNOPE'",
+        ("--max-restarts", "-1", WORKER): "--max-restarts must be >= 0",
         ("--nproc-per-node", "2",): "missing the script",
         ("no_such_script.py",): "script 'no_such_script.py' not found",
     }
@@ -162,26 +202,40 @@ def test_env_vars_args_and_tee(tmp_path: Path) -> None:
     res = launch("--standalone", "--nproc-per-node", "3", "--run-id", "run-env",
                  WORKER, str(tmp_path), "env", *args)
     assert res.returncode == 0, res.stderr
-    ports = set()
+    ports, tokens = set(), set()
     for rank in range(3):
         info = read_json(tmp_path / f"rank{rank}.json")
+        token = info["env"]["PLUGDIST_STORE_TOKEN"]
+        assert token and len(token) >= 32          # a fresh secret for this run
         env = info["env"]
         assert env == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3",
                        "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                       "ROLE_RANK": str(rank), "ROLE_NAME": "default", "ROLE_WORLD_SIZE": "3",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": env["MASTER_PORT"],
                        "PLUGDIST_RUN_ID": "run-env", "TORCHELASTIC_RUN_ID": "run-env",
-                       "PLUGDIST_LAUNCHED": "1", "OMP_NUM_THREADS": "1"}, rank
+                       "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                       "TORCHELASTIC_ERROR_FILE": env["TORCHELASTIC_ERROR_FILE"],
+                       "TORCHELASTIC_USE_AGENT_STORE": "False",
+                       "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "PLUGDIST_LAUNCHED": "1",
+                       "PLUGDIST_AGENT_STORE": env["PLUGDIST_AGENT_STORE"],
+                       "PLUGDIST_RDZV_ROUND": "0", "PLUGDIST_STORE_TOKEN": token,
+                       "OMP_NUM_THREADS": "1"}, rank
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"/attempt_0/{rank}/error.json")
+        assert env["PLUGDIST_AGENT_STORE"].startswith("127.0.0.1:")
+        assert env["PLUGDIST_AGENT_STORE"] != f"127.0.0.1:{env['MASTER_PORT']}"
+        tokens.add(token)
         assert info["argv"] == [str(tmp_path), "env", *args], rank
         ports.add(env["MASTER_PORT"])
         assert f"[rank {rank}] worker rank {rank} mode env up" in res.stdout.splitlines()
     assert len(ports) == 1 and int(ports.pop()) > 0   # one port, picked by --standalone
+    assert len(tokens) == 1 and tokens.pop() != os.environ.get("PLUGDIST_STORE_TOKEN")
 
 
 @pytest.mark.timeout(60)
 def test_module_mode_no_tee_and_exit_code(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(SCRIPTS), "OMP_NUM_THREADS": "3"}
     env.pop("PLUGDIST_RUN_ID", None)
-    res = launch("--nproc-per-node", "2", "--master-port", str(free_port()), "--no-tee",
+    res = launch("--nproc-per-node", "2", "--master-port", str(free_port()), "--no-rank-prefix",
                  "-m", "launcher_worker", str(tmp_path), "env", "exit=1:7", env=env)
     assert res.returncode == 7, res.stderr                 # the failed worker's exit code
     for rank in range(2):
@@ -268,7 +322,7 @@ def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
         for p in nodes:
             if p.poll() is None:
                 p.kill()
-    for p, (out, err) in zip(nodes, results):
+    for p, (_out, err) in zip(nodes, results, strict=True):
         assert p.returncode == 0, err
     for rank in range(4):
         info = read_json(tmp_path / f"rank{rank}.json")
