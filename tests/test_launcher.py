@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -344,4 +345,194 @@ def test_gloo_all_reduce_end_to_end(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     for rank in range(2):
         assert read_json(tmp_path / f"rank{rank}.json") == {
-            "rank": rank, "world": 2, "sum": 3.0, "launched": True}
+            "rank": rank, "world": 2, "sum": 3.0, "launched": True, "local_rank": str(rank),
+            "env_rank": str(rank)}
+
+
+# --------------------------------------------------------------------------- restarts, logs
+
+
+@pytest.mark.timeout(90)
+def test_restart_after_failure_and_summary_without(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    res = launch("--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                 "--log-dir", str(logs), "--rdzv-id", "rs", WORKER, str(tmp_path), "restart")
+    assert res.returncode == 0, res.stderr
+    for rank in range(2):
+        for attempt in (0, 1):
+            env = read_json(tmp_path / f"rank{rank}.attempt{attempt}.json")["env"]
+            assert env["TORCHELASTIC_RESTART_COUNT"] == str(attempt)
+            assert env["TORCHELASTIC_MAX_RESTARTS"] == "1"
+    assert "restarting the world (1 of 1 restarts)" in res.stderr
+    # per-attempt, per-rank files: both streams and rank 1's error file on attempt 0
+    (root,) = logs.iterdir()
+    assert root.name.startswith("rs_")
+    stderr0 = (root / "attempt_0" / "1" / "stderr.log").read_text()
+    assert "ValueError: rank 1 fails on attempt 0" in stderr0
+    assert "worker rank 1 mode restart up" in (root / "attempt_0" / "1" / "stdout.log").read_text()
+    assert "worker rank 1 mode restart up" in (root / "attempt_1" / "1" / "stdout.log").read_text()
+    error = json.loads((root / "attempt_0" / "1" / "error.json").read_text())
+    assert error["message"]["message"] == "ValueError: rank 1 fails on attempt 0"
+    assert not (root / "attempt_1" / "1" / "error.json").exists()
+
+    out = tmp_path / "no-restarts"
+    out.mkdir()
+    res = launch("--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
+                 WORKER, str(out), "restart")
+    assert res.returncode == 1
+    summary = summary_of(res.stderr)
+    assert "first failure: rank 1 (local rank 1, pid" in summary
+    assert "error file: " in summary and "error.json" in summary
+    assert 'raise ValueError(f"rank {rank} fails on attempt {attempt}")' in summary
+    assert "exiting with code 1 (from rank 1)" in summary
+    assert not list(out.glob("*.attempt1.json"))
+
+
+@pytest.mark.timeout(60)
+def test_redirects_tee_filter_and_prefix(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    res = launch("--standalone", "--nproc-per-node", "3", "--log-dir", str(logs), "-r", "0:1",
+                 "--local-ranks-filter", "0,1", "--no-rank-prefix", WORKER, str(tmp_path), "env")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert "worker rank 0 mode env up" not in lines          # rank 0's stdout: file only
+    assert "worker rank 1 mode env up" in lines              # unprefixed
+    assert "worker rank 2 mode env up" not in lines          # filtered off the console
+    (root,) = logs.iterdir()
+    for rank in range(3):
+        text = (root / "attempt_0" / str(rank) / "stdout.log").read_text()
+        assert text == f"worker rank {rank} mode env up\n"
+
+
+# --------------------------------------------------------------------------- signals, orphans
+
+
+@pytest.mark.timeout(60)
+def test_sigusr1_is_forwarded(tmp_path: Path) -> None:
+    proc = subprocess.Popen([*LAUNCHER, "--standalone", "--nproc-per-node", "2",
+                             "--signals-to-handle", "SIGUSR1,SIGTERM", WORKER, str(tmp_path),
+                             "usr1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for([tmp_path / f"rank{r}.pid" for r in range(2)], proc)
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGUSR1, err
+    assert "received SIGUSR1; forwarded it to the workers" in err
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.usr1").read_text() == "got SIGUSR1"
+
+
+@pytest.mark.timeout(60)
+def test_no_orphans_after_sigkill_of_the_launcher(tmp_path: Path) -> None:
+    marker = str(tmp_path)
+    proc = subprocess.Popen([*LAUNCHER, "--standalone", "--nproc-per-node", "2",
+                             WORKER, marker, "hang"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for([tmp_path / f"{kind}{r}.pid" for kind in ("rank", "gc") for r in range(2)], proc)
+    everyone = pids(tmp_path, "rank*.pid") + pids(tmp_path, "gc*.pid")
+    assert all(alive(p, marker) for p in everyone)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while [p for p in everyone if alive(p, marker)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # workers and the grandchildren that ignore SIGTERM: all gone with the launcher
+    assert not [p for p in everyone if alive(p, marker)]
+
+
+# --------------------------------------------------------------------------- rendezvous
+
+
+@pytest.mark.timeout(30)
+def test_busy_port_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = launch("--master-port", str(port), WORKER, str(tmp_path), "env")
+    assert res.returncode == 1
+    assert f"could not serve the rendezvous store on port {port}" in res.stderr
+    assert "pick a free --master-port" in res.stderr
+    assert not list(tmp_path.glob("rank*.json"))
+
+
+def _nodes(argvs: list[list[str]]) -> list[subprocess.Popen[str]]:
+    return [subprocess.Popen([*LAUNCHER, *argv], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for argv in argvs]
+
+
+def _finish(nodes: list[subprocess.Popen[str]], timeout: float) -> list[tuple[str, str]]:
+    try:
+        return [p.communicate(timeout=timeout) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.timeout(60)
+def test_c10d_nodes_without_node_rank(tmp_path: Path) -> None:
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "c10d"]
+    nodes = _nodes([[*common, WORKER, str(tmp_path), "rendezvous"] for _ in range(2)])
+    results = _finish(nodes, 50)
+    for p, (_, err) in zip(nodes, results, strict=True):
+        assert p.returncode == 0, err
+    groups = set()
+    for rank in range(4):
+        info = read_json(tmp_path / f"rank{rank}.json")
+        env = info["env"]
+        assert (env["RANK"], env["WORLD_SIZE"], env["GROUP_WORLD_SIZE"]) == (str(rank), "4", "2")
+        assert env["LOCAL_RANK"] == str(rank % 2)
+        groups.add((env["GROUP_RANK"], info["pid"] and rank // 2))
+        assert info["ranks"] == [0, 1, 2, 3], rank
+    assert {g for g, _ in groups} == {"0", "1"}
+
+
+@pytest.mark.timeout(60)
+def test_static_nodes_claiming_one_node_rank(tmp_path: Path) -> None:
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+              "--rdzv-conf", "join_timeout=20"]
+    nodes = _nodes([[*common, WORKER, str(tmp_path), "env"] for _ in range(2)])
+    results = _finish(nodes, 50)
+    for p, (_, err) in zip(nodes, results, strict=True):
+        assert p.returncode == 1, err
+        assert "two nodes state --node-rank 0" in err
+        assert "drop --node-rank and use --rdzv-backend c10d" in err
+    assert not list(tmp_path.glob("rank*.json"))
+
+
+@pytest.mark.timeout(90)
+def test_elastic_world_reforms_after_a_node_is_lost(tmp_path: Path) -> None:
+    """--nnodes 1:2: SIGKILL one launcher of a 2-node world; the other re-forms alone and
+    finishes. With --nnodes 2, the survivor gives up within join_timeout naming the lost node."""
+    conf = "last_call_timeout=1,keep_alive_interval=0.2,keep_alive_max_attempt=5,join_timeout=5"
+    for nnodes, expect in (("1:2", 0), ("2", 1)):
+        out = tmp_path / nnodes.replace(":", "-")
+        out.mkdir()
+        common = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-conf", conf,
+                  "--grace-period", "1", WORKER, str(out), "elastic", "2"]
+        first = _nodes([common])[0]
+        wait_for([out / "w1.rank0.json"] if nnodes == "1:2" else [], first)
+        second = _nodes([common])[0]
+        wait_for([out / "w2.rank0.json", out / "w2.rank1.json"], first)
+        # the node that does not serve the store goes: the endpoint's host stays
+        second.kill()
+        second.wait()
+        start = time.monotonic()
+        _, err = first.communicate(timeout=40)
+        assert first.returncode == expect, err
+        assert "lost node 0 (" in err or "lost node 1 (" in err
+        assert "no heartbeat for" in err
+        if expect == 0:
+            # admitted the late node into a world of 2, lost it, re-formed as 1, finished
+            assert "waiting to join" in err and "re-forming the world" in err
+            assert read_json(out / "w1.rank0.json")["env"]["PLUGDIST_RDZV_ROUND"] != "0"
+        else:
+            summary = err[err.index("rendezvous timed out"):]
+            assert "1 of at least 2 nodes joined" in summary
+            assert time.monotonic() - start < 30

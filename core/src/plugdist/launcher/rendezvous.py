@@ -153,12 +153,21 @@ class StoreRendezvous:
                 store = TCPStore(host if port else "127.0.0.1", port, None, is_master=True,
                                  timeout=timeout, wait_for_workers=False)
             except DistError as exc:
-                if cfg.rdzv_backend == "c10d":   # lost the race to bind it: be a client
-                    serve = False
-                else:
-                    raise RendezvousError(
-                        f"could not serve the rendezvous store on port {port}: {exc}; the port "
-                        f"is in use: pick a free --master-port (or use --standalone)") from exc
+                if cfg.rdzv_backend != "c10d":
+                    # Another launcher serving it (one that also states node rank 0: the
+                    # rendezvous names the conflict), or some other program (a busy port)?
+                    try:
+                        store = TCPStore(host, port, None, is_master=False,
+                                         timeout=timedelta(seconds=2))
+                    except DistError:
+                        raise RendezvousError(
+                            f"could not serve the rendezvous store on port {port}: {exc}; the "
+                            f"port is in use: pick a free --master-port (or use --standalone)"
+                        ) from exc
+                    store.set_timeout(timeout)
+                    self.store_port = port
+                    return store
+                # c10d: another launcher won the race to bind it; be its client
             else:
                 self.hosting = True
                 self.store_port = int(store.port)
