@@ -58,18 +58,23 @@ class LaunchError(RuntimeError):
     """The launcher could not start a worker."""
 
 
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes in process group ``pgid``."""
+def _live_groups(pgids: set[int]) -> set[int]:
+    """Those of ``pgids`` that still hold a live (non-zombie) process: one pass over /proc."""
+    if not pgids:
+        return set()
     try:
         entries = os.listdir("/proc")
     except OSError:
         # No /proc (macOS): signal 0 tells whether the group exists, zombies included.
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
-    members = []
+        live = set()
+        for pgid in pgids:
+            try:
+                os.killpg(pgid, 0)
+                live.add(pgid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return live
+    live = set()
     for name in entries:
         if not name.isdigit():
             continue
@@ -80,9 +85,11 @@ def _group_members(pgid: int) -> list[int]:
             continue
         # Fields after the command name, which may itself contain spaces and parentheses.
         fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) > 2 and fields[0] not in (b"Z", b"X") and int(fields[2]) == pgid:
-            members.append(int(name))
-    return members
+        if len(fields) > 2 and fields[0] not in (b"Z", b"X") and int(fields[2]) in pgids:
+            live.add(int(fields[2]))
+            if live == pgids:
+                break
+    return live
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -209,6 +216,9 @@ class Agent:
         if threading.current_thread() is threading.main_thread():
             for sig in cfg.signals_to_handle:
                 previous[sig] = signal.signal(sig, self._on_signal)
+            # a worker's exit wakes the monitor at once instead of at its next look
+            previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD,
+                                                     lambda signum, frame: self.wake.set())
         if cfg.max_nodes == 1:
             os.environ[TOKEN_VAR] = secrets.token_hex(16)   # fresh per single-node run
         elif cfg.rdzv.token:
@@ -284,9 +294,8 @@ class Agent:
                 rdzv.publish_failure(a, failure.to_dict())
                 return rdzv.end_round(a, f"failed: rank {first.rank} on node {a.node_rank}")
             if all(w.returncode is not None for w in self.workers):
-                for w in self.workers:
-                    if _group_members(w.pgid):
-                        self.leftovers.append(w.rank)
+                left = _live_groups({w.pgid for w in self.workers})
+                self.leftovers = [w.rank for w in self.workers if w.pgid in left]
                 return "succeeded"
             if multi:
                 outcome = rdzv.outcome(a.round)
@@ -421,7 +430,11 @@ class Agent:
         Also reaps the workers. Idempotent: groups already empty are skipped. A further signal
         to the launcher while it waits skips the rest of the grace period.
         """
-        live = [w for w in self.workers if w.poll() is None or _group_members(w.pgid)]
+        def still_running(ws: list[_Worker]) -> list[_Worker]:
+            groups = _live_groups({w.pgid for w in ws})
+            return [w for w in ws if w.poll() is None or w.pgid in groups]
+
+        live = still_running([w for w in self.workers if not w.released])
         for w in live:
             if mark and w.returncode is None:
                 w.stopped = True
@@ -429,10 +442,9 @@ class Agent:
         seen_signals = len(self.signals)
         deadline = time.monotonic() + self.cfg.grace_period.total_seconds()
         while live and time.monotonic() < deadline and len(self.signals) == seen_signals:
-            live = [w for w in live if w.poll() is None or _group_members(w.pgid)]
-            if live:
-                self.wake.wait(0.02)
+            if self.wake.wait(0.01):
                 self.wake.clear()
+            live = still_running(live)
         for w in live:
             _killpg(w.pgid, signal.SIGKILL)
         for w in live:
