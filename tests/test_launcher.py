@@ -536,3 +536,36 @@ def test_elastic_world_reforms_after_a_node_is_lost(tmp_path: Path) -> None:
             summary = err[err.index("rendezvous timed out"):]
             assert "1 of at least 2 nodes joined" in summary
             assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(90)
+def test_c10d_restart_on_every_node_and_the_summary_elsewhere(tmp_path: Path) -> None:
+    """A worker failing on one node restarts the world on both (--max-restarts 1); without
+    restarts, the node where nothing failed names the first failure and where it happened."""
+    for restarts in ("1", "0"):
+        out = tmp_path / restarts
+        out.mkdir()
+        common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", restarts,
+                  WORKER, str(out), "restart"]
+        nodes = _nodes([common, common])
+        results = _finish(nodes, 60)
+        if restarts == "1":
+            for p, (_, err) in zip(nodes, results, strict=True):
+                assert p.returncode == 0, err
+            for rank in range(4):
+                for attempt in (0, 1):
+                    env = read_json(out / f"rank{rank}.attempt{attempt}.json")["env"]
+                    assert env["TORCHELASTIC_RESTART_COUNT"] == str(attempt)
+                    assert env["PLUGDIST_RDZV_ROUND"] == str(attempt)
+            continue
+        failing = read_json(out / "rank1.attempt0.json")["env"]["GROUP_RANK"]
+        for p, (_, err) in zip(nodes, results, strict=True):
+            assert p.returncode == 1, err
+            assert "ValueError: rank 1 fails on attempt 0" in err
+            assert "exiting with code 1 (from rank 1)" in err
+        elsewhere = [err for _, err in results if "the run failed; first failure" in err]
+        assert len(elsewhere) == 1
+        assert "first failure: rank 1 (local rank 1, pid" in elsewhere[0]
+        assert f"on node {failing} (" in elsewhere[0]
+        assert "attempt 0: exit code 1" in elsewhere[0]
