@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,13 @@ def test_parse_args_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
     assert cfg.grace_period.total_seconds() == 2 and not cfg.rank_prefix and cfg.run_path
     assert parse_args(["--tee", "3", WORKER]).entrypoint == WORKER   # not a script named "3"
     assert parse_args(["--nproc-per-node", "cpu", WORKER]).nproc_per_node == os.cpu_count()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CUDA_VISIBLE_DEVICES", "")
+        with pytest.raises(SystemExit):
+            parse_args(["--nproc-per-node", "gpu", WORKER])
+        assert "no GPU found on this node" in capsys.readouterr().err
+        mp.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+        assert parse_args(["--nproc-per-node", "gpu", WORKER]).nproc_per_node == 2
     env = {"PET_NPROC_PER_NODE": "3", "PET_MAX_RESTARTS": "4"}
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
@@ -569,3 +577,73 @@ def test_c10d_restart_on_every_node_and_the_summary_elsewhere(tmp_path: Path) ->
         assert "first failure: rank 1 (local rank 1, pid" in elsewhere[0]
         assert f"on node {failing} (" in elsewhere[0]
         assert "attempt 0: exit code 1" in elsewhere[0]
+
+
+@pytest.mark.timeout(30)
+def test_signal_while_waiting_for_other_nodes(tmp_path: Path) -> None:
+    proc = subprocess.Popen([*LAUNCHER, "--nnodes", "2", "--rdzv-backend", "c10d",
+                             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", WORKER,
+                             str(tmp_path), "env"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)   # serving the store, waiting for a second node that never comes
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "received SIGINT; stopped waiting for the other nodes" in err
+
+
+# --------------------------------------------------------------------------- env:// elsewhere
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("launcher_vars", [
+    {"PMI_RANK": "0", "PMI_SIZE": "1", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"},
+    {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1",
+     "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+     "OMPI_MCA_ess_base_jobid": "77"},
+    {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
+     "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"},
+], ids=["mpich", "openmpi", "slurm"])
+def test_env_rendezvous_reads_other_launchers(launcher_vars: dict[str, str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """No RANK/WORLD_SIZE/MASTER_*: rank and world from mpiexec/mpirun/srun's variables, a
+    master on this host (every rank is local), and LOCAL_RANK etc. set for the script."""
+    from plugdist.rendezvous import env_rendezvous_handler
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "PLUGDIST_AGENT_STORE", "TORCHELASTIC_USE_AGENT_STORE",
+                "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in launcher_vars.items():
+        monkeypatch.setenv(k, v)
+    store, rank, world = env_rendezvous_handler("env://", timeout=timedelta(seconds=10))
+    try:
+        assert (rank, world) == (0, 1)
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+        assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("0", "1")
+        assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("0", "1")
+        assert os.environ["MASTER_ADDR"] == "127.0.0.1"
+        assert 20000 <= int(os.environ["MASTER_PORT"]) < 40000
+    finally:
+        store.close()
+
+
+@pytest.mark.timeout(60)
+def test_torch_store_client_behind_the_store_api() -> None:
+    """torchrun's agent store is a torch TCPStore; plugdist reaches it through this adapter."""
+    import torch.distributed as tdist
+    from plugdist.errors import DistTimeoutError
+    from plugdist.rendezvous import TorchStoreClient
+    server = tdist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10),
+                            wait_for_workers=False)
+    store = TorchStoreClient(tdist.TCPStore("127.0.0.1", server.port, None, False,
+                                            timedelta(seconds=10)))
+    store.set("a", b"1")
+    assert store.get("a") == b"1" and server.get("a") == b"1"
+    assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+    assert store.compare_set("a", b"1", b"2") == b"2"
+    assert store.check(["a", "n"]) and not store.check(["missing"])
+    assert store.delete_key("a") and not store.check(["a"])
+    with pytest.raises(DistTimeoutError):
+        store.wait(["never"], timedelta(milliseconds=200))
+    store.close()

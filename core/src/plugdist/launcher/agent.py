@@ -31,7 +31,7 @@ from typing import IO, Any
 from .config import LaunchConfig
 from .error_file import ERROR_FILE_VAR, read_error_file
 from .logs import Sink, plan_streams, pump
-from .rendezvous import Assignment, RendezvousError, StoreRendezvous
+from .rendezvous import Assignment, RendezvousError, RendezvousInterrupted, StoreRendezvous
 from .summary import PROG, Failure, LaunchResult, WorkerStatus, exit_code_of
 
 __all__ = ["Agent", "LaunchError"]
@@ -226,19 +226,20 @@ class Agent:
         rdzv: StoreRendezvous | None = None
         a: Assignment | None = None
         try:
-            rdzv = StoreRendezvous(cfg)
+            rdzv = StoreRendezvous(cfg, interrupted=lambda: bool(self.signals))
             self.watchdog = _Watchdog()
             base = self._base_env()
             while True:
                 a = rdzv.next_round(a)
-                if self.signals:
-                    return self._result(128 + self.signals[0], a)
                 outcome = self._round(rdzv, a, base)
                 result = self._after_round(rdzv, a, outcome)
                 if result is not None:
                     rdzv.close(a.nnodes, a.round)
                     rdzv = None
                     return result
+        except RendezvousInterrupted:
+            self._stop(self.signals[0], mark=True)
+            return self._result(128 + self.signals[0], a)
         except RendezvousError as exc:   # StoreLost included
             self._stop(signal.SIGTERM, mark=True)
             reason = f"{self._change}; then {exc}" if self._change else str(exc)

@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -38,13 +39,18 @@ from typing import Any
 from ..errors import DistError, DistNetworkError, DistTimeoutError
 from .config import LaunchConfig
 
-__all__ = ["Assignment", "RendezvousError", "StoreLost", "StoreRendezvous", "free_port"]
+__all__ = ["Assignment", "RendezvousError", "RendezvousInterrupted", "StoreLost",
+           "StoreRendezvous", "free_port"]
 
 _TICK = 0.05   # seconds between looks at a round that is not closed yet
 
 
 class RendezvousError(RuntimeError):
     """The nodes could not form a world (timeout, conflicting node ranks, a busy port)."""
+
+
+class RendezvousInterrupted(RendezvousError):
+    """The launcher got a signal while waiting for the other nodes."""
 
 
 class StoreLost(RendezvousError):
@@ -115,8 +121,10 @@ def _outgoing_addr(host: str, port: int) -> str:
 class StoreRendezvous:
     """Rounds of a run over the launchers' store; see the module docstring."""
 
-    def __init__(self, cfg: LaunchConfig) -> None:
+    def __init__(self, cfg: LaunchConfig,
+                 interrupted: Callable[[], bool] = lambda: False) -> None:
         self.cfg = cfg
+        self._interrupted = interrupted
         self.opts = cfg.rdzv
         self.id = uuid.uuid4().hex
         self.host = socket.gethostname()
@@ -173,16 +181,33 @@ class StoreRendezvous:
                 self.store_port = int(store.port)
                 return store
         join = self.opts.join_timeout
-        try:
-            store = TCPStore(host, port, None, is_master=False, timeout=join)
-        except DistError as exc:
-            raise RendezvousError(
-                f"could not reach the rendezvous store at {host}:{port} within "
-                f"{join.total_seconds():.0f}s ({exc}); is the launcher of node 0 (static) or of "
-                f"the endpoint's host (c10d) running, and is the address right?") from exc
+        deadline = time.monotonic() + join.total_seconds()
+        while True:   # short tries, so a signal to the launcher is not left waiting
+            self._check_interrupted()
+            left = deadline - time.monotonic()
+            try:
+                store = TCPStore(host, port, None, is_master=False,
+                                 timeout=timedelta(seconds=max(min(left, 1.0), 0.01)))
+                break
+            except DistNetworkError as exc:
+                if time.monotonic() < deadline:
+                    continue
+                raise RendezvousError(
+                    f"could not reach the rendezvous store at {host}:{port} within "
+                    f"{join.total_seconds():.0f}s ({exc}); is the launcher of node 0 (static) "
+                    f"or of the endpoint's host (c10d) running, and is the address "
+                    f"right?") from exc
+            except DistError as exc:
+                raise RendezvousError(f"{host}:{port} does not answer as a rendezvous store "
+                                      f"({exc}); is another program using that port?") from exc
         store.set_timeout(timeout)
         self.store_port = port
         return store
+
+    def _check_interrupted(self) -> None:
+        if self._interrupted():
+            raise RendezvousInterrupted("interrupted by a signal while waiting for the other "
+                                        "nodes")
 
     @property
     def endpoint(self) -> str:
@@ -241,6 +266,7 @@ class StoreRendezvous:
         closed_key = self._k(rnd, "closed")
         last_count, last_change = -1, time.monotonic()
         while not self._op(store.check, [closed_key]):
+            self._check_interrupted()
             now = time.monotonic()
             joined = self._op(store.add, self._k(rnd, "joined"), 0)
             if joined != last_count:

@@ -179,8 +179,9 @@ def format_summary(result: LaunchResult) -> str:
         where += f", {result.restarts} of {cfg.max_restarts} restarts used"
     out: list[str] = []
     if result.received_signal is not None:
-        out.append(f"{PROG}: received {signal_name(result.received_signal)}; forwarded it "
-                   f"to the workers ({where})")
+        done = ("forwarded it to the workers" if result.workers
+                else "stopped waiting for the other nodes")
+        out.append(f"{PROG}: received {signal_name(result.received_signal)}; {done} ({where})")
     failures = result.failures
     first = result.first_failure
     if first is not None and (not failures or first.node_rank != result.node_rank
