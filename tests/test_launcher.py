@@ -467,6 +467,18 @@ def test_busy_port_is_a_clear_error(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("rank*.json"))
 
 
+def _wait_for_port(port: int, proc: subprocess.Popen[str], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"nothing listens on port {port}")
+            time.sleep(0.02)
+
+
 def _nodes(argvs: list[list[str]]) -> list[subprocess.Popen[str]]:
     return [subprocess.Popen([*LAUNCHER, *argv], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for argv in argvs]
@@ -521,11 +533,13 @@ def test_elastic_world_reforms_after_a_node_is_lost(tmp_path: Path) -> None:
     for nnodes, expect in (("1:2", 0), ("2", 1)):
         out = tmp_path / nnodes.replace(":", "-")
         out.mkdir()
+        port = free_port()
         common = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-conf", conf,
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", conf,
                   "--grace-period", "1", WORKER, str(out), "elastic", "2"]
         first = _nodes([common])[0]
         wait_for([out / "w1.rank0.json"] if nnodes == "1:2" else [], first)
+        _wait_for_port(port, first)   # the first launcher serves the store: it must survive
         second = _nodes([common])[0]
         wait_for([out / "w2.rank0.json", out / "w2.rank1.json"], first)
         # the node that does not serve the store goes: the endpoint's host stays
