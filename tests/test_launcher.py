@@ -209,7 +209,7 @@ def test_is_launched_and_traceback_extraction(monkeypatch: pytest.MonkeyPatch) -
 def test_env_vars_args_and_tee(tmp_path: Path) -> None:
     args = ["--flag", "a b", "-m", "--", "--nproc-per-node", "9", ""]
     res = launch("--standalone", "--nproc-per-node", "3", "--run-id", "run-env",
-                 WORKER, str(tmp_path), "env", *args)
+                 "--role", "trainer", WORKER, str(tmp_path), "env", *args)
     assert res.returncode == 0, res.stderr
     ports, tokens = set(), set()
     for rank in range(3):
@@ -219,7 +219,7 @@ def test_env_vars_args_and_tee(tmp_path: Path) -> None:
         env = info["env"]
         assert env == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3",
                        "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
-                       "ROLE_RANK": str(rank), "ROLE_NAME": "default", "ROLE_WORLD_SIZE": "3",
+                       "ROLE_RANK": str(rank), "ROLE_NAME": "trainer", "ROLE_WORLD_SIZE": "3",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": env["MASTER_PORT"],
                        "PLUGDIST_RUN_ID": "run-env", "TORCHELASTIC_RUN_ID": "run-env",
                        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
@@ -661,3 +661,37 @@ def test_torch_store_client_behind_the_store_api() -> None:
     with pytest.raises(DistTimeoutError):
         store.wait(["never"], timedelta(milliseconds=200))
     store.close()
+
+
+@pytest.mark.timeout(60)
+def test_record_and_torchs_record_write_what_the_summary_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from plugdist.launcher import read_error_file, record
+    from torch.distributed.elastic.multiprocessing.errors import record as torch_record
+    for name, decorate in (("ours", record), ("torch", torch_record)):
+        path = tmp_path / f"{name}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+        @decorate
+        def main() -> None:
+            raise KeyError("no such shard")
+        with pytest.raises(KeyError):
+            main()
+        got = read_error_file(str(path))
+        assert got is not None, name
+        message, tb = got
+        assert "KeyError" in message and "no such shard" in message, name
+        assert tb[0] == "Traceback (most recent call last):", name
+        assert 'raise KeyError("no such shard")' in "\n".join(tb), name
+
+
+@pytest.mark.timeout(60)
+def test_the_launcher_never_imports_torch(tmp_path: Path) -> None:
+    noop = tmp_path / "noop.py"
+    noop.write_text("pass\n")
+    code = ("import sys, plugdist_run\n"
+            f"rc = plugdist_run.main(['--standalone', '--nproc-per-node', '2', {str(noop)!r}])\n"
+            "print(rc, sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=50)
+    assert res.stdout.strip() == "0 []", res.stderr

@@ -134,6 +134,7 @@ class StoreRendezvous:
         self._hb_thread: threading.Thread | None = None
         self._seen: dict[int, tuple[int, float]] = {}
         self._last_joiner_check = 0.0
+        self._left: set[int] = set()
         self.store = self._open_store()
         self.prefix = f"plugdist/rdzv/{cfg.run_id}/"
         if cfg.local_addr:
@@ -224,20 +225,27 @@ class StoreRendezvous:
                             f"launcher serving it has exited or its host is unreachable") from exc
 
     def close(self, count: int = 0, rnd: int = -1) -> None:
-        """Leave. The host waits (bounded by ``close_timeout``) for ``count`` launchers to say
-        they exited, so none loses the store while reading the last round's state."""
+        """Leave round ``rnd`` of ``count`` nodes (see :meth:`_leave`) and close the store."""
         self.stop_heartbeat()
+        self._leave(count, rnd)
+        self.store.close()
+
+    def _leave(self, count: int, rnd: int) -> None:
+        """Say this launcher is done with round ``rnd``. The host waits (bounded by
+        ``close_timeout``) for all ``count`` to say so, so none loses the store while reading
+        the round's last state. Once per round; never raises."""
+        if rnd < 0 or count <= 1 or rnd in self._left:
+            return
+        self._left.add(rnd)
         try:
-            if rnd >= 0 and count > 1:
-                n = self.store.add(self._k(rnd, "exited"), 1)
-                if self.hosting and n < count:
-                    deadline = time.monotonic() + self.opts.close_timeout.total_seconds()
-                    while (self.store.add(self._k(rnd, "exited"), 0) < count
-                           and time.monotonic() < deadline):
-                        time.sleep(_TICK)
+            n = self.store.add(self._k(rnd, "exited"), 1)
+            if self.hosting and n < count:
+                deadline = time.monotonic() + self.opts.close_timeout.total_seconds()
+                while (self.store.add(self._k(rnd, "exited"), 0) < count
+                       and time.monotonic() < deadline):
+                    time.sleep(_TICK)
         except Exception:  # noqa: BLE001 - leaving; the store may already be gone
             pass
-        self.store.close()
 
     # -- joining a round ----------------------------------------------------------------------
     def next_round(self, previous: Assignment | None) -> Assignment:
@@ -306,7 +314,11 @@ class StoreRendezvous:
         keys = [self._k(rnd, f"node/{i}") for i in range(count)]
         self._op(store.wait, keys, self.opts.read_timeout)
         nodes = [json.loads(v) for v in self._op(store.multi_get, keys)]
-        ranks = _node_ranks(nodes, count)
+        try:
+            ranks = _node_ranks(nodes, count)
+        except RendezvousError:
+            self._leave(count, rnd)   # every node reads the conflict before the host goes
+            raise
         order = sorted(range(count), key=lambda i: ranks[i])
         node_rank = ranks[me]
         offset = sum(nodes[i]["nproc"] for i in order[:node_rank])
