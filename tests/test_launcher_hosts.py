@@ -210,3 +210,19 @@ def test_plugdist_script_under_torchrun_uses_the_agent_store(tmp_path: Path) -> 
         assert read_json(tmp_path / f"rank{rank}.json") == {
             "rank": rank, "world": 2, "sum": 3.0, "launched": True, "local_rank": str(rank),
             "env_rank": str(rank)}
+
+
+@pytest.mark.timeout(90)
+def test_mpi_backend_under_plugdist_run_is_refused_not_split(tmp_path: Path) -> None:
+    """plugdist-run starts separate processes, each an MPI world of one: the MPI backend must
+    say so rather than let each run a training of its own."""
+    import plugdist
+    if not plugdist.is_backend_available("mpi"):
+        pytest.skip("plugdist-mpi is not usable here")
+    res = subprocess.run([*LAUNCHER, "--standalone", "--nproc-per-node", "2",
+                          str(SCRIPTS / "mpi_tutorial.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=80)
+    assert res.returncode == 1
+    assert "MPI sees 1 process(es) in COMM_WORLD, but WORLD_SIZE=2" in res.stderr
+    assert "mpiexec -n 2 python script.py" in res.stderr
+    assert not list(tmp_path.glob("rank*.json"))

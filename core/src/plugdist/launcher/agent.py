@@ -179,6 +179,7 @@ class Agent:
         self.host = socket.gethostname()
         self._tmp: str | None = None
         self._change = ""           # the last membership change, for the summary
+        self._keep_tmp = False      # a worker failed: its error file is named in the summary
         self.log_root = self._log_root()
 
     # -- set up --------------------------------------------------------------------------------
@@ -255,7 +256,7 @@ class Agent:
                 self.watchdog.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            if self._tmp is not None:
+            if self._tmp is not None and not self._keep_tmp:
                 shutil.rmtree(self._tmp, ignore_errors=True)
 
     def _result(self, exit_code: int, a: Assignment | None, *, reason: str = "",
@@ -282,6 +283,7 @@ class Agent:
             failed = [w for w in self.workers
                       if w.returncode is None and w.poll() is not None and w.returncode != 0]
             if failed:
+                self._keep_tmp = True
                 for w in failed:
                     w.failed = True
                 first = failed[0]
