@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import os
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -129,6 +130,40 @@ class _Watchdog:
                 self.proc.kill()
 
 
+class _Sleeper:
+    """Sleeps that a signal cuts short, with no lock taken in a signal handler (a handler runs
+    on the main thread, between any two bytecodes, so taking a lock there can deadlock): the
+    interpreter's C-level handler writes to a pipe (``signal.set_wakeup_fd``) and a sleep is a
+    ``select`` on it. Without ``install`` (not the main thread) it is a plain sleep."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._previous: int | None = None
+
+    def install(self) -> None:
+        self._previous = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+
+    def sleep(self, seconds: float) -> None:
+        select.select([self._r], [], [], seconds)
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.set_wakeup_fd(self._previous)
+            self._previous = None
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 class _Worker:
     def __init__(self, rank: int, local_rank: int, proc: subprocess.Popen[bytes],
                  error_file: str) -> None:
@@ -173,7 +208,7 @@ class Agent:
         self.err = Sink(stderr)
         self.workers: list[_Worker] = []
         self.signals: list[int] = []
-        self.wake = threading.Event()
+        self.sleeper = _Sleeper()
         self.leftovers: list[int] = []
         self.watchdog: _Watchdog | None = None
         self.host = socket.gethostname()
@@ -196,8 +231,7 @@ class Agent:
         return root
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        self.signals.append(signum)
-        self.wake.set()
+        self.signals.append(signum)   # no lock here: the main thread may hold any of them
 
     def _base_env(self) -> dict[str, str]:
         base = dict(os.environ)
@@ -217,9 +251,10 @@ class Agent:
         if threading.current_thread() is threading.main_thread():
             for sig in cfg.signals_to_handle:
                 previous[sig] = signal.signal(sig, self._on_signal)
-            # a worker's exit wakes the monitor at once instead of at its next look
-            previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD,
-                                                     lambda signum, frame: self.wake.set())
+            # a worker's exit wakes the monitor at once instead of at its next look (through
+            # the sleeper's wakeup fd: the handler itself has nothing to do)
+            previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+            self.sleeper.install()
         if cfg.max_nodes == 1:
             os.environ[TOKEN_VAR] = secrets.token_hex(16)   # fresh per single-node run
         elif cfg.rdzv.token:
@@ -254,6 +289,7 @@ class Agent:
                 rdzv.close()
             if self.watchdog is not None:
                 self.watchdog.close()
+            self.sleeper.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             if self._tmp is not None and not self._keep_tmp:
@@ -307,8 +343,7 @@ class Agent:
                 reason = rdzv.check(a)
                 if reason:
                     return rdzv.end_round(a, reason)
-            self.wake.wait(interval)
-            self.wake.clear()
+            self.sleeper.sleep(interval)
 
     def _after_round(self, rdzv: StoreRendezvous, a: Assignment,
                      outcome: str) -> LaunchResult | None:
@@ -360,8 +395,7 @@ class Agent:
             reason = rdzv.check(a)
             if reason:
                 return rdzv.end_round(a, reason)
-            self.wake.wait(interval)
-            self.wake.clear()
+            self.sleeper.sleep(interval)
         return "succeeded"
 
     # -- workers ---------------------------------------------------------------------------------
@@ -445,8 +479,7 @@ class Agent:
         seen_signals = len(self.signals)
         deadline = time.monotonic() + self.cfg.grace_period.total_seconds()
         while live and time.monotonic() < deadline and len(self.signals) == seen_signals:
-            if self.wake.wait(0.01):
-                self.wake.clear()
+            self.sleeper.sleep(0.01)
             live = still_running(live)
         for w in live:
             _killpg(w.pgid, signal.SIGKILL)
