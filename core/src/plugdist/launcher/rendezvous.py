@@ -405,14 +405,17 @@ class StoreRendezvous:
         if now - self._last_joiner_check < interval:
             return ""
         self._last_joiner_check = now
-        if a.nnodes < self.cfg.max_nodes:
+        done = [self._op(self.store.check, [self._k(a.round, f"done/{n}")])
+                for n in range(a.nnodes)]
+        # a world in which some node already finished admits no one: that would run it again
+        if a.nnodes < self.cfg.max_nodes and not any(done):
             waiting = self._op(self.store.add, self._k(a.round + 1, "joined"), 0)
             if waiting:
                 return f"membership: {waiting} node(s) waiting to join"
         others = [n for n in range(a.nnodes) if n != a.node_rank]
         if not others:
             return ""
-        done = [self._op(self.store.check, [self._k(a.round, f"done/{n}")]) for n in others]
+        done = [done[n] for n in others]
         hb_keys = [self._k(a.round, f"hb/{n}") for n in others]
         counts = [self._op(self.store.add, k, 0) for k in hb_keys]
         limit = interval * self.opts.keep_alive_max_attempt
