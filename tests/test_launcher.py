@@ -623,10 +623,14 @@ def test_env_rendezvous_reads_other_launchers(launcher_vars: dict[str, str],
     """No RANK/WORLD_SIZE/MASTER_*: rank and world from mpiexec/mpirun/srun's variables, a
     master on this host (every rank is local), and LOCAL_RANK etc. set for the script."""
     from plugdist.rendezvous import env_rendezvous_handler
+    before = dict(os.environ)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "PLUGDIST_AGENT_STORE", "TORCHELASTIC_USE_AGENT_STORE",
                 "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
-        monkeypatch.delenv(var, raising=False)
+        # set, then delete: monkeypatch then restores the variable's absence too, undoing what
+        # the handler sets for the script (RANK, WORLD_SIZE, ...)
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     for k, v in launcher_vars.items():
         monkeypatch.setenv(k, v)
     store, rank, world = env_rendezvous_handler("env://", timeout=timedelta(seconds=10))
@@ -640,6 +644,8 @@ def test_env_rendezvous_reads_other_launchers(launcher_vars: dict[str, str],
         assert 20000 <= int(os.environ["MASTER_PORT"]) < 40000
     finally:
         store.close()
+    monkeypatch.undo()
+    assert dict(os.environ) == before   # nothing leaks into the other tests' environment
 
 
 @pytest.mark.timeout(60)
