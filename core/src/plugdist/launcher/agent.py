@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import os
-import secrets
 import select
 import shutil
 import signal
@@ -26,7 +25,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from typing import IO, Any
 
 from .config import LaunchConfig
@@ -221,7 +219,7 @@ class Agent:
     def _log_root(self) -> str:
         cfg = self.cfg
         if cfg.log_dir is not None:
-            root = os.path.join(cfg.log_dir, f"{cfg.run_id}_{uuid.uuid4().hex[:8]}")
+            root = os.path.join(cfg.log_dir, f"{cfg.run_id}_{os.urandom(4).hex()}")
         elif cfg.redirects.default or cfg.redirects.per_rank or cfg.tee.default \
                 or cfg.tee.per_rank:
             root = tempfile.mkdtemp(prefix=f"plugdist-run-{cfg.run_id}-")
@@ -256,7 +254,7 @@ class Agent:
             previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda signum, frame: None)
             self.sleeper.install()
         if cfg.max_nodes == 1:
-            os.environ[TOKEN_VAR] = secrets.token_hex(16)   # fresh per single-node run
+            os.environ[TOKEN_VAR] = os.urandom(16).hex()   # fresh per single-node run (CSPRNG)
         elif cfg.rdzv.token:
             os.environ[TOKEN_VAR] = cfg.rdzv.token
         rdzv: StoreRendezvous | None = None

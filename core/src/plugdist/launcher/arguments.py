@@ -12,7 +12,6 @@ import difflib
 import glob
 import os
 import sys
-import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -232,7 +231,7 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
     if run_id is None:
         # Launchers on different nodes could not agree on a random id, so several nodes share
         # a fixed one (as torchrun does); pass --rdzv-id to tell runs apart.
-        run_id = uuid.uuid4().hex[:12] if max_nodes == 1 else "none"
+        run_id = os.urandom(6).hex() if max_nodes == 1 else "none"
     rdzv = RendezvousOptions.parse(ns.rdzv_conf)
     ranks_filter = None
     if ns.local_ranks_filter.strip():

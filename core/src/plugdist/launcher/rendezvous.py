@@ -30,7 +30,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -126,7 +125,7 @@ class StoreRendezvous:
         self.cfg = cfg
         self._interrupted = interrupted
         self.opts = cfg.rdzv
-        self.id = uuid.uuid4().hex
+        self.id = os.urandom(16).hex()
         self.host = socket.gethostname()
         self.multi = cfg.max_nodes > 1
         self.hosting = False
