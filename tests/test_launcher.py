@@ -354,7 +354,7 @@ def test_gloo_all_reduce_end_to_end(tmp_path: Path) -> None:
     for rank in range(2):
         assert read_json(tmp_path / f"rank{rank}.json") == {
             "rank": rank, "world": 2, "sum": 3.0, "launched": True, "local_rank": str(rank),
-            "env_rank": str(rank)}
+            "env_rank": str(rank), "store": "PrefixStore:TCPStore"}   # the launcher's store
 
 
 # --------------------------------------------------------------------------- restarts, logs

@@ -191,7 +191,7 @@ def test_under_mpiexec_tutorial_mpi_call_and_gloo_without_rank(tmp_path: Path) -
             "rank": rank, "world": 3, "sum": 6.0, "warned": rank != 0}
         assert read_json(gloo_out / f"rank{rank}.json") == {
             "rank": rank, "world": 3, "sum": 6.0, "launched": False,
-            "local_rank": str(rank), "env_rank": str(rank)}
+            "local_rank": str(rank), "env_rank": str(rank), "store": "TCPStore:TCPStore"}
 
 
 @pytest.mark.timeout(120)
@@ -209,7 +209,7 @@ def test_plugdist_script_under_torchrun_uses_the_agent_store(tmp_path: Path) -> 
     for rank in range(2):
         assert read_json(tmp_path / f"rank{rank}.json") == {
             "rank": rank, "world": 2, "sum": 3.0, "launched": True, "local_rank": str(rank),
-            "env_rank": str(rank)}
+            "env_rank": str(rank), "store": "PrefixStore:TorchStoreClient"}   # torchrun's
 
 
 @pytest.mark.timeout(90)
