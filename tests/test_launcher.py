@@ -9,24 +9,26 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from plugdist.launcher import (
     LaunchConfig,
-    _split_argv,
     extract_traceback,
     free_port,
     is_launched,
     parse_args,
+    split_argv,
 )
 
 SCRIPTS = Path(__file__).parent / "launcher_scripts"
 WORKER = str(SCRIPTS / "launcher_worker.py")
-LAUNCHER = [sys.executable, "-m", "plugdist.launcher"]
+LAUNCHER = [sys.executable, "-m", "plugdist_run"]   # the console script's module: no torch
 
 
 def launch(*args: str, timeout: float = 60, env: dict[str, str] | None = None,
@@ -105,22 +107,69 @@ def _kill_leftovers(tmp_path: Path):
 @pytest.mark.timeout(30)
 def test_parse_args_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = parse_args(["--nproc-per-node", "3", "--standalone", WORKER, "--", "-m", "--nnodes"])
-    assert (cfg.nproc_per_node, cfg.nnodes, cfg.master_addr) == (3, 1, "127.0.0.1")
+    assert (cfg.nproc_per_node, cfg.nnodes, cfg.master_addr) == (3, 1, None)
     assert cfg.args == ("--", "-m", "--nnodes")       # everything after the script, untouched
-    assert cfg.master_port != 29500 and len(cfg.run_id) == 12
+    assert cfg.master_port is None and len(cfg.run_id) == 12 and cfg.standalone
     cfg = parse_args(["--nnodes=2", "--node_rank", "1", "--master-port", "1234", WORKER])
     assert (cfg.nnodes, cfg.node_rank, cfg.master_port, cfg.run_id) == (2, 1, 1234, "none")
-    assert cfg.world_size == 2 and cfg.global_rank(0) == 1
     assert parse_args(["-m", "pkg.mod", "x"]).command()[1:] == ["-m", "pkg.mod", "x"]
-    assert _split_argv(["--run-id", "r", "--", "-x.py", "a"],
-                       {"--run-id"}) == (["--run-id", "r"], ["-x.py", "a"])
+    assert split_argv(["--run-id", "r", "--", "-x.py", "a"],
+                      {"--run-id"}) == (["--run-id", "r"], ["-x.py", "a"])
+    # torchrun's flags, both spellings, torchrun's values
+    cfg = parse_args(["--nnodes", "1:3", "--rdzv_backend=c10d", "--rdzv-endpoint", "h:29400",
+                      "--rdzv_id", "job7", "--rdzv-conf", "join_timeout=5,last_call_timeout=0.5",
+                      "--max_restarts", "2", "--monitor-interval", "0.5", "--start_method",
+                      "fork", "--role", "trainer", "--log_dir", "/tmp/x", "-r", "0:3,1:1",
+                      "-t3", "--local-ranks-filter", "0,2", "--local_addr", "10.0.0.9",
+                      "--signals-to-handle", "SIGUSR1,TERM", "--shutdown-timeout", "2",
+                      "--no-rank-prefix", "--run-path", WORKER])
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.node_rank) == (1, 3, None)
+    assert (cfg.rdzv_backend, cfg.rdzv_endpoint, cfg.run_id) == ("c10d", "h:29400", "job7")
+    assert cfg.rdzv.join_timeout.total_seconds() == 5
+    assert cfg.rdzv.last_call_timeout.total_seconds() == 0.5
+    assert (cfg.max_restarts, cfg.monitor_interval.total_seconds(), cfg.role) == (2, 0.5,
+                                                                                 "trainer")
+    assert cfg.redirects.of(0) == 3 and cfg.redirects.of(1) == 1 and cfg.redirects.of(2) == 0
+    assert cfg.tee.of(5) == 3 and cfg.local_ranks_filter == {0, 2}
+    assert cfg.signals_to_handle == (signal.SIGUSR1, signal.SIGTERM)
+    assert cfg.grace_period.total_seconds() == 2 and not cfg.rank_prefix and cfg.run_path
+    assert parse_args(["--tee", "3", WORKER]).entrypoint == WORKER   # not a script named "3"
+    assert parse_args(["--nproc-per-node", "cpu", WORKER]).nproc_per_node == os.cpu_count()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CUDA_VISIBLE_DEVICES", "")
+        with pytest.raises(SystemExit):
+            parse_args(["--nproc-per-node", "gpu", WORKER])
+        assert "no GPU found on this node" in capsys.readouterr().err
+        mp.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+        assert parse_args(["--nproc-per-node", "gpu", WORKER]).nproc_per_node == 2
+    env = {"PET_NPROC_PER_NODE": "3", "PET_MAX_RESTARTS": "4"}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        cfg = parse_args([WORKER])
+    assert (cfg.nproc_per_node, cfg.max_restarts) == (3, 4)
 
     bad = {
         ("--standalone", "--nnodes", "2", WORKER): "--standalone is for a single node",
         ("--standalone", "--master-port", "5", WORKER): "drop --master-addr/--master-port",
         ("--nnodes", "2", "--node-rank", "2", WORKER): "--node-rank must be in [0, 1]",
         ("--nproc-per-node", "0", WORKER): "--nproc-per-node must be >= 1",
+        ("--nproc-per-node", "lots", WORKER): "not a number, auto, cpu or gpu",
         ("--grace-period", "-1", WORKER): "--grace-period must be >= 0",
+        ("--nnodes", "3:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", WORKER):
+            "MIN (3) is greater than MAX (2)",
+        ("--nnodes", "1:2", WORKER): "needs --rdzv-backend c10d",
+        ("--nnodes", "two", WORKER): "is not N or MIN:MAX",
+        ("--rdzv-backend", "c10d", WORKER): "needs --rdzv-endpoint",
+        ("--rdzv-backend", "c10d", "--rdzv-endpoint", "nohostport", WORKER): "is not HOST:PORT",
+        ("--rdzv_endpont", "h:1", WORKER): "unknown option --rdzv_endpont; did you mean "
+                                           "--rdzv_endpoint?",
+        ("--max-restart=2", WORKER): "did you mean --max-restarts?",
+        ("--rdzv-conf", "join_timeot=3", WORKER): "unknown key 'join_timeot'",
+        ("--rdzv-conf", "join_timeout=-3", WORKER): "join_timeout must be > 0",
+        ("--tee", "4", WORKER): "'4' is not one of 0",
+        ("--signals-to-handle", "SIGNOPE", WORKER): "unknown signal 'SIGNOPE'",
+        ("--max-restarts", "-1", WORKER): "--max-restarts must be >= 0",
         ("--nproc-per-node", "2",): "missing the script",
         ("no_such_script.py",): "script 'no_such_script.py' not found",
     }
@@ -160,28 +209,42 @@ def test_is_launched_and_traceback_extraction(monkeypatch: pytest.MonkeyPatch) -
 def test_env_vars_args_and_tee(tmp_path: Path) -> None:
     args = ["--flag", "a b", "-m", "--", "--nproc-per-node", "9", ""]
     res = launch("--standalone", "--nproc-per-node", "3", "--run-id", "run-env",
-                 WORKER, str(tmp_path), "env", *args)
+                 "--role", "trainer", WORKER, str(tmp_path), "env", *args)
     assert res.returncode == 0, res.stderr
-    ports = set()
+    ports, tokens = set(), set()
     for rank in range(3):
         info = read_json(tmp_path / f"rank{rank}.json")
+        token = info["env"]["PLUGDIST_STORE_TOKEN"]
+        assert token and len(token) >= 32          # a fresh secret for this run
         env = info["env"]
         assert env == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3",
                        "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                       "ROLE_RANK": str(rank), "ROLE_NAME": "trainer", "ROLE_WORLD_SIZE": "3",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": env["MASTER_PORT"],
                        "PLUGDIST_RUN_ID": "run-env", "TORCHELASTIC_RUN_ID": "run-env",
-                       "PLUGDIST_LAUNCHED": "1", "OMP_NUM_THREADS": "1"}, rank
+                       "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                       "TORCHELASTIC_ERROR_FILE": env["TORCHELASTIC_ERROR_FILE"],
+                       "TORCHELASTIC_USE_AGENT_STORE": "False",
+                       "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "PLUGDIST_LAUNCHED": "1",
+                       "PLUGDIST_AGENT_STORE": env["PLUGDIST_AGENT_STORE"],
+                       "PLUGDIST_RDZV_ROUND": "0", "PLUGDIST_STORE_TOKEN": token,
+                       "OMP_NUM_THREADS": "1"}, rank
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"/attempt_0/{rank}/error.json")
+        assert env["PLUGDIST_AGENT_STORE"].startswith("127.0.0.1:")
+        assert env["PLUGDIST_AGENT_STORE"] != f"127.0.0.1:{env['MASTER_PORT']}"
+        tokens.add(token)
         assert info["argv"] == [str(tmp_path), "env", *args], rank
         ports.add(env["MASTER_PORT"])
         assert f"[rank {rank}] worker rank {rank} mode env up" in res.stdout.splitlines()
     assert len(ports) == 1 and int(ports.pop()) > 0   # one port, picked by --standalone
+    assert len(tokens) == 1 and tokens.pop() != os.environ.get("PLUGDIST_STORE_TOKEN")
 
 
 @pytest.mark.timeout(60)
 def test_module_mode_no_tee_and_exit_code(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(SCRIPTS), "OMP_NUM_THREADS": "3"}
     env.pop("PLUGDIST_RUN_ID", None)
-    res = launch("--nproc-per-node", "2", "--master-port", str(free_port()), "--no-tee",
+    res = launch("--nproc-per-node", "2", "--master-port", str(free_port()), "--no-rank-prefix",
                  "-m", "launcher_worker", str(tmp_path), "env", "exit=1:7", env=env)
     assert res.returncode == 7, res.stderr                 # the failed worker's exit code
     for rank in range(2):
@@ -268,7 +331,7 @@ def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
         for p in nodes:
             if p.poll() is None:
                 p.kill()
-    for p, (out, err) in zip(nodes, results):
+    for p, (_out, err) in zip(nodes, results, strict=True):
         assert p.returncode == 0, err
     for rank in range(4):
         info = read_json(tmp_path / f"rank{rank}.json")
@@ -290,4 +353,351 @@ def test_gloo_all_reduce_end_to_end(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     for rank in range(2):
         assert read_json(tmp_path / f"rank{rank}.json") == {
-            "rank": rank, "world": 2, "sum": 3.0, "launched": True}
+            "rank": rank, "world": 2, "sum": 3.0, "launched": True, "local_rank": str(rank),
+            "env_rank": str(rank), "store": "PrefixStore:TCPStore"}   # the launcher's store
+
+
+# --------------------------------------------------------------------------- restarts, logs
+
+
+@pytest.mark.timeout(90)
+def test_restart_after_failure_and_summary_without(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    res = launch("--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                 "--log-dir", str(logs), "--rdzv-id", "rs", WORKER, str(tmp_path), "restart")
+    assert res.returncode == 0, res.stderr
+    for rank in range(2):
+        for attempt in (0, 1):
+            env = read_json(tmp_path / f"rank{rank}.attempt{attempt}.json")["env"]
+            assert env["TORCHELASTIC_RESTART_COUNT"] == str(attempt)
+            assert env["TORCHELASTIC_MAX_RESTARTS"] == "1"
+    assert "restarting the world (1 of 1 restarts)" in res.stderr
+    # per-attempt, per-rank files: both streams and rank 1's error file on attempt 0
+    (root,) = logs.iterdir()
+    assert root.name.startswith("rs_")
+    stderr0 = (root / "attempt_0" / "1" / "stderr.log").read_text()
+    assert "ValueError: rank 1 fails on attempt 0" in stderr0
+    assert "worker rank 1 mode restart up" in (root / "attempt_0" / "1" / "stdout.log").read_text()
+    assert "worker rank 1 mode restart up" in (root / "attempt_1" / "1" / "stdout.log").read_text()
+    error = json.loads((root / "attempt_0" / "1" / "error.json").read_text())
+    assert error["message"]["message"] == "ValueError: rank 1 fails on attempt 0"
+    assert not (root / "attempt_1" / "1" / "error.json").exists()
+
+    out = tmp_path / "no-restarts"
+    out.mkdir()
+    res = launch("--standalone", "--nproc-per-node", "2", "--max-restarts", "0",
+                 WORKER, str(out), "restart")
+    assert res.returncode == 1
+    summary = summary_of(res.stderr)
+    assert "first failure: rank 1 (local rank 1, pid" in summary
+    assert "error file: " in summary and "error.json" in summary
+    assert 'raise ValueError(f"rank {rank} fails on attempt {attempt}")' in summary
+    assert "exiting with code 1 (from rank 1)" in summary
+    assert not list(out.glob("*.attempt1.json"))
+
+
+@pytest.mark.timeout(60)
+def test_redirects_tee_filter_and_prefix(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    res = launch("--standalone", "--nproc-per-node", "3", "--log-dir", str(logs), "-r", "0:1",
+                 "--local-ranks-filter", "0,1", "--no-rank-prefix", WORKER, str(tmp_path), "env")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert "worker rank 0 mode env up" not in lines          # rank 0's stdout: file only
+    assert "worker rank 1 mode env up" in lines              # unprefixed
+    assert "worker rank 2 mode env up" not in lines          # filtered off the console
+    (root,) = logs.iterdir()
+    for rank in range(3):
+        text = (root / "attempt_0" / str(rank) / "stdout.log").read_text()
+        assert text == f"worker rank {rank} mode env up\n"
+
+
+# --------------------------------------------------------------------------- signals, orphans
+
+
+@pytest.mark.timeout(60)
+def test_sigusr1_is_forwarded(tmp_path: Path) -> None:
+    proc = subprocess.Popen([*LAUNCHER, "--standalone", "--nproc-per-node", "2",
+                             "--signals-to-handle", "SIGUSR1,SIGTERM", WORKER, str(tmp_path),
+                             "usr1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for([tmp_path / f"rank{r}.pid" for r in range(2)], proc)
+        proc.send_signal(signal.SIGUSR1)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGUSR1, err
+    assert "received SIGUSR1; forwarded it to the workers" in err
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.usr1").read_text() == "got SIGUSR1"
+
+
+@pytest.mark.timeout(60)
+def test_no_orphans_after_sigkill_of_the_launcher(tmp_path: Path) -> None:
+    marker = str(tmp_path)
+    proc = subprocess.Popen([*LAUNCHER, "--standalone", "--nproc-per-node", "2",
+                             WORKER, marker, "hang"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for([tmp_path / f"{kind}{r}.pid" for kind in ("rank", "gc") for r in range(2)], proc)
+    everyone = pids(tmp_path, "rank*.pid") + pids(tmp_path, "gc*.pid")
+    assert all(alive(p, marker) for p in everyone)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while [p for p in everyone if alive(p, marker)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # workers and the grandchildren that ignore SIGTERM: all gone with the launcher
+    assert not [p for p in everyone if alive(p, marker)]
+
+
+# --------------------------------------------------------------------------- rendezvous
+
+
+@pytest.mark.timeout(30)
+def test_busy_port_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = launch("--master-port", str(port), WORKER, str(tmp_path), "env")
+    assert res.returncode == 1
+    assert f"could not serve the rendezvous store on port {port}" in res.stderr
+    assert "pick a free --master-port" in res.stderr
+    assert not list(tmp_path.glob("rank*.json"))
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen[str], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"nothing listens on port {port}")
+            time.sleep(0.02)
+
+
+def _nodes(argvs: list[list[str]]) -> list[subprocess.Popen[str]]:
+    return [subprocess.Popen([*LAUNCHER, *argv], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for argv in argvs]
+
+
+def _finish(nodes: list[subprocess.Popen[str]], timeout: float) -> list[tuple[str, str]]:
+    try:
+        return [p.communicate(timeout=timeout) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.timeout(60)
+def test_c10d_nodes_without_node_rank(tmp_path: Path) -> None:
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "c10d"]
+    nodes = _nodes([[*common, WORKER, str(tmp_path), "rendezvous"] for _ in range(2)])
+    results = _finish(nodes, 50)
+    for p, (_, err) in zip(nodes, results, strict=True):
+        assert p.returncode == 0, err
+    groups = set()
+    for rank in range(4):
+        info = read_json(tmp_path / f"rank{rank}.json")
+        env = info["env"]
+        assert (env["RANK"], env["WORLD_SIZE"], env["GROUP_WORLD_SIZE"]) == (str(rank), "4", "2")
+        assert env["LOCAL_RANK"] == str(rank % 2)
+        groups.add((env["GROUP_RANK"], info["pid"] and rank // 2))
+        assert info["ranks"] == [0, 1, 2, 3], rank
+    assert {g for g, _ in groups} == {"0", "1"}
+
+
+@pytest.mark.timeout(60)
+def test_static_nodes_claiming_one_node_rank(tmp_path: Path) -> None:
+    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+              "--rdzv-conf", "join_timeout=20"]
+    nodes = _nodes([[*common, WORKER, str(tmp_path), "env"] for _ in range(2)])
+    results = _finish(nodes, 50)
+    for p, (_, err) in zip(nodes, results, strict=True):
+        assert p.returncode == 1, err
+        assert "two nodes state --node-rank 0" in err
+        assert "drop --node-rank and use --rdzv-backend c10d" in err
+    assert not list(tmp_path.glob("rank*.json"))
+
+
+@pytest.mark.timeout(90)
+def test_elastic_world_reforms_after_a_node_is_lost(tmp_path: Path) -> None:
+    """--nnodes 1:2: SIGKILL one launcher of a 2-node world; the other re-forms alone and
+    finishes. With --nnodes 2, the survivor gives up within join_timeout naming the lost node."""
+    conf = "last_call_timeout=1,keep_alive_interval=0.2,keep_alive_max_attempt=5,join_timeout=5"
+    for nnodes, expect in (("1:2", 0), ("2", 1)):
+        out = tmp_path / nnodes.replace(":", "-")
+        out.mkdir()
+        port = free_port()
+        common = ["--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", conf,
+                  "--grace-period", "1", WORKER, str(out), "elastic", "2"]
+        first = _nodes([common])[0]
+        wait_for([out / "w1.rank0.json"] if nnodes == "1:2" else [], first)
+        _wait_for_port(port, first)   # the first launcher serves the store: it must survive
+        second = _nodes([common])[0]
+        wait_for([out / "w2.rank0.json", out / "w2.rank1.json"], first)
+        # the node that does not serve the store goes: the endpoint's host stays
+        second.kill()
+        second.wait()
+        start = time.monotonic()
+        _, err = first.communicate(timeout=40)
+        assert first.returncode == expect, err
+        assert "lost node 0 (" in err or "lost node 1 (" in err
+        assert "no heartbeat for" in err
+        if expect == 0:
+            # admitted the late node into a world of 2, lost it, re-formed as 1, finished
+            assert "waiting to join" in err and "re-forming the world" in err
+            assert read_json(out / "w1.rank0.json")["env"]["PLUGDIST_RDZV_ROUND"] != "0"
+        else:
+            summary = err[err.index("rendezvous timed out"):]
+            assert "1 of at least 2 nodes joined" in summary
+            assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(90)
+def test_c10d_restart_on_every_node_and_the_summary_elsewhere(tmp_path: Path) -> None:
+    """A worker failing on one node restarts the world on both (--max-restarts 1); without
+    restarts, the node where nothing failed names the first failure and where it happened."""
+    for restarts in ("1", "0"):
+        out = tmp_path / restarts
+        out.mkdir()
+        common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", restarts,
+                  WORKER, str(out), "restart"]
+        nodes = _nodes([common, common])
+        results = _finish(nodes, 60)
+        if restarts == "1":
+            for p, (_, err) in zip(nodes, results, strict=True):
+                assert p.returncode == 0, err
+            for rank in range(4):
+                for attempt in (0, 1):
+                    env = read_json(out / f"rank{rank}.attempt{attempt}.json")["env"]
+                    assert env["TORCHELASTIC_RESTART_COUNT"] == str(attempt)
+                    assert env["PLUGDIST_RDZV_ROUND"] == str(attempt)
+            continue
+        failing = read_json(out / "rank1.attempt0.json")["env"]["GROUP_RANK"]
+        for p, (_, err) in zip(nodes, results, strict=True):
+            assert p.returncode == 1, err
+            assert "ValueError: rank 1 fails on attempt 0" in err
+            assert "exiting with code 1 (from rank 1)" in err
+        elsewhere = [err for _, err in results if "the run failed; first failure" in err]
+        assert len(elsewhere) == 1
+        assert "first failure: rank 1 (local rank 1, pid" in elsewhere[0]
+        assert f"on node {failing} (" in elsewhere[0]
+        assert "attempt 0: exit code 1" in elsewhere[0]
+
+
+@pytest.mark.timeout(30)
+def test_signal_while_waiting_for_other_nodes(tmp_path: Path) -> None:
+    proc = subprocess.Popen([*LAUNCHER, "--nnodes", "2", "--rdzv-backend", "c10d",
+                             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", WORKER,
+                             str(tmp_path), "env"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)   # serving the store, waiting for a second node that never comes
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "received SIGINT; stopped waiting for the other nodes" in err
+
+
+# --------------------------------------------------------------------------- env:// elsewhere
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("launcher_vars", [
+    {"PMI_RANK": "0", "PMI_SIZE": "1", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"},
+    {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1",
+     "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+     "OMPI_MCA_ess_base_jobid": "77"},
+    {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
+     "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"},
+], ids=["mpich", "openmpi", "slurm"])
+def test_env_rendezvous_reads_other_launchers(launcher_vars: dict[str, str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """No RANK/WORLD_SIZE/MASTER_*: rank and world from mpiexec/mpirun/srun's variables, a
+    master on this host (every rank is local), and LOCAL_RANK etc. set for the script."""
+    from plugdist.rendezvous import env_rendezvous_handler
+    before = dict(os.environ)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "PLUGDIST_AGENT_STORE", "TORCHELASTIC_USE_AGENT_STORE",
+                "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        # set, then delete: monkeypatch then restores the variable's absence too, undoing what
+        # the handler sets for the script (RANK, WORLD_SIZE, ...)
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    for k, v in launcher_vars.items():
+        monkeypatch.setenv(k, v)
+    store, rank, world = env_rendezvous_handler("env://", timeout=timedelta(seconds=10))
+    try:
+        assert (rank, world) == (0, 1)
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+        assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("0", "1")
+        assert (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]) == ("0", "1")
+        assert os.environ["MASTER_ADDR"] == "127.0.0.1"
+        assert 20000 <= int(os.environ["MASTER_PORT"]) < 40000
+    finally:
+        store.close()
+    monkeypatch.undo()
+    assert dict(os.environ) == before   # nothing leaks into the other tests' environment
+
+
+@pytest.mark.timeout(60)
+def test_torch_store_client_behind_the_store_api() -> None:
+    """torchrun's agent store is a torch TCPStore; plugdist reaches it through this adapter."""
+    import torch.distributed as tdist
+    from plugdist.errors import DistTimeoutError
+    from plugdist.rendezvous import TorchStoreClient
+    server = tdist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10),
+                            wait_for_workers=False)
+    store = TorchStoreClient(tdist.TCPStore("127.0.0.1", server.port, None, False,
+                                            timedelta(seconds=10)))
+    store.set("a", b"1")
+    assert store.get("a") == b"1" and server.get("a") == b"1"
+    assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+    assert store.compare_set("a", b"1", b"2") == b"2"
+    assert store.check(["a", "n"]) and not store.check(["missing"])
+    assert store.delete_key("a") and not store.check(["a"])
+    with pytest.raises(DistTimeoutError):
+        store.wait(["never"], timedelta(milliseconds=200))
+    store.close()
+
+
+@pytest.mark.timeout(60)
+def test_record_and_torchs_record_write_what_the_summary_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from plugdist.launcher import read_error_file, record
+    from torch.distributed.elastic.multiprocessing.errors import record as torch_record
+    for name, decorate in (("ours", record), ("torch", torch_record)):
+        path = tmp_path / f"{name}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+        @decorate
+        def main() -> None:
+            raise KeyError("no such shard")
+        with pytest.raises(KeyError):
+            main()
+        got = read_error_file(str(path))
+        assert got is not None, name
+        message, tb = got
+        assert "KeyError" in message and "no such shard" in message, name
+        assert tb[0] == "Traceback (most recent call last):", name
+        assert 'raise KeyError("no such shard")' in "\n".join(tb), name
+
+
+@pytest.mark.timeout(60)
+def test_the_launcher_never_imports_torch(tmp_path: Path) -> None:
+    noop = tmp_path / "noop.py"
+    noop.write_text("pass\n")
+    code = ("import sys, plugdist_run\n"
+            f"rc = plugdist_run.main(['--standalone', '--nproc-per-node', '2', {str(noop)!r}])\n"
+            "print(rc, sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=50)
+    assert res.stdout.strip() == "0 []", res.stderr

@@ -13,6 +13,11 @@ hang        every rank starts a grandchild that ignores SIGTERM, records SIGTERM
             arrives, and otherwise sleeps
 rendezvous  ranks meet over a socket at MASTER_ADDR:MASTER_PORT (rank 0 listens) and each
             writes the set of ranks it heard of, plus its variables, to rank<R>.json
+restart     writes rank<R>.attempt<N>.json; rank 1 raises (through plugdist's ``record``, so
+            the error file is written) on attempt 0, once the others wrote theirs
+usr1        records SIGUSR1 in rank<R>.usr1 and exits 0 on it; otherwise sleeps
+elastic     writes w<WORLD_SIZE>.rank<R>.json; in a world of WORLD_SIZE == extra[0], or in the
+            first round (waiting for more nodes to join), it sleeps until stopped; else exits 0
 """
 
 from __future__ import annotations
@@ -27,8 +32,11 @@ import time
 from pathlib import Path
 
 VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-        "MASTER_ADDR", "MASTER_PORT", "PLUGDIST_RUN_ID", "TORCHELASTIC_RUN_ID",
-        "PLUGDIST_LAUNCHED", "OMP_NUM_THREADS")
+        "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "PLUGDIST_RUN_ID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PLUGDIST_LAUNCHED", "PLUGDIST_AGENT_STORE",
+        "PLUGDIST_RDZV_ROUND", "PLUGDIST_STORE_TOKEN", "OMP_NUM_THREADS")
 GRANDCHILD = ("import signal, sys, time, pathlib; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
               "pathlib.Path(sys.argv[1]).write_text('ready'); time.sleep(300)")
 
@@ -52,6 +60,22 @@ def start_grandchild(out: Path, rank: int) -> None:
     proc = subprocess.Popen([sys.executable, "-c", GRANDCHILD, str(ready)])
     wait_for([ready])  # its SIGTERM handler is in place from here on
     write_atomic(out / f"gc{rank}.pid", str(proc.pid))
+
+
+def restart_mode(out: Path, rank: int, world: int, info: dict) -> None:
+    # plugdist_run registers a bare ``plugdist`` package, so this costs no torch import
+    import plugdist_run
+    plugdist_run._bare_plugdist()
+    from plugdist.launcher import record
+
+    @record
+    def body() -> None:
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        write_atomic(out / f"rank{rank}.attempt{attempt}.json", json.dumps(info))
+        if rank == 1 and attempt == "0":
+            wait_for([out / f"rank{r}.attempt0.json" for r in range(world)])
+            raise ValueError(f"rank {rank} fails on attempt {attempt}")
+    body()
 
 
 def main() -> None:
@@ -131,6 +155,25 @@ def main() -> None:
                 ranks = json.loads(conn.makefile().readline())
         info["ranks"] = ranks
         write_atomic(out / f"rank{rank}.json", json.dumps(info))
+        return
+
+    if mode == "restart":
+        restart_mode(out, rank, world, info)
+        return
+
+    if mode == "usr1":
+        def on_usr1(signum: int, frame: object) -> None:
+            write_atomic(out / f"rank{rank}.usr1", "got SIGUSR1")
+            sys.exit(0)
+        signal.signal(signal.SIGUSR1, on_usr1)
+        write_atomic(out / f"rank{rank}.pid", str(os.getpid()))
+        time.sleep(300)
+        return
+
+    if mode == "elastic":
+        write_atomic(out / f"w{world}.rank{rank}.json", json.dumps(info))
+        if world == int(extra[0]) or os.environ["PLUGDIST_RDZV_ROUND"] == "0":
+            time.sleep(300)
         return
 
     raise SystemExit(f"unknown mode {mode!r}")

@@ -144,7 +144,7 @@ def init_world(backend: str | None = None, init_method: str | None = None,
     Blocks until all ``world_size`` ranks called it (bounded by ``timeout``, default 30 min);
     raises DistTimeoutError naming the ranks that did not arrive. ``init_method`` and ``store``
     are exclusive; with neither, ``env://`` is used, unless the backend knows the world itself
-    (MPI under mpiexec) and the environment names no master.
+    (MPI under mpiexec), which then ignores ``rank``/``world_size`` (a disagreeing one warns).
 
     ``torch_world`` (default: on, unless ``PLUGDIST_TORCH_WORLD=0``): also make torch's default
     group run over this world's default group (backend ``plugdist_<backend>``), so code that asks
@@ -167,12 +167,14 @@ def init_world(backend: str | None = None, init_method: str | None = None,
         if rank >= world_size:
             raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
         owned = False
-    elif init_method is None and "MASTER_ADDR" not in os.environ and hasattr(factory, "rendezvous"):
+    elif init_method is None and hasattr(factory, "rendezvous"):
+        # The backend knows the world itself (MPI under mpiexec): as in torch, rank= and
+        # world_size= are not needed, and MASTER_ADDR in the environment does not matter.
         store, r, ws = factory.rendezvous(timeout)
         if (rank >= 0 and rank != r) or (world_size > 0 and world_size != ws):
-            raise ValueError(f"backend {name!r} found rank {r} of {ws} processes, but "
-                             f"init_process_group was given rank={rank}, world_size={world_size}; "
-                             f"drop the arguments or make them agree")
+            warnings.warn(f"init_process_group({name!r}): the backend found rank {r} of {ws} "
+                          f"processes and ignores rank={rank}, world_size={world_size}",
+                          UserWarning, stacklevel=2)
         rank, world_size, owned = r, ws, True
     else:
         url = init_method or "env://"

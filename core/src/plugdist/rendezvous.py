@@ -9,15 +9,17 @@ caller did not give them; it blocks until the store is reachable (bounded by ``t
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from .errors import DistError
-from .store import FileStore, Store, TCPStore
+from .errors import DistError, DistTimeoutError
+from .store import FileStore, PrefixStore, Store, TCPStore
 
 __all__ = ["env_rendezvous_handler", "tcp_rendezvous_handler", "file_rendezvous_handler",
-           "RendezvousError", "RendezvousHandler"]
+           "RendezvousError", "RendezvousHandler", "TorchStoreClient"]
 
 RendezvousHandler = Callable[..., tuple[Store, int, int]]
 
@@ -32,7 +34,8 @@ def _query_int(url: str, name: str, given: int) -> int:
         try:
             return int(values[0])
         except ValueError:
-            raise RendezvousError(f"init_method {url!r}: {name}={values[0]!r} is not an integer") from None
+            raise RendezvousError(f"init_method {url!r}: {name}={values[0]!r} is not an "
+                                  f"integer") from None
     return given
 
 
@@ -44,18 +47,46 @@ def _check(rank: int, world_size: int, source: str) -> None:
                               f"(valid ranks: 0..{world_size - 1})")
 
 
+# Where other launchers put rank, world size and local rank: MPICH/Hydra, Open MPI, Slurm.
+_LAUNCHER_VARS = (
+    ("mpiexec (MPICH/Hydra)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("srun (Slurm)", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+)
+
+
+def _parse_int(var: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise RendezvousError(f"environment variable {var}={value!r} is not an integer") from None
+
+
+def _from_other_launcher() -> tuple[str, int, int, int | None, int | None] | None:
+    """(launcher, rank, world size, local rank, local size) from mpiexec/mpirun/srun's
+    variables, or None when none of them started this process."""
+    env = os.environ
+    for name, rank_var, size_var, local_var, local_size_var in _LAUNCHER_VARS:
+        if rank_var in env and size_var in env:
+            local = env.get(local_var)
+            local_size = env.get(local_size_var, "")
+            return (name, _parse_int(rank_var, env[rank_var]), _parse_int(size_var, env[size_var]),
+                    _parse_int(local_var, local) if local is not None else None,
+                    int(local_size) if local_size.isdigit() else None)
+    return None
+
+
 def _env_int(var: str, given: int, purpose: str) -> int:
     if given >= 0:
         return given
     value = os.environ.get(var)
     if value is None:
-        raise RendezvousError(f"env:// rendezvous needs the environment variable {var} ({purpose}); "
-                              f"set it, pass {var.lower()}= to init_process_group, or launch with "
-                              f"plugdist-run, which sets it")
-    try:
-        return int(value)
-    except ValueError:
-        raise RendezvousError(f"environment variable {var}={value!r} is not an integer") from None
+        raise RendezvousError(f"env:// rendezvous needs the environment variable {var} "
+                              f"({purpose}); set it, pass {var.lower()}= to init_process_group, "
+                              f"or launch with plugdist-run, which sets it (mpiexec, mpirun and "
+                              f"srun work too)")
+    return _parse_int(var, value)
 
 
 def _tcp_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> Store:
@@ -63,27 +94,146 @@ def _tcp_store(host: str, port: int, rank: int, world_size: int, timeout: timede
                     wait_for_workers=False)
 
 
+def _agent_store(world_size: int, timeout: timedelta) -> Store | None:
+    """The store of the launcher that started this process, as a client, or None.
+
+    plugdist-run announces its own (a plugdist TCPStore) in ``PLUGDIST_AGENT_STORE``; torchrun
+    sets ``TORCHELASTIC_USE_AGENT_STORE=True`` and serves a torch TCPStore at MASTER_ADDR:
+    MASTER_PORT, reached through torch's client. Keys go under a prefix per round (per restart
+    under torchrun), so a restarted world never reads the previous attempt's keys.
+    """
+    env = os.environ
+    if env.get("PLUGDIST_AGENT_STORE"):
+        host, _, port = env["PLUGDIST_AGENT_STORE"].rpartition(":")
+        store: Store = TCPStore(host, int(port), None, is_master=False, timeout=timeout)
+        round_ = env.get("PLUGDIST_RDZV_ROUND", "0")
+        return _OwningPrefixStore(f"plugdist/worker/round_{round_}", store)
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR") \
+            and env.get("MASTER_PORT"):
+        import torch.distributed as tdist  # torchrun's store speaks torch's protocol
+        client = tdist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
+                                False, timeout)
+        attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return _OwningPrefixStore(f"plugdist/worker/attempt_{attempt}", TorchStoreClient(client))
+    return None
+
+
+class _OwningPrefixStore(PrefixStore):
+    """A PrefixStore that owns its inner store: ``close`` closes it too."""
+
+    def close(self) -> None:
+        self.underlying_store.close()
+
+
+class TorchStoreClient(Store):
+    """A ``torch.distributed.Store`` (e.g. torchrun's agent store) behind plugdist's Store API.
+
+    Thread safety and blocking are the wrapped store's; ``close`` drops the reference only."""
+
+    def __init__(self, store: Any) -> None:
+        super().__init__(store.timeout)
+        self._store = store
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        self._store.set_timeout(timeout)
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self._store.get(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._store.add(key, amount))
+
+    def compare_set(self, key: str, expected_value: bytes | str,
+                    desired_value: bytes | str) -> bytes:
+        return bytes(self._store.compare_set(key, expected_value, desired_value))
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        try:
+            if timeout is None:
+                self._store.wait(list(keys))
+            else:
+                self._store.wait(list(keys), timeout)
+        except RuntimeError as exc:   # torch's DistStoreError and its timeouts
+            if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
+                raise DistTimeoutError(f"torch agent store: wait for {list(keys)}: {exc}") from exc
+            raise
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return bool(self._store.check(list(keys)))
+
+    def num_keys(self) -> int:
+        return int(self._store.num_keys())
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._store.delete_key(key))
+
+    def close(self) -> None:
+        self._store = None
+
+
 def env_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
                            timeout: timedelta = timedelta(minutes=30)) -> tuple[Store, int, int]:
     """``env://``: MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE from the environment (rank and
-    world_size may come from the caller or the URL query instead)."""
-    rank = _env_int("RANK", _query_int(url, "rank", rank), "this process's rank")
-    world_size = _env_int("WORLD_SIZE", _query_int(url, "world_size", world_size),
-                          "the number of processes")
+    world_size may come from the caller or the URL query instead).
+
+    Without RANK/WORLD_SIZE, the variables of mpiexec (MPICH), mpirun (Open MPI) or srun
+    (Slurm) give them, and LOCAL_RANK, LOCAL_WORLD_SIZE, RANK and WORLD_SIZE are then set in
+    ``os.environ`` for the script to read. When every rank runs on this host, MASTER_ADDR
+    defaults to 127.0.0.1 and MASTER_PORT to a port derived from the job (see
+    docs/launcher.md). Under plugdist-run or torchrun, the launcher's store is used as a client.
+    """
+    rank = _query_int(url, "rank", rank)
+    world_size = _query_int(url, "world_size", world_size)
+    other = None
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        other = _from_other_launcher()
+    if other is not None:
+        launcher, o_rank, o_size, o_local, o_local_size = other
+        rank = o_rank if rank < 0 else rank
+        world_size = o_size if world_size < 1 else world_size
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(world_size))
+        if o_local is not None:
+            os.environ.setdefault("LOCAL_RANK", str(o_local))
+        if o_local_size is not None:
+            os.environ.setdefault("LOCAL_WORLD_SIZE", str(o_local_size))
+        if o_local_size == world_size:   # one host: no need to name a master
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_job_port()))
+    rank = _env_int("RANK", rank, "this process's rank")
+    world_size = _env_int("WORLD_SIZE", world_size, "the number of processes")
     _check(rank, world_size, "env://")
+    agent = _agent_store(world_size, timeout)
+    if agent is not None:
+        return agent, rank, world_size
     host = os.environ.get("MASTER_ADDR")
     if not host:
         raise RendezvousError("env:// rendezvous needs the environment variable MASTER_ADDR (the "
                               "address of rank 0); set it or launch with plugdist-run")
     port_text = os.environ.get("MASTER_PORT")
     if not port_text:
-        raise RendezvousError("env:// rendezvous needs the environment variable MASTER_PORT (a free "
-                              "port on rank 0's host); set it or launch with plugdist-run")
+        raise RendezvousError("env:// rendezvous needs the environment variable MASTER_PORT (a "
+                              "free port on rank 0's host); set it or launch with plugdist-run")
     try:
         port = int(port_text)
     except ValueError:
-        raise RendezvousError(f"environment variable MASTER_PORT={port_text!r} is not a port number") from None
+        raise RendezvousError(f"environment variable MASTER_PORT={port_text!r} is not a port "
+                              f"number") from None
     return _tcp_store(host, port, rank, world_size, timeout), rank, world_size
+
+
+def _job_port() -> int:
+    """A port every rank of a one-host job derives alike: from Slurm's job and step ids, Open
+    MPI's job id, or (MPICH's Hydra) the pid of the proxy that started this host's ranks."""
+    env = os.environ
+    job = (env.get("SLURM_JOB_ID", "") + "." + env.get("SLURM_STEP_ID", "")
+           if "SLURM_JOB_ID" in env else env.get("OMPI_MCA_ess_base_jobid")
+           or env.get("PMIX_NAMESPACE") or f"ppid{os.getppid()}")
+    return 20000 + zlib.crc32(job.encode()) % 20000
 
 
 def tcp_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,

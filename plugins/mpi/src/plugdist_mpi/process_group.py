@@ -97,6 +97,9 @@ class MPIProcessGroup(ProcessGroup):
     def rendezvous(cls, timeout: timedelta) -> tuple[Store, int, int]:
         """Rank and world size from ``MPI.COMM_WORLD``, and a TCPStore served by rank 0.
 
+        A ``WORLD_SIZE`` in the environment (from another launcher) that disagrees with MPI's
+        is an error: N processes that are each a world of one would train apart, silently.
+
         Collective over COMM_WORLD, blocking: rank 0 starts the store and broadcasts its address
         (``PLUGDIST_MPI_STORE_HOST`` overrides the host name it announces); the others connect
         (127.0.0.1 when they run on rank 0's host), bounded by ``timeout``.
@@ -108,6 +111,15 @@ class MPIProcessGroup(ProcessGroup):
         comm = MPI.COMM_WORLD
         rank, size = comm.Get_rank(), comm.Get_size()
         here = where(rank=rank, backend="mpi", op="rendezvous")
+        launched = os.environ.get("WORLD_SIZE", "")
+        if launched.isdigit() and int(launched) != size:
+            # e.g. plugdist-run or torchrun started N separate MPI singletons: each would run
+            # a training of its own, silently
+            raise DistBackendError(
+                f"{here} MPI sees {size} process(es) in COMM_WORLD, but WORLD_SIZE={launched}: "
+                f"the processes were not started by one mpiexec. Start them with "
+                f"`mpiexec -n {launched} python script.py` (not plugdist-run or torchrun), or "
+                f"use another backend (gloo) under this launcher")
         store: TCPStore | None = None
         announce: tuple[str, ...]
         if rank == 0:

@@ -1,0 +1,492 @@
+"""The agent: run this node's workers round after round until the run succeeds or gives up.
+
+Each round: rendezvous (:mod:`.rendezvous`), start ``nproc_per_node`` workers, watch them every
+``monitor_interval``. A worker that fails ends the round on every node; the world starts again
+(round + 1, ``TORCHELASTIC_RESTART_COUNT`` + 1) while restarts are left. A lost node, or a node
+waiting to join a world smaller than MAX, ends the round too, without using a restart.
+
+Contract (POSIX): every worker runs in its own session, so a signal reaches its whole process
+tree through ``killpg``. Stopping sends a signal (SIGTERM, or the one the launcher got), then
+SIGKILL after ``grace_period``. A watchdog process holds a pipe from the launcher and SIGKILLs
+every worker group still listed when that pipe closes, so no worker outlives the launcher, even
+a launcher killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import IO, Any
+
+from .config import LaunchConfig
+from .error_file import ERROR_FILE_VAR, read_error_file
+from .logs import Sink, plan_streams, pump
+from .rendezvous import Assignment, RendezvousError, RendezvousInterrupted, StoreRendezvous
+from .summary import PROG, Failure, LaunchResult, WorkerStatus, exit_code_of
+
+__all__ = ["Agent", "LaunchError"]
+
+_TAIL_CHUNKS = 400          # stderr lines kept per worker for the failure summary
+TOKEN_VAR = "PLUGDIST_STORE_TOKEN"
+# The watchdog: reads "+PGID"/"-PGID" lines; at EOF (the launcher is gone, however it ended)
+# SIGKILLs the process groups still listed. Standard library only, started with -I -S: ~10 ms.
+_WATCHDOG = (
+    "import os, signal, sys\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "live = set()\n"
+    "for line in sys.stdin:\n"
+    "    line = line.strip()\n"
+    "    if line[:1] == '+': live.add(int(line[1:]))\n"
+    "    elif line[:1] == '-': live.discard(int(line[1:]))\n"
+    "for g in live:\n"
+    "    try: os.killpg(g, signal.SIGKILL)\n"
+    "    except OSError: pass\n"
+)
+
+
+class LaunchError(RuntimeError):
+    """The launcher could not start a worker."""
+
+
+def _live_groups(pgids: set[int]) -> set[int]:
+    """Those of ``pgids`` that still hold a live (non-zombie) process: one pass over /proc."""
+    if not pgids:
+        return set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        # No /proc (macOS): signal 0 tells whether the group exists, zombies included.
+        live = set()
+        for pgid in pgids:
+            try:
+                os.killpg(pgid, 0)
+                live.add(pgid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return live
+    live = set()
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the command name, which may itself contain spaces and parentheses.
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 2 and fields[0] not in (b"Z", b"X") and int(fields[2]) in pgids:
+            live.add(int(fields[2]))
+            if live == pgids:
+                break
+    return live
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Watchdog:
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG],
+                                         stdin=subprocess.PIPE, start_new_session=True)
+        except OSError:
+            self.proc = None   # degrade: workers are still stopped on every orderly exit
+
+    def tell(self, line: str) -> None:
+        if self.proc is not None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(line.encode() + b"\n")
+                self.proc.stdin.flush()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self.proc is not None:
+            if self.proc.stdin is not None:
+                try:
+                    self.proc.stdin.close()
+                except OSError:
+                    pass
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class _Sleeper:
+    """Sleeps that a signal cuts short, with no lock taken in a signal handler (a handler runs
+    on the main thread, between any two bytecodes, so taking a lock there can deadlock): the
+    interpreter's C-level handler writes to a pipe (``signal.set_wakeup_fd``) and a sleep is a
+    ``select`` on it. Without ``install`` (not the main thread) it is a plain sleep."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._previous: int | None = None
+
+    def install(self) -> None:
+        self._previous = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+
+    def sleep(self, seconds: float) -> None:
+        select.select([self._r], [], [], seconds)
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.set_wakeup_fd(self._previous)
+            self._previous = None
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class _Worker:
+    def __init__(self, rank: int, local_rank: int, proc: subprocess.Popen[bytes],
+                 error_file: str) -> None:
+        self.rank = rank
+        self.local_rank = local_rank
+        self.proc = proc
+        self.pgid = proc.pid          # start_new_session: the worker leads its own group
+        self.error_file = error_file
+        self.returncode: int | None = None
+        self.released = False         # the watchdog was told this group is gone
+        self.failed = False
+        self.stopped = False
+        self.tail: collections.deque[bytes] = collections.deque(maxlen=_TAIL_CHUNKS)
+        self.readers: list[threading.Thread] = []
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.proc.poll()
+        return self.returncode
+
+    def drain(self, timeout: float) -> None:
+        for t in self.readers:
+            t.join(timeout=timeout)
+
+    def status(self) -> WorkerStatus:
+        text = b"".join(self.tail).decode("utf-8", "replace")
+        err = read_error_file(self.error_file) if self.failed else None
+        return WorkerStatus(
+            rank=self.rank, local_rank=self.local_rank, pid=self.proc.pid,
+            returncode=self.returncode, failed=self.failed, stopped=self.stopped,
+            stderr_tail=tuple(text.splitlines()),
+            error_file=self.error_file if err else None,
+            error_message=err[0] if err else "", error_traceback=tuple(err[1]) if err else ())
+
+
+class Agent:
+    """One launch on this node. Not reusable; ``run`` must be called from one thread."""
+
+    def __init__(self, config: LaunchConfig, stdout: IO[str], stderr: IO[str]) -> None:
+        self.cfg = config
+        self.out = Sink(stdout)
+        self.err = Sink(stderr)
+        self.workers: list[_Worker] = []
+        self.signals: list[int] = []
+        self.sleeper = _Sleeper()
+        self.leftovers: list[int] = []
+        self.watchdog: _Watchdog | None = None
+        self.host = socket.gethostname()
+        self._tmp: str | None = None
+        self._change = ""           # the last membership change, for the summary
+        self._keep_tmp = False      # a worker failed: its error file is named in the summary
+        self.log_root = self._log_root()
+
+    # -- set up --------------------------------------------------------------------------------
+    def _log_root(self) -> str:
+        cfg = self.cfg
+        if cfg.log_dir is not None:
+            root = os.path.join(cfg.log_dir, f"{cfg.run_id}_{os.urandom(4).hex()}")
+        elif cfg.redirects.default or cfg.redirects.per_rank or cfg.tee.default \
+                or cfg.tee.per_rank:
+            root = tempfile.mkdtemp(prefix=f"plugdist-run-{cfg.run_id}-")
+            self.err.text(f"{PROG}: worker logs in {root} (pass --log-dir to choose)")
+        else:
+            root = self._tmp = tempfile.mkdtemp(prefix=f"plugdist-run-{cfg.run_id}-")
+        return root
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.signals.append(signum)   # no lock here: the main thread may hold any of them
+
+    def _base_env(self) -> dict[str, str]:
+        base = dict(os.environ)
+        if self.cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
+            # As torchrun does: N workers each using every core would oversubscribe the node.
+            base["OMP_NUM_THREADS"] = "1"
+            self.err.text(f"{PROG}: setting OMP_NUM_THREADS=1 for each worker (set it "
+                          "yourself to choose another value)")
+        base.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        base.setdefault("PYTHONUNBUFFERED", "1")   # output is relayed line by line
+        return base
+
+    # -- the run ---------------------------------------------------------------------------------
+    def run(self) -> LaunchResult:
+        cfg = self.cfg
+        previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in cfg.signals_to_handle:
+                previous[sig] = signal.signal(sig, self._on_signal)
+            # a worker's exit wakes the monitor at once instead of at its next look (through
+            # the sleeper's wakeup fd: the handler itself has nothing to do)
+            previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+            self.sleeper.install()
+        if cfg.max_nodes == 1:
+            os.environ[TOKEN_VAR] = os.urandom(16).hex()   # fresh per single-node run (CSPRNG)
+        elif cfg.rdzv.token:
+            os.environ[TOKEN_VAR] = cfg.rdzv.token
+        rdzv: StoreRendezvous | None = None
+        a: Assignment | None = None
+        try:
+            rdzv = StoreRendezvous(cfg, interrupted=lambda: bool(self.signals))
+            self.watchdog = _Watchdog()
+            base = self._base_env()
+            while True:
+                a = rdzv.next_round(a)
+                outcome = self._round(rdzv, a, base)
+                result = self._after_round(rdzv, a, outcome)
+                if result is not None:
+                    rdzv.close(a.nnodes, a.round)
+                    rdzv = None
+                    return result
+        except RendezvousInterrupted:
+            self._stop(self.signals[0], mark=True)
+            return self._result(128 + self.signals[0], a)
+        except RendezvousError as exc:   # StoreLost included
+            self._stop(signal.SIGTERM, mark=True)
+            reason = f"{self._change}; then {exc}" if self._change else str(exc)
+            return self._result(1, a, reason=reason)
+        finally:
+            # Reached on every path, including an exception while spawning: nothing survives.
+            self._stop(signal.SIGTERM, mark=False)
+            for w in self.workers:
+                w.drain(2.0)
+            if rdzv is not None:
+                rdzv.close()
+            if self.watchdog is not None:
+                self.watchdog.close()
+            self.sleeper.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self._tmp is not None and not self._keep_tmp:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def _result(self, exit_code: int, a: Assignment | None, *, reason: str = "",
+                first: Failure | None = None) -> LaunchResult:
+        return LaunchResult(
+            config=self.cfg, exit_code=exit_code,
+            workers=tuple(w.status() for w in self.workers),
+            received_signal=self.signals[0] if self.signals else None,
+            leftovers=tuple(self.leftovers), first_failure=first,
+            restarts=a.restart_count if a else 0, node_rank=a.node_rank if a else 0,
+            nnodes=a.nnodes if a else self.cfg.max_nodes, reason=reason)
+
+    def _round(self, rdzv: StoreRendezvous, a: Assignment, base: dict[str, str]) -> str:
+        """Run one round's workers; returns 'succeeded', 'failed', 'signal' or the outcome
+        another node (or a membership check) set."""
+        self.workers = []
+        self.leftovers = []
+        self._spawn(a, base)
+        multi = self.cfg.max_nodes > 1
+        interval = self.cfg.monitor_interval.total_seconds()
+        while True:
+            if self.signals:
+                return "signal"
+            failed = [w for w in self.workers
+                      if w.returncode is None and w.poll() is not None and w.returncode != 0]
+            if failed:
+                self._keep_tmp = True
+                for w in failed:
+                    w.failed = True
+                first = failed[0]
+                first.drain(0.5)
+                st = first.status()
+                failure = Failure(rank=first.rank, local_rank=first.local_rank,
+                                  node_rank=a.node_rank, host=self.host, pid=first.proc.pid,
+                                  returncode=first.returncode, attempt=a.restart_count,
+                                  traceback=tuple(st.traceback()[-60:]),
+                                  message=st.error_message, error_file=st.error_file)
+                rdzv.publish_failure(a, failure.to_dict())
+                return rdzv.end_round(a, f"failed: rank {first.rank} on node {a.node_rank}")
+            if all(w.returncode is not None for w in self.workers):
+                left = _live_groups({w.pgid for w in self.workers})
+                self.leftovers = [w.rank for w in self.workers if w.pgid in left]
+                return "succeeded"
+            if multi:
+                outcome = rdzv.outcome(a.round)
+                if outcome:
+                    return outcome
+                reason = rdzv.check(a)
+                if reason:
+                    return rdzv.end_round(a, reason)
+            self.sleeper.sleep(interval)
+
+    def _after_round(self, rdzv: StoreRendezvous, a: Assignment,
+                     outcome: str) -> LaunchResult | None:
+        """Stop what must stop; the run's result, or None to go on with the next round."""
+        cfg = self.cfg
+        if outcome == "signal":
+            sig = self.signals[0]
+            self._stop(sig, mark=True)
+            if cfg.max_nodes > 1:
+                try:
+                    rdzv.end_round(a, f"membership: node {a.node_rank} ({self.host}) got "
+                                      f"{signal.Signals(sig).name}")
+                except RendezvousError:
+                    pass
+            return self._result(128 + sig, a)
+        if outcome == "succeeded":
+            self._stop(signal.SIGTERM, mark=False)   # leftovers in the workers' groups
+            if cfg.max_nodes > 1:
+                rdzv.mark_done(a)
+                outcome = self._wait_for_others(rdzv, a)
+                if outcome == "signal":
+                    return self._result(128 + self.signals[0], a)
+            if outcome == "succeeded":
+                return self._result(0, a)
+        self._stop(signal.SIGTERM, mark=True)
+        if outcome.startswith("failed"):
+            raw = rdzv.first_failure(a)
+            first = Failure.from_dict(raw) if raw else None
+            if a.restart_count < cfg.max_restarts:
+                self.err.text(f"{PROG}: {outcome}; restarting the world "
+                              f"({a.restart_count + 1} of {cfg.max_restarts} restarts)")
+                return None
+            mine = [w for w in self.workers if w.failed]
+            code = exit_code_of(mine[0].returncode) if mine else 1
+            return self._result(code, a, first=first)
+        # membership change: the world re-forms without using a restart
+        self._change = outcome.removeprefix("membership: ")
+        self.err.text(f"{PROG}: {self._change}; re-forming the world")
+        return None
+
+    def _wait_for_others(self, rdzv: StoreRendezvous, a: Assignment) -> str:
+        interval = self.cfg.monitor_interval.total_seconds()
+        while not rdzv.all_done(a):
+            if self.signals:
+                return "signal"
+            outcome = rdzv.outcome(a.round)
+            if outcome:
+                return outcome
+            reason = rdzv.check(a)
+            if reason:
+                return rdzv.end_round(a, reason)
+            self.sleeper.sleep(interval)
+        return "succeeded"
+
+    # -- workers ---------------------------------------------------------------------------------
+    def _spawn(self, a: Assignment, base: dict[str, str]) -> None:
+        cfg = self.cfg
+        cmd = cfg.command()
+        attempt_dir = os.path.join(self.log_root, f"attempt_{a.round}")
+        plans = []
+        for local_rank in range(cfg.nproc_per_node):
+            rank_dir = os.path.join(attempt_dir, str(local_rank))
+            os.makedirs(rank_dir, exist_ok=True)
+            out_plan, err_plan = plan_streams(cfg, local_rank, rank_dir)
+            env = self._worker_env(a, local_rank, base, os.path.join(rank_dir, "error.json"))
+            stdout: int | None = None            # straight to our stdout: the cheapest
+            if not out_plan.piped:
+                stdout = subprocess.DEVNULL
+            elif out_plan.file or cfg.rank_prefix:
+                stdout = subprocess.PIPE
+            try:
+                proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=stdout,
+                                        stderr=subprocess.PIPE)
+            except OSError as exc:
+                raise LaunchError(f"could not start rank {a.rank_offset + local_rank} (local "
+                                  f"rank {local_rank}) with {cmd[0]!r}: {exc}") from exc
+            if self.watchdog is not None:
+                self.watchdog.tell(f"+{proc.pid}")
+            self.workers.append(_Worker(a.rank_offset + local_rank, local_rank, proc,
+                                        env[ERROR_FILE_VAR]))
+            plans.append((out_plan, err_plan))
+        for w, (out_plan, err_plan) in zip(self.workers, plans, strict=True):
+            prefix = f"[rank {w.rank}] ".encode() if cfg.rank_prefix else b""
+            for src, plan, console, tail in ((w.proc.stdout, out_plan, self.out, None),
+                                             (w.proc.stderr, err_plan, self.err, w.tail)):
+                if src is None:
+                    continue
+                file = Sink(open(plan.file, "ab"), binary=True) if plan.file else None
+                t = threading.Thread(
+                    target=pump, args=(src, console if plan.console else None, prefix, file,
+                                       tail),
+                    name=f"{PROG}-rank{w.rank}", daemon=True)
+                t.start()
+                w.readers.append(t)
+
+    def _worker_env(self, a: Assignment, local_rank: int, base: dict[str, str],
+                    error_file: str) -> dict[str, str]:
+        cfg = self.cfg
+        rank = str(a.rank_offset + local_rank)
+        env = dict(base)
+        env.update(
+            RANK=rank, LOCAL_RANK=str(local_rank), GROUP_RANK=str(a.node_rank),
+            ROLE_RANK=rank, ROLE_NAME=cfg.role, ROLE_WORLD_SIZE=str(a.world_size),
+            LOCAL_WORLD_SIZE=str(a.local_world_size), WORLD_SIZE=str(a.world_size),
+            GROUP_WORLD_SIZE=str(a.nnodes), MASTER_ADDR=a.master_addr,
+            MASTER_PORT=str(a.master_port), TORCHELASTIC_RUN_ID=cfg.run_id,
+            TORCHELASTIC_RESTART_COUNT=str(a.restart_count),
+            TORCHELASTIC_MAX_RESTARTS=str(cfg.max_restarts),
+            # torch's own scripts would talk torch's store protocol to an agent store; ours is
+            # a plugdist store, announced to plugdist as PLUGDIST_AGENT_STORE instead
+            TORCHELASTIC_USE_AGENT_STORE="False",
+            PLUGDIST_RUN_ID=cfg.run_id, PLUGDIST_LAUNCHED="1",
+            PLUGDIST_AGENT_STORE=a.agent_store, PLUGDIST_RDZV_ROUND=str(a.round),
+        )
+        env[ERROR_FILE_VAR] = error_file
+        return env
+
+    def _stop(self, sig: int, *, mark: bool) -> None:
+        """Send ``sig`` to every worker's process group; SIGKILL what outlives the grace period.
+
+        Also reaps the workers. Idempotent: groups already empty are skipped. A further signal
+        to the launcher while it waits skips the rest of the grace period.
+        """
+        def still_running(ws: list[_Worker]) -> list[_Worker]:
+            groups = _live_groups({w.pgid for w in ws})
+            return [w for w in ws if w.poll() is None or w.pgid in groups]
+
+        live = still_running([w for w in self.workers if not w.released])
+        for w in live:
+            if mark and w.returncode is None:
+                w.stopped = True
+            _killpg(w.pgid, sig)
+        seen_signals = len(self.signals)
+        deadline = time.monotonic() + self.cfg.grace_period.total_seconds()
+        while live and time.monotonic() < deadline and len(self.signals) == seen_signals:
+            self.sleeper.sleep(0.01)
+            live = still_running(live)
+        for w in live:
+            _killpg(w.pgid, signal.SIGKILL)
+        for w in live:
+            try:
+                w.returncode = w.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                pass  # stuck in the kernel (uninterruptible I/O); nothing more we can do
+        for w in self.workers:
+            if w.returncode is not None and not w.released and self.watchdog is not None:
+                w.released = True
+                self.watchdog.tell(f"-{w.pgid}")

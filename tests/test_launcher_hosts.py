@@ -1,0 +1,228 @@
+"""plugdist-run across hosts, and plugdist scripts under other launchers (mpiexec, torchrun).
+
+Hosts are two Linux network namespaces joined by a veth pair, made and removed by the test
+(private addresses 10.231.N.1/2 that exist only on the veth ends, inside the namespaces). Each
+namespace runs its own plugdist-run with no --node-rank; they meet at the first one's address.
+Skipped, with the reason, where namespaces cannot be created (not root, no ``ip``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent / "launcher_scripts"
+WORKER = str(SCRIPTS / "launcher_worker.py")
+LAUNCHER = [sys.executable, "-m", "plugdist_run"]
+VENV_BIN = Path(sys.executable).parent
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _gloo() -> None:
+    import plugdist
+    if not plugdist.is_backend_available("gloo"):
+        pytest.skip("plugdist-gloo is not installed")
+
+
+# --------------------------------------------------------------------------- two hosts
+
+
+class Hosts:
+    """Two network namespaces ``ns[0]``, ``ns[1]`` with addresses ``addr[0]``, ``addr[1]`` on an
+    interface named ``pdnet`` in each."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.ns = (f"pd15a{tag}", f"pd15b{tag}")
+        subnet = 1 + os.getpid() % 250
+        self.addr = (f"10.231.{subnet}.1", f"10.231.{subnet}.2")
+        self._veth = (f"pdva{tag}", f"pdvb{tag}")
+
+    def _ip(self, *args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
+
+    def create(self) -> None:
+        for ns in self.ns:
+            self._ip("netns", "add", ns)
+        self._ip("link", "add", self._veth[0], "type", "veth", "peer", "name", self._veth[1])
+        for ns, veth, addr in zip(self.ns, self._veth, self.addr, strict=True):
+            self._ip("link", "set", veth, "netns", ns)
+            self._ip("-n", ns, "link", "set", veth, "name", "pdnet")
+            self._ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "pdnet")
+            self._ip("-n", ns, "link", "set", "pdnet", "up")
+            self._ip("-n", ns, "link", "set", "lo", "up")
+
+    def remove(self) -> None:
+        for ns in self.ns:   # deleting a namespace deletes its veth end, and so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+    def popen(self, host: int, argv: list[str]) -> subprocess.Popen[str]:
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "pdnet"}
+        return subprocess.Popen(["ip", "netns", "exec", self.ns[host], *argv], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    if not sys.platform.startswith("linux") or shutil.which("ip") is None:
+        pytest.skip("needs Linux network namespaces and the `ip` tool (iproute2)")
+    if os.geteuid() != 0:
+        pytest.skip("creating network namespaces needs root (CAP_SYS_ADMIN)")
+    h = Hosts()
+    try:
+        h.create()
+    except (subprocess.CalledProcessError, OSError) as exc:
+        h.remove()
+        detail = getattr(exc, "stderr", "") or exc
+        pytest.skip(f"could not create network namespaces here: {detail}")
+    try:
+        yield h
+    finally:
+        h.remove()
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[str, str]]:
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.timeout(150)
+def test_ddp_across_two_hosts_matches_one_host(hosts: Hosts, tmp_path: Path) -> None:
+    _gloo()
+    train = str(SCRIPTS / "ddp_train.py")
+    endpoint = f"{hosts.addr[0]}:29400"
+    argv = [*LAUNCHER, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", "ddp", train, str(tmp_path), "two_hosts"]
+    procs = [hosts.popen(h, argv) for h in (0, 1)]
+    one = subprocess.Popen([*LAUNCHER, "--standalone", "--nproc-per-node", "4", train,
+                            str(tmp_path), "one_host"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = _finish([*procs, one], 140)
+    for p, (_, err) in zip([*procs, one], results, strict=True):
+        assert p.returncode == 0, err
+    two, single = read_json(tmp_path / "two_hosts.json"), read_json(tmp_path / "one_host.json")
+    assert two["world"] == single["world"] == 4
+    assert two["params"] == single["params"]
+
+
+@pytest.mark.timeout(90)
+def test_lost_host_then_the_world_reforms(hosts: Hosts, tmp_path: Path) -> None:
+    """--nnodes 1:2 across the two hosts; SIGKILL the second host's launcher: the first sees
+    the node lost, re-forms alone and finishes."""
+    conf = "last_call_timeout=1,keep_alive_interval=0.2,keep_alive_max_attempt=5,join_timeout=10"
+    argv = [*LAUNCHER, "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{hosts.addr[0]}:29401", "--rdzv-conf", conf,
+            "--grace-period", "1", WORKER, str(tmp_path), "elastic", "4"]
+    first = hosts.popen(0, argv)
+    second = hosts.popen(1, argv)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"w4.rank{r}.json").exists() for r in range(4)):
+        if first.poll() is not None or time.monotonic() > deadline:
+            _finish([first, second], 5)
+            pytest.fail(f"no 4-rank world across the hosts: {first.communicate()}")
+        time.sleep(0.05)
+    w4 = [read_json(tmp_path / f"w4.rank{r}.json")["env"] for r in range(4)]
+    assert {e["MASTER_ADDR"] for e in w4} <= set(hosts.addr)
+    assert {e["PLUGDIST_AGENT_STORE"] for e in w4} == {f"{hosts.addr[0]}:29401"}
+    second.kill()
+    second.wait()
+    _, err = first.communicate(timeout=40)
+    assert first.returncode == 0, err
+    assert "no heartbeat" in err and "re-forming the world" in err
+    assert "lost node 0 (" in err or "lost node 1 (" in err
+    for r in range(2):
+        env = read_json(tmp_path / f"w2.rank{r}.json")["env"]
+        assert (env["WORLD_SIZE"], env["GROUP_WORLD_SIZE"]) == ("2", "1")
+
+
+# --------------------------------------------------------------------------- other launchers
+
+
+def _mpiexec() -> str:
+    path = shutil.which("mpiexec", path=str(VENV_BIN)) or shutil.which("mpiexec")
+    if path is None:
+        pytest.skip("mpiexec is not installed")
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_under_mpiexec_tutorial_mpi_call_and_gloo_without_rank(tmp_path: Path) -> None:
+    """``init_process_group('mpi', rank=0, world_size=0)`` takes rank and world from MPI (even
+    with a MASTER_ADDR in the environment); a gloo script with no RANK takes them from
+    mpiexec's variables and finds LOCAL_RANK set."""
+    import plugdist
+    if not plugdist.is_backend_available("mpi"):
+        pytest.skip("plugdist-mpi is not usable here")
+    _gloo()
+    mpiexec = _mpiexec()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    mpi_out, gloo_out = tmp_path / "mpi", tmp_path / "gloo"
+    mpi_out.mkdir()
+    gloo_out.mkdir()
+    procs = [
+        subprocess.Popen([mpiexec, "-n", "3", sys.executable, str(SCRIPTS / "mpi_tutorial.py"),
+                          str(mpi_out)], env={**env, "MASTER_ADDR": "10.255.255.1"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+        subprocess.Popen([mpiexec, "-n", "3", sys.executable,
+                          str(SCRIPTS / "gloo_allreduce.py"), str(gloo_out)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+    ]
+    results = _finish(procs, 110)
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err
+    for rank in range(3):
+        assert read_json(mpi_out / f"rank{rank}.json") == {
+            "rank": rank, "world": 3, "sum": 6.0, "warned": rank != 0}
+        assert read_json(gloo_out / f"rank{rank}.json") == {
+            "rank": rank, "world": 3, "sum": 6.0, "launched": False,
+            "local_rank": str(rank), "env_rank": str(rank), "store": "TCPStore:TCPStore"}
+
+
+@pytest.mark.timeout(120)
+def test_plugdist_script_under_torchrun_uses_the_agent_store(tmp_path: Path) -> None:
+    """torchrun serves its store at MASTER_PORT and says TORCHELASTIC_USE_AGENT_STORE=True: a
+    plugdist script must connect to it, not try to serve a second one on that port."""
+    _gloo()
+    torchrun = shutil.which("torchrun", path=str(VENV_BIN))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this python")
+    res = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2",
+                          str(SCRIPTS / "gloo_allreduce.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=110)
+    assert res.returncode == 0, res.stderr
+    for rank in range(2):
+        assert read_json(tmp_path / f"rank{rank}.json") == {
+            "rank": rank, "world": 2, "sum": 3.0, "launched": True, "local_rank": str(rank),
+            "env_rank": str(rank), "store": "PrefixStore:TorchStoreClient"}   # torchrun's
+
+
+@pytest.mark.timeout(90)
+def test_mpi_backend_under_plugdist_run_is_refused_not_split(tmp_path: Path) -> None:
+    """plugdist-run starts separate processes, each an MPI world of one: the MPI backend must
+    say so rather than let each run a training of its own."""
+    import plugdist
+    if not plugdist.is_backend_available("mpi"):
+        pytest.skip("plugdist-mpi is not usable here")
+    res = subprocess.run([*LAUNCHER, "--standalone", "--nproc-per-node", "2",
+                          str(SCRIPTS / "mpi_tutorial.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=80)
+    assert res.returncode == 1
+    assert "MPI sees 1 process(es) in COMM_WORLD, but WORLD_SIZE=2" in res.stderr
+    assert "mpiexec -n 2 python script.py" in res.stderr
+    assert not list(tmp_path.glob("rank*.json"))
