@@ -149,6 +149,30 @@ def task_rendezvous(spec: dict, clients: int, total: int) -> Any:
     return {"counts": results, "errors": errors}
 
 
+def task_queue_worker(spec: dict) -> Any:
+    """Pop from queue "requests" until a "stop" arrives; answer each on queue "replies"."""
+    s = _open(spec)
+    _ready()
+    taken = []
+    while (item := s.queue_pop("requests").decode()) != "stop":
+        taken.append(item)
+        s.queue_push("replies", item + "!")
+    return taken
+
+
+def task_file_user(path: str, world_size: int) -> Any:
+    """A second process on one FileStore: write, wait for "go", write again, wait for "done",
+    close; report whether the file was still there after it closed."""
+    s = _open({"kind": "file", "path": path, "world_size": world_size})
+    s.set("from_worker_before", "1")
+    _ready()
+    s.wait(["go"])
+    s.set("from_worker_after", "2")
+    s.wait(["done"])
+    s.close()
+    return {"exists_after_close": os.path.exists(path)}
+
+
 def main() -> None:
     task, raw = sys.argv[1], sys.argv[2]
     fn = globals()[f"task_{task}"]

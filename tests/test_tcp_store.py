@@ -54,13 +54,22 @@ def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
     return cond()
 
 
-def raw_client(port: int, version: int = wire.VERSION) -> socket.socket:
+def raw_client(port: int, version: int = wire.VERSION, token: bytes | None = None,
+               flags: int = 0) -> socket.socket:
     """A socket that did the handshake by hand (so the test can then misbehave)."""
     s = socket.create_connection((HOST, port), timeout=10)
-    s.sendall(wire.PREAMBLE.pack(wire.MAGIC, version, 0))
+    magic, their_version, _, server_nonce = wire.GREETING.unpack(recv_exact(s,
+                                                                            wire.GREETING.size))
+    assert (magic, their_version) == (wire.MAGIC, wire.VERSION)
+    client_nonce = os.urandom(wire.NONCE_SIZE)
+    proof = wire.NO_PROOF
+    if token is not None:
+        flags |= wire.FLAG_PROOF
+        proof = wire.client_proof(token, server_nonce, client_nonce, flags)
+    s.sendall(wire.HELLO.pack(wire.MAGIC, version, flags, client_nonce, proof))
     if version == wire.VERSION:
-        assert recv_exact(s, wire.PREAMBLE.size) == wire.PREAMBLE.pack(wire.MAGIC, wire.VERSION,
-                                                                      wire.HELLO_OK)
+        _, _, status, _ = wire.WELCOME.unpack(recv_exact(s, wire.WELCOME.size))
+        assert status == wire.HELLO_OK
     return s
 
 
@@ -101,8 +110,10 @@ def test_construction_errors_and_port_zero(master: TCPStore) -> None:
         TCPStore(HOST, 0)
     with pytest.raises(ValueError, match="port"):
         TCPStore(HOST, 70000)
-    with pytest.raises(ValueError, match="world_size"):
+    with pytest.raises(ValueError, match="^TCPStore world size cannot be 0"):
         TCPStore(HOST, master.port, world_size=0)
+    with pytest.raises(ValueError, match="world_size"):
+        TCPStore(HOST, master.port, world_size=-3)
     with pytest.raises(DistNetworkError, match="resolve host"):
         TCPStore("no-such-host.invalid", master.port, timeout=timedelta(seconds=1))
     # a name is resolved once (here through /etc/hosts), then used as an address
@@ -110,8 +121,9 @@ def test_construction_errors_and_port_zero(master: TCPStore) -> None:
     c.set("via_name", "ok")
     assert master.get("via_name") == b"ok"
     c.close()
-    # a second master on a port in use fails clearly and at once
-    with pytest.raises(DistNetworkError, match=f"port {master.port}"):
+    # a second master on a port in use fails clearly and at once, in the words torch uses
+    with pytest.raises(DistNetworkError, match=f"^The server socket has failed to listen on any "
+                                               f"local network address. port: {master.port}"):
         TCPStore(HOST, master.port, is_master=True, timeout=timedelta(seconds=1))
 
 
@@ -152,7 +164,8 @@ def test_wait_for_workers() -> None:
 
     # nobody comes: the master's constructor times out naming the count, and frees the port
     port = free_port()
-    with pytest.raises(DistTimeoutError, match="1 of 2 workers"):
+    with pytest.raises(DistTimeoutError, match=r"Timed out after 1 seconds waiting for clients\. "
+                                               r"1/2 clients joined\. Start the other ranks"):
         TCPStore(HOST, port, world_size=2, is_master=True, timeout=timedelta(seconds=0.5))
     assert eventually(lambda: port_is_free(port))
     # wait_for_workers=False returns at once
@@ -252,8 +265,8 @@ def test_garbage_from_clients_is_dropped_and_others_keep_working(master: TCPStor
     def bad_version() -> socket.socket:
         s = raw_client(port, version=99)
         # the server says which version it speaks before hanging up
-        assert recv_exact(s, wire.PREAMBLE.size) == wire.PREAMBLE.pack(
-            wire.MAGIC, wire.VERSION, wire.HELLO_BAD_VERSION)
+        assert recv_exact(s, wire.WELCOME.size) == wire.WELCOME.pack(
+            wire.MAGIC, wire.VERSION, wire.HELLO_BAD_VERSION, wire.NO_PROOF)
         return s
 
     def oversized() -> socket.socket:
@@ -320,7 +333,6 @@ def test_client_refuses_a_server_that_is_not_ours() -> None:
 
         def serve() -> None:
             conn, _ = lsock.accept()
-            recv_exact(conn, wire.PREAMBLE.size)
             conn.sendall(reply)
             time.sleep(0.5)
             conn.close()
@@ -329,7 +341,7 @@ def test_client_refuses_a_server_that_is_not_ours() -> None:
         t.start()
         return lsock, t
 
-    lsock, t = fake_server(wire.PREAMBLE.pack(wire.MAGIC, 7, wire.HELLO_BAD_VERSION))
+    lsock, t = fake_server(wire.GREETING.pack(wire.MAGIC, 7, 0, bytes(wire.NONCE_SIZE)))
     with pytest.raises(DistStoreError, match="protocol version 7"):
         TCPStore(HOST, lsock.getsockname()[1], timeout=timedelta(seconds=5))
     t.join()
@@ -356,3 +368,64 @@ def test_rendezvous_of_many_concurrent_clients(master: TCPStore) -> None:
     assert counts == list(range(1, total + 1))  # each add atomic, each client counted once
     assert master.get("count") == str(total).encode()
     assert master.get("done") == b"1"
+
+
+@pytest.mark.timeout(30)
+def test_multi_tenant_masters_share_one_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch: test_multitenancy, test_take_over_listen_socket, test_agent_store, and the
+    libuvBackend checks of TCPStoreTest."""
+    port = free_port()
+    first = TCPStore(HOST, port, 1, True, multi_tenant=True, timeout=timedelta(seconds=10))
+    second = TCPStore(HOST, port, 1, True, multi_tenant=True, timeout=timedelta(seconds=10),
+                      use_libuv=False)
+    assert first.port == second.port == port
+    assert first._server is second._server  # one server, one thread
+    assert first.libuvBackend is True and second.libuvBackend is False
+    first.set("shared", "by both")
+    assert second.get("shared") == b"by both"
+    name = f"plugdist-tcpstore-{port}"
+    first.close()  # the other tenant still uses the server
+    assert any(t.name == name for t in threading.enumerate())
+    assert second.add("n", 1) == 1
+    with pytest.raises(ValueError, match="different token"):
+        TCPStore(HOST, port, 1, True, multi_tenant=True, token="other")
+    second.close()
+    assert eventually(lambda: port_is_free(port))
+    # without multi_tenant a second master on the port is refused, as in torch
+    solo = TCPStore(HOST, port, 1, True, timeout=timedelta(seconds=10))
+    with pytest.raises(DistNetworkError, match="^The server socket has failed to listen"):
+        TCPStore(HOST, port, 1, True, multi_tenant=True)
+    # torchelastic's agent store: with TORCHELASTIC_USE_AGENT_STORE and MASTER_PORT naming the
+    # port, a master store on it joins the running server instead of binding it
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    agent_client = TCPStore(HOST, port, 1, True, timeout=timedelta(seconds=10))
+    assert not agent_client.is_master and agent_client.port == port
+    solo.set("k", "v")
+    assert agent_client.get("k") == b"v"
+    agent_client.close()
+    solo.close()
+
+    # take over a socket the caller bound (it keeps the port reserved until then)
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lsock.bind((HOST, 0))
+    taken_port = lsock.getsockname()[1]
+    m = TCPStore(HOST, taken_port, 1, True, master_listen_fd=lsock.detach(),
+                 timeout=timedelta(seconds=10))
+    m.set("key", "value")
+    assert m.get("key") == b"value" and m.port == taken_port
+    m.close()
+
+
+@pytest.mark.timeout(30)
+def test_bind_host_serves_one_interface_only() -> None:
+    m = TCPStore(HOST, 0, is_master=True, bind_host=HOST, timeout=timedelta(seconds=10))
+    try:
+        assert m._server is not None and m._server._lsock.getsockname()[0] == HOST
+        m.set("k", "v")
+        assert TCPStore(HOST, m.port, timeout=timedelta(seconds=5)).get("k") == b"v"
+        # another local address of this machine (127.0.0.2 is loopback too on Linux) is refused
+        with pytest.raises(DistNetworkError, match="could not connect"):
+            TCPStore("127.0.0.2", m.port, timeout=timedelta(seconds=1))
+    finally:
+        m.close()
