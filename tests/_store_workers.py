@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import types
 from datetime import timedelta
 from typing import Any
@@ -26,11 +27,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ---- parent side ---------------------------------------------------------------------------
 
-def spawn(task: str, **args: Any) -> subprocess.Popen:
-    """Start a worker running ``task`` with keyword ``args`` (JSON-serialisable)."""
+def spawn(task: str, env: dict[str, str] | None = None, **args: Any) -> subprocess.Popen:
+    """Start a worker running ``task`` with keyword ``args`` (JSON-serialisable); ``env`` is
+    added to this process's environment for it."""
     return subprocess.Popen([sys.executable, os.path.join(HERE, "_store_workers.py"), task,
                              json.dumps(args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env={**os.environ, **(env or {})})
 
 
 def wait_ready(proc: subprocess.Popen) -> None:
@@ -73,7 +75,7 @@ def _open(spec: dict) -> Any:
     timeout = timedelta(seconds=spec.get("timeout", 30))
     if spec["kind"] == "tcp":
         return store.TCPStore(spec["host"], spec["port"], world_size=spec.get("world_size"),
-                              is_master=False, timeout=timeout)
+                              is_master=False, timeout=timeout, token=spec.get("token"))
     if spec["kind"] == "file":
         return store.FileStore(spec["path"], spec.get("world_size", -1), timeout=timeout)
     raise ValueError(f"unknown store kind {spec['kind']!r}")
@@ -171,6 +173,46 @@ def task_file_user(path: str, world_size: int) -> Any:
     s.wait(["done"])
     s.close()
     return {"exists_after_close": os.path.exists(path)}
+
+
+def task_busy_clients(spec: dict, clients: int, stop_key: str) -> Any:
+    """``clients`` threads, one store each, write and read back their own keys and bump a shared
+    counter, round after round, until ``stop_key`` appears (then one more round). Reports each
+    client's rounds and every error or wrong value seen."""
+    _load_store_package()
+    lock = threading.Lock()
+    rounds: dict[str, int] = {}
+    errors: list[str] = []
+    pid = os.getpid()
+
+    def one(i: int) -> None:
+        name = f"{pid}-{i}"
+        try:
+            s = _open(spec)
+            n, stop = 0, False
+            while not stop:
+                stop = s.check([stop_key])
+                value = f"{name}:{n}"
+                s.set(f"client/{name}/{n}", value)
+                s.add("total", 1)
+                if s.get(f"client/{name}/{n}").decode() != value:
+                    raise AssertionError(f"read back something else than {value}")
+                n += 1
+                time.sleep(0.01)
+            with lock:
+                rounds[name] = n
+            s.close()
+        except Exception as e:  # reported to the parent, which fails the test
+            with lock:
+                errors.append(f"{name}: {e!r}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    _ready()
+    for t in threads:
+        t.join()
+    return {"rounds": rounds, "errors": errors}
 
 
 def main() -> None:

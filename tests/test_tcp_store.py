@@ -429,3 +429,159 @@ def test_bind_host_serves_one_interface_only() -> None:
             TCPStore("127.0.0.2", m.port, timeout=timedelta(seconds=1))
     finally:
         m.close()
+
+
+def recording_proxy(target_port: int) -> tuple[int, list[bytes], threading.Thread]:
+    """A one-connection TCP proxy to ``target_port`` that records what the client sends."""
+    lsock = socket.socket()
+    lsock.bind((HOST, 0))
+    lsock.listen(1)
+    sent: list[bytes] = []
+
+    def pump(src: socket.socket, dst: socket.socket, record: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if record:
+                    sent.append(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def serve() -> None:
+        client, _ = lsock.accept()
+        lsock.close()
+        upstream = socket.create_connection((HOST, target_port))
+        back = threading.Thread(target=pump, args=(upstream, client, False), daemon=True)
+        back.start()
+        pump(client, upstream, True)
+        back.join(5)
+        client.close()
+        upstream.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return lsock.getsockname()[1], sent, t
+
+
+@pytest.mark.timeout(120)
+def test_token_authentication(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right token works; wrong token, no token, a replayed handshake and garbage before the
+    handshake are refused (logged on the server, 'authentication failed' on the client, never a
+    timeout) while 50 authenticated clients in two other processes keep working and lose
+    nothing."""
+    get_logger()
+    token = "s3cret-" + os.urandom(8).hex()
+    monkeypatch.setenv("PLUGDIST_STORE_TOKEN", token)  # read by default
+    master = TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=60))
+    server = master._server
+    assert server is not None and server.token == token.encode()
+    port = master.port
+    spec = {"kind": "tcp", "host": HOST, "port": port, "timeout": 60}
+    # the workers take the token from the environment, as plugdist-run hands it to them
+    workers = [spawn("busy_clients", env={"PLUGDIST_STORE_TOKEN": token}, spec=spec,
+                     clients=25, stop_key="attacks_done") for _ in range(2)]
+    try:
+        for p in workers:
+            wait_ready(p)
+        assert eventually(lambda: master.num_keys() > 50)  # the clients are at work
+
+        def refused(**kw: object) -> str:
+            start = time.monotonic()
+            with pytest.raises(DistNetworkError, match="authentication failed") as info:
+                TCPStore(HOST, port, timeout=timedelta(seconds=30), **kw)  # type: ignore[arg-type]
+            assert time.monotonic() - start < 10  # refused at once, not timed out
+            assert not isinstance(info.value, DistTimeoutError)
+            return str(info.value)
+
+        with capture_logs() as logs:
+            assert "refused this client's token" in refused(token="wrong")
+            assert "requires a token and this client has none" in refused(token="")
+            monkeypatch.delenv("PLUGDIST_STORE_TOKEN")
+            assert "requires a token" in refused()  # no token anywhere
+            monkeypatch.setenv("PLUGDIST_STORE_TOKEN", token)
+
+            # a replayed handshake: record a real client's hello through a proxy, then send it
+            # on a new connection; the server's fresh nonce makes the recorded proof worthless
+            proxy_port, sent, proxy = recording_proxy(port)
+            lsock_client = TCPStore(HOST, proxy_port, timeout=timedelta(seconds=10))
+            lsock_client.set("via_proxy", "ok")
+            lsock_client.close()
+            proxy.join(10)
+            hello = b"".join(sent)[:wire.HELLO.size]
+            assert len(hello) == wire.HELLO.size and hello.startswith(wire.MAGIC)
+            replay = socket.create_connection((HOST, port), timeout=10)
+            greeting = recv_exact(replay, wire.GREETING.size)
+            assert greeting[8:] != b"\0" * wire.NONCE_SIZE
+            replay.sendall(hello)
+            _, _, status, _ = wire.WELCOME.unpack(recv_exact(replay, wire.WELCOME.size))
+            assert status == wire.HELLO_AUTH_FAILED
+            assert closed_by_server(replay)
+            replay.close()
+
+            # garbage before the handshake, and a request frame sent without one
+            for junk in (os.urandom(64), wire.request(wire.Op.GET, b"\0" * 16)):
+                s = socket.create_connection((HOST, port), timeout=10)
+                recv_exact(s, wire.GREETING.size)
+                s.sendall(junk)
+                assert closed_by_server(s)
+                s.close()
+            # a handshake proved with the wrong token, by hand
+            s = socket.create_connection((HOST, port), timeout=10)
+            _, _, _, nonce = wire.GREETING.unpack(recv_exact(s, wire.GREETING.size))
+            cn = os.urandom(wire.NONCE_SIZE)
+            s.sendall(wire.HELLO.pack(wire.MAGIC, wire.VERSION, wire.FLAG_PROOF, cn,
+                                      wire.client_proof(b"guess", nonce, cn, wire.FLAG_PROOF)))
+            assert wire.WELCOME.unpack(recv_exact(s, wire.WELCOME.size))[2] == \
+                wire.HELLO_AUTH_FAILED
+            s.close()
+
+        reasons = [e["reason"] for e in logs if e["event"] == "tcp_store_auth_failed"]
+        assert sum("wrong token" in r for r in reasons) == 3, reasons  # wrong, replay, by hand
+        assert sum("no token" in r for r in reasons) == 2, reasons
+        dropped = [e["reason"] for e in logs if e["event"] == "tcp_store_client_dropped"]
+        assert sum("bad magic" in r for r in dropped) == 2, dropped
+        assert master.get("via_proxy") == b"ok"
+        master.set("attacks_done", "1")
+        outs = [result(p, timeout=60) for p in workers]
+    finally:
+        for p in workers:
+            if p.poll() is None:
+                p.kill()
+    assert [o["errors"] for o in outs] == [[], []]
+    rounds = {name: n for o in outs for name, n in o["rounds"].items()}
+    assert len(rounds) == 50 and all(n >= 2 for n in rounds.values())
+    assert master.get("total") == str(sum(rounds.values())).encode()  # no add lost
+    keys = [f"client/{name}/{i}" for name, n in rounds.items() for i in range(n)]
+    values = master.multi_get(keys)
+    assert values == [k.split("/", 1)[1].replace("/", ":").encode() for k in keys]
+    assert server.alive
+    master.close()
+
+
+@pytest.mark.timeout(30)
+def test_token_is_checked_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client with a token refuses a server that cannot prove it (started without one), and
+    clones keep the token they were made with."""
+    monkeypatch.delenv("PLUGDIST_STORE_TOKEN", raising=False)
+    open_master = TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=10))
+    with pytest.raises(DistNetworkError, match="authentication failed.*started without one"):
+        TCPStore(HOST, open_master.port, token="mine", timeout=timedelta(seconds=10))
+    plain = TCPStore(HOST, open_master.port, timeout=timedelta(seconds=10))  # as before
+    plain.set("k", "v")
+    open_master.close()
+    plain.close()
+
+    m = TCPStore(HOST, 0, is_master=True, token=b"\x00binary token\xff",
+                 timeout=timedelta(seconds=10))
+    c = m.clone()  # the token travels with the clone, not through the environment
+    c.set("k", "v")
+    assert m.get("k") == b"v"
+    assert "token" in repr(m) and "binary" not in repr(m)
+    c.close()
+    m.close()
