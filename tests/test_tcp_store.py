@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _store_workers import result, spawn, wait_ready  # noqa: E402
 from plugdist.errors import DistNetworkError, DistStoreError, DistTimeoutError
 from plugdist.log import get_logger
-from plugdist.store import TCPStore
+from plugdist.store import TCPStore, TCPStoreLimits
 from plugdist.store import _wire as wire
 
 HOST = "127.0.0.1"
@@ -584,4 +584,293 @@ def test_token_is_checked_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
     assert m.get("k") == b"v"
     assert "token" in repr(m) and "binary" not in repr(m)
     c.close()
+    m.close()
+
+
+def limited_master(**limits: object) -> TCPStore:
+    return TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=20), token="",
+                    limits=TCPStoreLimits(**limits))  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_limits_on_frames_handshakes_and_stalls() -> None:
+    """A frame over the configured limit, a handshake never finished, and a frame half sent
+    then left to sit each drop that client (logged with the reason); others carry on."""
+    get_logger()
+    m = limited_master(max_frame_bytes=1024, handshake_timeout=timedelta(seconds=0.3),
+                       frame_stall_timeout=timedelta(seconds=0.3))
+    port = m.port
+    with capture_logs() as logs:
+        big = raw_client(port)
+        big.sendall(wire.HEADER.pack(1025, wire.Op.SET))
+        assert closed_by_server(big)
+        silent = socket.create_connection((HOST, port), timeout=10)
+        recv_exact(silent, wire.GREETING.size)  # ... and never says hello
+        half_hello = socket.create_connection((HOST, port), timeout=10)
+        recv_exact(half_hello, wire.GREETING.size)
+        half_hello.sendall(wire.MAGIC + b"\0\2")  # a handshake's clock never resets
+        half = raw_client(port)
+        half.sendall(wire.request(wire.Op.SET, b"\0\0\0\x03abc\0\0\0\x05hello")[:9])
+        start = time.monotonic()
+        for s in (silent, half_hello, half):
+            assert closed_by_server(s)
+        assert time.monotonic() - start < 8
+        # the limit is the frame's body; a value that fits goes through
+        m.set("fits", b"x" * 900)
+        assert m.get("fits") == b"x" * 900
+        with pytest.raises(DistNetworkError):
+            m.set("too_big", b"x" * 2000)  # the server drops this connection
+        assert m.get("fits") == b"x" * 900  # the store opens a new one
+    reasons = [e["reason"] for e in logs if e["event"] == "tcp_store_client_dropped"]
+    assert sum("exceeds the limit of 1024" in r for r in reasons) == 2, reasons
+    assert sum("no complete handshake" in r for r in reasons) == 2, reasons
+    assert sum("half-sent frame stalled" in r for r in reasons) == 1, reasons
+    for s in (big, silent, half_hello, half):
+        s.close()
+    m.close()
+
+
+@pytest.mark.timeout(60)
+def test_connection_limit() -> None:
+    get_logger()
+    m = limited_master(max_connections=4)  # the master's own connection is one
+    with capture_logs() as logs:
+        held = [raw_client(m.port) for _ in range(3)]
+        assert eventually(lambda: len(m._server._conns) == 4)  # type: ignore[union-attr]
+        start = time.monotonic()
+        with pytest.raises(DistNetworkError, match="connection limit"):
+            TCPStore(HOST, m.port, timeout=timedelta(seconds=1))
+        assert time.monotonic() - start < 8
+        m.set("still", "served")  # the connections inside the limit are untouched
+        held[0].sendall(wire.request(wire.Op.NUM_KEYS, b""))
+        assert wire.HEADER.unpack(recv_exact(held[0], 5)) == (8, wire.Status.OK)
+        held.pop().close()
+        c = TCPStore(HOST, m.port, timeout=timedelta(seconds=10))  # a slot is free again
+        assert c.get("still") == b"served"
+        c.close()
+    lines = [e for e in logs if e["event"] == "tcp_store_connection_limit"]
+    assert lines and lines[0]["limit"] == 4 and "max_connections" in lines[0]["hint"]
+    assert len(lines) <= 3  # one line per second at most, not one per refused attempt
+    for s in held:
+        s.close()
+    m.close()
+
+
+@pytest.mark.timeout(60)
+def test_one_client_cannot_grow_server_memory() -> None:
+    """A slow reader's unread replies stop the server reading its requests (its buffers stay
+    bounded); a client that keeps sending while its wait is parked is dropped; a flood of waits
+    on keys that never come costs one index entry per parked connection."""
+    get_logger()
+    unread_limit = 256 * 1024
+    m = limited_master(max_unread_reply_bytes=unread_limit, max_parked_inbound_bytes=4096)
+    server = m._server
+    assert server is not None
+    value = os.urandom(128 * 1024)
+    m.set("big", value)
+    get_big = wire.HDR_F64_BLOB.pack(15, wire.Op.GET, 1.0, 3) + b"big"
+    with capture_logs() as logs:
+        slow = raw_client(m.port)
+        n_requests = 400  # 400 x 128 KiB = 50 MiB of replies if the server kept them all
+        sender = threading.Thread(target=lambda: slow.sendall(get_big * n_requests), daemon=True)
+        sender.start()
+
+        def slow_conn():  # type: ignore[no-untyped-def]
+            return next((c for c in server._conns.values()
+                         if c.peer.endswith(f":{slow.getsockname()[1]}")), None)
+
+        assert eventually(lambda: (c := slow_conn()) is not None and c.paused)
+        c = slow_conn()
+        assert len(c.out) <= unread_limit + len(value) + 64
+        assert len(c.inbuf) <= n_requests * len(get_big)
+        m.set("other", "served while it sits")  # everyone else is served meanwhile
+        assert m.get("other") == b"served while it sits"
+        # now it reads: every reply arrives, whole and in order
+        for _ in range(n_requests):
+            length, status = wire.HEADER.unpack(recv_exact(slow, 5))
+            assert (length, status) == (len(value), wire.Status.OK)
+            assert recv_exact(slow, length) == value
+        sender.join(10)
+
+        # a flood of waits on keys that never come, each on many keys
+        keys = [f"never/{i}".encode() for i in range(2000)]
+        waiters = []
+        for _ in range(20):
+            s = raw_client(m.port)
+            s.sendall(wire.request(wire.Op.WAIT, wire.F64.pack(60.0) + wire.pack_blobs(keys)))
+            waiters.append(s)
+        assert eventually(lambda: server._parked == 20)
+        assert len(server._waiting) == 1 and len(server._waiting[keys[0]]) == 20
+        m.set("never/0", "1")  # they all move on to the next missing key, still one entry
+        assert eventually(lambda: list(server._waiting) == [keys[1]])
+        # sending while parked is against the protocol; past the allowance the client goes
+        waiters[0].sendall(b"\0" * 8192)
+        assert closed_by_server(waiters[0])
+        assert eventually(lambda: server._parked == 19)
+        for s in waiters:
+            s.close()
+        assert eventually(lambda: server._parked == 0 and not server._waiting)
+    reasons = [e["reason"] for e in logs if e["event"] == "tcp_store_client_dropped"]
+    assert any("while its request was parked" in r for r in reasons), reasons
+    slow.close()
+    m.close()
+
+
+# ---- fuzzing the wire protocol -----------------------------------------------------------------
+
+FUZZ_EXAMPLES = int(os.environ.get("PLUGDIST_STORE_FUZZ_EXAMPLES", "120"))
+
+
+def _fuzz_strategies():  # type: ignore[no-untyped-def]
+    from hypothesis import strategies as st
+
+    keys = st.sampled_from([f"k{i}".encode() for i in range(8)] + [b"", b"init/"])
+    values = st.binary(max_size=64)
+    timeouts = st.one_of(st.floats(0, 0.05), st.floats(allow_nan=True, allow_infinity=True))
+    blob = keys.map(lambda k: wire.U32.pack(len(k)) + k)
+
+    def blobs(items):  # type: ignore[no-untyped-def]
+        return st.lists(items, max_size=6).map(lambda xs: wire.pack_blobs(xs))
+
+    bodies = {
+        wire.Op.SET: st.tuples(blob, values).map(lambda t: t[0] + wire.U32.pack(len(t[1])) + t[1]),
+        wire.Op.GET: st.tuples(timeouts, keys).map(
+            lambda t: wire.F64.pack(t[0]) + wire.U32.pack(len(t[1])) + t[1]),
+        wire.Op.ADD: st.tuples(st.integers(-(2**63), 2**63 - 1), keys).map(
+            lambda t: wire.I64.pack(t[0]) + wire.U32.pack(len(t[1])) + t[1]),
+        wire.Op.COMPARE_SET: st.tuples(blob, values, values).map(
+            lambda t: t[0] + wire.pack_blobs([t[1], t[2]])[4:]),
+        wire.Op.WAIT: st.tuples(timeouts, blobs(keys)).map(lambda t: wire.F64.pack(t[0]) + t[1]),
+        wire.Op.CHECK: blobs(keys),
+        wire.Op.NUM_KEYS: st.just(b""),
+        wire.Op.DELETE_KEY: blob,
+        wire.Op.MULTI_GET: st.tuples(timeouts, blobs(keys)).map(
+            lambda t: wire.F64.pack(t[0]) + t[1]),
+        wire.Op.MULTI_SET: blobs(st.one_of(keys, values)),
+        wire.Op.WAIT_WORKERS: st.tuples(timeouts, st.integers(-(2**63), 2**63 - 1)).map(
+            lambda t: wire.F64.pack(t[0]) + wire.I64.pack(t[1])),
+        wire.Op.APPEND: st.tuples(blob, values).map(
+            lambda t: t[0] + wire.U32.pack(len(t[1])) + t[1]),
+        wire.Op.QUEUE_PUSH: st.tuples(blob, values).map(
+            lambda t: t[0] + wire.U32.pack(len(t[1])) + t[1]),
+        wire.Op.QUEUE_POP: st.tuples(timeouts, st.integers(0, 255), keys).map(
+            lambda t: wire.F64.pack(t[0]) + bytes([t[1]]) + wire.U32.pack(len(t[2])) + t[2]),
+        wire.Op.QUEUE_LEN: blob,
+    }
+    valid = st.one_of(*[b.map(lambda body, op=op: wire.request(op, body))
+                        for op, b in bodies.items()])
+
+    def mutate(frame: bytes, data):  # type: ignore[no-untyped-def]
+        kind = data.draw(st.sampled_from(["flip", "truncate", "length", "code", "splice"]))
+        b = bytearray(frame)
+        if kind == "flip":
+            for _ in range(data.draw(st.integers(1, 4))):
+                i = data.draw(st.integers(0, len(b) - 1))
+                b[i] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "truncate":
+            del b[data.draw(st.integers(0, len(b))):]
+        elif kind == "length":
+            b[:4] = wire.U32.pack(data.draw(st.integers(0, 2**32 - 1)))
+        elif kind == "code":
+            b[4] = data.draw(st.integers(0, 255))
+        else:
+            b += data.draw(st.binary(max_size=32))
+        return bytes(b)
+
+    @st.composite
+    def frames(draw):  # type: ignore[no-untyped-def]
+        how = draw(st.sampled_from(["valid", "valid", "mutated", "random"]))
+        if how == "random":
+            return draw(st.binary(min_size=1, max_size=128))
+        frame = draw(valid)
+        return frame if how == "valid" else mutate(frame, _Drawer(draw))
+
+    return frames()
+
+
+class _Drawer:
+    """Adapts a composite's ``draw`` to the ``data.draw`` interface ``mutate`` uses."""
+
+    def __init__(self, draw) -> None:  # type: ignore[no-untyped-def]
+        self.draw = draw
+
+
+@pytest.mark.timeout(600)
+def test_fuzz_wire_protocol() -> None:
+    """Random, valid and mutated frames from many clients (some before their handshake); then
+    the server answers, no other client's data changed, no server thread died, and what the
+    server holds for the fuzzing clients is gone. PLUGDIST_STORE_FUZZ_EXAMPLES sets how many
+    rounds (4 clients each) run: the default keeps CI to a few seconds."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    get_logger()
+    m = TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=30), token="fuzz")
+    server = m._server
+    assert server is not None
+    port = m.port
+    sentinels = {f"sentinel/{os.urandom(8).hex()}": os.urandom(32) for _ in range(20)}
+    m.multi_set(list(sentinels), list(sentinels.values()))
+    queue = f"sentinel/{os.urandom(8).hex()}"
+    for i in range(5):
+        m.queue_push(queue, f"item{i}")
+    release = f"sentinel/{os.urandom(8).hex()}"
+    watcher = TCPStore(HOST, port, timeout=timedelta(seconds=300), token="fuzz")
+    parked: list[bytes] = []
+    waiter = threading.Thread(target=lambda: parked.append(watcher.get(release)), daemon=True)
+    waiter.start()
+    assert eventually(lambda: server._parked == 1)
+
+    rounds: list[int] = []
+
+    def connect(handshake: bool) -> socket.socket:
+        if handshake:
+            return raw_client(port, token=b"fuzz")
+        s = socket.create_connection((HOST, port), timeout=10)
+        recv_exact(s, wire.GREETING.size)
+        return s
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.tuples(st.integers(0, 3), _fuzz_strategies()), min_size=1, max_size=24),
+           st.booleans())
+    def one_round(sends: list[tuple[int, bytes]], last_unauthenticated: bool) -> None:
+        rounds.append(len(sends))
+        socks = [connect(handshake=i < 3 or not last_unauthenticated) for i in range(4)]
+        try:
+            for i, frame in sends:
+                try:
+                    socks[i].sendall(frame)
+                except OSError:
+                    pass  # the server dropped this one already
+        finally:
+            for s in socks:
+                s.close()
+
+    with capture_logs() as logs:
+        one_round()
+        assert len(rounds) >= FUZZ_EXAMPLES
+        print(f"fuzz: {len(rounds)} rounds, {sum(rounds)} frames")
+        # everything the fuzzing clients left behind goes away once they are gone
+        assert eventually(lambda: len(server._conns) == 2 and server._parked == 1, 30)
+        assert not server._pending and list(server._waiting) == [release.encode()]
+        assert all(len(c.inbuf) == 0 and len(c.out) == 0 for c in server._conns.values())
+        assert len(server._deadlines) <= 2048
+    bugs = [e for e in logs if e["event"] in ("tcp_store_internal_error",
+                                               "tcp_store_server_crashed")]
+    assert bugs == []
+    # the fuzz reached both sides of the protocol: writes that landed and clients dropped
+    assert any(e["event"] == "tcp_store_client_dropped" for e in logs)
+    assert any(m.check([f"k{i}"]) for i in range(8))
+    assert server.alive
+    assert m.multi_get(list(sentinels)) == list(sentinels.values())
+    assert [m.queue_pop(queue) for _ in range(5)] == [f"item{i}".encode() for i in range(5)]
+    assert waiter.is_alive()
+    m.set(release, "done")
+    waiter.join(10)
+    assert parked == [b"done"]
+    fresh = TCPStore(HOST, port, timeout=timedelta(seconds=10), token="fuzz")
+    assert fresh.add("after_fuzz", 1) == 1
+    fresh.close()
+    watcher.close()
     m.close()

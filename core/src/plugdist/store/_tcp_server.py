@@ -39,6 +39,7 @@ _READ = selectors.EVENT_READ
 _WRITE = selectors.EVENT_WRITE
 _RECV_SIZE = 256 * 1024
 _INIT_KEY_COUNT = 1  # num_keys counts the worker counter once someone joined (as torch does)
+_MAX_TIMEOUT = 1e7  # seconds; longer ones are clamped (the deadline heap needs finite numbers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,13 @@ class _Conn:
         self.paused = False       # reading stopped: too many unread replies
 
 
+def _seconds(timeout: float) -> float:
+    """A timeout from the wire: NaN is malformed; the rest is clamped to [0, ~115 days]."""
+    if timeout != timeout:
+        raise ValueError("timeout is NaN")
+    return min(max(timeout, 0.0), _MAX_TIMEOUT)
+
+
 class _Waiter:
     __slots__ = ("conn", "op", "keys", "pos", "deadline", "timeout", "count", "done")
 
@@ -94,8 +102,8 @@ class _Waiter:
         self.op = op
         self.keys = keys
         self.pos = 0  # keys[:pos] were seen present; the waiter is indexed under keys[pos]
-        self.timeout = timeout
-        self.deadline = time.monotonic() + max(timeout, 0.0)
+        self.timeout = timeout = _seconds(timeout)
+        self.deadline = time.monotonic() + timeout
         self.count = count
         self.done = False
 
@@ -660,6 +668,7 @@ class StoreServer:
 
     def _wait_for(self, conn: _Conn, op: w.Op, keys: list[bytes], timeout: float) -> bytes | None:
         waiter = _Waiter(conn, op, keys, timeout)
+        timeout = waiter.timeout
         waiter.pos = self._first_missing(waiter, 0)
         if waiter.pos == len(keys):
             return self._ready_reply(waiter)
@@ -803,6 +812,7 @@ class StoreServer:
 
     def _op_queue_pop(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes | None:
         timeout, block, kl = _F64_U8_U32.unpack_from(buf, pos)
+        timeout = _seconds(timeout)
         if pos + 13 + kl != end:
             raise ValueError("key length does not match the frame")
         key = bytes(buf[pos + 13:end])
@@ -826,6 +836,7 @@ class StoreServer:
 
     def _op_wait_workers(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes | None:
         timeout, count = _F64_I64.unpack_from(buf, pos)
+        timeout = _seconds(timeout)
         if self._joined >= count:
             return _ok(w.I64.pack(self._joined))
         if timeout <= 0:
