@@ -109,8 +109,10 @@ class Store:
         return False
 
     def append(self, key: str, value: bytes | str) -> None:
-        """Append ``value`` to the bytes under ``key`` (created if missing). Atomic: the fallback
-        retries ``compare_set`` until no other writer came in between."""
+        """Append ``value`` to the bytes under ``key`` (created if missing). The fallback retries
+        ``compare_set`` until no other writer came in between; like torch's, it cannot tell a key
+        that already holds exactly ``value`` from one it just created (it then appends nothing):
+        override ``append`` where that matters. The shipped stores' ``append`` is native."""
         tail = to_bytes(value)
         expected = tail
         current = self.compare_set(key, b"", expected)
