@@ -2,7 +2,8 @@
 
 The master (``is_master=True``) runs the server (see ``_tcp_server``) in a daemon thread and talks
 to it through a client connection like everyone else. Blocking calls are answered by the server
-when the keys arrive or the timeout passes; clients never poll. The wire protocol is in ``_wire``.
+when the keys arrive or the timeout passes; clients never poll. The wire protocol, including the
+token handshake every connection makes, is in ``_wire``.
 """
 
 from __future__ import annotations
