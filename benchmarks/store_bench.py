@@ -1,4 +1,5 @@
-"""Key-value store benchmark: plugdist's TCPStore against torch.distributed.TCPStore, same run.
+"""Key-value store benchmark: plugdist's TCPStore (with and without a token) against
+torch.distributed.TCPStore, same run.
 
 Measures
   * set/get round-trip latency (median, p99) with client and server in different processes,
@@ -7,7 +8,10 @@ Measures
   * a rendezvous of N clients (threads spread over a few processes; each: connect, add 1 to a
     counter, wait for the key the last one sets), timed from "go" to the last client done.
 
-Prints one table per part and the plugdist/torch ratios (below 1 means plugdist is faster).
+Each part runs three stores: plugdist without a token, plugdist with a token (every connection
+authenticated by challenge-response; the handshake is once per connection, so a round trip should
+cost the same), and torch's. Prints one table per part, the plugdist/torch ratios (below 1 means
+plugdist is faster) and the cost of the token (token/no token).
 
     .venv/bin/python benchmarks/store_bench.py
     .venv/bin/python benchmarks/store_bench.py --iters 20000 --clients 512 --no-torch-rendezvous
@@ -31,14 +35,16 @@ from datetime import timedelta
 from typing import Any
 
 HOST = "127.0.0.1"
-IMPLS = ("plugdist", "torch")
+IMPLS = ("plugdist", "plugdist+token", "torch")
+BENCH_TOKEN = "store-bench-" + "0123456789abcdef" * 2
 
 
 def make_store(impl: str, port: int, master: bool, timeout: float = 120.0) -> Any:
     t = timedelta(seconds=timeout)
-    if impl == "plugdist":
+    if impl.startswith("plugdist"):
         from plugdist.store import TCPStore
-        return TCPStore(HOST, port, None, master, t)
+        token = BENCH_TOKEN if impl == "plugdist+token" else ""
+        return TCPStore(HOST, port, None, master, t, token=token)
     import torch.distributed as tdist
     return tdist.TCPStore(HOST, port, None, master, t, wait_for_workers=False)
 
@@ -79,8 +85,35 @@ def role_latency(args: argparse.Namespace) -> None:
     print(json.dumps(out), flush=True)
 
 
+def role_token_pair(args: argparse.Namespace) -> None:
+    """One client, two plugdist servers (without and with a token), alternating blocks of
+    round trips so that drift in the machine's load falls on both alike."""
+    pin(args.cpu)
+    stores = {"plugdist": make_store("plugdist", args.port, False),
+              "plugdist+token": make_store("plugdist+token", args.port2, False)}
+    value = b"v" * args.value_size
+    times: dict[str, dict[str, list[float]]] = {impl: {"set": [], "get": []} for impl in stores}
+    for store in stores.values():
+        store.set("key", value)
+        for _ in range(args.warmup):
+            store.get("key")
+    blocks = 20
+    clock = time.perf_counter
+    for _ in range(blocks):
+        for impl, store in stores.items():
+            for op, call in (("set", lambda s=store: s.set("key", value)),
+                             ("get", lambda s=store: s.get("key"))):
+                out = times[impl][op]
+                for _ in range(max(args.iters // blocks, 1)):
+                    t0 = clock()
+                    call()
+                    out.append(clock() - t0)
+    print(json.dumps({impl: {op: statistics.median(ts) * 1e6 for op, ts in ops.items()}
+                      for impl, ops in times.items()}), flush=True)
+
+
 def role_rendezvous(args: argparse.Namespace) -> None:
-    if args.impl == "plugdist":
+    if args.impl.startswith("plugdist"):
         import plugdist.store  # noqa: F401  (import before "go": it is not part of the timing)
     else:
         import torch.distributed  # noqa: F401
@@ -160,6 +193,24 @@ def latency(impl: str, client_cpu: int, server_cpu: int, a: argparse.Namespace) 
         stop(server)
 
 
+def token_cost(client_cpu: int, server_cpu: int, a: argparse.Namespace) -> dict:
+    plain, port = start_server("plugdist", server_cpu)
+    authed, port2 = start_server("plugdist+token", server_cpu)
+    try:
+        proc = child("token_pair", "plugdist", port=port, port2=port2, cpu=client_cpu,
+                     iters=a.iters, warmup=a.warmup, value_size=a.value_size)
+        try:
+            out, _ = proc.communicate(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        return json.loads(out.strip().splitlines()[-1])
+    finally:
+        stop(plain)
+        stop(authed)
+
+
 def rendezvous(impl: str, a: argparse.Namespace) -> float | str:
     server, port = start_server(impl, None)
     per = [a.clients // a.procs + (1 if i < a.clients % a.procs else 0) for i in range(a.procs)]
@@ -208,14 +259,16 @@ def main() -> None:
     ap.add_argument("--skip-rendezvous", action="store_true")
     # internal: how the children are started
     ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--impl", default="plugdist", help=argparse.SUPPRESS)
+    ap.add_argument("--impl", default="plugdist", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--port2", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--total", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=120.0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.role:
-        {"server": role_server, "latency": role_latency, "rendezvous": role_rendezvous}[a.role](a)
+        {"server": role_server, "latency": role_latency, "rendezvous": role_rendezvous,
+         "token_pair": role_token_pair}[a.role](a)
         return
 
     ncpu = os.cpu_count() or 1
@@ -224,32 +277,48 @@ def main() -> None:
     if not a.skip_latency:
         placements = [("split (client cpu0, server cpu1)", 0, 1)] if ncpu > 1 else []
         placements.append(("shared (both on cpu0)", 0, 0))
-        print(f"\n{'placement':34} {'op':4} {'impl':9} {'median us':>10} {'p99 us':>10}")
+        print(f"\n{'placement':34} {'op':4} {'impl':15} {'median us':>10} {'p99 us':>10}")
         ratios = []
         for label, ccpu, scpu in placements:
             res = {impl: latency(impl, ccpu, scpu, a) for impl in IMPLS}
             for op in ("set", "get"):
                 for impl in IMPLS:
                     r = res[impl][op]
-                    print(f"{label:34} {op:4} {impl:9} {r['median_us']:10.1f} {r['p99_us']:10.1f}")
-                ratio = res["plugdist"][op]["median_us"] / res["torch"][op]["median_us"]
-                ratios.append(f"{label}: {op} median plugdist/torch = {ratio:.2f}")
+                    print(f"{label:34} {op:4} {impl:15} {r['median_us']:10.1f} "
+                          f"{r['p99_us']:10.1f}")
+                med = {impl: res[impl][op]["median_us"] for impl in IMPLS}
+                ratios.append(f"{label}: {op} median plugdist/torch = "
+                              f"{med['plugdist'] / med['torch']:.2f}, with token/torch = "
+                              f"{med['plugdist+token'] / med['torch']:.2f}, token/no token = "
+                              f"{med['plugdist+token'] / med['plugdist']:.3f}")
         print()
         for line in ratios:
             print(line)
+        print("\ntoken cost, paired (one client alternating 20 blocks between a server without "
+              "and one with a token; medians in us)")
+        for label, ccpu, scpu in placements:
+            res = token_cost(ccpu, scpu, a)
+            for op in ("set", "get"):
+                plain, authed = res["plugdist"][op], res["plugdist+token"][op]
+                print(f"  {label:34} {op}: no token {plain:7.1f}  token {authed:7.1f}  "
+                      f"token/no token = {authed / plain:.3f}")
     if not a.skip_rendezvous:
         print(f"\nrendezvous of {a.clients} clients over {a.procs} processes "
               f"(connect, add, wait for the last one's key)")
         ours = rendezvous("plugdist", a)
-        print(f"  plugdist: {ours:.3f} s" if isinstance(ours, float) else f"  plugdist: {ours}")
+        authed = rendezvous("plugdist+token", a)
+        for name, got in (("plugdist", ours), ("plugdist+token", authed)):
+            print(f"  {name:15} {got:.3f} s" if isinstance(got, float) else f"  {name:15} {got}")
+        if isinstance(ours, float) and isinstance(authed, float):
+            print(f"  ratio token/no token = {authed / ours:.3f}")
         if a.torch_rendezvous:
             theirs = rendezvous("torch", a)
-            print(f"  torch:    {theirs:.3f} s" if isinstance(theirs, float)
-                  else f"  torch:    {theirs}")
+            print(f"  {'torch':15} {theirs:.3f} s" if isinstance(theirs, float)
+                  else f"  {'torch':15} {theirs}")
             if isinstance(ours, float) and isinstance(theirs, float):
                 print(f"  ratio plugdist/torch = {ours / theirs:.3f}")
         else:
-            print("  torch:    skipped (--no-torch-rendezvous)")
+            print(f"  {'torch':15} skipped (--no-torch-rendezvous)")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import types
 from datetime import timedelta
 from typing import Any
@@ -26,11 +27,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ---- parent side ---------------------------------------------------------------------------
 
-def spawn(task: str, **args: Any) -> subprocess.Popen:
-    """Start a worker running ``task`` with keyword ``args`` (JSON-serialisable)."""
+def spawn(task: str, env: dict[str, str] | None = None, **args: Any) -> subprocess.Popen:
+    """Start a worker running ``task`` with keyword ``args`` (JSON-serialisable); ``env`` is
+    added to this process's environment for it."""
     return subprocess.Popen([sys.executable, os.path.join(HERE, "_store_workers.py"), task,
                              json.dumps(args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env={**os.environ, **(env or {})})
 
 
 def wait_ready(proc: subprocess.Popen) -> None:
@@ -73,7 +75,7 @@ def _open(spec: dict) -> Any:
     timeout = timedelta(seconds=spec.get("timeout", 30))
     if spec["kind"] == "tcp":
         return store.TCPStore(spec["host"], spec["port"], world_size=spec.get("world_size"),
-                              is_master=False, timeout=timeout)
+                              is_master=False, timeout=timeout, token=spec.get("token"))
     if spec["kind"] == "file":
         return store.FileStore(spec["path"], spec.get("world_size", -1), timeout=timeout)
     raise ValueError(f"unknown store kind {spec['kind']!r}")
@@ -147,6 +149,70 @@ def task_rendezvous(spec: dict, clients: int, total: int) -> Any:
     for t in threads:
         t.join()
     return {"counts": results, "errors": errors}
+
+
+def task_queue_worker(spec: dict) -> Any:
+    """Pop from queue "requests" until a "stop" arrives; answer each on queue "replies"."""
+    s = _open(spec)
+    _ready()
+    taken = []
+    while (item := s.queue_pop("requests").decode()) != "stop":
+        taken.append(item)
+        s.queue_push("replies", item + "!")
+    return taken
+
+
+def task_file_user(path: str, world_size: int) -> Any:
+    """A second process on one FileStore: write, wait for "go", write again, wait for "done",
+    close; report whether the file was still there after it closed."""
+    s = _open({"kind": "file", "path": path, "world_size": world_size})
+    s.set("from_worker_before", "1")
+    _ready()
+    s.wait(["go"])
+    s.set("from_worker_after", "2")
+    s.wait(["done"])
+    s.close()
+    return {"exists_after_close": os.path.exists(path)}
+
+
+def task_busy_clients(spec: dict, clients: int, stop_key: str) -> Any:
+    """``clients`` threads, one store each, write and read back their own keys and bump a shared
+    counter, round after round, until ``stop_key`` appears (then one more round). Reports each
+    client's rounds and every error or wrong value seen."""
+    _load_store_package()
+    lock = threading.Lock()
+    rounds: dict[str, int] = {}
+    errors: list[str] = []
+    pid = os.getpid()
+
+    def one(i: int) -> None:
+        name = f"{pid}-{i}"
+        try:
+            s = _open(spec)
+            n, stop = 0, False
+            while not stop:
+                stop = s.check([stop_key])
+                value = f"{name}:{n}"
+                s.set(f"client/{name}/{n}", value)
+                s.add("total", 1)
+                if s.get(f"client/{name}/{n}").decode() != value:
+                    raise AssertionError(f"read back something else than {value}")
+                n += 1
+                time.sleep(0.01)
+            with lock:
+                rounds[name] = n
+            s.close()
+        except Exception as e:  # reported to the parent, which fails the test
+            with lock:
+                errors.append(f"{name}: {e!r}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    _ready()
+    for t in threads:
+        t.join()
+    return {"rounds": rounds, "errors": errors}
 
 
 def main() -> None:

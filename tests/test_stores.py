@@ -8,13 +8,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _store_workers import result, spawn, wait_ready  # noqa: E402
-from plugdist.errors import DistError, DistStoreError, DistTimeoutError
+from plugdist.errors import DistError, DistStoreError, DistTimeoutError, QueueEmptyError
 from plugdist.store import FileStore, HashStore, PrefixStore, Store, TCPStore
 
 KINDS = ["hash", "file", "tcp", "prefix_tcp"]
@@ -194,17 +195,14 @@ def test_wait_and_check(h: Handle) -> None:
 
 @pytest.mark.timeout(20)
 def test_num_keys_and_delete_key(h: Handle) -> None:
+    """delete_key on every store (FileStore included) returns whether the key existed; num_keys
+    counts as torch does (torch: test_numkeys_delkeys, test_set_get_check)."""
     s = h.store
     before = s.num_keys()
     s.set("first_key", "first_value")
     s.add("counter", 1)
     s.set("first_key", "again")  # overwriting is not a new key
     assert s.num_keys() == before + 2
-    if h.kind == "file":
-        with pytest.raises(DistStoreError, match="delete_key is not supported by FileStore"):
-            s.delete_key("first_key")
-        assert s.get("first_key") == b"again"
-        return
     assert s.delete_key("first_key") is True
     assert s.delete_key("first_key") is False
     assert s.delete_key("bad_key") is False
@@ -214,6 +212,164 @@ def test_num_keys_and_delete_key(h: Handle) -> None:
     with pytest.raises(DistTimeoutError, match="first_key"):
         s.get("first_key")
     assert s.add("counter", 1) == 2
+    s.set("first_key", "back")  # a deleted key can be written again
+    assert h.peer().get("first_key") == b"back"
+
+
+@pytest.mark.timeout(20)
+def test_num_keys_counts_like_torch(h: Handle) -> None:
+    """torch counts one coordination entry in FileStore (its reference count) and in a TCPStore
+    once a store with a fixed world size joined; HashStore counts only the user's keys."""
+    s = h.store
+    base = {"hash": 0, "file": 1, "tcp": 0, "prefix_tcp": 0}[h.kind]
+    assert s.num_keys() == base
+    for k in ("key", "key0", "key1", "key2", "key3"):
+        s.set(k, "v")
+    s.queue_push("a_queue", "not a key")  # queues are not counted
+    assert s.num_keys() == base + 5
+    if h.kind in ("tcp", "prefix_tcp"):
+        sized = TCPStore("127.0.0.1", h.master.port, world_size=2,
+                         timeout=timedelta(seconds=10))
+        assert s.num_keys() == base + 6  # the worker counter now exists
+        sized.close()
+
+
+@pytest.mark.timeout(20)
+def test_timeouts_say_timeout(h: Handle) -> None:
+    """Every blocking call's timeout error is a DistTimeoutError (a DistStoreError) whose message
+    says "timeout" and names what was missing (torch: test_simple_wait, test_queues_timeout)."""
+    s = h.store
+    s.set_timeout(SHORT)
+    calls = [("get", "k_get", lambda: s.get("k_get")),
+             ("wait", "k_wait", lambda: s.wait(["k_wait"], SHORT)),
+             ("multi_get", "k_multi", lambda: s.multi_get(["k_multi"])),
+             ("queue_pop", "k_queue", lambda: s.queue_pop("k_queue"))]
+    for name, key, call in calls:
+        with pytest.raises(DistTimeoutError, match=f"timeout.*{key}") as info:
+            call()
+        assert isinstance(info.value, DistStoreError), name
+        assert f"{name} timeout" in str(info.value), str(info.value)
+
+
+@pytest.mark.timeout(20)
+def test_append(h: Handle) -> None:
+    s, other = h.store, h.peer()
+    assert s.has_extended_api()
+    s.set("foo", "po")
+    s.append("foo", "tato")
+    other.append("bar", b"po")  # a missing key is created
+    other.append("bar", "tato")
+    assert other.get("foo") == b"potato" and s.get("bar") == b"potato"
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: got.append(s.get("late_append")))
+    t.start()
+    time.sleep(0.1)
+    other.append("late_append", "x")  # creating a key by append wakes a blocked get
+    t.join(10)
+    assert got == [b"x"]
+    # concurrent appends from threads lose nothing
+    threads = [threading.Thread(target=lambda i=i: [s.append("log", f"{i}") for _ in range(20)])
+               for i in range(5)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    log = s.get("log").decode()
+    assert sorted(log) == sorted("".join(str(i) * 20 for i in range(5)))
+
+
+@pytest.mark.timeout(20)
+def test_queues(h: Handle) -> None:
+    """FIFO per key, beside the keys; check/wait see a non-empty queue (torch: test_queues)."""
+    s, other = h.store, h.peer()
+    assert not s.check(["q"]) and s.queue_len("q") == 0
+    s.queue_push("q", "1")
+    other.queue_push("q", b"2")
+    assert s.check(["q"]) and other.queue_len("q") == 2
+    s.wait(["q"])
+    assert other.queue_pop("q") == b"1"
+    assert s.queue_pop("q", block=False) == b"2"
+    assert not s.check(["q"]) and s.queue_len("q") == 0
+    with pytest.raises(QueueEmptyError, match="empty") as info:
+        s.queue_pop("q", block=False)
+    assert isinstance(info.value, DistStoreError)
+    # a queue and a value may share a key without touching each other
+    s.set("both", "value")
+    s.queue_push("both", "item")
+    assert s.get("both") == b"value" and s.queue_len("both") == 1
+    assert s.queue_pop("both") == b"item" and s.get("both") == b"value"
+    # a blocked pop is released by a push from another handle; a blocked wait by the same push
+    popped: list[bytes] = []
+    t = threading.Thread(target=lambda: popped.append(s.queue_pop("later")))
+    t.start()
+    time.sleep(0.1)
+    other.queue_push("later", "arrived")
+    t.join(10)
+    assert popped == [b"arrived"] and s.queue_len("later") == 0
+    t = later(0.1, lambda: other.queue_push("waited", "x"))
+    s.wait(["waited"], timedelta(seconds=10))
+    t.join()
+    assert s.delete_key("waited") and s.queue_len("waited") == 0
+
+
+@pytest.mark.timeout(30)
+def test_queue_values_go_to_exactly_one_popper(h: Handle) -> None:
+    s = h.store
+    n_items, n_poppers = 60, 4
+    got: list[bytes] = []
+    lock = threading.Lock()
+
+    def pop_some() -> None:
+        mine = s.clone() if h.kind != "hash" else s
+        for _ in range(n_items // n_poppers):
+            v = mine.queue_pop("work")
+            with lock:
+                got.append(v)
+
+    poppers = [threading.Thread(target=pop_some) for _ in range(n_poppers)]
+    for t in poppers:
+        t.start()
+    for i in range(n_items):
+        h.peer().queue_push("work", str(i)) if i % 10 == 0 else s.queue_push("work", str(i))
+    for t in poppers:
+        t.join(20)
+    assert sorted(int(v) for v in got) == list(range(n_items))
+
+
+@pytest.mark.timeout(20)
+def test_clone(h: Handle) -> None:
+    """A clone is a Store on the same data, usable from another thread (torch: test_clone,
+    test_queues_bidirectional)."""
+    s = h.store
+    c = s.clone()
+    assert isinstance(c, Store) and type(c) is type(s)
+    s.set("foo", "bar")
+    assert c.get("foo") == b"bar"
+    c.set("from_clone", "1")
+    assert s.get("from_clone") == b"1"
+
+    def side_a() -> bytes:
+        mine = s.clone()
+        mine.queue_push("a", "a1")
+        return mine.queue_pop("b")
+
+    def side_b() -> bytes:
+        mine = s.clone()
+        got = mine.queue_pop("a")
+        mine.queue_push("b", "b1")
+        return got
+
+    with ThreadPoolExecutor(2) as pool:
+        fa, fb = pool.submit(side_a), pool.submit(side_b)
+        assert (fa.result(15), fb.result(15)) == (b"b1", b"a1")
+    if h.kind in ("tcp", "prefix_tcp"):
+        inner = c.underlying_store if isinstance(c, PrefixStore) else c
+        assert isinstance(inner, TCPStore) and not inner.is_master
+        inner.close()  # closing a clone never stops the server
+        assert s.get("foo") == b"bar"
+    if h.kind == "file":
+        assert isinstance(c, FileStore)
+        c.close()
 
 
 @pytest.mark.timeout(20)
@@ -297,6 +453,124 @@ def test_prefix_store_namespaces() -> None:
         PrefixStore("p", {})  # type: ignore[arg-type]
 
 
+# ---- the Store base class ----------------------------------------------------------------------
+
+class DictStore(Store):
+    """A partial store: only the four core calls torch's Python stores usually override."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data: dict[str, bytes] = {}
+        self.calls: list[tuple] = []
+
+    def set(self, key: str, value: bytes | str) -> None:
+        if type(value) is not bytes:
+            raise AssertionError(f"set got {type(value).__name__}, not bytes")
+        self.calls.append(("set", key, value))
+        self.data[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        n = int(self.data.get(key, b"0")) + amount
+        self.data[key] = str(n).encode()
+        return n
+
+    def compare_set(self, key: str, expected_value: bytes | str,
+                    desired_value: bytes | str) -> bytes:
+        if type(expected_value) is not bytes or type(desired_value) is not bytes:
+            raise AssertionError("compare_set got a non-bytes value")
+        current = self.data.get(key)
+        if current is None and expected_value == b"" or current == expected_value:
+            self.data[key] = desired_value
+            return desired_value
+        return expected_value if current is None else current
+
+
+@pytest.mark.timeout(20)
+def test_store_base_class_can_be_subclassed_partially() -> None:
+    """torch: TestPythonStore.test_optional_methods_fail, test_extended_methods_fallbacks."""
+
+    class Empty(Store):
+        pass
+
+    e = Empty()
+    assert not e.has_extended_api() and e.timeout == timedelta(seconds=300)
+    e.set_timeout(SHORT)
+    assert e.timeout == SHORT
+    for name, call in [("set", lambda: e.set("k", b"v")), ("get", lambda: e.get("k")),
+                       ("add", lambda: e.add("k", 1)), ("wait", lambda: e.wait(["k"])),
+                       ("check", lambda: e.check(["k"])), ("num_keys", e.num_keys),
+                       ("delete_key", lambda: e.delete_key("k")), ("clone", e.clone),
+                       ("compare_set", lambda: e.compare_set("k", b"", b"v")),
+                       ("compare_set", lambda: e.append("k", "v")),  # append falls back
+                       ("get", lambda: e.multi_get(["k"])),  # falls back on get
+                       ("set", lambda: e.multi_set(["k"], ["v"])),  # falls back on set
+                       ("queue_push", lambda: e.queue_push("q", "v")),
+                       ("queue_pop", lambda: e.queue_pop("q")),
+                       ("queue_len", lambda: e.queue_len("q"))]:
+        with pytest.raises(NotImplementedError, match=rf"Empty\.{name}: Not implemented\.") as info:
+            call()
+        assert isinstance(info.value, RuntimeError)  # what torch's tests catch
+    e.close()  # a no-op, never an error
+
+    d = DictStore()
+    d.append("foo", b"po")
+    d.append("foo", "tato")
+    d.multi_set(["a", "b"], ["c", b"d"])
+    assert d.multi_get(["a", "b", "foo"]) == [b"c", b"d", b"potato"]
+    assert ("set", "a", b"c") in d.calls  # str values reach a subclass as bytes
+
+    p = PrefixStore("p", d)
+    assert not p.has_extended_api()
+    p.append("foo", "po")
+    p.append("foo", b"tato")
+    p.multi_set(["x"], ["y"])
+    assert p.get("foo") == b"potato" and d.data["p/x"] == b"y"
+    assert p.multi_get(["foo", "x"]) == [b"potato", b"y"]
+    with pytest.raises(NotImplementedError, match="DictStore.queue_push: Not implemented"):
+        p.queue_push("q", "v")
+
+
+@pytest.mark.timeout(20)
+def test_prefix_store_forwards_extended_calls_as_bytes() -> None:
+    """torch: test_has_extended_api_roundtrip, test_append/multi_get/multi_set_roundtrip,
+    test_get_underlying_store, test_underlying_non_prefix_store."""
+
+    class Recorder(Store):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple] = []
+
+        def has_extended_api(self) -> bool:
+            return True
+
+        def append(self, key: str, value: bytes | str) -> None:
+            self.seen.append(("append", key, value))
+
+        def multi_get(self, keys):  # type: ignore[no-untyped-def]
+            self.seen.append(("multi_get", list(keys)))
+            return [b"x", b"y"]
+
+        def multi_set(self, keys, values):  # type: ignore[no-untyped-def]
+            self.seen.append(("multi_set", list(keys), list(values)))
+
+    r = Recorder()
+    p = PrefixStore("p", r)
+    assert p.has_extended_api()
+    p.append("foo", "bar")
+    assert p.multi_get(["foo", "bar"]) == [b"x", b"y"]
+    p.multi_set(["foo", "bar"], ["x", b"y"])
+    assert r.seen == [("append", "p/foo", b"bar"), ("multi_get", ["p/foo", "p/bar"]),
+                      ("multi_set", ["p/foo", "p/bar"], [b"x", b"y"])]
+    nested = PrefixStore("q", p)
+    assert nested.underlying_store is p
+    assert p._underlying_non_prefix_store is r and nested._underlying_non_prefix_store is r
+    with pytest.raises(ValueError, match="cannot be None"):
+        PrefixStore("prefix", None)  # type: ignore[arg-type]
+
+
 # ---- FileStore specifics ----------------------------------------------------------------------
 
 @pytest.mark.timeout(20)
@@ -323,6 +597,58 @@ def test_file_store_cleanup_after_last_user(tmp_path) -> None:
     s4 = FileStore(keep)
     assert s4.get("survives") == b"1"
     s4.close()
+
+
+@pytest.mark.timeout(20)
+def test_file_store_reference_count_in_one_process(tmp_path) -> None:
+    """Two users of one file, each told world_size=1: the file goes with the last of them
+    (torch: test_refcount)."""
+    path = str(tmp_path / "rc")
+    a, b = FileStore(path, 1), FileStore(path, 1)
+    a.set("k", "v")
+    a.close()
+    assert os.path.exists(path)
+    c = FileStore(path, 1)  # joins while b is open: same file, same keys
+    assert c.get("k") == b"v"
+    b.set("after", "1")
+    assert c.get("after") == b"1"
+    b.close()
+    assert os.path.exists(path)
+    c.close()
+    assert not os.path.exists(path)
+    # world_size counts users over time: the file stays until that many have left
+    d = FileStore(path, 2)
+    d.set("x", "1")
+    d.close()
+    assert os.path.exists(path)
+    e = FileStore(path, 2)
+    assert e.get("x") == b"1"
+    e.close()
+    assert not os.path.exists(path)
+
+
+@pytest.mark.timeout(60)
+def test_file_store_life_cycle_across_processes(tmp_path) -> None:
+    """The store must never split: closing one process's store while another process still uses
+    the file keeps the file, so a new store on the path sees the old keys and the new ones."""
+    path = str(tmp_path / "shared.log")
+    mine = FileStore(path, 1, timeout=timedelta(seconds=30))
+    worker = spawn("file_user", path=path, world_size=1)
+    wait_ready(worker)
+    mine.close()
+    assert os.path.exists(path)
+    again = FileStore(path, 1, timeout=timedelta(seconds=30))
+    assert again.get("from_worker_before") == b"1"  # written before our first store closed
+    again.set("go", "1")
+    assert again.get("from_worker_after") == b"2"  # written by the still-open store afterwards
+    again.close()
+    assert os.path.exists(path)  # the worker still has it open
+    last = FileStore(path, 1, timeout=timedelta(seconds=30))
+    last.set("done", "1")
+    assert result(worker) == {"exists_after_close": True}  # we still had `last` open
+    assert last.num_keys() == 5  # four keys + the reference count
+    last.close()
+    assert not os.path.exists(path)
 
 
 @pytest.mark.timeout(20)
@@ -403,6 +729,28 @@ def test_cross_process_get_add_compare_set(shared: tuple[Store, dict]) -> None:
     assert winner in {f"rank{i}" for i in range(6)}
     assert answers == [winner] * 6
     assert sum(1 for i, a in enumerate(answers) if a == f"rank{i}") == 1
+
+
+@pytest.mark.timeout(60)
+def test_queues_between_processes(shared: tuple[Store, dict]) -> None:
+    """Two worker processes pop from one queue and answer on another: every request is taken by
+    exactly one of them, in order per worker, and every answer arrives."""
+    s, spec = shared
+    workers = [spawn("queue_worker", spec=spec) for _ in range(2)]
+    for p in workers:
+        wait_ready(p)
+    items = [f"job{i}" for i in range(40)]
+    for item in items:
+        s.queue_push("requests", item)
+    replies = sorted(s.queue_pop("replies").decode() for _ in items)
+    for _ in workers:
+        s.queue_push("requests", "stop")
+    taken = [result(p) for p in workers]
+    assert sorted(taken[0] + taken[1]) == sorted(items)
+    for t in taken:
+        assert t == sorted(t, key=lambda x: int(x[3:]))  # FIFO as each worker saw it
+    assert replies == sorted(i + "!" for i in items)
+    assert s.queue_len("requests") == 0 and s.queue_len("replies") == 0
 
 
 @pytest.mark.timeout(60)

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _store_workers import result, spawn, wait_ready  # noqa: E402
 from plugdist.errors import DistNetworkError, DistStoreError, DistTimeoutError
 from plugdist.log import get_logger
-from plugdist.store import TCPStore
+from plugdist.store import TCPStore, TCPStoreLimits
 from plugdist.store import _wire as wire
 
 HOST = "127.0.0.1"
@@ -54,13 +54,22 @@ def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
     return cond()
 
 
-def raw_client(port: int, version: int = wire.VERSION) -> socket.socket:
+def raw_client(port: int, version: int = wire.VERSION, token: bytes | None = None,
+               flags: int = 0) -> socket.socket:
     """A socket that did the handshake by hand (so the test can then misbehave)."""
     s = socket.create_connection((HOST, port), timeout=10)
-    s.sendall(wire.PREAMBLE.pack(wire.MAGIC, version, 0))
+    magic, their_version, _, server_nonce = wire.GREETING.unpack(recv_exact(s,
+                                                                            wire.GREETING.size))
+    assert (magic, their_version) == (wire.MAGIC, wire.VERSION)
+    client_nonce = os.urandom(wire.NONCE_SIZE)
+    proof = wire.NO_PROOF
+    if token is not None:
+        flags |= wire.FLAG_PROOF
+        proof = wire.client_proof(token, server_nonce, client_nonce, flags)
+    s.sendall(wire.HELLO.pack(wire.MAGIC, version, flags, client_nonce, proof))
     if version == wire.VERSION:
-        assert recv_exact(s, wire.PREAMBLE.size) == wire.PREAMBLE.pack(wire.MAGIC, wire.VERSION,
-                                                                      wire.HELLO_OK)
+        _, _, status, _ = wire.WELCOME.unpack(recv_exact(s, wire.WELCOME.size))
+        assert status == wire.HELLO_OK
     return s
 
 
@@ -101,8 +110,10 @@ def test_construction_errors_and_port_zero(master: TCPStore) -> None:
         TCPStore(HOST, 0)
     with pytest.raises(ValueError, match="port"):
         TCPStore(HOST, 70000)
-    with pytest.raises(ValueError, match="world_size"):
+    with pytest.raises(ValueError, match="^TCPStore world size cannot be 0"):
         TCPStore(HOST, master.port, world_size=0)
+    with pytest.raises(ValueError, match="world_size"):
+        TCPStore(HOST, master.port, world_size=-3)
     with pytest.raises(DistNetworkError, match="resolve host"):
         TCPStore("no-such-host.invalid", master.port, timeout=timedelta(seconds=1))
     # a name is resolved once (here through /etc/hosts), then used as an address
@@ -110,8 +121,9 @@ def test_construction_errors_and_port_zero(master: TCPStore) -> None:
     c.set("via_name", "ok")
     assert master.get("via_name") == b"ok"
     c.close()
-    # a second master on a port in use fails clearly and at once
-    with pytest.raises(DistNetworkError, match=f"port {master.port}"):
+    # a second master on a port in use fails clearly and at once, in the words torch uses
+    with pytest.raises(DistNetworkError, match=f"^The server socket has failed to listen on any "
+                                               f"local network address. port: {master.port}"):
         TCPStore(HOST, master.port, is_master=True, timeout=timedelta(seconds=1))
 
 
@@ -152,7 +164,8 @@ def test_wait_for_workers() -> None:
 
     # nobody comes: the master's constructor times out naming the count, and frees the port
     port = free_port()
-    with pytest.raises(DistTimeoutError, match="1 of 2 workers"):
+    with pytest.raises(DistTimeoutError, match=r"Timed out after 1 seconds waiting for clients\. "
+                                               r"1/2 clients joined\. Start the other ranks"):
         TCPStore(HOST, port, world_size=2, is_master=True, timeout=timedelta(seconds=0.5))
     assert eventually(lambda: port_is_free(port))
     # wait_for_workers=False returns at once
@@ -252,8 +265,8 @@ def test_garbage_from_clients_is_dropped_and_others_keep_working(master: TCPStor
     def bad_version() -> socket.socket:
         s = raw_client(port, version=99)
         # the server says which version it speaks before hanging up
-        assert recv_exact(s, wire.PREAMBLE.size) == wire.PREAMBLE.pack(
-            wire.MAGIC, wire.VERSION, wire.HELLO_BAD_VERSION)
+        assert recv_exact(s, wire.WELCOME.size) == wire.WELCOME.pack(
+            wire.MAGIC, wire.VERSION, wire.HELLO_BAD_VERSION, wire.NO_PROOF)
         return s
 
     def oversized() -> socket.socket:
@@ -320,7 +333,6 @@ def test_client_refuses_a_server_that_is_not_ours() -> None:
 
         def serve() -> None:
             conn, _ = lsock.accept()
-            recv_exact(conn, wire.PREAMBLE.size)
             conn.sendall(reply)
             time.sleep(0.5)
             conn.close()
@@ -329,7 +341,7 @@ def test_client_refuses_a_server_that_is_not_ours() -> None:
         t.start()
         return lsock, t
 
-    lsock, t = fake_server(wire.PREAMBLE.pack(wire.MAGIC, 7, wire.HELLO_BAD_VERSION))
+    lsock, t = fake_server(wire.GREETING.pack(wire.MAGIC, 7, 0, bytes(wire.NONCE_SIZE)))
     with pytest.raises(DistStoreError, match="protocol version 7"):
         TCPStore(HOST, lsock.getsockname()[1], timeout=timedelta(seconds=5))
     t.join()
@@ -356,3 +368,509 @@ def test_rendezvous_of_many_concurrent_clients(master: TCPStore) -> None:
     assert counts == list(range(1, total + 1))  # each add atomic, each client counted once
     assert master.get("count") == str(total).encode()
     assert master.get("done") == b"1"
+
+
+@pytest.mark.timeout(30)
+def test_multi_tenant_masters_share_one_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch: test_multitenancy, test_take_over_listen_socket, test_agent_store, and the
+    libuvBackend checks of TCPStoreTest."""
+    port = free_port()
+    first = TCPStore(HOST, port, 1, True, multi_tenant=True, timeout=timedelta(seconds=10))
+    second = TCPStore(HOST, port, 1, True, multi_tenant=True, timeout=timedelta(seconds=10),
+                      use_libuv=False)
+    assert first.port == second.port == port
+    assert first._server is second._server  # one server, one thread
+    assert first.libuvBackend is True and second.libuvBackend is False
+    first.set("shared", "by both")
+    assert second.get("shared") == b"by both"
+    name = f"plugdist-tcpstore-{port}"
+    first.close()  # the other tenant still uses the server
+    assert any(t.name == name for t in threading.enumerate())
+    assert second.add("n", 1) == 1
+    with pytest.raises(ValueError, match="different token"):
+        TCPStore(HOST, port, 1, True, multi_tenant=True, token="other")
+    second.close()
+    assert eventually(lambda: port_is_free(port))
+    # without multi_tenant a second master on the port is refused, as in torch
+    solo = TCPStore(HOST, port, 1, True, timeout=timedelta(seconds=10))
+    with pytest.raises(DistNetworkError, match="^The server socket has failed to listen"):
+        TCPStore(HOST, port, 1, True, multi_tenant=True)
+    # torchelastic's agent store: with TORCHELASTIC_USE_AGENT_STORE and MASTER_PORT naming the
+    # port, a master store on it joins the running server instead of binding it
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    agent_client = TCPStore(HOST, port, 1, True, timeout=timedelta(seconds=10))
+    assert not agent_client.is_master and agent_client.port == port
+    solo.set("k", "v")
+    assert agent_client.get("k") == b"v"
+    agent_client.close()
+    solo.close()
+
+    # take over a socket the caller bound (it keeps the port reserved until then)
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lsock.bind((HOST, 0))
+    taken_port = lsock.getsockname()[1]
+    m = TCPStore(HOST, taken_port, 1, True, master_listen_fd=lsock.detach(),
+                 timeout=timedelta(seconds=10))
+    m.set("key", "value")
+    assert m.get("key") == b"value" and m.port == taken_port
+    m.close()
+
+
+@pytest.mark.timeout(30)
+def test_bind_host_serves_one_interface_only() -> None:
+    m = TCPStore(HOST, 0, is_master=True, bind_host=HOST, timeout=timedelta(seconds=10))
+    try:
+        assert m._server is not None and m._server._lsock.getsockname()[0] == HOST
+        m.set("k", "v")
+        assert TCPStore(HOST, m.port, timeout=timedelta(seconds=5)).get("k") == b"v"
+        # another local address of this machine (127.0.0.2 is loopback too on Linux) is refused
+        with pytest.raises(DistNetworkError, match="could not connect"):
+            TCPStore("127.0.0.2", m.port, timeout=timedelta(seconds=1))
+    finally:
+        m.close()
+
+
+def recording_proxy(target_port: int) -> tuple[int, list[bytes], threading.Thread]:
+    """A one-connection TCP proxy to ``target_port`` that records what the client sends."""
+    lsock = socket.socket()
+    lsock.bind((HOST, 0))
+    lsock.listen(1)
+    sent: list[bytes] = []
+
+    def pump(src: socket.socket, dst: socket.socket, record: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if record:
+                    sent.append(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def serve() -> None:
+        client, _ = lsock.accept()
+        lsock.close()
+        upstream = socket.create_connection((HOST, target_port))
+        back = threading.Thread(target=pump, args=(upstream, client, False), daemon=True)
+        back.start()
+        pump(client, upstream, True)
+        back.join(5)
+        client.close()
+        upstream.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return lsock.getsockname()[1], sent, t
+
+
+@pytest.mark.timeout(120)
+def test_token_authentication(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right token works; wrong token, no token, a replayed handshake and garbage before the
+    handshake are refused (logged on the server, 'authentication failed' on the client, never a
+    timeout) while 50 authenticated clients in two other processes keep working and lose
+    nothing."""
+    get_logger()
+    token = "s3cret-" + os.urandom(8).hex()
+    monkeypatch.setenv("PLUGDIST_STORE_TOKEN", token)  # read by default
+    master = TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=60))
+    server = master._server
+    assert server is not None and server.token == token.encode()
+    port = master.port
+    spec = {"kind": "tcp", "host": HOST, "port": port, "timeout": 60}
+    # the workers take the token from the environment, as plugdist-run hands it to them
+    workers = [spawn("busy_clients", env={"PLUGDIST_STORE_TOKEN": token}, spec=spec,
+                     clients=25, stop_key="attacks_done") for _ in range(2)]
+    try:
+        for p in workers:
+            wait_ready(p)
+        assert eventually(lambda: master.num_keys() > 50)  # the clients are at work
+
+        def refused(**kw: object) -> str:
+            start = time.monotonic()
+            with pytest.raises(DistNetworkError, match="authentication failed") as info:
+                TCPStore(HOST, port, timeout=timedelta(seconds=30), **kw)  # type: ignore[arg-type]
+            assert time.monotonic() - start < 10  # refused at once, not timed out
+            assert not isinstance(info.value, DistTimeoutError)
+            return str(info.value)
+
+        with capture_logs() as logs:
+            assert "refused this client's token" in refused(token="wrong")
+            assert "requires a token and this client has none" in refused(token="")
+            monkeypatch.delenv("PLUGDIST_STORE_TOKEN")
+            assert "requires a token" in refused()  # no token anywhere
+            monkeypatch.setenv("PLUGDIST_STORE_TOKEN", token)
+
+            # a replayed handshake: record a real client's hello through a proxy, then send it
+            # on a new connection; the server's fresh nonce makes the recorded proof worthless
+            proxy_port, sent, proxy = recording_proxy(port)
+            lsock_client = TCPStore(HOST, proxy_port, timeout=timedelta(seconds=10))
+            lsock_client.set("via_proxy", "ok")
+            lsock_client.close()
+            proxy.join(10)
+            hello = b"".join(sent)[:wire.HELLO.size]
+            assert len(hello) == wire.HELLO.size and hello.startswith(wire.MAGIC)
+            replay = socket.create_connection((HOST, port), timeout=10)
+            greeting = recv_exact(replay, wire.GREETING.size)
+            assert greeting[8:] != b"\0" * wire.NONCE_SIZE
+            replay.sendall(hello)
+            _, _, status, _ = wire.WELCOME.unpack(recv_exact(replay, wire.WELCOME.size))
+            assert status == wire.HELLO_AUTH_FAILED
+            assert closed_by_server(replay)
+            replay.close()
+
+            # garbage before the handshake, and a request frame sent without one
+            for junk in (os.urandom(64), wire.request(wire.Op.GET, b"\0" * 16)):
+                s = socket.create_connection((HOST, port), timeout=10)
+                recv_exact(s, wire.GREETING.size)
+                s.sendall(junk)
+                assert closed_by_server(s)
+                s.close()
+            # a handshake proved with the wrong token, by hand
+            s = socket.create_connection((HOST, port), timeout=10)
+            _, _, _, nonce = wire.GREETING.unpack(recv_exact(s, wire.GREETING.size))
+            cn = os.urandom(wire.NONCE_SIZE)
+            s.sendall(wire.HELLO.pack(wire.MAGIC, wire.VERSION, wire.FLAG_PROOF, cn,
+                                      wire.client_proof(b"guess", nonce, cn, wire.FLAG_PROOF)))
+            assert wire.WELCOME.unpack(recv_exact(s, wire.WELCOME.size))[2] == \
+                wire.HELLO_AUTH_FAILED
+            s.close()
+
+        reasons = [e["reason"] for e in logs if e["event"] == "tcp_store_auth_failed"]
+        assert sum("wrong token" in r for r in reasons) == 3, reasons  # wrong, replay, by hand
+        assert sum("no token" in r for r in reasons) == 2, reasons
+        dropped = [e["reason"] for e in logs if e["event"] == "tcp_store_client_dropped"]
+        assert sum("bad magic" in r for r in dropped) == 2, dropped
+        assert master.get("via_proxy") == b"ok"
+        master.set("attacks_done", "1")
+        outs = [result(p, timeout=60) for p in workers]
+    finally:
+        for p in workers:
+            if p.poll() is None:
+                p.kill()
+    assert [o["errors"] for o in outs] == [[], []]
+    rounds = {name: n for o in outs for name, n in o["rounds"].items()}
+    assert len(rounds) == 50 and all(n >= 2 for n in rounds.values())
+    assert master.get("total") == str(sum(rounds.values())).encode()  # no add lost
+    keys = [f"client/{name}/{i}" for name, n in rounds.items() for i in range(n)]
+    values = master.multi_get(keys)
+    assert values == [k.split("/", 1)[1].replace("/", ":").encode() for k in keys]
+    assert server.alive
+    master.close()
+
+
+@pytest.mark.timeout(30)
+def test_token_is_checked_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client with a token refuses a server that cannot prove it (started without one), and
+    clones keep the token they were made with."""
+    monkeypatch.delenv("PLUGDIST_STORE_TOKEN", raising=False)
+    open_master = TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=10))
+    with pytest.raises(DistNetworkError, match="authentication failed.*started without one"):
+        TCPStore(HOST, open_master.port, token="mine", timeout=timedelta(seconds=10))
+    plain = TCPStore(HOST, open_master.port, timeout=timedelta(seconds=10))  # as before
+    plain.set("k", "v")
+    open_master.close()
+    plain.close()
+
+    m = TCPStore(HOST, 0, is_master=True, token=b"\x00binary token\xff",
+                 timeout=timedelta(seconds=10))
+    c = m.clone()  # the token travels with the clone, not through the environment
+    c.set("k", "v")
+    assert m.get("k") == b"v"
+    assert "token" in repr(m) and "binary" not in repr(m)
+    c.close()
+    m.close()
+
+
+def limited_master(**limits: object) -> TCPStore:
+    return TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=20), token="",
+                    limits=TCPStoreLimits(**limits))  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_limits_on_frames_handshakes_and_stalls() -> None:
+    """A frame over the configured limit, a handshake never finished, and a frame half sent
+    then left to sit each drop that client (logged with the reason); others carry on."""
+    get_logger()
+    m = limited_master(max_frame_bytes=1024, handshake_timeout=timedelta(seconds=0.3),
+                       frame_stall_timeout=timedelta(seconds=0.3))
+    port = m.port
+    with capture_logs() as logs:
+        big = raw_client(port)
+        big.sendall(wire.HEADER.pack(1025, wire.Op.SET))
+        assert closed_by_server(big)
+        silent = socket.create_connection((HOST, port), timeout=10)
+        recv_exact(silent, wire.GREETING.size)  # ... and never says hello
+        half_hello = socket.create_connection((HOST, port), timeout=10)
+        recv_exact(half_hello, wire.GREETING.size)
+        half_hello.sendall(wire.MAGIC + b"\0\2")  # a handshake's clock never resets
+        half = raw_client(port)
+        half.sendall(wire.request(wire.Op.SET, b"\0\0\0\x03abc\0\0\0\x05hello")[:9])
+        start = time.monotonic()
+        for s in (silent, half_hello, half):
+            assert closed_by_server(s)
+        assert time.monotonic() - start < 8
+        # the limit is the frame's body; a value that fits goes through
+        m.set("fits", b"x" * 900)
+        assert m.get("fits") == b"x" * 900
+        with pytest.raises(DistNetworkError):
+            m.set("too_big", b"x" * 2000)  # the server drops this connection
+        assert m.get("fits") == b"x" * 900  # the store opens a new one
+    reasons = [e["reason"] for e in logs if e["event"] == "tcp_store_client_dropped"]
+    assert sum("exceeds the limit of 1024" in r for r in reasons) == 2, reasons
+    assert sum("no complete handshake" in r for r in reasons) == 2, reasons
+    assert sum("half-sent frame stalled" in r for r in reasons) == 1, reasons
+    for s in (big, silent, half_hello, half):
+        s.close()
+    m.close()
+
+
+@pytest.mark.timeout(60)
+def test_connection_limit() -> None:
+    get_logger()
+    m = limited_master(max_connections=4)  # the master's own connection is one
+    with capture_logs() as logs:
+        held = [raw_client(m.port) for _ in range(3)]
+        assert eventually(lambda: len(m._server._conns) == 4)  # type: ignore[union-attr]
+        start = time.monotonic()
+        with pytest.raises(DistNetworkError, match="connection limit"):
+            TCPStore(HOST, m.port, timeout=timedelta(seconds=1))
+        assert time.monotonic() - start < 8
+        m.set("still", "served")  # the connections inside the limit are untouched
+        held[0].sendall(wire.request(wire.Op.NUM_KEYS, b""))
+        assert wire.HEADER.unpack(recv_exact(held[0], 5)) == (8, wire.Status.OK)
+        held.pop().close()
+        c = TCPStore(HOST, m.port, timeout=timedelta(seconds=10))  # a slot is free again
+        assert c.get("still") == b"served"
+        c.close()
+    lines = [e for e in logs if e["event"] == "tcp_store_connection_limit"]
+    assert lines and lines[0]["limit"] == 4 and "max_connections" in lines[0]["hint"]
+    assert len(lines) <= 3  # one line per second at most, not one per refused attempt
+    for s in held:
+        s.close()
+    m.close()
+
+
+@pytest.mark.timeout(60)
+def test_one_client_cannot_grow_server_memory() -> None:
+    """A slow reader's unread replies stop the server reading its requests (its buffers stay
+    bounded); a client that keeps sending while its wait is parked is dropped; a flood of waits
+    on keys that never come costs one index entry per parked connection."""
+    get_logger()
+    unread_limit = 256 * 1024
+    m = limited_master(max_unread_reply_bytes=unread_limit, max_parked_inbound_bytes=4096)
+    server = m._server
+    assert server is not None
+    value = os.urandom(128 * 1024)
+    m.set("big", value)
+    get_big = wire.HDR_F64_BLOB.pack(15, wire.Op.GET, 1.0, 3) + b"big"
+    with capture_logs() as logs:
+        slow = raw_client(m.port)
+        n_requests = 400  # 400 x 128 KiB = 50 MiB of replies if the server kept them all
+        sender = threading.Thread(target=lambda: slow.sendall(get_big * n_requests), daemon=True)
+        sender.start()
+
+        def slow_conn():  # type: ignore[no-untyped-def]
+            return next((c for c in server._conns.values()
+                         if c.peer.endswith(f":{slow.getsockname()[1]}")), None)
+
+        assert eventually(lambda: (c := slow_conn()) is not None and c.paused)
+        c = slow_conn()
+        assert len(c.out) <= unread_limit + len(value) + 64
+        assert len(c.inbuf) <= n_requests * len(get_big)
+        m.set("other", "served while it sits")  # everyone else is served meanwhile
+        assert m.get("other") == b"served while it sits"
+        # now it reads: every reply arrives, whole and in order
+        for _ in range(n_requests):
+            length, status = wire.HEADER.unpack(recv_exact(slow, 5))
+            assert (length, status) == (len(value), wire.Status.OK)
+            assert recv_exact(slow, length) == value
+        sender.join(10)
+
+        # a flood of waits on keys that never come, each on many keys
+        keys = [f"never/{i}".encode() for i in range(2000)]
+        waiters = []
+        for _ in range(20):
+            s = raw_client(m.port)
+            s.sendall(wire.request(wire.Op.WAIT, wire.F64.pack(60.0) + wire.pack_blobs(keys)))
+            waiters.append(s)
+        assert eventually(lambda: server._parked == 20)
+        assert len(server._waiting) == 1 and len(server._waiting[keys[0]]) == 20
+        m.set("never/0", "1")  # they all move on to the next missing key, still one entry
+        assert eventually(lambda: list(server._waiting) == [keys[1]])
+        # sending while parked is against the protocol; past the allowance the client goes
+        waiters[0].sendall(b"\0" * 8192)
+        assert closed_by_server(waiters[0])
+        assert eventually(lambda: server._parked == 19)
+        for s in waiters:
+            s.close()
+        assert eventually(lambda: server._parked == 0 and not server._waiting)
+    reasons = [e["reason"] for e in logs if e["event"] == "tcp_store_client_dropped"]
+    assert any("while its request was parked" in r for r in reasons), reasons
+    slow.close()
+    m.close()
+
+
+# ---- fuzzing the wire protocol -----------------------------------------------------------------
+
+FUZZ_EXAMPLES = int(os.environ.get("PLUGDIST_STORE_FUZZ_EXAMPLES", "120"))
+
+
+def _fuzz_strategies():  # type: ignore[no-untyped-def]
+    from hypothesis import strategies as st
+
+    keys = st.sampled_from([f"k{i}".encode() for i in range(8)] + [b"", b"init/"])
+    values = st.binary(max_size=64)
+    timeouts = st.one_of(st.floats(0, 0.05), st.floats(allow_nan=True, allow_infinity=True))
+    blob = keys.map(lambda k: wire.U32.pack(len(k)) + k)
+
+    def blobs(items):  # type: ignore[no-untyped-def]
+        return st.lists(items, max_size=6).map(lambda xs: wire.pack_blobs(xs))
+
+    bodies = {
+        wire.Op.SET: st.tuples(blob, values).map(lambda t: t[0] + wire.U32.pack(len(t[1])) + t[1]),
+        wire.Op.GET: st.tuples(timeouts, keys).map(
+            lambda t: wire.F64.pack(t[0]) + wire.U32.pack(len(t[1])) + t[1]),
+        wire.Op.ADD: st.tuples(st.integers(-(2**63), 2**63 - 1), keys).map(
+            lambda t: wire.I64.pack(t[0]) + wire.U32.pack(len(t[1])) + t[1]),
+        wire.Op.COMPARE_SET: st.tuples(blob, values, values).map(
+            lambda t: t[0] + wire.pack_blobs([t[1], t[2]])[4:]),
+        wire.Op.WAIT: st.tuples(timeouts, blobs(keys)).map(lambda t: wire.F64.pack(t[0]) + t[1]),
+        wire.Op.CHECK: blobs(keys),
+        wire.Op.NUM_KEYS: st.just(b""),
+        wire.Op.DELETE_KEY: blob,
+        wire.Op.MULTI_GET: st.tuples(timeouts, blobs(keys)).map(
+            lambda t: wire.F64.pack(t[0]) + t[1]),
+        wire.Op.MULTI_SET: blobs(st.one_of(keys, values)),
+        wire.Op.WAIT_WORKERS: st.tuples(timeouts, st.integers(-(2**63), 2**63 - 1)).map(
+            lambda t: wire.F64.pack(t[0]) + wire.I64.pack(t[1])),
+        wire.Op.APPEND: st.tuples(blob, values).map(
+            lambda t: t[0] + wire.U32.pack(len(t[1])) + t[1]),
+        wire.Op.QUEUE_PUSH: st.tuples(blob, values).map(
+            lambda t: t[0] + wire.U32.pack(len(t[1])) + t[1]),
+        wire.Op.QUEUE_POP: st.tuples(timeouts, st.integers(0, 255), keys).map(
+            lambda t: wire.F64.pack(t[0]) + bytes([t[1]]) + wire.U32.pack(len(t[2])) + t[2]),
+        wire.Op.QUEUE_LEN: blob,
+    }
+    valid = st.one_of(*[b.map(lambda body, op=op: wire.request(op, body))
+                        for op, b in bodies.items()])
+
+    def mutate(frame: bytes, data):  # type: ignore[no-untyped-def]
+        kind = data.draw(st.sampled_from(["flip", "truncate", "length", "code", "splice"]))
+        b = bytearray(frame)
+        if kind == "flip":
+            for _ in range(data.draw(st.integers(1, 4))):
+                i = data.draw(st.integers(0, len(b) - 1))
+                b[i] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "truncate":
+            del b[data.draw(st.integers(0, len(b))):]
+        elif kind == "length":
+            b[:4] = wire.U32.pack(data.draw(st.integers(0, 2**32 - 1)))
+        elif kind == "code":
+            b[4] = data.draw(st.integers(0, 255))
+        else:
+            b += data.draw(st.binary(max_size=32))
+        return bytes(b)
+
+    @st.composite
+    def frames(draw):  # type: ignore[no-untyped-def]
+        how = draw(st.sampled_from(["valid", "valid", "mutated", "random"]))
+        if how == "random":
+            return draw(st.binary(min_size=1, max_size=128))
+        frame = draw(valid)
+        return frame if how == "valid" else mutate(frame, _Drawer(draw))
+
+    return frames()
+
+
+class _Drawer:
+    """Adapts a composite's ``draw`` to the ``data.draw`` interface ``mutate`` uses."""
+
+    def __init__(self, draw) -> None:  # type: ignore[no-untyped-def]
+        self.draw = draw
+
+
+@pytest.mark.timeout(600)
+def test_fuzz_wire_protocol() -> None:
+    """Random, valid and mutated frames from many clients (some before their handshake); then
+    the server answers, no other client's data changed, no server thread died, and what the
+    server holds for the fuzzing clients is gone. PLUGDIST_STORE_FUZZ_EXAMPLES sets how many
+    rounds (4 clients each) run: the default keeps CI to a few seconds."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    get_logger()
+    m = TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=30), token="fuzz")
+    server = m._server
+    assert server is not None
+    port = m.port
+    sentinels = {f"sentinel/{os.urandom(8).hex()}": os.urandom(32) for _ in range(20)}
+    m.multi_set(list(sentinels), list(sentinels.values()))
+    queue = f"sentinel/{os.urandom(8).hex()}"
+    for i in range(5):
+        m.queue_push(queue, f"item{i}")
+    release = f"sentinel/{os.urandom(8).hex()}"
+    watcher = TCPStore(HOST, port, timeout=timedelta(seconds=300), token="fuzz")
+    parked: list[bytes] = []
+    waiter = threading.Thread(target=lambda: parked.append(watcher.get(release)), daemon=True)
+    waiter.start()
+    assert eventually(lambda: server._parked == 1)
+
+    rounds: list[int] = []
+
+    def connect(handshake: bool) -> socket.socket:
+        if handshake:
+            return raw_client(port, token=b"fuzz")
+        s = socket.create_connection((HOST, port), timeout=10)
+        recv_exact(s, wire.GREETING.size)
+        return s
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.tuples(st.integers(0, 3), _fuzz_strategies()), min_size=1, max_size=24),
+           st.booleans())
+    def one_round(sends: list[tuple[int, bytes]], last_unauthenticated: bool) -> None:
+        rounds.append(len(sends))
+        socks = [connect(handshake=i < 3 or not last_unauthenticated) for i in range(4)]
+        try:
+            for i, frame in sends:
+                try:
+                    socks[i].sendall(frame)
+                except OSError:
+                    pass  # the server dropped this one already
+        finally:
+            for s in socks:
+                s.close()
+
+    with capture_logs() as logs:
+        one_round()
+        assert len(rounds) >= FUZZ_EXAMPLES
+        print(f"fuzz: {len(rounds)} rounds, {sum(rounds)} frames")
+        # everything the fuzzing clients left behind goes away once they are gone
+        assert eventually(lambda: len(server._conns) == 2 and server._parked == 1, 30)
+        assert not server._pending and list(server._waiting) == [release.encode()]
+        assert all(len(c.inbuf) == 0 and len(c.out) == 0 for c in server._conns.values())
+        assert len(server._deadlines) <= 2048
+    bugs = [e for e in logs if e["event"] in ("tcp_store_internal_error",
+                                               "tcp_store_server_crashed")]
+    assert bugs == []
+    # the fuzz reached both sides of the protocol: writes that landed and clients dropped
+    assert any(e["event"] == "tcp_store_client_dropped" for e in logs)
+    assert any(m.check([f"k{i}"]) for i in range(8))
+    assert server.alive
+    assert m.multi_get(list(sentinels)) == list(sentinels.values())
+    assert [m.queue_pop(queue) for _ in range(5)] == [f"item{i}".encode() for i in range(5)]
+    assert waiter.is_alive()
+    m.set(release, "done")
+    waiter.join(10)
+    assert parked == [b"done"]
+    fresh = TCPStore(HOST, port, timeout=timedelta(seconds=10), token="fuzz")
+    assert fresh.add("after_fuzz", 1) == 1
+    fresh.close()
+    watcher.close()
+    m.close()

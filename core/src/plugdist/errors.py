@@ -4,7 +4,8 @@
     └── DistError                  anything plugdist raises on purpose
         ├── DistBackendError       a backend failed an op (its own message kept)
         ├── DistStoreError         a key-value store refused or failed a request
-        │   └── DistTimeoutError   (also a DistError) a wait ran past its timeout
+        │   ├── DistTimeoutError   (also a DistError) a wait ran past its timeout
+        │   └── QueueEmptyError    a non-blocking queue_pop found the queue empty
         └── DistNetworkError       a connection could not be made or was lost
 
 Messages name what the user needs to act: rank, group, op, backend, and the fix.
@@ -21,6 +22,7 @@ __all__ = [
     "DistStoreError",
     "DistNetworkError",
     "DistTimeoutError",
+    "QueueEmptyError",
     "where",
     "op_timeout",
 ]
@@ -44,6 +46,10 @@ class DistNetworkError(DistError):
 
 class DistTimeoutError(DistStoreError):
     """A wait (store key, collective, barrier) ran past its timeout."""
+
+
+class QueueEmptyError(DistStoreError):
+    """``queue_pop(key, block=False)`` found the queue empty."""
 
 
 def where(*, rank: int | None = None, group: str | None = None, op: str | None = None,

@@ -1,9 +1,12 @@
 """Key-value stores: the interface and the four implementations shipped with the core."""
 
+from ..errors import QueueEmptyError
+from ._tcp_server import TCPStoreLimits
 from .api import DEFAULT_STORE_TIMEOUT, Store
 from .file_store import FileStore
 from .hash_store import HashStore
 from .prefix_store import PrefixStore
-from .tcp_store import TCPStore
+from .tcp_store import TOKEN_ENV, TCPStore
 
-__all__ = ["Store", "TCPStore", "FileStore", "HashStore", "PrefixStore", "DEFAULT_STORE_TIMEOUT"]
+__all__ = ["Store", "TCPStore", "FileStore", "HashStore", "PrefixStore", "DEFAULT_STORE_TIMEOUT",
+           "TCPStoreLimits", "QueueEmptyError", "TOKEN_ENV"]

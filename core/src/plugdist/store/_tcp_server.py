@@ -1,32 +1,67 @@
 """The TCPStore server: one daemon thread, one selector, every client on non-blocking sockets.
 
-Blocking requests (GET, WAIT, MULTI_GET, WAIT_WORKERS) park the connection on the keys it waits
-for; a write that creates a key answers the parked connections at once, and a deadline heap
-answers the ones whose timeout passes. A client that disconnects, or sends anything that is not
-a well-formed protocol-1 frame, is dropped and logged; nothing it does reaches other clients.
+Blocking requests (GET, WAIT, MULTI_GET, QUEUE_POP, WAIT_WORKERS) park the connection; a write
+that creates a key (or fills an empty queue) answers the parked connections at once, and a
+deadline heap answers the ones whose timeout passes. A parked request waits on one missing key
+at a time, so a WAIT on n keys costs one index entry, not n.
+
+A client that disconnects, fails authentication, or sends anything that is not a well-formed
+protocol frame is dropped and logged; nothing it does reaches other clients. Bounds
+(:class:`TCPStoreLimits`): frame size, time to finish the handshake, time a half-sent frame may
+sit, number of connections, bytes a client may send while its request is parked, and bytes of
+replies a client may leave unread before the server stops reading its requests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import hmac
 import itertools
 import resource
+import secrets
 import selectors
 import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from datetime import timedelta
 
 from ..errors import DistNetworkError
 from ..log import get_logger
 from . import _wire as w
 
-__all__ = ["StoreServer"]
+__all__ = ["StoreServer", "TCPStoreLimits"]
 
 _READ = selectors.EVENT_READ
 _WRITE = selectors.EVENT_WRITE
 _RECV_SIZE = 256 * 1024
+_INIT_KEY_COUNT = 1  # num_keys counts the worker counter once someone joined (as torch does)
+_MAX_TIMEOUT = 1e7  # seconds; longer ones are clamped (the deadline heap needs finite numbers)
+
+
+@dataclasses.dataclass(frozen=True)
+class TCPStoreLimits:
+    """Per-server bounds that keep one client from hurting the others.
+
+    ``max_frame_bytes``: the largest request body (a larger announced length drops the client).
+    ``handshake_timeout``: a new connection must finish its handshake within this time.
+    ``frame_stall_timeout``: a half-received frame that gets no new byte for this long drops the
+    client. ``max_connections``: connections beyond it are told so (the client retries, then
+    raises DistNetworkError saying so) and closed, with one log line per second.
+    ``max_parked_inbound_bytes``: bytes a client may send while its blocking request is parked
+    (one request at a time is the protocol; more drops it). ``max_unread_reply_bytes``: when a
+    client's unread replies pass this, the server stops reading its requests until it reads.
+    """
+
+    max_frame_bytes: int = w.MAX_FRAME
+    handshake_timeout: timedelta = timedelta(seconds=10)
+    frame_stall_timeout: timedelta = timedelta(seconds=30)
+    max_connections: int = 16384
+    max_parked_inbound_bytes: int = 64 * 1024
+    max_unread_reply_bytes: int = 1024 * 1024
 
 
 class _ProtocolError(Exception):
@@ -34,30 +69,41 @@ class _ProtocolError(Exception):
 
 
 class _Conn:
-    __slots__ = ("sock", "peer", "inbuf", "need", "out", "handshaken", "waiter", "closed")
+    __slots__ = ("sock", "peer", "inbuf", "need", "out", "handshaken", "nonce", "waiter",
+                 "closed", "since", "paused")
 
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, nonce: bytes) -> None:
         self.sock = sock
         self.peer = peer
         self.inbuf = bytearray()  # bytes not yet parsed (a partial frame, or frames behind a wait)
         self.need = 0             # length inbuf must reach before parsing is worth trying
         self.out = bytearray()    # bytes the kernel has not taken yet
         self.handshaken = False
+        self.nonce = nonce        # the server nonce sent in this connection's greeting
         self.waiter: _Waiter | None = None
         self.closed = False
+        self.since = 0.0          # when the pending handshake / half-sent frame last progressed
+        self.paused = False       # reading stopped: too many unread replies
+
+
+def _seconds(timeout: float) -> float:
+    """A timeout from the wire: NaN is malformed; the rest is clamped to [0, ~115 days]."""
+    if timeout != timeout:
+        raise ValueError("timeout is NaN")
+    return min(max(timeout, 0.0), _MAX_TIMEOUT)
 
 
 class _Waiter:
-    __slots__ = ("conn", "op", "keys", "missing", "deadline", "timeout", "count", "done")
+    __slots__ = ("conn", "op", "keys", "pos", "deadline", "timeout", "count", "done")
 
-    def __init__(self, conn: _Conn, op: w.Op, keys: list[bytes], missing: set[bytes],
-                 timeout: float, count: int = 0) -> None:
+    def __init__(self, conn: _Conn, op: w.Op, keys: list[bytes], timeout: float,
+                 count: int = 0) -> None:
         self.conn = conn
         self.op = op
         self.keys = keys
-        self.missing = missing
-        self.timeout = timeout
-        self.deadline = time.monotonic() + max(timeout, 0.0)
+        self.pos = 0  # keys[:pos] were seen present; the waiter is indexed under keys[pos]
+        self.timeout = timeout = _seconds(timeout)
+        self.deadline = time.monotonic() + timeout
         self.count = count
         self.done = False
 
@@ -76,14 +122,26 @@ def _raise_fd_limit(want: int = 65536) -> None:
 class StoreServer:
     """Owns the listening socket and the serving thread. ``start()`` binds and listens in the
     caller's thread (so a busy port raises there), then serves in a daemon thread until
-    ``stop()``. Only the serving thread touches the data; ``stop()`` is safe from any thread."""
+    ``stop()``. Only the serving thread touches the data; ``stop()`` is safe from any thread.
 
-    def __init__(self, family: int, port: int) -> None:
+    ``bind_host``: the address to listen on (None: every interface). ``listen_fd``: an already
+    bound socket to take over instead of binding. ``token``: when set, every connection must
+    prove it knows it before its first request."""
+
+    def __init__(self, family: int, port: int, *, bind_host: str | None = None,
+                 listen_fd: int | None = None, token: bytes | None = None,
+                 limits: TCPStoreLimits | None = None) -> None:
         self._family = family
         self._want_port = port
+        self._bind_host = bind_host
+        self._listen_fd = listen_fd
+        self.token = token or None
+        self.limits = limits or TCPStoreLimits()
         self.port = 0
         self._data: dict[bytes, bytes] = {}
+        self._queues: dict[bytes, deque[bytes]] = {}
         self._waiting: dict[bytes, list[_Waiter]] = {}
+        self._poppers: dict[bytes, deque[_Waiter]] = {}
         self._worker_waiters: list[_Waiter] = []
         self._deadlines: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
@@ -91,7 +149,10 @@ class StoreServer:
         self._parked = 0
         self._accept_paused_until = 0.0
         self._conns: dict[int, _Conn] = {}
+        self._pending: set[_Conn] = set()  # mid-handshake or mid-frame: watched for stalls
         self._resume: list[_Conn] = []
+        self._refused_busy = 0
+        self._busy_logged_at = 0.0
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
         self._log = get_logger(component="tcp_store_server")
@@ -101,26 +162,43 @@ class StoreServer:
             w.Op.CHECK: self._op_check, w.Op.NUM_KEYS: self._op_num_keys,
             w.Op.DELETE_KEY: self._op_delete_key, w.Op.MULTI_GET: self._op_multi_get,
             w.Op.MULTI_SET: self._op_multi_set, w.Op.WAIT_WORKERS: self._op_wait_workers,
+            w.Op.APPEND: self._op_append, w.Op.QUEUE_PUSH: self._op_queue_push,
+            w.Op.QUEUE_POP: self._op_queue_pop, w.Op.QUEUE_LEN: self._op_queue_len,
         }
+
+    @property
+    def alive(self) -> bool:
+        """True while the serving thread runs."""
+        return self._thread is not None and self._thread.is_alive()
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
         _raise_fd_limit()
-        lsock = socket.socket(self._family, socket.SOCK_STREAM)
+        if self._listen_fd is not None:
+            lsock = socket.socket(fileno=self._listen_fd)
+            self._family = lsock.family
+        else:
+            lsock = socket.socket(self._family, socket.SOCK_STREAM)
         try:
-            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if self._family == socket.AF_INET6:
-                lsock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            lsock.bind(("::" if self._family == socket.AF_INET6 else "0.0.0.0", self._want_port))
+            if self._listen_fd is None:
+                lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if self._family == socket.AF_INET6 and self._bind_host is None:
+                    lsock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                if self._bind_host is not None:
+                    host = self._bind_host
+                else:
+                    host = "::" if self._family == socket.AF_INET6 else "0.0.0.0"
+                lsock.bind((host, self._want_port))
             lsock.listen(4096)
             lsock.setblocking(False)
         except OSError as e:
             lsock.close()
+            where = self._bind_host or "every interface"
             raise DistNetworkError(
-                f"TCPStore server could not listen on port {self._want_port} ({e.strerror or e}); "
-                f"another process may hold it: pick a free MASTER_PORT, or port 0 for any free "
-                f"port") from e
+                f"The server socket has failed to listen on any local network address. port: "
+                f"{self._want_port}, address: {where} ({e.strerror or e}); another process may "
+                f"hold the port: pick a free MASTER_PORT, or port 0 for any free port") from e
         self.port = lsock.getsockname()[1]
         self._lsock = lsock
         self._wake_r, self._wake_w = socket.socketpair()
@@ -152,6 +230,7 @@ class StoreServer:
         sel = self._sel
         lsock = self._lsock
         wake = self._wake_r
+        next_sweep = 0.0
         try:
             while not self._stop_event.is_set():
                 delay = None
@@ -160,6 +239,9 @@ class StoreServer:
                 if self._accept_paused_until:
                     pause = max(0.0, self._accept_paused_until - time.monotonic())
                     delay = pause if delay is None else min(delay, pause)
+                if self._pending:
+                    sweep = max(0.0, next_sweep - time.monotonic())
+                    delay = sweep if delay is None else min(delay, sweep)
                 for key, mask in sel.select(delay):
                     conn = key.data
                     if conn is None:
@@ -175,16 +257,21 @@ class StoreServer:
                         continue
                     if mask & _WRITE:
                         self._flush(conn)
-                    if mask & _READ and not conn.closed:
+                    if mask & _READ and not conn.closed and not conn.paused:
                         self._on_readable(conn)
+                now = time.monotonic()
                 if self._deadlines:
-                    self._expire(time.monotonic())
-                if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
+                    self._expire(now)
+                if self._pending and now >= next_sweep:
+                    self._sweep_stalled(now)
+                    next_sweep = now + self._sweep_interval()
+                if self._accept_paused_until and now >= self._accept_paused_until:
                     self._accept_paused_until = 0.0
                     sel.register(lsock, _READ, None)
                 while self._resume:
                     conn = self._resume.pop()
-                    if not conn.closed and conn.waiter is None and conn.inbuf:
+                    if (not conn.closed and conn.waiter is None and not conn.paused
+                            and conn.inbuf):
                         self._process(conn, b"", force=True)
         except Exception as e:  # a bug here must not leave clients hanging silently
             self._log.error("tcp_store_server_crashed", port=self.port, error=repr(e))
@@ -200,6 +287,23 @@ class StoreServer:
                 s.close()
             sel.close()
 
+    def _sweep_interval(self) -> float:
+        lim = self.limits
+        shortest = min(lim.handshake_timeout, lim.frame_stall_timeout).total_seconds()
+        return min(max(shortest / 4, 0.01), 1.0)
+
+    def _sweep_stalled(self, now: float) -> None:
+        hs = self.limits.handshake_timeout.total_seconds()
+        fs = self.limits.frame_stall_timeout.total_seconds()
+        for conn in list(self._pending):
+            if conn.closed or conn.paused or conn.waiter is not None:
+                self._pending.discard(conn)
+            elif not conn.handshaken and now - conn.since > hs:
+                self._drop(conn, f"no complete handshake within {hs:.3g}s")
+            elif conn.handshaken and now - conn.since > fs:
+                self._drop(conn, f"half-sent frame stalled for more than {fs:.3g}s "
+                                 f"({len(conn.inbuf)} of {conn.need} bytes)")
+
     def _accept(self) -> None:
         while True:
             try:
@@ -213,11 +317,39 @@ class StoreServer:
                 self._sel.unregister(self._lsock)
                 self._accept_paused_until = time.monotonic() + 0.1
                 return
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+            flags = w.GREET_TOKEN if self.token else 0
+            if len(self._conns) >= self.limits.max_connections:
+                self._refuse_busy(sock, peer, flags)
+                continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
+            nonce = secrets.token_bytes(w.NONCE_SIZE)
+            conn = _Conn(sock, peer, nonce)
+            conn.since = time.monotonic()
             self._conns[sock.fileno()] = conn
+            self._pending.add(conn)
             self._sel.register(sock, _READ, conn)
+            self._send(conn, w.GREETING.pack(w.MAGIC, w.VERSION, flags, nonce))
+
+    def _refuse_busy(self, sock: socket.socket, peer: str, flags: int) -> None:
+        try:
+            sock.setblocking(False)
+            sock.send(w.GREETING.pack(w.MAGIC, w.VERSION, flags | w.GREET_BUSY,
+                                      bytes(w.NONCE_SIZE)))
+        except OSError:
+            pass
+        sock.close()
+        self._refused_busy += 1
+        now = time.monotonic()
+        if now - self._busy_logged_at >= 1.0:
+            self._log.warning("tcp_store_connection_limit", port=self.port,
+                              limit=self.limits.max_connections, refused=self._refused_busy,
+                              last_peer=peer,
+                              hint="raise TCPStoreLimits.max_connections or find the client "
+                                   "that opens so many connections")
+            self._busy_logged_at = now
+            self._refused_busy = 0
 
     def _on_readable(self, conn: _Conn) -> None:
         try:
@@ -230,35 +362,51 @@ class StoreServer:
         if not data:
             if conn.waiter is not None or conn.inbuf:
                 self._drop(conn, "client disconnected in the middle of a request")
+            elif not conn.handshaken:
+                self._drop(conn, "client disconnected during the handshake")
             else:
                 self._close(conn)
             return
         self._process(conn, data)
 
     def _process(self, conn: _Conn, data: bytes, force: bool = False) -> None:
+        if conn.waiter is not None or conn.paused:
+            conn.inbuf += data
+            if len(conn.inbuf) > self.limits.max_parked_inbound_bytes and conn.waiter:
+                self._drop(conn, f"sent more than {self.limits.max_parked_inbound_bytes} bytes "
+                                 f"while its request was parked (one request at a time)")
+            return
         if conn.inbuf:
             # a large frame arrives in many reads: append (amortised O(1)) until it is whole
             conn.inbuf += data
-            if conn.waiter is not None or (len(conn.inbuf) < conn.need and not force):
+            if len(conn.inbuf) < conn.need and not force:
+                if conn.handshaken:  # a frame may sit idle; a handshake's clock never resets
+                    conn.since = time.monotonic()
                 return
             buf = bytes(conn.inbuf)
-        elif conn.waiter is not None:
-            conn.inbuf += data
-            return
         else:
             buf = data
         pos, end = 0, len(buf)
+        max_frame = self.limits.max_frame_bytes
+        max_unread = self.limits.max_unread_reply_bytes
         try:
             if not conn.handshaken:
+                if end < w.HELLO.size:
+                    if buf[:4] != w.MAGIC[:min(4, end)]:
+                        raise _ProtocolError("bad magic: not a plugdist TCPStore client")
+                    self._keep(conn, buf, 0, w.HELLO.size)
+                    return
                 pos = self._handshake(conn, buf)
-                if not conn.handshaken:
-                    self._keep(conn, buf, 0, w.PREAMBLE.size)
+                if conn.closed:
                     return
             while conn.waiter is None and end - pos >= 5:
+                if len(conn.out) > max_unread:
+                    self._pause(conn)
+                    break
                 length, op = w.HEADER.unpack_from(buf, pos)
-                if length > w.MAX_FRAME:
+                if length > max_frame:
                     raise _ProtocolError(f"frame of {length} bytes exceeds the limit of "
-                                         f"{w.MAX_FRAME}")
+                                         f"{max_frame}")
                 stop = pos + 5 + length
                 if stop > end:
                     break
@@ -267,7 +415,8 @@ class StoreServer:
                     raise _ProtocolError(f"unknown command {op}")
                 try:
                     reply = handler(conn, buf, pos + 5, stop)
-                except (ValueError, IndexError, struct.error, UnicodeDecodeError) as e:
+                except (ValueError, IndexError, struct.error, UnicodeDecodeError,
+                        OverflowError) as e:
                     raise _ProtocolError(f"malformed {w.Op(op).name} request: {e}") from None
                 pos = stop
                 if reply is not None:
@@ -286,38 +435,54 @@ class StoreServer:
             if conn.inbuf:
                 conn.inbuf = bytearray()
             conn.need = 0
+            self._pending.discard(conn)
             return
         need = 5
         if end - pos >= 5:
             need = 5 + w.HEADER.unpack_from(buf, pos)[0]
         self._keep(conn, buf, pos, need)
 
-    @staticmethod
-    def _keep(conn: _Conn, buf: bytes, pos: int, need: int) -> None:
+    def _keep(self, conn: _Conn, buf: bytes, pos: int, need: int) -> None:
         conn.inbuf = bytearray(memoryview(buf)[pos:])
         conn.need = need
+        if conn.waiter is None and not conn.paused:
+            if conn.handshaken:
+                conn.since = time.monotonic()
+            self._pending.add(conn)
 
     def _handshake(self, conn: _Conn, buf: bytes) -> int:
-        head = bytes(buf[:4])
-        if head != w.MAGIC[:len(head)]:
+        magic, version, flags, client_nonce, proof = w.HELLO.unpack_from(buf, 0)
+        if magic != w.MAGIC:
             raise _ProtocolError("bad magic: not a plugdist TCPStore client")
-        if len(buf) < w.PREAMBLE.size:
-            return 0
-        _, version, flags = w.PREAMBLE.unpack_from(buf, 0)
         if version != w.VERSION:
-            try:  # tell the client why before hanging up; best effort on a fresh socket
-                conn.sock.send(w.PREAMBLE.pack(w.MAGIC, w.VERSION, w.HELLO_BAD_VERSION))
-            except OSError:
-                pass
+            self._send(conn, w.WELCOME.pack(w.MAGIC, w.VERSION, w.HELLO_BAD_VERSION, w.NO_PROOF))
             raise _ProtocolError(f"protocol version {version}, server speaks {w.VERSION}")
+        reply_proof = w.NO_PROOF
+        if self.token:
+            if not flags & w.FLAG_PROOF:
+                self._refuse_auth(conn, "the client sent no token (set PLUGDIST_STORE_TOKEN or "
+                                        "pass token= to every TCPStore of the job)")
+                return 0
+            expected = w.client_proof(self.token, conn.nonce, client_nonce, flags)
+            if not hmac.compare_digest(expected, proof):
+                self._refuse_auth(conn, "wrong token (its proof does not match this server's "
+                                        "token, or it answered another connection's challenge)")
+                return 0
+            reply_proof = w.server_proof(self.token, conn.nonce, client_nonce)
         conn.handshaken = True
-        self._send(conn, w.PREAMBLE.pack(w.MAGIC, w.VERSION, w.HELLO_OK))
+        self._pending.discard(conn)
+        self._send(conn, w.WELCOME.pack(w.MAGIC, w.VERSION, w.HELLO_OK, reply_proof))
         if flags & w.FLAG_JOIN:
             self._joined += 1
             if self._worker_waiters:
                 for waiter in [x for x in self._worker_waiters if self._joined >= x.count]:
                     self._finish(waiter, _ok(w.I64.pack(self._joined)))
-        return w.PREAMBLE.size
+        return w.HELLO.size
+
+    def _refuse_auth(self, conn: _Conn, why: str) -> None:
+        self._log.warning("tcp_store_auth_failed", port=self.port, peer=conn.peer, reason=why)
+        self._send(conn, w.WELCOME.pack(w.MAGIC, w.VERSION, w.HELLO_AUTH_FAILED, w.NO_PROOF))
+        self._close(conn)
 
     # ---- output ----------------------------------------------------------------------------
 
@@ -334,7 +499,19 @@ class StoreServer:
             return
         if n < len(data):
             conn.out += data[n:]
-            self._sel.modify(conn.sock, _READ | _WRITE, conn)
+            self._watch(conn)
+
+    def _watch(self, conn: _Conn) -> None:
+        events = (0 if conn.paused else _READ) | (_WRITE if conn.out else 0)
+        if events:
+            self._sel.modify(conn.sock, events, conn)
+        else:  # never happens: a paused connection has unread replies
+            self._sel.modify(conn.sock, _READ, conn)
+
+    def _pause(self, conn: _Conn) -> None:
+        conn.paused = True
+        self._pending.discard(conn)
+        self._watch(conn)
 
     def _flush(self, conn: _Conn) -> None:
         try:
@@ -345,10 +522,16 @@ class StoreServer:
             self._drop(conn, f"send failed: {e}")
             return
         del conn.out[:n]
-        if not conn.out:
-            self._sel.modify(conn.sock, _READ, conn)
+        if conn.paused and len(conn.out) <= self.limits.max_unread_reply_bytes // 2:
+            conn.paused = False
+            if conn.inbuf:
+                self._resume.append(conn)
+        if not conn.out or not conn.paused:
+            self._watch(conn)
 
     def _drop(self, conn: _Conn, why: str) -> None:
+        if conn.closed:
+            return
         self._log.warning("tcp_store_client_dropped", port=self.port, peer=conn.peer, reason=why)
         self._close(conn)
 
@@ -356,6 +539,7 @@ class StoreServer:
         if conn.closed:
             return
         conn.closed = True
+        self._pending.discard(conn)
         if conn.waiter is not None:
             self._forget(conn.waiter)
             conn.waiter = None
@@ -368,13 +552,32 @@ class StoreServer:
 
     # ---- waiting ---------------------------------------------------------------------------
 
+    def _present(self, op: w.Op, key: bytes) -> bool:
+        """Whether ``key`` satisfies a parked ``op``: GET/MULTI_GET want a value, WAIT a value or
+        a non-empty queue, QUEUE_POP a non-empty queue."""
+        if op == w.Op.WAIT:
+            return key in self._data or bool(self._queues.get(key))
+        if op == w.Op.QUEUE_POP:
+            return bool(self._queues.get(key))
+        return key in self._data
+
+    def _first_missing(self, waiter: _Waiter, start: int) -> int:
+        keys, op = waiter.keys, waiter.op
+        for i in range(start, len(keys)):
+            if not self._present(op, keys[i]):
+                return i
+        return len(keys)
+
     def _park(self, waiter: _Waiter) -> None:
-        waiter.conn.waiter = waiter
+        conn = waiter.conn
+        conn.waiter = waiter
+        self._pending.discard(conn)
         if waiter.op == w.Op.WAIT_WORKERS:
             self._worker_waiters.append(waiter)
+        elif waiter.op == w.Op.QUEUE_POP:
+            self._poppers.setdefault(waiter.keys[0], deque()).append(waiter)
         else:
-            for k in waiter.missing:
-                self._waiting.setdefault(k, []).append(waiter)
+            self._waiting.setdefault(waiter.keys[waiter.pos], []).append(waiter)
         self._parked += 1
         dl = self._deadlines
         if len(dl) > 1024 and len(dl) > 4 * self._parked:
@@ -392,15 +595,25 @@ class StoreServer:
         if waiter.op == w.Op.WAIT_WORKERS:
             self._worker_waiters.remove(waiter)
             return
-        for k in waiter.missing:
-            lst = self._waiting.get(k)
-            if lst is not None:
+        if waiter.op == w.Op.QUEUE_POP:
+            poppers = self._poppers.get(waiter.keys[0])
+            if poppers is not None:
                 try:
-                    lst.remove(waiter)
+                    poppers.remove(waiter)
                 except ValueError:
                     pass
-                if not lst:
-                    del self._waiting[k]
+                if not poppers:
+                    del self._poppers[waiter.keys[0]]
+            return
+        key = waiter.keys[waiter.pos] if waiter.pos < len(waiter.keys) else None
+        lst = self._waiting.get(key) if key is not None else None
+        if lst is not None:
+            try:
+                lst.remove(waiter)
+            except ValueError:
+                pass
+            if not lst:
+                del self._waiting[key]  # type: ignore[arg-type]
 
     def _finish(self, waiter: _Waiter, reply: bytes) -> None:
         self._forget(waiter)
@@ -414,18 +627,18 @@ class StoreServer:
         waiters = self._waiting.pop(key, None)
         if not waiters:
             return
-        data = self._data
         for waiter in waiters:
-            waiter.missing.discard(key)
-            if waiter.missing or waiter.done:
+            if waiter.done:
                 continue
-            # a key seen earlier may have been deleted since: wait for it again
-            again = {k for k in waiter.keys if k not in data}
-            if again:
-                waiter.missing = again
-                for k in again:
-                    self._waiting.setdefault(k, []).append(waiter)
+            nxt = self._first_missing(waiter, waiter.pos + 1)
+            if nxt == len(waiter.keys):
+                # every key was seen; one may have been deleted since: check them all once
+                nxt = self._first_missing(waiter, 0)
+            waiter.pos = nxt
+            if nxt < len(waiter.keys):
+                self._waiting.setdefault(waiter.keys[nxt], []).append(waiter)
             else:
+                waiter.pos = len(waiter.keys)
                 self._finish(waiter, self._ready_reply(waiter))
 
     def _ready_reply(self, waiter: _Waiter) -> bytes:
@@ -442,23 +655,34 @@ class StoreServer:
             if waiter.done:
                 continue
             if waiter.op == w.Op.WAIT_WORKERS:
-                msg = (f"{self._joined} of {waiter.count} workers joined within "
-                       f"{waiter.timeout:.3g}s")
+                msg = (f"Timed out after {_whole_seconds(waiter.timeout)} seconds waiting for "
+                       f"clients. {self._joined}/{waiter.count} clients joined.")
+            elif waiter.op == w.Op.QUEUE_POP:
+                msg = (f"queue_pop timeout after {waiter.timeout:.3g}s; queue "
+                       f"{_name(waiter.keys[0])!r} stayed empty")
             else:
-                missing = [k.decode(errors="replace") for k in waiter.keys if k in waiter.missing]
-                msg = f"timed out after {waiter.timeout:.3g}s waiting for keys {missing}"
+                missing = [_name(k) for k in waiter.keys if not self._present(waiter.op, k)]
+                msg = (f"{waiter.op.name.lower()} timeout after {waiter.timeout:.3g}s; missing "
+                       f"keys {missing}")
             self._finish(waiter, _reply(w.Status.TIMEOUT, msg.encode()))
 
     def _wait_for(self, conn: _Conn, op: w.Op, keys: list[bytes], timeout: float) -> bytes | None:
-        data = self._data
-        missing = {k for k in keys if k not in data}
-        if not missing:
-            return self._ready_reply(_Waiter(conn, op, keys, missing, 0.0))
+        waiter = _Waiter(conn, op, keys, timeout)
+        timeout = waiter.timeout
+        waiter.pos = self._first_missing(waiter, 0)
+        if waiter.pos == len(keys):
+            return self._ready_reply(waiter)
         if timeout <= 0:
-            names = [k.decode(errors="replace") for k in keys if k in missing]
-            return _reply(w.Status.TIMEOUT, f"keys {names} not present (timeout 0)".encode())
-        self._park(_Waiter(conn, op, keys, missing, timeout))
+            missing = [_name(k) for k in keys if not self._present(op, k)]
+            return _reply(w.Status.TIMEOUT, f"{op.name.lower()} timeout (0s): missing keys "
+                                            f"{missing}".encode())
+        self._park(waiter)
         return None
+
+    def _created_value(self, key: bytes) -> None:
+        """A value now exists under ``key`` where none did."""
+        if key in self._waiting:
+            self._key_created(key)
 
     # ---- commands: (conn, buf, body start, body end) -> reply frame or None when parked ----
 
@@ -468,14 +692,14 @@ class StoreServer:
         created = key not in self._data
         self._data[key] = value
         if created:
-            self._key_created(key)
+            self._created_value(key)
         return _OK_EMPTY
 
     def _op_get(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes | None:
         timeout, kl = _F64_U32.unpack_from(buf, pos)
         if pos + 12 + kl != end:
             raise ValueError("key length does not match the frame")
-        key = buf[pos + 12:end]
+        key = bytes(buf[pos + 12:end])
         value = self._data.get(key)
         if value is not None:
             return _ok(value)
@@ -485,7 +709,7 @@ class StoreServer:
         amount, kl = _I64_U32.unpack_from(buf, pos)
         if pos + 12 + kl != end:
             raise ValueError("key length does not match the frame")
-        key = buf[pos + 12:end]
+        key = bytes(buf[pos + 12:end])
         old = self._data.get(key)
         if old is None:
             total = amount
@@ -494,13 +718,28 @@ class StoreServer:
                 total = int(old) + amount
             except ValueError:
                 return _reply(w.Status.ERROR, (
-                    f"add({key.decode(errors='replace')!r}) met a value that is not an integer "
-                    f"({old[:32]!r}): the key was written by set(); use a separate key for "
-                    f"counters").encode())
+                    f"add({_name(key)!r}) met a value that is not an integer ({old[:32]!r}): "
+                    f"the key was written by set(); use a separate key for counters").encode())
+        if not -(2**63) <= total < 2**63:
+            return _reply(w.Status.ERROR, f"add({_name(key)!r}) overflows a 64-bit counter "
+                                          f"({total})".encode())
         self._data[key] = str(total).encode()
         if old is None:
-            self._key_created(key)
+            self._created_value(key)
         return _ok(w.I64.pack(total))
+
+    def _op_append(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
+        key, pos = _blob(buf, pos, end)
+        tail, _ = _blob(buf, pos, end)
+        old = self._data.get(key)
+        if old is not None and len(old) + len(tail) > self.limits.max_frame_bytes:
+            return _reply(w.Status.ERROR, (
+                f"append({_name(key)!r}) would grow the value past the frame limit of "
+                f"{self.limits.max_frame_bytes} bytes; a get could never return it").encode())
+        self._data[key] = tail if old is None else old + tail
+        if old is None:
+            self._created_value(key)
+        return _OK_EMPTY
 
     def _op_compare_set(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)
@@ -511,7 +750,7 @@ class StoreServer:
             if expected:
                 return _ok(expected)
             self._data[key] = desired
-            self._key_created(key)
+            self._created_value(key)
             return _ok(desired)
         if current == expected:
             self._data[key] = desired
@@ -530,15 +769,18 @@ class StoreServer:
 
     def _op_check(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
         keys, _ = w.unpack_blobs(buf, pos, end)
-        data = self._data
-        return _ok(b"\x01" if all(k in data for k in keys) else b"\x00")
+        present = all(self._present(w.Op.WAIT, k) for k in keys)
+        return _ok(b"\x01" if present else b"\x00")
 
     def _op_num_keys(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
-        return _ok(w.I64.pack(len(self._data)))
+        extra = _INIT_KEY_COUNT if self._joined else 0
+        return _ok(w.I64.pack(len(self._data) + extra))
 
     def _op_delete_key(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
         key, _ = _blob(buf, pos, end)
-        return _ok(b"\x01" if self._data.pop(key, None) is not None else b"\x00")
+        had_value = self._data.pop(key, None) is not None
+        had_queue = bool(self._queues.pop(key, None))
+        return _ok(b"\x01" if had_value or had_queue else b"\x00")
 
     def _op_multi_set(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
         items, _ = w.unpack_blobs(buf, pos, end)
@@ -549,22 +791,73 @@ class StoreServer:
             created = key not in self._data
             self._data[key] = items[i + 1]
             if created:
-                self._key_created(key)
+                self._created_value(key)
         return _OK_EMPTY
+
+    def _op_queue_push(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
+        key, pos = _blob(buf, pos, end)
+        value, _ = _blob(buf, pos, end)
+        poppers = self._poppers.get(key)
+        if poppers:
+            # a parked pop takes the value directly, oldest pop first
+            self._finish(poppers[0], _ok(value))
+            return _OK_EMPTY
+        q = self._queues.get(key)
+        if q is None:
+            q = self._queues[key] = deque()
+        q.append(value)
+        if len(q) == 1 and key in self._waiting:
+            self._key_created(key)
+        return _OK_EMPTY
+
+    def _op_queue_pop(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes | None:
+        timeout, block, kl = _F64_U8_U32.unpack_from(buf, pos)
+        timeout = _seconds(timeout)
+        if pos + 13 + kl != end:
+            raise ValueError("key length does not match the frame")
+        key = bytes(buf[pos + 13:end])
+        q = self._queues.get(key)
+        if q:
+            value = q.popleft()
+            if not q:
+                del self._queues[key]
+            return _ok(value)
+        if not block:
+            return _reply(w.Status.QUEUE_EMPTY, f"queue {_name(key)!r} is empty".encode())
+        if timeout <= 0:
+            return _reply(w.Status.TIMEOUT,
+                          f"queue_pop timeout (0s): queue {_name(key)!r} is empty".encode())
+        self._park(_Waiter(conn, w.Op.QUEUE_POP, [key], timeout))
+        return None
+
+    def _op_queue_len(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
+        key, _ = _blob(buf, pos, end)
+        return _ok(w.I64.pack(len(self._queues.get(key, ()))))
 
     def _op_wait_workers(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes | None:
         timeout, count = _F64_I64.unpack_from(buf, pos)
+        timeout = _seconds(timeout)
         if self._joined >= count:
             return _ok(w.I64.pack(self._joined))
         if timeout <= 0:
-            return _reply(w.Status.TIMEOUT, f"{self._joined} of {count} workers joined".encode())
-        self._park(_Waiter(conn, w.Op.WAIT_WORKERS, [], set(), timeout, count))
+            return _reply(w.Status.TIMEOUT, (f"Timed out after 0 seconds waiting for clients. "
+                                             f"{self._joined}/{count} clients joined.").encode())
+        self._park(_Waiter(conn, w.Op.WAIT_WORKERS, [], timeout, count))
         return None
 
 
 _F64_U32 = struct.Struct("!dI")
 _I64_U32 = struct.Struct("!qI")
 _F64_I64 = struct.Struct("!dq")
+_F64_U8_U32 = struct.Struct("!dBI")
+
+
+def _whole_seconds(seconds: float) -> int:
+    return max(int(seconds + 0.999), 0)
+
+
+def _name(key: bytes) -> str:
+    return key.decode(errors="replace")
 
 
 def _reply(status: w.Status, body: bytes) -> bytes:

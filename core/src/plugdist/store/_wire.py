@@ -1,14 +1,28 @@
-"""The TCPStore wire protocol (version 1): constants, frame layout and the encoders both ends share.
+"""The TCPStore wire protocol (version 2): constants, frame layout and the encoders both ends share.
 
-Connection start (both directions, 8 bytes): ``PREAMBLE`` = magic ``b"PDST"``, u16 version,
-u16 flags. The client sends its version and flags (``FLAG_JOIN``: count me as a worker); the server
-answers with its own version and a status in the flags field (``HELLO_OK`` or
-``HELLO_BAD_VERSION``) and closes the connection on a mismatch.
+Connection start. The server speaks first, then one exchange:
+
+    server -> client  GREETING  magic "PDST", u16 version, u16 flags, 16-byte server nonce
+    client -> server  HELLO     magic, u16 version, u16 flags, 16-byte client nonce,
+                                32-byte proof
+    server -> client  WELCOME   magic, u16 version, u16 status, 32-byte server proof
+
+GREETING flags: ``GREET_TOKEN`` (the server requires a token), ``GREET_BUSY`` (the server is at
+its connection limit and closes this connection). HELLO flags: ``FLAG_JOIN`` (count this store as
+a worker for ``wait_for_workers``), ``FLAG_PROOF`` (the proof field holds a proof). WELCOME
+status: ``HELLO_OK``, ``HELLO_BAD_VERSION`` or ``HELLO_AUTH_FAILED``; after either error the
+server closes the connection.
+
+Authentication (when the server has a token): the client's proof is HMAC-SHA256(token,
+``CLIENT_LABEL`` + server nonce + client nonce + u16 flags), the server's proof is
+HMAC-SHA256(token, ``SERVER_LABEL`` + server nonce + client nonce). The token never crosses the
+wire; a fresh server nonce per connection makes a recorded client proof useless on any other
+connection, and the client's nonce does the same for a recorded server proof. Without a token
+both proof fields are zeros.
 
 Every later message is a frame: ``HEADER`` = u32 body length, u8 code; then the body. A request's
 code is an ``Op``; a response's code is a ``Status``. Integers are big-endian; a "blob" (key,
-value, message) is a u32 length and that many bytes; timeouts are f64 seconds. A body longer than
-``MAX_FRAME`` is refused. Request bodies::
+value, message) is a u32 length and that many bytes; timeouts are f64 seconds. Request bodies::
 
     SET          blob key, blob value                     -> OK ""
     GET          f64 timeout, blob key                     -> OK value | TIMEOUT msg
@@ -21,30 +35,50 @@ value, message) is a u32 length and that many bytes; timeouts are f64 seconds. A
     MULTI_GET    f64 timeout, u32 n, n blobs               -> OK u32 n, n blobs | TIMEOUT msg
     MULTI_SET    u32 n, n x (blob key, blob value)         -> OK ""
     WAIT_WORKERS f64 timeout, i64 count                    -> OK i64 joined | TIMEOUT msg
+    APPEND       blob key, blob value                      -> OK ""
+    QUEUE_PUSH   blob key, blob value                      -> OK ""
+    QUEUE_POP    f64 timeout, u8 block, blob key           -> OK value | TIMEOUT | QUEUE_EMPTY
+    QUEUE_LEN    blob key                                  -> OK i64
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import struct
 from collections.abc import Sequence
 
 __all__ = [
-    "MAGIC", "VERSION", "PREAMBLE", "FLAG_JOIN", "HELLO_OK", "HELLO_BAD_VERSION", "HEADER",
-    "MAX_FRAME", "Op", "Status", "pack_blobs", "unpack_blobs", "request",
+    "MAGIC", "VERSION", "GREETING", "HELLO", "WELCOME", "NONCE_SIZE", "PROOF_SIZE", "NO_PROOF",
+    "GREET_TOKEN", "GREET_BUSY", "FLAG_JOIN", "FLAG_PROOF", "HELLO_OK", "HELLO_BAD_VERSION",
+    "HELLO_AUTH_FAILED", "HEADER", "MAX_FRAME", "Op", "Status", "pack_blobs", "unpack_blobs",
+    "request", "client_proof", "server_proof",
 ]
 
 MAGIC = b"PDST"
-VERSION = 1
-PREAMBLE = struct.Struct("!4sHH")
+VERSION = 2
+NONCE_SIZE = 16
+PROOF_SIZE = 32
+NO_PROOF = bytes(PROOF_SIZE)
+GREETING = struct.Struct(f"!4sHH{NONCE_SIZE}s")
+HELLO = struct.Struct(f"!4sHH{NONCE_SIZE}s{PROOF_SIZE}s")
+WELCOME = struct.Struct(f"!4sHH{PROOF_SIZE}s")
+GREET_TOKEN = 1
+GREET_BUSY = 2
 FLAG_JOIN = 1
+FLAG_PROOF = 2
 HELLO_OK = 0
 HELLO_BAD_VERSION = 1
+HELLO_AUTH_FAILED = 2
+CLIENT_LABEL = b"plugdist-tcpstore-v2 client"
+SERVER_LABEL = b"plugdist-tcpstore-v2 server"
 
 HEADER = struct.Struct("!IB")
 MAX_FRAME = 64 * 1024 * 1024
 
 U8 = struct.Struct("!B")
+U16 = struct.Struct("!H")
 U32 = struct.Struct("!I")
 I64 = struct.Struct("!q")
 F64 = struct.Struct("!d")
@@ -53,6 +87,7 @@ HDR_BLOB = struct.Struct("!IBI")          # header, key length
 HDR_F64_BLOB = struct.Struct("!IBdI")     # header, timeout, key length
 HDR_I64_BLOB = struct.Struct("!IBqI")     # header, amount, key length
 HDR_F64_I64 = struct.Struct("!IBdq")      # header, timeout, count
+HDR_F64_U8_BLOB = struct.Struct("!IBdBI")  # header, timeout, block, key length
 
 
 class Op(enum.IntEnum):
@@ -67,12 +102,28 @@ class Op(enum.IntEnum):
     MULTI_GET = 9
     MULTI_SET = 10
     WAIT_WORKERS = 11
+    APPEND = 12
+    QUEUE_PUSH = 13
+    QUEUE_POP = 14
+    QUEUE_LEN = 15
 
 
 class Status(enum.IntEnum):
     OK = 0
     ERROR = 1
     TIMEOUT = 2
+    QUEUE_EMPTY = 3
+
+
+def client_proof(token: bytes, server_nonce: bytes, client_nonce: bytes, flags: int) -> bytes:
+    """What a client sends to prove it knows ``token`` (see the module docstring)."""
+    msg = CLIENT_LABEL + server_nonce + client_nonce + U16.pack(flags)
+    return hmac.new(token, msg, hashlib.sha256).digest()
+
+
+def server_proof(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    """What the server sends back to prove it knows ``token`` too."""
+    return hmac.new(token, SERVER_LABEL + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
 def pack_blobs(blobs: Sequence[bytes]) -> bytes:

@@ -1,15 +1,24 @@
 """The ``Store`` interface: a key-value store shared by every rank of a job.
 
 Keys are ``str``; values are ``bytes`` (``str`` values are accepted and UTF-8 encoded). Every
-method is thread-safe. Methods that wait (``get``, ``wait``) block the calling thread until the
-keys exist or the timeout passes, then raise :class:`~plugdist.errors.DistTimeoutError` naming
-the missing keys. ``add`` on a key written by ``set`` with a non-integer value raises
-``DistStoreError``.
+method of the shipped stores is thread-safe. Methods that wait (``get``, ``wait``,
+``multi_get``, a blocking ``queue_pop``) block the calling thread until the keys exist or the
+timeout passes, then raise :class:`~plugdist.errors.DistTimeoutError` (its message contains
+"timeout" and names the missing keys). ``add`` on a key written by ``set`` with a non-integer
+value raises ``DistStoreError``.
+
+``Store`` itself is a base class that may be subclassed partially, as torch's ``Store`` can: a
+subclass overrides what it supports, and a method it did not override raises
+``NotImplementedError`` ("Not implemented.") when called. ``append``, ``multi_get`` and
+``multi_set`` have fallbacks built on ``compare_set``, ``get`` and ``set``.
+
+Queues (``queue_push``/``queue_pop``/``queue_len``) live beside the keys: a key may hold a value
+and a queue at once. ``check`` and ``wait`` see a key whose queue is not empty as present;
+``get`` sees values only; ``num_keys`` counts values only.
 """
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -31,55 +40,85 @@ def to_seconds(timeout: timedelta | float | int) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
-class Store(abc.ABC):
-    """Abstract key-value store. See the module docstring for the shared contract."""
+class Store:
+    """Base of every store. See the module docstring for the shared contract."""
 
     def __init__(self, timeout: timedelta = DEFAULT_STORE_TIMEOUT) -> None:
         self._timeout = timeout
 
+    def _not_implemented(self, method: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"{type(self).__name__}.{method}: Not implemented. This Store subclass does not "
+            f"override {method}(); override it to support the call")
+
     @property
     def timeout(self) -> timedelta:
-        """Default timeout of ``get`` and ``wait``."""
-        return self._timeout
+        """Default timeout of ``get``, ``wait`` and a blocking ``queue_pop``."""
+        # a subclass may skip Store.__init__ (torch's allows it)
+        return getattr(self, "_timeout", DEFAULT_STORE_TIMEOUT)
 
     def set_timeout(self, timeout: timedelta) -> None:
-        """Change the default timeout of ``get`` and ``wait``."""
+        """Change the default timeout of ``get``, ``wait`` and a blocking ``queue_pop``."""
         self._timeout = timeout
 
-    @abc.abstractmethod
+    # ---- the core operations: every store overrides these ----------------------------------
+
     def set(self, key: str, value: bytes | str) -> None:
         """Write ``value`` under ``key``, replacing any value; wakes waiters on ``key``."""
+        raise self._not_implemented("set")
 
-    @abc.abstractmethod
     def get(self, key: str) -> bytes:
         """The value of ``key``; blocks until it exists, up to the store's timeout."""
+        raise self._not_implemented("get")
 
-    @abc.abstractmethod
     def add(self, key: str, amount: int) -> int:
-        """Atomically add ``amount`` to the integer under ``key`` (created at 0); returns the sum."""
+        """Atomically add ``amount`` to the integer under ``key`` (created at 0); returns the
+        sum."""
+        raise self._not_implemented("add")
 
-    @abc.abstractmethod
-    def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:
+    def compare_set(self, key: str, expected_value: bytes | str,
+                    desired_value: bytes | str) -> bytes:
         """Atomically set ``key`` to ``desired_value`` if its value equals ``expected_value``
         (or if the key is missing and ``expected_value`` is empty); returns the value now held.
         A missing key with a non-empty ``expected_value`` is left missing and ``expected_value``
         is returned."""
+        raise self._not_implemented("compare_set")
 
-    @abc.abstractmethod
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        """Block until every key in ``keys`` exists, or raise DistTimeoutError naming the missing."""
+        """Block until every key in ``keys`` exists (a value, or a non-empty queue), or raise
+        DistTimeoutError naming the missing ones."""
+        raise self._not_implemented("wait")
 
-    @abc.abstractmethod
     def check(self, keys: Sequence[str]) -> bool:
         """True when every key in ``keys`` exists right now. Does not block."""
+        raise self._not_implemented("check")
 
-    @abc.abstractmethod
     def num_keys(self) -> int:
-        """Number of keys stored."""
+        """Number of keys stored (as torch counts them: see each store)."""
+        raise self._not_implemented("num_keys")
 
-    @abc.abstractmethod
     def delete_key(self, key: str) -> bool:
-        """Delete ``key``; True if it existed."""
+        """Delete ``key`` (its value and its queue); True if it existed."""
+        raise self._not_implemented("delete_key")
+
+    # ---- the extended operations: fallbacks on the core ones --------------------------------
+
+    def has_extended_api(self) -> bool:
+        """True when ``append``, ``multi_get`` and ``multi_set`` are native (one atomic request)
+        rather than the fallbacks of this base class."""
+        return False
+
+    def append(self, key: str, value: bytes | str) -> None:
+        """Append ``value`` to the bytes under ``key`` (created if missing). The fallback retries
+        ``compare_set`` until no other writer came in between; like torch's, it cannot tell a key
+        that already holds exactly ``value`` from one it just created (it then appends nothing):
+        override ``append`` where that matters. The shipped stores' ``append`` is native."""
+        tail = to_bytes(value)
+        expected = tail
+        current = self.compare_set(key, b"", expected)
+        while current != expected:
+            expected = bytes(current) + tail
+            current = self.compare_set(key, current, expected)
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """The values of ``keys``; blocks like ``get`` until all exist."""
@@ -89,8 +128,28 @@ class Store(abc.ABC):
         """Set each key to the matching value."""
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
-        for k, v in zip(keys, values):
-            self.set(k, v)
+        for k, v in zip(keys, values, strict=True):
+            self.set(k, to_bytes(v))
+
+    def queue_push(self, key: str, value: bytes | str) -> None:
+        """Append ``value`` to the FIFO queue ``key``; wakes one blocked ``queue_pop`` and every
+        ``wait`` on ``key``."""
+        raise self._not_implemented("queue_push")
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Remove and return the oldest value of queue ``key``. Blocking (the default): waits up
+        to the store's timeout, then DistTimeoutError. ``block=False``: QueueEmptyError at once
+        if the queue is empty. Each value goes to exactly one caller."""
+        raise self._not_implemented("queue_pop")
+
+    def queue_len(self, key: str) -> int:
+        """Number of values in queue ``key`` (0 if it never existed)."""
+        raise self._not_implemented("queue_len")
+
+    def clone(self) -> Store:
+        """A new, independent handle on the same data (its own connections or file handle), for
+        use from another thread without sharing this object's state."""
+        raise self._not_implemented("clone")
 
     def close(self) -> None:
         """Release connections and files. Idempotent."""

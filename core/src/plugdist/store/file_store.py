@@ -2,14 +2,19 @@
 
 The file is an append-only log of records, each ``!BII`` (kind, key length, value length), the key,
 the value. A writer holds an exclusive ``fcntl.flock`` while it reads the records it has not seen
-and appends its own, so read-modify-write ops (``add``, ``compare_set``) are atomic across
-processes; readers take a shared lock. Each store object caches the log's state and reads only the
-tail it has not seen. Files have no change notification, so ``get``/``wait`` poll the file size
-with a short sleep (1 ms growing to 20 ms) until the keys appear or the timeout passes.
+and appends its own, so read-modify-write ops (``add``, ``compare_set``, ``append``,
+``queue_pop``) are atomic across processes; readers take a shared lock. Each store object caches
+the log's state and reads only the tail it has not seen. Files have no change notification, so
+``get``/``wait``/``queue_pop`` poll the file size with a short sleep (1 ms growing to 20 ms) until
+the keys appear or the timeout passes.
 
-Every store object appends a JOIN record when opened and a LEAVE record when closed; with a fixed
-``world_size`` the store that writes the ``world_size``-th LEAVE deletes the file. With
-``world_size=-1`` the file is left in place (delete it yourself, or reuse it: old keys remain).
+Life cycle, by reference count: every store object appends a JOIN record when opened and a LEAVE
+record when closed. The store whose LEAVE leaves no user open (as many LEAVEs as JOINs) deletes
+the file, if ``world_size`` is fixed and at least ``world_size`` users have left; so the file
+outlives every store that still uses it, in any process. With ``world_size=-1`` the file is left
+in place (delete it yourself, or reuse it: old keys remain). A store that opens the path just as
+the last user deletes it notices (the inode it locked is no longer the path's) and opens the new
+file instead of writing into the deleted one.
 """
 
 from __future__ import annotations
@@ -20,20 +25,22 @@ import struct
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
-from ..errors import DistStoreError, DistTimeoutError
+from ..errors import DistStoreError, DistTimeoutError, QueueEmptyError
 from ._util import check_amount, check_key, check_keys
 from .api import DEFAULT_STORE_TIMEOUT, Store, to_bytes, to_seconds
 
 __all__ = ["FileStore"]
 
 _REC = struct.Struct("!BII")
-_SET, _JOIN, _LEAVE = 1, 2, 3
+_SET, _JOIN, _LEAVE, _DELETE, _QPUSH, _QPOP = 1, 2, 3, 4, 5, 6
 _POLL_MIN, _POLL_MAX = 0.001, 0.02
 # (current value or None) -> (value to write or None, result to return)
 _Updater = Callable[[bytes | None], tuple[bytes | None, bytes]]
+_Record = tuple[int, bytes, bytes]
 
 
 class _Log:
@@ -45,17 +52,34 @@ class _Log:
         self.world_size = world_size
         self.mutex = threading.Lock()
         self.data: dict[str, bytes] = {}
+        self.queues: dict[str, deque[bytes]] = {}
         self.joins = 0
         self.leaves = 0
         self.offset = 0
         self.released = False
         self.pid = os.getpid()
-        try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise DistStoreError(f"FileStore: cannot open {path!r} ({e.strerror}); the directory "
-                                 f"must exist and be writable by every process") from e
-        self.append([(_JOIN, b"", b"")])
+        self.fd = self._open_and_join()
+
+    def _open_and_join(self) -> int:
+        for _ in range(100):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise DistStoreError(f"FileStore: cannot open {self.path!r} ({e.strerror}); the "
+                                     f"directory must exist and be writable by every "
+                                     f"process") from e
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                if _same_file(fd, self.path):
+                    self.fd = fd
+                    self._read_tail()
+                    self._write([(_JOIN, b"", b"")])
+                    return fd
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            # the last user deleted the file between our open and our lock: open the new one
+            os.close(fd)
+        raise DistStoreError(f"FileStore: {self.path!r} kept being deleted while opening it")
 
     # -- under flock ------------------------------------------------------------------------
 
@@ -64,6 +88,27 @@ class _Log:
 
     def _unlock(self) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def _apply(self, kind: int, key: bytes, value: bytes) -> None:
+        if kind == _SET:
+            self.data[key.decode()] = value
+        elif kind == _JOIN:
+            self.joins += 1
+        elif kind == _LEAVE:
+            self.leaves += 1
+        elif kind == _DELETE:
+            k = key.decode()
+            self.data.pop(k, None)
+            self.queues.pop(k, None)
+        elif kind == _QPUSH:
+            self.queues.setdefault(key.decode(), deque()).append(value)
+        elif kind == _QPOP:
+            k = key.decode()
+            q = self.queues.get(k)
+            if q:
+                q.popleft()
+                if not q:
+                    del self.queues[k]
 
     def _read_tail(self) -> None:
         size = os.fstat(self.fd).st_size
@@ -76,17 +121,12 @@ class _Log:
             stop = pos + _REC.size + kl + vl
             if stop > end:
                 break  # a writer died mid-record; nothing after it can be trusted either
-            if kind == _SET:
-                key = buf[pos + _REC.size:pos + _REC.size + kl].decode()
-                self.data[key] = buf[pos + _REC.size + kl:stop]
-            elif kind == _JOIN:
-                self.joins += 1
-            elif kind == _LEAVE:
-                self.leaves += 1
+            start = pos + _REC.size
+            self._apply(kind, buf[start:start + kl], buf[start + kl:stop])
             pos = stop
         self.offset += pos
 
-    def _write(self, records: list[tuple[int, bytes, bytes]]) -> None:
+    def _write(self, records: list[_Record]) -> None:
         out = b"".join(_REC.pack(kind, len(k), len(v)) + k + v for kind, k, v in records)
         view = memoryview(out)
         while view:
@@ -96,12 +136,7 @@ class _Log:
         # what we have applied plus our records
         self.offset += len(out)
         for kind, k, v in records:
-            if kind == _SET:
-                self.data[k.decode()] = v
-            elif kind == _JOIN:
-                self.joins += 1
-            elif kind == _LEAVE:
-                self.leaves += 1
+            self._apply(kind, k, v)
 
     # -- public -----------------------------------------------------------------------------
 
@@ -117,7 +152,7 @@ class _Log:
             finally:
                 self._unlock()
 
-    def append(self, records: list[tuple[int, bytes, bytes]]) -> None:
+    def append(self, records: list[_Record]) -> None:
         with self.mutex:
             self._check_open()
             self._lock(True)
@@ -142,12 +177,45 @@ class _Log:
             finally:
                 self._unlock()
 
+    def delete(self, key: str) -> bool:
+        """Atomically delete ``key``'s value and queue; True if either existed."""
+        with self.mutex:
+            self._check_open()
+            self._lock(True)
+            try:
+                self._read_tail()
+                if key not in self.data and key not in self.queues:
+                    return False
+                self._write([(_DELETE, key.encode(), b"")])
+                return True
+            finally:
+                self._unlock()
+
+    def pop(self, key: str) -> bytes | None:
+        """Atomically remove and return the oldest value of queue ``key``; None if empty."""
+        with self.mutex:
+            self._check_open()
+            if not self.queues.get(key) and os.fstat(self.fd).st_size <= self.offset:
+                return None  # nothing new in the file and our view is empty: skip the lock
+            self._lock(True)
+            try:
+                self._read_tail()
+                q = self.queues.get(key)
+                if not q:
+                    return None
+                value = q[0]
+                self._write([(_QPOP, key.encode(), b"")])
+                return value
+            finally:
+                self._unlock()
+
     def _check_open(self) -> None:
         if self.released:
             raise DistStoreError(f"FileStore({self.path!r}) is closed")
 
     def release(self) -> None:
-        """Append LEAVE; the ``world_size``-th LEAVE deletes the file. Idempotent."""
+        """Append LEAVE; the LEAVE that leaves no user open deletes the file (once at least
+        ``world_size`` users left). Idempotent."""
         if os.getpid() != self.pid:
             return  # a forked child inherited this store: leaving is the parent's business
         with self.mutex:
@@ -159,11 +227,9 @@ class _Log:
                 try:
                     self._read_tail()
                     self._write([(_LEAVE, b"", b"")])
-                    if self.world_size > 0 and self.leaves == self.world_size:
-                        try:
-                            os.unlink(self.path)
-                        except FileNotFoundError:
-                            pass
+                    if (self.world_size > 0 and self.leaves >= self.world_size
+                            and self.leaves >= self.joins and _same_file(self.fd, self.path)):
+                        os.unlink(self.path)
                 finally:
                     self._unlock()
             except OSError:
@@ -172,12 +238,24 @@ class _Log:
                 os.close(self.fd)
 
 
+def _same_file(fd: int, path: str) -> bool:
+    """True when ``path`` still names the file open as ``fd``."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
 class FileStore(Store):
     """A store in the file ``file_name``, shared by every process that opens the same path.
 
-    ``world_size`` is the number of store objects that will use the file (-1: unknown); the last
-    of them to close deletes it. Thread-safe; cross-process atomic. ``delete_key`` is not
-    supported (as in torch.distributed) and raises DistStoreError.
+    ``world_size`` is the number of store objects that will use the file (-1: unknown). The file
+    is deleted when the last store using it closes (a reference count kept in the file itself,
+    across processes), once at least ``world_size`` have closed. Thread-safe; cross-process
+    atomic. ``num_keys`` counts the file's reference count as one key, as torch's does.
+    ``clone()`` opens another user of the same file.
     """
 
     def __init__(self, file_name: str, world_size: int = -1,
@@ -194,11 +272,17 @@ class FileStore(Store):
     def __repr__(self) -> str:
         return f"FileStore({self.path!r})"
 
+    def has_extended_api(self) -> bool:
+        return True
+
+    def clone(self) -> FileStore:
+        return FileStore(self.path, self.world_size, self.timeout)
+
     def set(self, key: str, value: bytes | str) -> None:
         self._log.append([(_SET, check_key(key).encode(), to_bytes(value))])
 
     def get(self, key: str) -> bytes:
-        self.wait([key])
+        self._wait([check_key(key)], None, "get", values_only=True)
         with self._log.mutex:
             return self._log.data[key]
 
@@ -212,12 +296,17 @@ class FileStore(Store):
             except ValueError:
                 raise DistStoreError(
                     f"{self!r}: add({key!r}) met a value that is not an integer "
-                    f"({current[:32]!r}): the key was written by set(); use a separate key for "
-                    f"counters") from None
+                    f"({(current or b'')[:32]!r}): the key was written by set(); use a "
+                    f"separate key for counters") from None
             out = str(total).encode()
             return out, out
 
         return int(self._log.update(key, bump))
+
+    def append(self, key: str, value: bytes | str) -> None:
+        check_key(key)
+        tail = to_bytes(value)
+        self._log.update(key, lambda current: ((current or b"") + tail, b""))
 
     def compare_set(self, key: str, expected_value: bytes | str,
                     desired_value: bytes | str) -> bytes:
@@ -234,7 +323,10 @@ class FileStore(Store):
         return self._log.update(key, swap)
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        keys = check_keys(keys)
+        self._wait(check_keys(keys), timeout, "wait")
+
+    def _wait(self, keys: list[str], timeout: timedelta | None, op: str,
+              values_only: bool = False) -> None:
         limit = to_seconds(timeout if timeout is not None else self.timeout)
         deadline = time.monotonic() + limit
         nap = _POLL_MIN
@@ -242,13 +334,14 @@ class FileStore(Store):
         while True:
             log.refresh()
             with log.mutex:
-                missing = [k for k in keys if k not in log.data]
+                missing = [k for k in keys if k not in log.data
+                           and (values_only or not log.queues.get(k))]
             if not missing:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                raise DistTimeoutError(f"{self!r}: timed out after {limit:.3g}s waiting for keys "
-                                       f"{missing}")
+                raise DistTimeoutError(f"{self!r}: {op} timeout after {limit:.3g}s; missing "
+                                       f"keys {missing}")
             time.sleep(min(nap, left))
             nap = min(nap * 2, _POLL_MAX)
 
@@ -256,20 +349,19 @@ class FileStore(Store):
         keys = check_keys(keys)
         self._log.refresh()
         with self._log.mutex:
-            return all(k in self._log.data for k in keys)
+            return all(k in self._log.data or self._log.queues.get(k) for k in keys)
 
     def num_keys(self) -> int:
         self._log.refresh()
         with self._log.mutex:
-            return len(self._log.data)
+            return len(self._log.data) + 1  # + the reference count, as torch counts it
 
     def delete_key(self, key: str) -> bool:
-        raise DistStoreError(f"{self!r}: delete_key is not supported by FileStore (its file is an "
-                             f"append-only log); use TCPStore or HashStore to delete keys")
+        return self._log.delete(check_key(key))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         keys = check_keys(keys)
-        self.wait(keys)
+        self._wait(keys, None, "multi_get", values_only=True)
         with self._log.mutex:
             return [self._log.data[k] for k in keys]
 
@@ -280,7 +372,35 @@ class FileStore(Store):
         pairs = zip(keys, values, strict=True)
         self._log.append([(_SET, k.encode(), to_bytes(v)) for k, v in pairs])
 
-    def close(self) -> None:
-        """Write this user's LEAVE record (the ``world_size``-th deletes the file). Idempotent."""
-        self._finalizer()
+    def queue_push(self, key: str, value: bytes | str) -> None:
+        self._log.append([(_QPUSH, check_key(key).encode(), to_bytes(value))])
 
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        check_key(key)
+        log = self._log
+        limit = to_seconds(self.timeout)
+        deadline = time.monotonic() + limit
+        nap = _POLL_MIN
+        while True:
+            value = log.pop(key)
+            if value is not None:
+                return value
+            if not block:
+                raise QueueEmptyError(f"{self!r}: queue_pop({key!r}, block=False): the queue is "
+                                      f"empty")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DistTimeoutError(f"{self!r}: queue_pop timeout after {limit:.3g}s; queue "
+                                       f"{key!r} stayed empty")
+            time.sleep(min(nap, left))
+            nap = min(nap * 2, _POLL_MAX)
+
+    def queue_len(self, key: str) -> int:
+        check_key(key)
+        self._log.refresh()
+        with self._log.mutex:
+            return len(self._log.queues.get(key, ()))
+
+    def close(self) -> None:
+        """Write this user's LEAVE record (the last user's deletes the file). Idempotent."""
+        self._finalizer()

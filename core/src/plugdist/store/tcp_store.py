@@ -2,13 +2,16 @@
 
 The master (``is_master=True``) runs the server (see ``_tcp_server``) in a daemon thread and talks
 to it through a client connection like everyone else. Blocking calls are answered by the server
-when the keys arrive or the timeout passes; clients never poll. The wire protocol is in ``_wire``.
+when the keys arrive or the timeout passes; clients never poll. The wire protocol, including the
+token handshake every connection makes, is in ``_wire``.
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import os
+import secrets
 import socket
 import threading
 import time
@@ -16,14 +19,16 @@ import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 
-from ..errors import DistNetworkError, DistStoreError, DistTimeoutError
+from ..errors import DistNetworkError, DistStoreError, DistTimeoutError, QueueEmptyError
 from . import _wire as w
-from ._tcp_server import StoreServer
+from ._tcp_server import StoreServer, TCPStoreLimits
 from ._util import check_amount, check_key, check_keys
 from .api import DEFAULT_STORE_TIMEOUT, Store, to_bytes
 from .api import to_seconds as _to_seconds
 
-__all__ = ["TCPStore"]
+__all__ = ["TCPStore", "TCPStoreLimits", "TOKEN_ENV"]
+
+TOKEN_ENV = "PLUGDIST_STORE_TOKEN"
 
 # extra seconds a client waits beyond a blocking call's timeout for the server's own answer
 _REPLY_GRACE = 10.0
@@ -104,7 +109,32 @@ class _Connection:
             pass
 
 
-def _close_all(conns: list[_Connection], server: StoreServer | None, pid: int) -> None:
+class _Tenancy:
+    """A server shared by the multi-tenant masters of this process on one port."""
+
+    def __init__(self, server: StoreServer) -> None:
+        self.server = server
+        self.users = 1
+
+
+_tenants: dict[int, _Tenancy] = {}
+_tenants_lock = threading.Lock()
+
+
+def _release_tenant(port: int, server: StoreServer) -> None:
+    with _tenants_lock:
+        tenancy = _tenants.get(port)
+        if tenancy is None or tenancy.server is not server:
+            return
+        tenancy.users -= 1
+        if tenancy.users > 0:
+            return
+        del _tenants[port]
+    server.stop()
+
+
+def _close_all(conns: list[_Connection], server: StoreServer | None, multi_tenant: bool,
+               pid: int) -> None:
     if os.getpid() != pid:
         # a forked child (e.g. a DataLoader worker) inherited this store: the sockets and the
         # server belong to the parent, which is still using them
@@ -113,18 +143,51 @@ def _close_all(conns: list[_Connection], server: StoreServer | None, pid: int) -
         c.close()
     conns.clear()
     if server is not None:
-        server.stop()
+        if multi_tenant:
+            _release_tenant(server.port, server)
+        else:
+            server.stop()
+
+
+def _resolve_token(token: str | bytes | None) -> bytes | None:
+    if token is None:
+        token = os.environ.get(TOKEN_ENV, "")
+    if isinstance(token, str):
+        token = token.encode()
+    if not isinstance(token, bytes):
+        raise TypeError(f"TCPStore token must be str or bytes, got {type(token).__name__}")
+    return token or None
+
+
+def _agent_store_port(port: int) -> bool:
+    """torchelastic's agent store: when the launcher serves the store on MASTER_PORT, a worker's
+    master store on that port connects to it instead of serving (as torch's TCPStore does)."""
+    use = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true")
+    return use and port != 0 and os.environ.get("MASTER_PORT") == str(port)
 
 
 class TCPStore(Store):
     """A store whose data lives in the master process and is reached over TCP.
 
     ``TCPStore(host_name, port, world_size=None, is_master=False, timeout=timedelta(seconds=300),
-    wait_for_workers=True)``: the master binds ``port`` (0 picks a free one: read ``.port``) on
-    every interface and serves from a daemon thread; every store (the master's too) connects to
-    ``host_name:port``, retrying with backoff until ``timeout``, then raises DistNetworkError.
-    With a fixed ``world_size`` (clients + the master) and ``wait_for_workers``, the master's
-    constructor blocks until that many stores connected, or raises DistTimeoutError.
+    wait_for_workers=True, multi_tenant=False, master_listen_fd=None, use_libuv=True, *,
+    token=None, bind_host=None, limits=None)``: the master binds ``port`` (0 picks a free one:
+    read ``.port``) on every interface, or on ``bind_host`` only, and serves from a daemon thread;
+    every store (the master's too) connects to ``host_name:port``, retrying with backoff until
+    ``timeout``, then raises DistNetworkError. With a fixed ``world_size`` (clients + the master)
+    and ``wait_for_workers``, the master's constructor blocks until that many stores connected,
+    or raises DistTimeoutError ("Timed out after N seconds waiting for clients. k/N clients
+    joined.").
+
+    ``token`` (default: the ``PLUGDIST_STORE_TOKEN`` environment variable; ``""`` for none): a
+    shared secret. A master with a token refuses every connection that does not prove it knows
+    the token (challenge-response; the token never crosses the wire), and a client with a token
+    refuses a server that cannot prove it: either side raises DistNetworkError saying
+    authentication failed. ``multi_tenant=True``: masters of one process on one port share one
+    server (and its data); it stops when the last of them closes. ``master_listen_fd``: serve on
+    this already bound socket. ``use_libuv`` is accepted and reported as ``libuvBackend`` for code
+    written for torch; plugdist has one server implementation. ``limits``: a
+    :class:`TCPStoreLimits` for the master's server.
 
     Thread safety: one store object may be shared by threads; each request borrows a connection
     from a small pool (a second connection opens only while another thread's request, e.g. a
@@ -135,43 +198,88 @@ class TCPStore(Store):
 
     def __init__(self, host_name: str, port: int, world_size: int | None = None,
                  is_master: bool = False, timeout: timedelta = DEFAULT_STORE_TIMEOUT,
-                 wait_for_workers: bool = True) -> None:
+                 wait_for_workers: bool = True, multi_tenant: bool = False,
+                 master_listen_fd: int | None = None, use_libuv: bool = True, *,
+                 token: str | bytes | None = None, bind_host: str | None = None,
+                 limits: TCPStoreLimits | None = None) -> None:
         super().__init__(timeout)
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"TCPStore port must be an int in [0, 65535], got {port!r}")
-        if port == 0 and not is_master:
-            raise ValueError("TCPStore: port 0 (pick a free port) only makes sense for the master; "
-                             "clients need the master's actual port (master_store.port)")
+        if world_size == 0:
+            raise ValueError("TCPStore world size cannot be 0; pass the number of stores (the "
+                             "master + every client), or None/-1 for a variable number")
         if world_size is not None and world_size != -1 and world_size < 1:
             raise ValueError(f"TCPStore world_size must be >= 1, or None/-1 for a variable number "
                              f"of users; got {world_size}")
+        if is_master and _agent_store_port(port):
+            is_master = False
+        if port == 0 and not is_master:
+            raise ValueError("TCPStore: port 0 (pick a free port) only makes sense for the master; "
+                             "clients need the master's actual port (master_store.port)")
         self.host = host_name
         self.world_size = world_size if world_size is not None and world_size > 0 else None
         self.is_master = is_master
+        self.libuvBackend = bool(use_libuv)  # noqa: N815 (torch's attribute name)
+        self._token = _resolve_token(token)
+        self._multi_tenant = multi_tenant
         self._addrs = _resolve(host_name, port)
         self._idle: list[_Connection] = []
         self._lock = threading.Lock()
         self._closed = False
         self._server: StoreServer | None = None
         if is_master:
-            self._server = StoreServer(self._addrs[0][0], port)
-            self._server.start()
+            self._server = self._serve(port, multi_tenant, master_listen_fd, bind_host, limits)
             port = self._server.port
             self._addrs = [(fam, (sa[0], port) + tuple(sa[2:])) for fam, sa in self._addrs]
         self.port = port
         self._finalizer = weakref.finalize(self, _close_all, self._idle, self._server,
-                                          os.getpid())
+                                          multi_tenant, os.getpid())
         try:
-            self._idle.append(self._connect(join=True, timeout=max(to_seconds(timeout), 1.0)))
+            join = self.world_size is not None and wait_for_workers
+            self._idle.append(self._connect(join=join, timeout=max(to_seconds(timeout), 1.0)))
             if is_master and self.world_size is not None and wait_for_workers:
                 self._wait_workers(self.world_size, to_seconds(timeout))
         except BaseException:
             self.close()
             raise
 
+    def _serve(self, port: int, multi_tenant: bool, listen_fd: int | None,
+               bind_host: str | None, limits: TCPStoreLimits | None) -> StoreServer:
+        def start() -> StoreServer:
+            server = StoreServer(self._addrs[0][0], port, bind_host=bind_host,
+                                 listen_fd=listen_fd, token=self._token, limits=limits)
+            server.start()
+            return server
+
+        if not multi_tenant:
+            return start()
+        with _tenants_lock:
+            tenancy = _tenants.get(port) if port else None
+            if tenancy is not None and tenancy.server.alive:
+                if tenancy.server.token != self._token:
+                    raise ValueError(f"TCPStore(multi_tenant=True): port {port} is already served "
+                                     f"by this process with a different token; the masters "
+                                     f"sharing a port must share its token")
+                tenancy.users += 1
+                return tenancy.server
+            server = start()
+            _tenants[server.port] = _Tenancy(server)
+            return server
+
     def __repr__(self) -> str:
         role = "master" if self.is_master else "client"
-        return f"TCPStore({self.host}:{self.port}, {role})"
+        auth = ", token" if self._token else ""
+        return f"TCPStore({self.host}:{self.port}, {role}{auth})"
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def clone(self) -> TCPStore:
+        """A new client of the same server with its own connections (it does not count as a
+        worker, and closing it never stops the server)."""
+        return TCPStore(self.host, self.port, None, False, self._timeout,
+                        wait_for_workers=False, use_libuv=self.libuvBackend,
+                        token=self._token or b"")
 
     # ---- connections -----------------------------------------------------------------------
 
@@ -192,7 +300,7 @@ class TCPStore(Store):
                     sock.settimeout(min(left, 30.0))
                     sock.connect(sockaddr)
                     return self._handshake(sock, join, timeout)
-                except DistStoreError:
+                except (DistStoreError, DistNetworkError):
                     sock.close()
                     raise
                 except OSError as e:
@@ -208,22 +316,65 @@ class TCPStore(Store):
             time.sleep(min(delay, left))
             delay = min(delay * 2, 1.0)
 
+    def _auth_error(self, why: str) -> DistNetworkError:
+        return DistNetworkError(f"TCPStore {self.host}:{self.port}: authentication failed: {why}")
+
     def _handshake(self, sock: socket.socket, join: bool, timeout: float) -> _Connection:
-        sock.sendall(w.PREAMBLE.pack(w.MAGIC, w.VERSION, w.FLAG_JOIN if join else 0))
-        got = b""
-        while len(got) < w.PREAMBLE.size:
-            chunk = sock.recv(w.PREAMBLE.size - len(got))
-            if not chunk:
-                raise ConnectionError("closed during handshake")
-            got += chunk
-        magic, version, status = w.PREAMBLE.unpack(got)
+        head = _recv_exact(sock, len(w.MAGIC))
+        if head != w.MAGIC:
+            raise DistStoreError(f"TCPStore: {self.host}:{self.port} is not a plugdist TCPStore "
+                                 f"server (bad handshake)")
+        magic, version, greet, server_nonce = w.GREETING.unpack(
+            head + _recv_exact(sock, w.GREETING.size - len(head)))
         if magic != w.MAGIC:
             raise DistStoreError(f"TCPStore: {self.host}:{self.port} is not a plugdist TCPStore "
                                  f"server (bad handshake)")
+        if version != w.VERSION:
+            raise DistStoreError(f"TCPStore: server at {self.host}:{self.port} speaks protocol "
+                                 f"version {version}, this client {w.VERSION}; install the same "
+                                 f"plugdist version on every node")
+        if greet & w.GREET_BUSY:
+            raise ConnectionError("the server is at its connection limit "
+                                  "(TCPStoreLimits.max_connections)")
+        token = self._token
+        flags = w.FLAG_JOIN if join else 0
+        client_nonce = secrets.token_bytes(w.NONCE_SIZE)
+        proof = w.NO_PROOF
+        if token is not None:
+            flags |= w.FLAG_PROOF
+            proof = w.client_proof(token, server_nonce, client_nonce, flags)
+        sock.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, flags, client_nonce, proof))
+        try:
+            magic, version, status, their_proof = w.WELCOME.unpack(
+                _recv_exact(sock, w.WELCOME.size))
+        except ConnectionError:
+            if greet & w.GREET_TOKEN and token is None:
+                raise self._auth_error(
+                    f"the server requires a token and this client has none; set {TOKEN_ENV} "
+                    f"(or pass token=) to the master's token") from None
+            raise
+        if status == w.HELLO_AUTH_FAILED:
+            if token is None:
+                raise self._auth_error(
+                    f"the server requires a token and this client has none; set {TOKEN_ENV} "
+                    f"(or pass token=) to the master's token")
+            raise self._auth_error(
+                f"the server refused this client's token; every store of the job needs the "
+                f"same token ({TOKEN_ENV} or token=)")
         if status != w.HELLO_OK:
             raise DistStoreError(f"TCPStore: server at {self.host}:{self.port} speaks protocol "
                                  f"version {version}, this client {w.VERSION}; install the same "
                                  f"plugdist version on every node")
+        if token is not None:
+            if not greet & w.GREET_TOKEN:
+                raise self._auth_error(
+                    "this client has a token but the server was started without one, so it "
+                    "cannot prove it is the job's store; give the master the same token "
+                    f"({TOKEN_ENV} or token=), or unset it here")
+            expected = w.server_proof(token, server_nonce, client_nonce)
+            if not hmac.compare_digest(expected, their_proof):
+                raise self._auth_error("the server's proof does not match this client's token; "
+                                       "it is not the job's store, or its token differs")
         sock.settimeout(timeout)
         return _Connection(sock, timeout)
 
@@ -272,6 +423,8 @@ class TCPStore(Store):
         msg = body.decode(errors="replace")
         if status == w.Status.TIMEOUT:
             raise DistTimeoutError(f"TCPStore {self.host}:{self.port}: {op}: {msg}")
+        if status == w.Status.QUEUE_EMPTY:
+            raise QueueEmptyError(f"TCPStore {self.host}:{self.port}: {op}: {msg}")
         raise DistStoreError(f"TCPStore {self.host}:{self.port}: {op}: {msg}")
 
     def _wait_workers(self, count: int, timeout: float) -> None:
@@ -280,7 +433,7 @@ class TCPStore(Store):
             self._request("wait_for_workers", frame, wait=timeout)
         except DistTimeoutError as e:
             raise DistTimeoutError(
-                f"{e}; start the other ranks with the same master address and port, or check "
+                f"{e} Start the other ranks with the same master address and port, or check "
                 f"world_size ({count} = clients + 1 for the master)") from None
 
     # ---- Store API -------------------------------------------------------------------------
@@ -320,17 +473,46 @@ class TCPStore(Store):
         body = w.F64.pack(t) + w.pack_blobs(_encoded(keys))
         self._request("wait", w.request(w.Op.WAIT, body), wait=t)
 
+    def append(self, key: str, value: bytes | str) -> None:
+        """Append ``value`` to the bytes under ``key`` (created if missing); atomic."""
+        k = check_key(key).encode()
+        v = to_bytes(value)
+        body = b"".join((w.U32.pack(len(k)), k, w.U32.pack(len(v)), v))
+        self._request("append", w.request(w.Op.APPEND, body))
+
+    def queue_push(self, key: str, value: bytes | str) -> None:
+        """Append ``value`` to queue ``key``; a parked ``queue_pop`` gets it at once."""
+        k = check_key(key).encode()
+        v = to_bytes(value)
+        body = b"".join((w.U32.pack(len(k)), k, w.U32.pack(len(v)), v))
+        self._request("queue_push", w.request(w.Op.QUEUE_PUSH, body))
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """The oldest value of queue ``key``; blocks (server-side) up to the store's timeout, or
+        raises QueueEmptyError at once with ``block=False``."""
+        k = check_key(key).encode()
+        t = to_seconds(self._timeout)
+        frame = w.HDR_F64_U8_BLOB.pack(13 + len(k), w.Op.QUEUE_POP, t, bool(block), len(k)) + k
+        return self._request("queue_pop", frame, wait=t if block else None)
+
+    def queue_len(self, key: str) -> int:
+        """Number of values in queue ``key``."""
+        k = check_key(key).encode()
+        body = self._request("queue_len", w.request(w.Op.QUEUE_LEN, w.U32.pack(len(k)) + k))
+        return w.I64.unpack(body)[0]
+
     def check(self, keys: Sequence[str]) -> bool:
-        """True when every key exists now. Does not block."""
+        """True when every key exists now (a value, or a non-empty queue). Does not block."""
         frame = w.request(w.Op.CHECK, w.pack_blobs(_encoded(keys)))
         return self._request("check", frame) == b"\x01"
 
     def num_keys(self) -> int:
-        """Number of keys held by the server (every user's, every prefix's)."""
+        """Number of keys held by the server (every user's, every prefix's), plus one for the
+        worker counter once a store with a fixed world size joined (as torch counts it)."""
         return w.I64.unpack(self._request("num_keys", w.request(w.Op.NUM_KEYS, b"")))[0]
 
     def delete_key(self, key: str) -> bool:
-        """Delete ``key``; True if it existed."""
+        """Delete ``key`` (its value and its queue); True if it existed."""
         k = check_key(key).encode()
         frame = w.request(w.Op.DELETE_KEY, w.U32.pack(len(k)) + k)
         return self._request("delete_key", frame) == b"\x01"
@@ -360,6 +542,16 @@ class TCPStore(Store):
         with self._lock:
             self._closed = True
         self._finalizer()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        chunk = sock.recv(n - len(got))
+        if not chunk:
+            raise ConnectionError("the server closed the connection during the handshake")
+        got += chunk
+    return got
 
 
 def _encoded(keys: Sequence[str]) -> list[bytes]:
