@@ -146,9 +146,8 @@ def init_world(backend: str | None = None, init_method: str | None = None,
     are exclusive; with neither, ``env://`` is used, unless the backend knows the world itself
     (MPI under mpiexec), which then ignores ``rank``/``world_size`` (a disagreeing one warns).
 
-    ``torch_world`` (default: on, unless ``PLUGDIST_TORCH_WORLD=0``): also make torch's default
-    group run over this world's default group (backend ``plugdist_<backend>``), so code that asks
-    ``torch.distributed`` sees this world; skipped when torch's default group already exists.
+    Returns the default group. The public ``init_process_group`` (:mod:`plugdist.lifecycle`)
+    adds torch's default group on top.
     """
     if world.initialized:
         raise DistError("init_process_group was already called in this process; call "
