@@ -653,10 +653,10 @@ def test_torch_store_client_behind_the_store_api() -> None:
     """torchrun's agent store is a torch TCPStore; plugdist reaches it through this adapter."""
     import torch.distributed as tdist
     from plugdist.errors import DistTimeoutError
-    from plugdist.rendezvous import TorchStoreClient
+    from plugdist.store import TorchStoreAdapter
     server = tdist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10),
                             wait_for_workers=False)
-    store = TorchStoreClient(tdist.TCPStore("127.0.0.1", server.port, None, False,
+    store = TorchStoreAdapter(tdist.TCPStore("127.0.0.1", server.port, None, False,
                                             timedelta(seconds=10)))
     store.set("a", b"1")
     assert store.get("a") == b"1" and server.get("a") == b"1"

@@ -209,7 +209,7 @@ def test_plugdist_script_under_torchrun_uses_the_agent_store(tmp_path: Path) -> 
     for rank in range(2):
         assert read_json(tmp_path / f"rank{rank}.json") == {
             "rank": rank, "world": 2, "sum": 3.0, "launched": True, "local_rank": str(rank),
-            "env_rank": str(rank), "store": "PrefixStore:TorchStoreClient"}   # torchrun's
+            "env_rank": str(rank), "store": "PrefixStore:TorchStoreAdapter"}   # torchrun's
 
 
 @pytest.mark.timeout(90)

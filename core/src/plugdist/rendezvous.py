@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from .errors import DistError, DistTimeoutError
-from .store import FileStore, PrefixStore, Store, TCPStore
+from .errors import DistError
+from .store import FileStore, PrefixStore, Store, TCPStore, TorchStoreAdapter
 
 __all__ = ["env_rendezvous_handler", "tcp_rendezvous_handler", "file_rendezvous_handler",
-           "RendezvousError", "RendezvousHandler", "TorchStoreClient"]
+           "RendezvousError", "RendezvousHandler"]
 
 RendezvousHandler = Callable[..., tuple[Store, int, int]]
 
@@ -114,7 +113,7 @@ def _agent_store(world_size: int, timeout: timedelta) -> Store | None:
         client = tdist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
                                 False, timeout)
         attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return _OwningPrefixStore(f"plugdist/worker/attempt_{attempt}", TorchStoreClient(client))
+        return _OwningPrefixStore(f"plugdist/worker/attempt_{attempt}", TorchStoreAdapter(client))
     return None
 
 
@@ -123,56 +122,6 @@ class _OwningPrefixStore(PrefixStore):
 
     def close(self) -> None:
         self.underlying_store.close()
-
-
-class TorchStoreClient(Store):
-    """A ``torch.distributed.Store`` (e.g. torchrun's agent store) behind plugdist's Store API.
-
-    Thread safety and blocking are the wrapped store's; ``close`` drops the reference only."""
-
-    def __init__(self, store: Any) -> None:
-        super().__init__(store.timeout)
-        self._store = store
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        super().set_timeout(timeout)
-        self._store.set_timeout(timeout)
-
-    def set(self, key: str, value: bytes | str) -> None:
-        self._store.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        return bytes(self._store.get(key))
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self._store.add(key, amount))
-
-    def compare_set(self, key: str, expected_value: bytes | str,
-                    desired_value: bytes | str) -> bytes:
-        return bytes(self._store.compare_set(key, expected_value, desired_value))
-
-    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        try:
-            if timeout is None:
-                self._store.wait(list(keys))
-            else:
-                self._store.wait(list(keys), timeout)
-        except RuntimeError as exc:   # torch's DistStoreError and its timeouts
-            if "timeout" in str(exc).lower() or "timed out" in str(exc).lower():
-                raise DistTimeoutError(f"torch agent store: wait for {list(keys)}: {exc}") from exc
-            raise
-
-    def check(self, keys: Sequence[str]) -> bool:
-        return bool(self._store.check(list(keys)))
-
-    def num_keys(self) -> int:
-        return int(self._store.num_keys())
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self._store.delete_key(key))
-
-    def close(self) -> None:
-        self._store = None
 
 
 def env_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,

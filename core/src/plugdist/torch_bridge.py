@@ -24,9 +24,8 @@ functional collectives fail with "ProcessGroup name not set".
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -35,13 +34,12 @@ import torch
 import torch.distributed as tdist
 from torch._C import _distributed_c10d as c10d
 
-from .errors import DistError, DistStoreError, DistTimeoutError, where
+from .errors import where
 from .groups import build_group
 from .process_group import ProcessGroup
 from .reduce_op import ReduceOp
 from .registry import BACKENDS, registry
-from .store import Store
-from .store.api import to_bytes
+from .store import Store, TorchStoreAdapter
 from .work import Work, gather_works
 
 __all__ = ["register", "create_group", "BridgeGroup", "BridgeWork", "share_world",
@@ -97,7 +95,7 @@ def create_group(backend: str, backend_options: Any, pg_options: Any = None) -> 
     size = backend_options.group_size
     global_ranks = tuple(backend_options.global_ranks_in_group) or tuple(range(size))
     timeout = backend_options.timeout
-    pg = build_group(backend, TorchStoreView(backend_options.store, timeout), global_ranks,
+    pg = build_group(backend, TorchStoreAdapter(backend_options.store, timeout), global_ranks,
                      backend_options.group_rank, f"torch:{backend_options.group_id}", timeout,
                      pg_options, global_rank=global_ranks[backend_options.group_rank])
     return BridgeGroup(pg, backend, owned=True, name=backend_options.group_id)
@@ -419,64 +417,6 @@ class BridgeWork(_TorchWork):
 
 
 # -- stores, both ways ------------------------------------------------------------------------
-class TorchStoreView(Store):
-    """A ``torch.distributed.Store`` through plugdist's :class:`~plugdist.store.Store` interface,
-    for the plugdist group a torch-built group runs on. torch's timeout errors become
-    ``DistTimeoutError``, its other store errors ``DistStoreError``."""
-
-    def __init__(self, store: Any, timeout: timedelta) -> None:
-        super().__init__(timeout)
-        self.torch_store = store
-
-    def set(self, key: str, value: bytes | str) -> None:
-        with _store_errors(key):
-            self.torch_store.set(key, to_bytes(value))
-
-    def get(self, key: str) -> bytes:
-        self.wait([key])
-        with _store_errors(key):
-            return bytes(self.torch_store.get(key))
-
-    def add(self, key: str, amount: int) -> int:
-        with _store_errors(key):
-            return int(self.torch_store.add(key, int(amount)))
-
-    def compare_set(self, key: str, expected_value: bytes | str,
-                    desired_value: bytes | str) -> bytes:
-        with _store_errors(key):
-            return bytes(self.torch_store.compare_set(key, to_bytes(expected_value),
-                                                      to_bytes(desired_value)))
-
-    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        with _store_errors(", ".join(keys)):
-            self.torch_store.wait(list(keys), timeout if timeout is not None else self.timeout)
-
-    def check(self, keys: Sequence[str]) -> bool:
-        with _store_errors(", ".join(keys)):
-            return bool(self.torch_store.check(list(keys)))
-
-    def num_keys(self) -> int:
-        with _store_errors("*"):
-            return int(self.torch_store.num_keys())
-
-    def delete_key(self, key: str) -> bool:
-        with _store_errors(key):
-            return bool(self.torch_store.delete_key(key))
-
-
-@contextlib.contextmanager
-def _store_errors(keys: str) -> Iterator[None]:
-    """torch's store errors as plugdist's: timeouts as DistTimeoutError, the rest DistStoreError."""
-    try:
-        yield
-    except DistError:
-        raise
-    except RuntimeError as err:
-        text = str(err)
-        cls = DistTimeoutError if "timeout" in text.lower() else DistStoreError
-        raise cls(f"torch store, keys {keys}: {text}") from err
-
-
 class PlugdistStoreForTorch(_TorchStore):
     """A plugdist :class:`~plugdist.store.Store` through torch's ``Store`` interface: the store
     of torch's default group when plugdist's world is shared with torch (:func:`share_world`).

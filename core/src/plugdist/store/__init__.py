@@ -7,6 +7,7 @@ from .file_store import FileStore
 from .hash_store import HashStore
 from .prefix_store import PrefixStore
 from .tcp_store import TOKEN_ENV, TCPStore
+from .torch_store import TorchStoreAdapter
 
 __all__ = ["Store", "TCPStore", "FileStore", "HashStore", "PrefixStore", "DEFAULT_STORE_TIMEOUT",
-           "TCPStoreLimits", "QueueEmptyError", "TOKEN_ENV"]
+           "TCPStoreLimits", "QueueEmptyError", "TOKEN_ENV", "TorchStoreAdapter"]
