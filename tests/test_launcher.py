@@ -231,6 +231,8 @@ def test_env_vars_args_and_tee(tmp_path: Path) -> None:
                        "OMP_NUM_THREADS": "1"}, rank
         assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"/attempt_0/{rank}/error.json")
         assert env["PLUGDIST_AGENT_STORE"].startswith("127.0.0.1:")
+        # one node: the store is bound to loopback only, not to every interface
+        assert info["agent_store_listens_on"] == ["127.0.0.1"], info
         assert env["PLUGDIST_AGENT_STORE"] != f"127.0.0.1:{env['MASTER_PORT']}"
         tokens.add(token)
         assert info["argv"] == [str(tmp_path), "env", *args], rank

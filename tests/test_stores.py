@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import plugdist
 from _store_workers import result, spawn, wait_ready  # noqa: E402
 from plugdist.errors import DistError, DistStoreError, DistTimeoutError, QueueEmptyError
 from plugdist.store import FileStore, HashStore, PrefixStore, Store, TCPStore
@@ -293,6 +294,7 @@ def test_queues(h: Handle) -> None:
     with pytest.raises(QueueEmptyError, match="empty") as info:
         s.queue_pop("q", block=False)
     assert isinstance(info.value, DistStoreError)
+    assert plugdist.QueueEmptyError is QueueEmptyError   # as torch's dist.QueueEmptyError
     # a queue and a value may share a key without touching each other
     s.set("both", "value")
     s.queue_push("both", "item")

@@ -78,6 +78,17 @@ def restart_mode(out: Path, rank: int, world: int, info: dict) -> None:
     body()
 
 
+def listening_addresses(port: int) -> list[str]:
+    """The IPv4 addresses a socket listens on at ``port`` on this host (from /proc/net/tcp)."""
+    found = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr_hex, port_hex = local.split(":")
+        if state == "0A" and int(port_hex, 16) == port:   # 0A: LISTEN
+            found.append(".".join(str(int(addr_hex[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
 def main() -> None:
     out, mode, extra = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -85,6 +96,8 @@ def main() -> None:
     print(f"worker rank {rank} mode {mode} up", flush=True)
 
     if mode == "env":
+        port = int(os.environ["PLUGDIST_AGENT_STORE"].rpartition(":")[2])
+        info["agent_store_listens_on"] = listening_addresses(port)
         write_atomic(out / f"rank{rank}.json", json.dumps(info))
         for item in extra:
             if item.startswith("exit="):

@@ -38,7 +38,14 @@ from .collectives import (
     send,
 )
 from .debug_level import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
-from .errors import DistBackendError, DistError, DistNetworkError, DistStoreError, DistTimeoutError
+from .errors import (
+    DistBackendError,
+    DistError,
+    DistNetworkError,
+    DistStoreError,
+    DistTimeoutError,
+    QueueEmptyError,
+)
 from .groups import (
     GroupMember,
     get_backend,
@@ -94,7 +101,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Backend", "Capabilities", "DebugLevel", "DistBackendError", "DistError", "DistNetworkError",
-    "DistStoreError", "DistTimeoutError", "FileStore", "GroupMember", "GroupOptions", "HashStore",
+    "DistStoreError", "DistTimeoutError", "QueueEmptyError", "FileStore", "GroupMember",
+    "GroupOptions", "HashStore",
     "P2POp", "PrefixStore", "ProcessGroup", "ReduceOp", "Store", "TCPStore", "Work",
     "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object",
     "all_gather_single", "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single",

@@ -158,8 +158,12 @@ class StoreRendezvous:
         self.store_host = host
         if serve:
             try:
-                store = TCPStore(host if port else "127.0.0.1", port, None, is_master=True,
-                                 timeout=timeout, wait_for_workers=False)
+                host = host if port else "127.0.0.1"
+                # one node reached over loopback: nothing off this host needs the store
+                local_only = cfg.max_nodes == 1 and host in ("127.0.0.1", "localhost")
+                store = TCPStore(host, port, None, is_master=True, timeout=timeout,
+                                 wait_for_workers=False,
+                                 bind_host="127.0.0.1" if local_only else None)
             except DistError as exc:
                 if cfg.rdzv_backend != "c10d":
                     # Another launcher serving it (one that also states node rank 0: the
