@@ -543,9 +543,9 @@ def test_registered_through_the_entry_point_only() -> None:
 def test_store_bridge_serves_torch_cpp_callers() -> None:
     """torch's C++ PrefixStore over the bridge calls every method through torch's trampoline."""
     import torch.distributed as tdist
-    from plugdist_gloo.store_bridge import StoreBridge
+    from plugdist.store.for_torch import PlugdistStoreForTorch
     inner = HashStore(timeout=timedelta(seconds=300))
-    bridge = StoreBridge(inner, timedelta(seconds=1))  # must outlive its C++ users
+    bridge = PlugdistStoreForTorch(inner, timedelta(seconds=1))  # must outlive its C++ users
     p = tdist.PrefixStore("p", bridge)
     p.set("k", "v")
     assert p.get("k") == b"v" and inner.get("p/k") == b"v"

@@ -40,6 +40,7 @@ from .process_group import ProcessGroup
 from .reduce_op import ReduceOp
 from .registry import BACKENDS, registry
 from .store import Store, TorchStoreAdapter
+from .store.for_torch import PlugdistStoreForTorch
 from .work import Work, gather_works
 
 __all__ = ["register", "create_group", "BridgeGroup", "BridgeWork", "share_world",
@@ -52,7 +53,6 @@ ENV_SWITCH = autoload.ENV_SWITCH  # "0" keeps ``import torch`` from registering 
 # signatures (tensor lists, options objects), which its C++ stubs spell differently
 _TorchProcessGroup: Any = c10d.ProcessGroup
 _TorchWork: Any = c10d.Work
-_TorchStore: Any = tdist.Store
 _RED: Any = c10d.ReduceOp.RedOpType
 _REDUCE_OPS = {_RED.SUM: ReduceOp.SUM, _RED.AVG: ReduceOp.AVG, _RED.PRODUCT: ReduceOp.PRODUCT,
                _RED.MIN: ReduceOp.MIN, _RED.MAX: ReduceOp.MAX, _RED.BAND: ReduceOp.BAND,
@@ -416,49 +416,6 @@ class BridgeWork(_TorchWork):
         return fut
 
 
-# -- stores, both ways ------------------------------------------------------------------------
-class PlugdistStoreForTorch(_TorchStore):
-    """A plugdist :class:`~plugdist.store.Store` through torch's ``Store`` interface: the store
-    of torch's default group when plugdist's world is shared with torch (:func:`share_world`).
-    Called from C++ on any thread; blocking calls are bounded by the given timeout, else the
-    plugdist store's."""
-
-    def __init__(self, store: Store) -> None:
-        super().__init__()
-        self.store = store
-        _TorchStore.set_timeout(self, store.timeout)
-
-    def set(self, key: str, value: Any) -> None:
-        self.store.set(key, _bytes(value))
-
-    def get(self, key: str) -> bytes:
-        return self.store.get(key)
-
-    def add(self, key: str, value: int) -> int:
-        return self.store.add(key, int(value))
-
-    def compare_set(self, key: str, expected_value: Any, desired_value: Any) -> bytes:
-        return self.store.compare_set(key, _bytes(expected_value), _bytes(desired_value))
-
-    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        self.store.wait(list(keys), timeout)
-
-    def check(self, keys: Sequence[str]) -> bool:
-        return self.store.check(list(keys))
-
-    def num_keys(self) -> int:
-        return self.store.num_keys()
-
-    def delete_key(self, key: str) -> bool:
-        return self.store.delete_key(key)
-
-    getNumKeys = num_keys  # noqa: N815 - the C++ names torch's binding looks up
-    deleteKey = delete_key  # noqa: N815
-
-
-def _bytes(value: Any) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
-
 
 # -- plugdist's world as torch's ----------------------------------------------------------------
 def share_world(group: ProcessGroup, backend: str, store: Store, rank: int, world_size: int,
@@ -470,7 +427,7 @@ def share_world(group: ProcessGroup, backend: str, store: Store, rank: int, worl
     if not tdist.is_available() or tdist.is_initialized():
         return None
     autoload.register([backend])
-    torch_store = PlugdistStoreForTorch(store)
+    torch_store = PlugdistStoreForTorch(store, store.timeout)
     _adopting.group = group
     try:
         tdist.init_process_group(torch_name(backend), store=torch_store, rank=rank,

@@ -19,11 +19,11 @@ from plugdist.log import get_logger
 from plugdist.process_group import GroupOptions, ProcessGroup
 from plugdist.reduce_op import ReduceOp
 from plugdist.store import Store
+from plugdist.store.for_torch import PlugdistStoreForTorch
 from plugdist.work import Work
 
 from .dtypes import Staged, effective_op, flat_bytes, movable, rows, stage_reduction
 from .options import GlooOptions, make_devices
-from .store_bridge import StoreBridge
 from .waiters import Waiters
 from .work import GlooWork, wait_native
 
@@ -144,7 +144,7 @@ class GlooProcessGroup(ProcessGroup):
         self._waiters = Waiters(f"plugdist-gloo-{self.group_name}-r{rank}")
         # held for the group's life: C++ keeps only the base object, and a collected Python
         # subclass leaves its methods "not implemented"
-        self._bridge: StoreBridge | None = StoreBridge(store, self.timeout)
+        self._bridge: PlugdistStoreForTorch | None = PlugdistStoreForTorch(store, self.timeout)
         try:
             self._pg = tdist.ProcessGroupGloo(self._bridge, rank, size, native_opts)
         except Exception as exc:

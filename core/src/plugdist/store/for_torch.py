@@ -1,11 +1,11 @@
-"""``StoreBridge``: a plugdist Store seen through torch's ``Store`` interface.
+"""A plugdist Store seen through torch's ``Store`` interface, for torch's C++ callers: the
+rendezvous of torch's Gloo inside the gloo plugin, and the store of torch's default group when
+plugdist's world is shared with torch (:mod:`plugdist.torch_bridge`).
 
-torch's Gloo rendezvous takes a ``torch.distributed.Store``. A Python subclass of it is called
-back from C++ (gloo's connect code, on whatever thread runs it) with ``str`` keys, ``bytes``
-values and ``timedelta`` timeouts; each call is passed on to the plugdist store, whose errors come
-back to C++ as Python exceptions (the constructor that triggered them re-raises them). Gloo
-itself calls ``set``, ``get`` and ``wait``; the rest serve any other C++ user (torch's
-``PrefixStore`` over the bridge, for one).
+A Python subclass of ``torch.distributed.Store`` is called back from C++ (on whatever thread
+runs the caller) with ``str`` keys, ``bytes`` values and ``timedelta`` timeouts; each call is
+passed on to the plugdist store, whose errors come back to C++ as Python exceptions. Imports
+torch.distributed, so :mod:`plugdist.store` does not import this module: import it by name.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 import torch.distributed as tdist
-from plugdist.store import Store
 
-__all__ = ["StoreBridge"]
+from .api import Store
+
+__all__ = ["PlugdistStoreForTorch"]
 
 
 def _as_bytes(value: bytes | bytearray | str | Sequence[int]) -> bytes:
@@ -27,7 +28,7 @@ def _as_bytes(value: bytes | bytearray | str | Sequence[int]) -> bytes:
     return bytes(value)
 
 
-class StoreBridge(tdist.Store):
+class PlugdistStoreForTorch(tdist.Store):
     """Adapts a plugdist :class:`~plugdist.store.Store` to ``torch.distributed.Store``.
 
     Thread-safe as far as the wrapped store is. Blocking calls (``get``, ``wait``) block for at
