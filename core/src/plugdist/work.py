@@ -152,9 +152,19 @@ class Work:
                      op=self.op or None, backend=self.backend or None)
 
     def _with_context(self, exc: BaseException) -> BaseException:
+        """``exc`` naming this op's rank, group, op and backend: a DistError keeps its class (a
+        store timeout inside a composed op stays a DistTimeoutError), anything else becomes a
+        DistBackendError; the original is the ``__cause__``."""
+        here = self._where()
         if isinstance(exc, DistError):
-            return exc
-        err = DistBackendError(f"{self._where()} failed: {type(exc).__name__}: {exc}")
+            if here in str(exc):
+                return exc
+            try:
+                err: BaseException = type(exc)(f"{here} failed: {exc}")
+            except TypeError:  # a DistError subclass with a constructor of its own
+                return exc
+        else:
+            err = DistBackendError(f"{here} failed: {type(exc).__name__}: {exc}")
         err.__cause__ = exc
         return err
 
