@@ -173,7 +173,24 @@ def training_rank(rank: int, n: int, kind: str, iters: int) -> dict[str, Any]:
             opt.step()
 
         steps[name] = step
-    return _interleaved(steps, iters, tdist.barrier, chunks=4)
+    # what no communication could beat: the same iteration on a plain model (no_ddp), in the
+    # same interleaving; and one all_reduce of the whole gradient volume over each group
+    plain = _reference_mlp()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-4)
+
+    def compute_only() -> None:
+        plain_opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(plain(x), y).backward()
+        plain_opt.step()
+
+    steps["no_ddp"] = compute_only
+    res = _interleaved(steps, iters, tdist.barrier, chunks=4)
+    grads = torch.ones(sum(p.numel() for p in plain.parameters()))
+    volume = _interleaved({name: lambda g=group: tdist.all_reduce(grads, group=g)
+                           for name, group in groups.items()}, iters, tdist.barrier, chunks=4)
+    res.update({f"all_reduce_{name}": volume[name] for name in groups})
+    res["grad_bytes"] = grads.numel() * grads.element_size()
+    return res
 
 
 # -- import cost ----------------------------------------------------------------------------------
@@ -262,6 +279,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"thread: plugdist_mpi {1e3 * res['plugdist_mpi']:.2f} ms, torch's gloo "
                   f"{1e3 * res['gloo']:.2f} ms; time ratio {res['plugdist_mpi'] / res['gloo']:.3f} "
                   f"(best), {res['ratio']:.3f} (paired)", flush=True)
+            compute, volume = res["no_ddp"], res["all_reduce_plugdist_mpi"]
+            print(f"  no communication (no_ddp): {1e3 * compute:.2f} ms; one all_reduce of the "
+                  f"gradients ({res['grad_bytes'] / 2**20:.1f} MiB): plugdist_mpi "
+                  f"{1e3 * volume:.2f} ms, gloo {1e3 * res['all_reduce_gloo']:.2f} ms\n"
+                  f"  bounds on the time ratio: no_ddp / gloo = {compute / res['gloo']:.3f} "
+                  f"(communication free); (no_ddp + all_reduce) / gloo = "
+                  f"{(compute + volume) / res['gloo']:.3f} (communication not overlapped: "
+                  f"with 2 ranks on 2 cores MPI's copies and sums have no spare core)",
+                  flush=True)
     if "import" in parts:
         res = import_cost(args.import_runs)
         print(f"\nimport torch: the plugdist entry point takes {res['entry_point_ms']:.2f} ms "
