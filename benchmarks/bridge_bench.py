@@ -1,14 +1,16 @@
 """Benchmark: torch.distributed over plugdist backends (``plugdist_*``), against torch's own Gloo.
 
 Every comparison runs both sides in the same processes, interleaved chunk by chunk (alternating
-which goes first) so that both see the same machine load; 2 ranks, 1 intra-op thread each.
+which goes first) so that both see the same machine load; 2 ranks, 1 intra-op thread each, each
+rank pinned to its own CPU (``--no-pin``: not).
 
     python benchmarks/bridge_bench.py                  # every part
     python benchmarks/bridge_bench.py --parts allreduce,overhead -e 1M
 
 Parts:
   allreduce  torch.distributed.all_reduce over plugdist_mpi vs over torch's gloo, 8 B .. 64 MiB
-             (mpiexec; torch's default group is plugdist's MPI world, gloo a torch subgroup)
+             (mpiexec; torch's default group is plugdist's MPI world, gloo a torch subgroup);
+             also plugdist's own all_reduce on that MPI group, async (Work + wait) and sync
   overhead   the bridge's own cost: torch.distributed.all_reduce over plugdist_gloo vs
              plugdist.all_reduce on the very same plugdist gloo group
   ddp        torch DDP iteration on 8 x Linear(1024) + ReLU, batch 32: plugdist_mpi vs gloo
@@ -78,18 +80,36 @@ def _iters(nbytes: int) -> int:
 
 
 # -- rank bodies (run by plugdist.testing.run_world) -------------------------------------------
-def allreduce_rank(rank: int, n: int, sizes: list[int]) -> list[dict[str, Any]]:
+def _pin(rank: int, pin: bool) -> None:
+    """Pin every thread of this rank to CPU ``rank``, as plugdist-bench does (before the gloo
+    group exists, so its threads inherit the pin): unpinned, the scheduler at times puts both
+    ranks on one core, and then an op that polls (MPI) takes 50-85 us instead of 7-11 us for
+    whole chunks at a time."""
+    if pin:
+        from plugdist.bench import _pin_process
+
+        _pin_process(rank)
+
+
+def allreduce_rank(rank: int, n: int, sizes: list[int], pin: bool = True) -> list[dict[str, Any]]:
     """Under mpiexec, plugdist's MPI world (the harness's init) is torch's default group."""
+    import plugdist
     import torch
     import torch.distributed as tdist
 
     torch.set_num_threads(1)
+    _pin(rank, pin)
     gloo = tdist.new_group(backend="gloo")
     rows = []
     for nbytes in sizes:
         t = torch.ones(max(1, nbytes // 4))
+        # the same group through plugdist's own frontend: its async op (a Work, waited on) and
+        # its synchronous one (no Work: the lean route)
         res = _interleaved({"plugdist_mpi": lambda t=t: tdist.all_reduce(t),
-                            "gloo": lambda t=t: tdist.all_reduce(t, group=gloo)},
+                            "gloo": lambda t=t: tdist.all_reduce(t, group=gloo),
+                            "plugdist_async": lambda t=t: plugdist.all_reduce(
+                                t, async_op=True).wait(),
+                            "plugdist_sync": lambda t=t: plugdist.all_reduce(t)},
                            _iters(nbytes), tdist.barrier)
         rows.append({"bytes": nbytes, **res})
     return rows
@@ -143,7 +163,8 @@ def _reference_mlp(layers: int = 8, width: int = 1024) -> Any:
     return torch.nn.Sequential(*mods)
 
 
-def training_rank(rank: int, n: int, kind: str, iters: int, chunks: int = 4) -> dict[str, Any]:
+def training_rank(rank: int, n: int, kind: str, iters: int, chunks: int = 4,
+                  pin: bool = True) -> dict[str, Any]:
     """DDP or FSDP2 iterations on the reference MLP over plugdist_mpi (torch's default group)
     and over a torch gloo group."""
     import torch
@@ -152,6 +173,7 @@ def training_rank(rank: int, n: int, kind: str, iters: int, chunks: int = 4) -> 
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
+    _pin(rank, pin)
     groups = {"plugdist_mpi": tdist.group.WORLD, "gloo": tdist.new_group(backend="gloo")}
     x, y = torch.randn(32, 1024), torch.randn(32, 1024)
     steps = {}
@@ -248,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-chunks", type=int, default=4,
                    help="interleaved chunks per side (more: steadier paired ratios under load)")
     p.add_argument("--import-runs", type=int, default=10)
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="do not pin rank r to CPU r (allreduce, ddp, fsdp; by default every "
+                        "thread of each rank is pinned)")
     args = p.parse_args(argv)
     parts = args.parts.split(",")
     import bridge_bench  # ranks import this module by its real name
@@ -255,10 +280,15 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = _sizes(_parse_size(args.minbytes), _parse_size(args.maxbytes), args.stepfactor)
     if "allreduce" in parts:
-        rows = run_world(bridge_bench.allreduce_rank, 2, backend="mpi", args=(sizes,),
+        rows = run_world(bridge_bench.allreduce_rank, 2, backend="mpi", args=(sizes, args.pin),
                          timeout=1800)[0]
-        print("torch.distributed.all_reduce over plugdist_mpi vs torch's gloo (2 ranks)")
-        print(_table(rows, "plugdist_mpi", "gloo"), flush=True)
+        print("torch.distributed.all_reduce over plugdist_mpi vs torch's gloo (2 ranks); the "
+              "same MPI group through plugdist's frontend: async op + wait, and synchronous")
+        table = _table(rows, "plugdist_mpi", "gloo").splitlines()
+        print(table[0] + f" {'async(us)':>10} {'sync(us)':>9}")
+        for line, r in zip(table[1:], rows, strict=True):
+            print(f"{line} {1e6 * r['plugdist_async']:>10.1f} {1e6 * r['plugdist_sync']:>9.1f}",
+                  flush=True)
     if "overhead" in parts:
         small = [s for s in sizes if s <= 64 << 10] or sizes[:1]
         rows = run_world(bridge_bench.overhead_rank, 2, backend="gloo", args=(small,),
@@ -276,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("ddp", "fsdp"):
         if kind in parts:
             res = run_world(bridge_bench.training_rank, 2, backend="mpi",
-                            args=(kind, args.train_iters, args.train_chunks), timeout=1800)[0]
+                            args=(kind, args.train_iters, args.train_chunks, args.pin),
+                            timeout=1800)[0]
             print(f"\ntorch {kind.upper()} iteration, 8 x Linear(1024), batch 32, 2 ranks x 1 "
                   f"thread: plugdist_mpi {1e3 * res['plugdist_mpi']:.2f} ms, torch's gloo "
                   f"{1e3 * res['gloo']:.2f} ms; time ratio {res['plugdist_mpi'] / res['gloo']:.3f} "
