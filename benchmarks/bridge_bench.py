@@ -29,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 PARTS = ("allreduce", "overhead", "ddp", "fsdp", "import")
@@ -49,7 +49,7 @@ def _parse_size(text: str) -> int:
     return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
 
 
-def _interleaved(sides: dict[str, Callable[[], None]], iters: int, barrier: Callable[[], None],
+def _interleaved(sides: Mapping[str, Callable[..., Any]], iters: int, barrier: Callable[..., Any],
                  chunks: int = _CHUNKS) -> dict[str, Any]:
     """Per side: the best chunk's median time of one call; ratio of the first side to the
     second as the median of chunk-by-chunk ratios."""
@@ -91,6 +91,15 @@ def _pin(rank: int, pin: bool) -> None:
         _pin_process(rank)
 
 
+def _async_all_reduce(t: Any) -> None:
+    import plugdist
+
+    work = plugdist.all_reduce(t, async_op=True)
+    if work is None:
+        raise RuntimeError("this rank is not in plugdist's default group")
+    work.wait()
+
+
 def allreduce_rank(rank: int, n: int, sizes: list[int], pin: bool = True) -> list[dict[str, Any]]:
     """Under mpiexec, plugdist's MPI world (the harness's init) is torch's default group."""
     import plugdist
@@ -107,8 +116,7 @@ def allreduce_rank(rank: int, n: int, sizes: list[int], pin: bool = True) -> lis
         # its synchronous one (no Work: the lean route)
         res = _interleaved({"plugdist_mpi": lambda t=t: tdist.all_reduce(t),
                             "gloo": lambda t=t: tdist.all_reduce(t, group=gloo),
-                            "plugdist_async": lambda t=t: plugdist.all_reduce(
-                                t, async_op=True).wait(),
+                            "plugdist_async": lambda t=t: _async_all_reduce(t),
                             "plugdist_sync": lambda t=t: plugdist.all_reduce(t)},
                            _iters(nbytes), tdist.barrier)
         rows.append({"bytes": nbytes, **res})
@@ -176,7 +184,7 @@ def training_rank(rank: int, n: int, kind: str, iters: int, chunks: int = 4,
     _pin(rank, pin)
     groups = {"plugdist_mpi": tdist.group.WORLD, "gloo": tdist.new_group(backend="gloo")}
     x, y = torch.randn(32, 1024), torch.randn(32, 1024)
-    steps = {}
+    steps: dict[str, Callable[..., Any]] = {}
     for name, group in groups.items():
         model = _reference_mlp()
         if kind == "ddp":
