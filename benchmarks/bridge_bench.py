@@ -1,14 +1,16 @@
 """Benchmark: torch.distributed over plugdist backends (``plugdist_*``), against torch's own Gloo.
 
 Every comparison runs both sides in the same processes, interleaved chunk by chunk (alternating
-which goes first) so that both see the same machine load; 2 ranks, 1 intra-op thread each.
+which goes first) so that both see the same machine load; 2 ranks, 1 intra-op thread each, each
+rank pinned to its own CPU (``--no-pin``: not).
 
     python benchmarks/bridge_bench.py                  # every part
     python benchmarks/bridge_bench.py --parts allreduce,overhead -e 1M
 
 Parts:
   allreduce  torch.distributed.all_reduce over plugdist_mpi vs over torch's gloo, 8 B .. 64 MiB
-             (mpiexec; torch's default group is plugdist's MPI world, gloo a torch subgroup)
+             (mpiexec; torch's default group is plugdist's MPI world, gloo a torch subgroup);
+             also plugdist's own all_reduce on that MPI group, async (Work + wait) and sync
   overhead   the bridge's own cost: torch.distributed.all_reduce over plugdist_gloo vs
              plugdist.all_reduce on the very same plugdist gloo group
   ddp        torch DDP iteration on 8 x Linear(1024) + ReLU, batch 32: plugdist_mpi vs gloo
@@ -27,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 PARTS = ("allreduce", "overhead", "ddp", "fsdp", "import")
@@ -47,7 +49,7 @@ def _parse_size(text: str) -> int:
     return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
 
 
-def _interleaved(sides: dict[str, Callable[[], None]], iters: int, barrier: Callable[[], None],
+def _interleaved(sides: Mapping[str, Callable[..., Any]], iters: int, barrier: Callable[..., Any],
                  chunks: int = _CHUNKS) -> dict[str, Any]:
     """Per side: the best chunk's median time of one call; ratio of the first side to the
     second as the median of chunk-by-chunk ratios."""
@@ -78,18 +80,44 @@ def _iters(nbytes: int) -> int:
 
 
 # -- rank bodies (run by plugdist.testing.run_world) -------------------------------------------
-def allreduce_rank(rank: int, n: int, sizes: list[int]) -> list[dict[str, Any]]:
+def _pin(rank: int, pin: bool) -> None:
+    """Pin every thread of this rank to CPU ``rank``, as plugdist-bench does (before the gloo
+    group exists, so its threads inherit the pin): unpinned, the scheduler at times puts both
+    ranks on one core, and then an op that polls (MPI) takes 50-85 us instead of 7-11 us for
+    whole chunks at a time."""
+    if pin:
+        from plugdist.bench import _pin_process
+
+        _pin_process(rank)
+
+
+def _async_all_reduce(t: Any) -> None:
+    import plugdist
+
+    work = plugdist.all_reduce(t, async_op=True)
+    if work is None:
+        raise RuntimeError("this rank is not in plugdist's default group")
+    work.wait()
+
+
+def allreduce_rank(rank: int, n: int, sizes: list[int], pin: bool = True) -> list[dict[str, Any]]:
     """Under mpiexec, plugdist's MPI world (the harness's init) is torch's default group."""
+    import plugdist
     import torch
     import torch.distributed as tdist
 
     torch.set_num_threads(1)
+    _pin(rank, pin)
     gloo = tdist.new_group(backend="gloo")
     rows = []
     for nbytes in sizes:
         t = torch.ones(max(1, nbytes // 4))
+        # the same group through plugdist's own frontend: its async op (a Work, waited on) and
+        # its synchronous one (no Work: the lean route)
         res = _interleaved({"plugdist_mpi": lambda t=t: tdist.all_reduce(t),
-                            "gloo": lambda t=t: tdist.all_reduce(t, group=gloo)},
+                            "gloo": lambda t=t: tdist.all_reduce(t, group=gloo),
+                            "plugdist_async": lambda t=t: _async_all_reduce(t),
+                            "plugdist_sync": lambda t=t: plugdist.all_reduce(t)},
                            _iters(nbytes), tdist.barrier)
         rows.append({"bytes": nbytes, **res})
     return rows
@@ -143,7 +171,8 @@ def _reference_mlp(layers: int = 8, width: int = 1024) -> Any:
     return torch.nn.Sequential(*mods)
 
 
-def training_rank(rank: int, n: int, kind: str, iters: int) -> dict[str, Any]:
+def training_rank(rank: int, n: int, kind: str, iters: int, chunks: int = 4,
+                  pin: bool = True) -> dict[str, Any]:
     """DDP or FSDP2 iterations on the reference MLP over plugdist_mpi (torch's default group)
     and over a torch gloo group."""
     import torch
@@ -152,9 +181,10 @@ def training_rank(rank: int, n: int, kind: str, iters: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
+    _pin(rank, pin)
     groups = {"plugdist_mpi": tdist.group.WORLD, "gloo": tdist.new_group(backend="gloo")}
     x, y = torch.randn(32, 1024), torch.randn(32, 1024)
-    steps = {}
+    steps: dict[str, Callable[..., Any]] = {}
     for name, group in groups.items():
         model = _reference_mlp()
         if kind == "ddp":
@@ -173,7 +203,24 @@ def training_rank(rank: int, n: int, kind: str, iters: int) -> dict[str, Any]:
             opt.step()
 
         steps[name] = step
-    return _interleaved(steps, iters, tdist.barrier, chunks=4)
+    # what no communication could beat: the same iteration on a plain model (no_ddp), in the
+    # same interleaving; and one all_reduce of the whole gradient volume over each group
+    plain = _reference_mlp()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-4)
+
+    def compute_only() -> None:
+        plain_opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(plain(x), y).backward()
+        plain_opt.step()
+
+    steps["no_ddp"] = compute_only
+    res = _interleaved(steps, iters, tdist.barrier, chunks=chunks)
+    grads = torch.ones(sum(p.numel() for p in plain.parameters()))
+    volume = _interleaved({name: lambda g=group: tdist.all_reduce(grads, group=g)
+                           for name, group in groups.items()}, iters, tdist.barrier, chunks=chunks)
+    res.update({f"all_reduce_{name}": volume[name] for name in groups})
+    res["grad_bytes"] = grads.numel() * grads.element_size()
+    return res
 
 
 # -- import cost ----------------------------------------------------------------------------------
@@ -228,7 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-e", "--maxbytes", default="64M")
     p.add_argument("-f", "--stepfactor", type=int, default=4)
     p.add_argument("--train-iters", type=int, default=10, help="timed iterations per chunk")
+    p.add_argument("--train-chunks", type=int, default=4,
+                   help="interleaved chunks per side (more: steadier paired ratios under load)")
     p.add_argument("--import-runs", type=int, default=10)
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="do not pin rank r to CPU r (allreduce, ddp, fsdp; by default every "
+                        "thread of each rank is pinned)")
     args = p.parse_args(argv)
     parts = args.parts.split(",")
     import bridge_bench  # ranks import this module by its real name
@@ -236,10 +288,15 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = _sizes(_parse_size(args.minbytes), _parse_size(args.maxbytes), args.stepfactor)
     if "allreduce" in parts:
-        rows = run_world(bridge_bench.allreduce_rank, 2, backend="mpi", args=(sizes,),
+        rows = run_world(bridge_bench.allreduce_rank, 2, backend="mpi", args=(sizes, args.pin),
                          timeout=1800)[0]
-        print("torch.distributed.all_reduce over plugdist_mpi vs torch's gloo (2 ranks)")
-        print(_table(rows, "plugdist_mpi", "gloo"), flush=True)
+        print("torch.distributed.all_reduce over plugdist_mpi vs torch's gloo (2 ranks); the "
+              "same MPI group through plugdist's frontend: async op + wait, and synchronous")
+        table = _table(rows, "plugdist_mpi", "gloo").splitlines()
+        print(table[0] + f" {'async(us)':>10} {'sync(us)':>9}")
+        for line, r in zip(table[1:], rows, strict=True):
+            print(f"{line} {1e6 * r['plugdist_async']:>10.1f} {1e6 * r['plugdist_sync']:>9.1f}",
+                  flush=True)
     if "overhead" in parts:
         small = [s for s in sizes if s <= 64 << 10] or sizes[:1]
         rows = run_world(bridge_bench.overhead_rank, 2, backend="gloo", args=(small,),
@@ -257,11 +314,21 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("ddp", "fsdp"):
         if kind in parts:
             res = run_world(bridge_bench.training_rank, 2, backend="mpi",
-                            args=(kind, args.train_iters), timeout=1800)[0]
+                            args=(kind, args.train_iters, args.train_chunks, args.pin),
+                            timeout=1800)[0]
             print(f"\ntorch {kind.upper()} iteration, 8 x Linear(1024), batch 32, 2 ranks x 1 "
                   f"thread: plugdist_mpi {1e3 * res['plugdist_mpi']:.2f} ms, torch's gloo "
                   f"{1e3 * res['gloo']:.2f} ms; time ratio {res['plugdist_mpi'] / res['gloo']:.3f} "
                   f"(best), {res['ratio']:.3f} (paired)", flush=True)
+            compute, volume = res["no_ddp"], res["all_reduce_plugdist_mpi"]
+            print(f"  no communication (no_ddp): {1e3 * compute:.2f} ms; one all_reduce of the "
+                  f"gradients ({res['grad_bytes'] / 2**20:.1f} MiB): plugdist_mpi "
+                  f"{1e3 * volume:.2f} ms, gloo {1e3 * res['all_reduce_gloo']:.2f} ms\n"
+                  f"  time ratio if communication were free: no_ddp / gloo = "
+                  f"{compute / res['gloo']:.3f}; if it did not overlap the compute at all "
+                  f"(2 ranks on 2 cores leave MPI's copies and sums no spare core): "
+                  f"(no_ddp + all_reduce) / gloo = {(compute + volume) / res['gloo']:.3f}",
+                  flush=True)
     if "import" in parts:
         res = import_cost(args.import_runs)
         print(f"\nimport torch: the plugdist entry point takes {res['entry_point_ms']:.2f} ms "

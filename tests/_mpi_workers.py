@@ -562,6 +562,31 @@ def check_work_api_and_callbacks(rank: int, ws: int) -> None:
 
 
 @check
+def check_work_outcome_and_future_in_any_order(rank: int, ws: int) -> None:
+    # nobody waits: the progress thread completes the op; the future is made afterwards
+    w = dist.all_reduce(torch.ones(2), async_op=True)
+    deadline = time.monotonic() + 30
+    while not w.is_completed():
+        if time.monotonic() > deadline:
+            raise AssertionError("an op nobody waits on never completed")
+        time.sleep(0.001)
+    assert w.is_success() and w.exception() is None
+    fut = w.get_future()
+    assert fut.done() and fut is w.get_future()
+    same(fut.value()[0], torch.full((2,), float(ws)), "future made after completion")
+    # the future is made first: its callback runs once the op completes
+    seen: list[float] = []
+    w = dist.all_reduce(torch.ones(2), async_op=True)
+    w.get_future().add_done_callback(lambda f: seen.append(f.value()[0][0].item()))
+    assert w.wait() is True
+    deadline = time.monotonic() + 30
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert seen == [float(ws)], seen
+    assert w.result()[0][0].item() == float(ws)
+
+
+@check
 def check_wait_timeout_then_late_message(rank: int, ws: int) -> None:
     if rank == 0:
         buf = torch.zeros(2)
@@ -781,6 +806,9 @@ def check_shutdown_fails_pending_ops(rank: int, ws: int) -> None:
     dist.destroy_process_group(g)
     expect_error(DistBackendError, ["shut down", "op recv", f"rank {rank}"],
            lambda: w.wait(timeout=timedelta(seconds=10)))
+    assert w.is_completed() and not w.is_success()
+    assert isinstance(w.exception(), DistBackendError)
+    expect_error(DistBackendError, ["shut down", "op recv"], lambda: w.get_future().wait())
     expect_error(DistError, ["shut down"], lambda: g.all_reduce(torch.ones(1)))
     dist.barrier()
 

@@ -10,8 +10,9 @@ Threading model (one engine per process, shared by every MPI group of the proces
 * Pending requests are tested (``MPI_Test``, also under the MPI lock) by:
 
   - a thread **waiting** on one of their Works (:meth:`MPIWork.wait`, also for Works chained
-    with ``then``): it drives MPI itself, testing its op's request and yielding the CPU between
-    rounds, until the op is done or its timeout passes. A blocking op thus costs no thread
+    with ``then``): it first tests its op's request in one burst with no bookkeeping (most
+    small ops are done by then), then drives MPI itself, testing in bursts and yielding the CPU
+    between them, until the op is done or its timeout passes. A blocking op thus costs no thread
     hand-off;
   - otherwise one daemon **progress thread**, which completes the Works of ops nobody waits on
     (async ops, future callbacks). It tests continuously (yielding the CPU and the GIL between
@@ -29,6 +30,10 @@ Threading model (one engine per process, shared by every MPI group of the proces
   concurrently with plugdist's, and so do the calls of :meth:`Engine.run_here`, which then skips
   the lock (it touches no engine state, and MPI orders concurrent calls itself; taking the lock
   costs half a microsecond a call, a tenth of a small op).
+
+An :class:`MPIWork` keeps its outcome itself: a ``torch.futures.Future`` is made only when
+someone asks for one (``get_future``, ``then``), completed at once if the op already finished.
+Making a future and completing the op each cost about a microsecond, a fifth of a small op.
 
 Work callbacks (``Work.then``, future callbacks) run on whichever thread completed the op: the
 progress thread or a waiting one. They may issue ops, but must not block on one that only the
@@ -50,6 +55,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 from plugdist.work import Work
 
 from ._mpi import load
@@ -67,38 +73,106 @@ _TRIES = range(_BURST)
 T = TypeVar("T")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Pending:
     request: Any
-    status: Any
     work: Work
     owner: object
-    done: Callable[[Any], Any]          # status -> result; runs on the completing thread
-    fail: Callable[[BaseException], BaseException]
+    result: Any                         # what the Work is completed with
+    finish: Callable[[Any], None] | None  # runs with the status first, on the completing thread
+    translate: Callable[[str, BaseException], BaseException]  # (op, MPI's error) -> the Work's
+    op: str
+    keep: Any = None                    # staging buffers MPI works on, alive until it ends
     cancellable: bool = False           # a receive: MPI_Cancel may withdraw it
+    status: Any = None                  # an MPI Status, for ops whose ``finish`` reads it
     dropped: bool = False               # its Work was already failed: complete, then discard
     finished: bool = False              # MPI said done; being (or been) settled
 
+    def fail(self, exc: BaseException) -> BaseException:
+        return self.translate(self.op, exc)
+
 
 Finished = list[tuple[_Pending, Any, "BaseException | None"]]
+
+
+_RUNNING, _OK, _FAILED = 0, 1, 2
+_OUTCOME_LOCK = threading.Lock()  # orders an outcome against a future made at the same time
 
 
 class MPIWork(Work):
     """A :class:`~plugdist.work.Work` whose ``wait`` drives MPI on the waiting thread.
 
     Same contract as Work: ``wait(timeout)`` blocks until the op finished (True) or raises its
-    error, or ``DistTimeoutError`` once ``timeout`` (default: the group's) has passed.
+    error, or ``DistTimeoutError`` once ``timeout`` (default: the group's) has passed. The
+    outcome is kept on the Work itself; the ``torch.futures.Future`` is made only when someone
+    asks for it (``get_future``, ``then``), and completed with the outcome from then on.
     """
 
     _pending: _Pending | None = None
+    _state = _RUNNING
+    _value: Any = None
+    _error: BaseException | None = None
+
+    def set_result(self, value: Any) -> None:
+        with _OUTCOME_LOCK:
+            if self._state:
+                raise RuntimeError(f"{self._where()} was already completed")
+            self._value = value
+            self._state = _OK
+            fut = self._fut
+        if fut is not None:  # runs the future's callbacks (``then``) on this thread
+            fut.set_result(value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        err = self._with_context(exc)
+        with _OUTCOME_LOCK:
+            if self._state:
+                raise RuntimeError(f"{self._where()} was already completed")
+            self._error = err
+            self._state = _FAILED
+            fut = self._fut
+        if fut is not None:
+            fut.set_exception(err)
+
+    def _materialize(self) -> torch.futures.Future:
+        with _OUTCOME_LOCK:
+            fut = self._fut
+            if fut is None:
+                fut = self._fut = _new_future()
+                # an outcome set before the future existed is handed over; a later one goes to
+                # the future through set_result/set_exception
+                if self._state == _OK:
+                    fut.set_result(self._value)
+                elif self._state == _FAILED:
+                    fut.set_exception(self._error)
+            return fut
 
     def wait(self, timeout: timedelta | float | None = None) -> bool:
-        if not self.is_completed() and self._pending is not None:
-            seconds = self._seconds(timeout)
-            deadline = None if seconds is None else time.perf_counter() + seconds
-            if not engine.drive(self, self._pending, deadline):
-                raise self.timeout_error(seconds)
-        return super().wait(timeout)
+        if not self._state:
+            p = self._pending
+            if p is None:  # not an op of the engine's (never the case for plugdist_mpi's ops)
+                return super().wait(timeout)
+            if not engine.finish(self, p):
+                seconds = self._seconds(timeout)
+                deadline = None if seconds is None else time.perf_counter() + seconds
+                if not engine.drive(self, p, deadline):
+                    raise self.timeout_error(seconds)
+        if self._state == _FAILED:
+            raise self._error  # type: ignore[misc]  # set with _FAILED
+        return True
+
+    def is_completed(self) -> bool:
+        return self._state != _RUNNING
+
+    def is_success(self) -> bool:
+        return self._state == _OK
+
+    def exception(self) -> BaseException | None:
+        return self._error if self._state == _FAILED else None
+
+    def result(self) -> Any:
+        self.wait()
+        return self._value
 
     def _successor(self, op: str | None) -> Work:
         """A chained Work (``then``: AVG's divide, a DDP comm hook) drives this op's request
@@ -106,6 +180,10 @@ class MPIWork(Work):
         nxt = MPIWork(**self._context(op))
         nxt._pending = self._pending
         return nxt
+
+
+def _new_future() -> torch.futures.Future:
+    return torch.futures.Future()
 
 
 class Engine:
@@ -193,32 +271,33 @@ class Engine:
                     "is exiting) before this op completed")))
 
     # -- issuing and waiting ---------------------------------------------------------------------
-    def issue(self, owner: object, work: Work, start: Callable[[], Any],
-              done: Callable[[Any], Any], fail: Callable[[BaseException], BaseException],
+    def issue(self, owner: object, work: Work, start: Callable[..., Any], args: tuple[Any, ...],
+              result: Any, finish: Callable[[Any], None] | None,
+              translate: Callable[[str, BaseException], BaseException], keep: Any = None,
               cancellable: bool = False) -> Work:
-        """Start a non-blocking MPI call (``start()`` returns its request) and complete ``work``
-        with ``done(status)`` when it finishes, or with ``fail(exc)`` if MPI reports an error.
+        """Start a non-blocking MPI call (``start(*args)`` returns its request) and, when it
+        finishes, complete ``work`` with ``result`` after ``finish(status)``; or, if MPI reports
+        an error, fail it with ``translate(work.op, exc)``. ``keep`` stays alive until then.
         ``start`` runs now, on this thread, under the MPI lock; its exceptions propagate.
         ``cancellable`` requests (receives) are cancelled if their owner detaches first."""
+        status = None if finish is None else self._mpi.Status()
         with self.lock:
             if self._thread is None:
                 raise RuntimeError("the MPI progress engine is not running (the group was shut "
                                    "down)")
-            p = self._track(start(), work, owner, done, fail, cancellable)
-            if isinstance(work, MPIWork):
-                work._pending = p
+            p = _Pending(start(*args), work, owner, result, finish, translate, work.op, keep,
+                         cancellable, status)
+            self._track(p)
+        if isinstance(work, MPIWork):
+            work._pending = p
         return work
 
-    def _track(self, request: Any, work: Work, owner: object, done: Callable[[Any], Any],
-               fail: Callable[[BaseException], BaseException],
-               cancellable: bool = False) -> _Pending:
-        """Add ``request`` to the pending ones and wake the progress thread (lock held)."""
-        p = _Pending(request, self._mpi.Status(), work, owner, done, fail, cancellable)
+    def _track(self, p: _Pending) -> None:
+        """Add ``p`` to the pending ones and wake the progress thread (lock held)."""
         self._pending.append(p)
         self._last_event = self._last_issue = time.perf_counter()
         if self._idle:
             self._changed.notify()
-        return p
 
     def run_here(self, start: Callable[..., Any], args: tuple[Any, ...],
                  timeout: timedelta | None) -> Any:
@@ -251,24 +330,38 @@ class Engine:
             if deadline is not None and time.perf_counter() > deadline:
                 return test.__self__  # the request
 
-    def adopt(self, owner: object, work: Work, request: Any, done: Callable[[Any], Any],
-              fail: Callable[[BaseException], BaseException]) -> None:
+    def adopt(self, owner: object, work: Work, request: Any, finish: Callable[[Any], None] | None,
+              translate: Callable[[str, BaseException], BaseException], keep: Any) -> None:
         """Let the progress thread complete (or, at ``detach``, drop) a request that
-        :meth:`run_here` gave up waiting for: ``work`` is completed with ``done(status)`` or
-        ``fail(exc)`` when it ends; whatever those hold (the op's buffers) stays alive until
-        then."""
+        :meth:`run_here` gave up waiting for: ``work`` is completed (with None, after
+        ``finish(status)``) or failed (``translate(work.op, exc)``) when it ends; ``keep`` (the
+        op's buffers) stays alive until then."""
+        status = None if finish is None else self._mpi.Status()
         with self.lock:
-            self._track(request, work, owner, done, fail)
+            self._track(_Pending(request, work, owner, None, finish, translate, work.op, keep,
+                                 status=status))
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run a blocking MPI call on this thread under the MPI lock, and return its result."""
         with self.lock:
             return fn()
 
+    def finish(self, work: Work, p: _Pending) -> bool:
+        """Test ``p``'s request on this thread, one burst, and complete its Work if MPI says it
+        is done: the cheap first look of a waiter, with no bookkeeping (a fresh op is left to
+        its issuer for a while anyway, see :meth:`_stand_aside`). True when ``work`` (``p``'s
+        Work or one chained to it) is completed."""
+        with self.lock:
+            outcome = None if p.finished else self._test_burst(p)
+        if outcome is not None:
+            self._complete(*outcome)
+        return work.is_completed()
+
     def drive(self, work: Work, p: _Pending, deadline: float | None) -> bool:
-        """Test ``p``'s request on this thread until ``work`` (its Work) is completed (True) or
-        ``deadline`` (a ``time.perf_counter()`` value) passes (False). MPI progresses every
-        pending op inside any test, so testing this one request is enough."""
+        """Test ``p``'s request on this thread until ``work`` (its Work, or one chained to it) is
+        completed (True) or ``deadline`` (a ``time.perf_counter()`` value) passes (False). MPI
+        progresses every pending op inside any test, so testing this one request is enough.
+        While a thread drives, the progress thread keeps out of its way."""
         with self.lock:
             self._drivers += 1
         try:
@@ -276,17 +369,8 @@ class Engine:
                 if deadline is not None and time.perf_counter() > deadline:
                     return False
                 with self.lock:
-                    if p.finished:  # completed by another thread: its Work is being settled
-                        outcome = None
-                    else:
-                        # a burst of tests between the Python bookkeeping: MPI progresses only
-                        # inside its calls, and a multi-step collective advances one step per
-                        # test on each side
-                        for _ in _TRIES:
-                            outcome = self._test_one(p)
-                            if outcome is not None:
-                                self._pending.remove(p)
-                                break
+                    # completed by another thread (p.finished): its Work is being settled
+                    outcome = None if p.finished else self._test_burst(p)
                 if outcome is not None:
                     self._complete(*outcome)
                 else:
@@ -297,6 +381,17 @@ class Engine:
             with self.lock:
                 self._drivers -= 1
                 self._last_event = time.perf_counter()
+
+    def _test_burst(self, p: _Pending) -> tuple[_Pending, Any, BaseException | None] | None:
+        """Test ``p`` up to _BURST times in a row (lock held); once done, take it off the
+        pending list and return its outcome. A burst, because MPI progresses only inside its
+        calls, and a multi-step collective advances one step per test on each side."""
+        for _ in _TRIES:
+            outcome = self._test_one(p)
+            if outcome is not None:
+                self._pending.remove(p)
+                return outcome
+        return None
 
     # -- the progress thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -377,12 +472,13 @@ class Engine:
         if exc is not None:
             _settle(p.work, exc=p.fail(exc))
             return
-        try:
-            result = p.done(status)
-        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the Work
-            _settle(p.work, exc=p.fail(err))
-            return
-        _settle(p.work, result=result)
+        if p.finish is not None:
+            try:
+                p.finish(status)
+            except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the Work
+                _settle(p.work, exc=p.fail(err))
+                return
+        _settle(p.work, result=p.result)
 
 
 def _burst(test: Callable[[], bool]) -> bool:

@@ -178,15 +178,9 @@ class MPIProcessGroup(ProcessGroup):
             self._run_here(op, start, (comm,), finish, keep)
             return None  # type: ignore[return-value]
         work = self._mpi_work(op, source_rank)
-
-        def done(status: Any) -> Any:
-            if finish is not None:
-                finish(status)
-            return result
-
         try:
-            return engine.issue(self, work, lambda: start(comm), done,
-                                lambda exc: self._translate(op, exc, keep), cancellable)
+            return engine.issue(self, work, start, (comm,), result, finish, self._translate,
+                                keep, cancellable)
         except (DistError, ValueError, TypeError):
             raise
         except Exception as exc:
@@ -215,12 +209,10 @@ class MPIProcessGroup(ProcessGroup):
         """An op run on the caller's thread outlived the timeout: the progress thread finishes
         it if the peers come (``keep`` and the buffers stay alive until then); the caller gets
         DistTimeoutError."""
-        work = self._mpi_work(op)
-        engine.adopt(self, work, request, finish or (lambda _status: None),
-                     lambda exc: self._translate(op, exc, keep))
+        engine.adopt(self, self._mpi_work(op), request, finish, self._translate, keep)
         raise self.timeout_error(op)
 
-    def _translate(self, op: str, exc: BaseException, _keep: Any = None) -> BaseException:
+    def _translate(self, op: str, exc: BaseException) -> BaseException:
         """A DistBackendError naming rank, group, op and the MPI error (class and text)."""
         if isinstance(exc, DistError):
             return exc
