@@ -86,9 +86,9 @@ def _pin(rank: int, pin: bool) -> None:
     ranks on one core, and then an op that polls (MPI) takes 50-85 us instead of 7-11 us for
     whole chunks at a time."""
     if pin:
-        from plugdist.bench import _pin_process
+        from plugdist.bench import pin_process
 
-        _pin_process(rank)
+        pin_process(rank)
 
 
 def _async_all_reduce(t: Any) -> None:

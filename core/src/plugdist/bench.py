@@ -23,7 +23,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["main", "parser", "parse_size"]
+__all__ = ["main", "parser", "parse_size", "pin_process"]
 
 _BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -126,7 +126,7 @@ def _mpi4py_op(op: str) -> Callable[[Any, Any], None]:
     raise ValueError(f"unknown op {op!r}")
 
 
-def _pin_process(rank: int) -> None:
+def pin_process(rank: int) -> None:
     """Pin every thread of this process to CPU ``rank`` (mod the CPUs it may use).
 
     Every thread, not just the caller: the harness built plugdist's group (and its backend
@@ -153,7 +153,7 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
     from plugdist.testing.checks import check_device
 
     if cfg["pin"]:
-        _pin_process(rank)
+        pin_process(rank)
     torch.set_num_threads(1)
     dtype = getattr(torch, cfg["dtype"])
     device = check_device()  # this rank's GPU for a CUDA-only backend, else None
