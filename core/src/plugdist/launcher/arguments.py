@@ -15,7 +15,15 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 
-from .config import LaunchConfig, RendezvousOptions, parse_nnodes, parse_signals, parse_streams
+from .config import (
+    LaunchConfig,
+    RendezvousOptions,
+    parse_filters,
+    parse_nnodes,
+    parse_signals,
+    parse_streams,
+)
+from .numa import NUMA_MODES
 
 __all__ = ["build_parser", "parse_args", "split_argv", "PROG"]
 
@@ -52,9 +60,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str], list[str]]:
 
     opt("--nnodes", default="1", metavar="N|MIN:MAX",
         help="number of nodes, or the range MIN:MAX for an elastic run (default 1)")
-    opt("--nproc-per-node", default="1", metavar="N|auto|cpu|gpu",
-        help="workers on this node: a number, cpu (one per core), gpu (one per GPU), auto "
-             "(gpu if any, else cpu); default 1")
+    opt("--nproc-per-node", default="1", metavar="N|auto|cpu|gpu|xpu",
+        help="workers on this node: a number, cpu (one per core), gpu (one per NVIDIA GPU), "
+             "xpu (one per Intel GPU), auto (gpu if any, else cpu); default 1")
     opt("--node-rank", type=int, default=None, metavar="K",
         help="this node's rank in [0, nnodes); default: assigned at rendezvous (static: 0)")
     opt("--master-addr", default=None, metavar="ADDR",
@@ -102,6 +110,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str], list[str]]:
         help="prefix each console line of worker output with [rank N] (default on)")
     opt("--local-ranks-filter", default="", metavar="R,...",
         help="show only these local ranks' output on the console (files keep everything)")
+    opt("--duplicate-stdout-filters", default="", metavar="TEXT,...",
+        help="also write every stdout line containing one of these strings (any local rank) to "
+             "attempt_N/filtered_stdout.log in the log directory; ,, is a literal comma")
+    opt("--duplicate-stderr-filters", default="", metavar="TEXT,...",
+        help="the same for stderr, into attempt_N/filtered_stderr.log")
+    opt("--logs-specs", default=None, metavar="NAME",
+        help="accepted for torchrun compatibility: only 'default' (plugdist-run's own log "
+             "layout, see --log-dir)")
+    opt("--numa-binding", default=None, metavar="node|socket|exclusive|core-complex",
+        help="bind each worker to the CPUs of its NUMA node (its GPU's, else nodes shared out "
+             "by local rank): the node's, its socket's, an exclusive share of the node's "
+             "cores, or one last-level-cache core complex")
+    opt("--virtual-local-rank", action="store_true",
+        help="every worker sees LOCAL_RANK=0 and, through CUDA_VISIBLE_DEVICES, only the GPU "
+             "of its local rank, as device 0")
     opt("--local-addr", default=None, metavar="ADDR",
         help="the address other nodes reach this node at (default: the one it reaches the "
              "rendezvous store from)")
@@ -166,13 +189,20 @@ def _nproc(text: str) -> int:
         if text == "gpu":
             raise ValueError("--nproc-per-node gpu: no GPU found on this node (no /dev/nvidia* "
                              "device); give a number, or cpu")
+        # not XPUs: without torch we cannot tell whether its build drives them, and an i915
+        # integrated GPU would turn auto's one-per-core into one worker
         return os.cpu_count() or 1
     if text == "xpu":
-        raise ValueError("--nproc-per-node xpu: plugdist-run does not count XPUs; give a number")
+        xpus = _xpu_count()
+        if not xpus:
+            raise ValueError("--nproc-per-node xpu: no Intel GPU found on this node (no i915 or "
+                             "xe device in /sys/class/drm); give a number, or cpu")
+        return xpus
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"--nproc-per-node: {text!r} is not a number, auto, cpu or gpu") from None
+        raise ValueError(f"--nproc-per-node: {text!r} is not a number, auto, cpu, gpu or "
+                         "xpu") from None
 
 
 def _gpu_count() -> int:
@@ -181,6 +211,19 @@ def _gpu_count() -> int:
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def _xpu_count() -> int:
+    """Intel GPUs without importing torch: ``ZE_AFFINITY_MASK`` (Level Zero's device list),
+    else the render nodes in /sys/class/drm driven by i915 or xe."""
+    mask = os.environ.get("ZE_AFFINITY_MASK")
+    if mask is not None:
+        return len({d.strip().split(".")[0] for d in mask.split(",") if d.strip()})
+    count = 0
+    for node in glob.glob("/sys/class/drm/renderD*"):
+        driver = os.path.basename(os.path.realpath(os.path.join(node, "device/driver")))
+        count += driver in ("i915", "xe")
+    return count
 
 
 def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
@@ -240,6 +283,13 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
         except ValueError:
             raise ValueError(f"--local-ranks-filter {ns.local_ranks_filter!r} is not a "
                              f"comma-separated list of local ranks") from None
+    if ns.logs_specs not in (None, "", "default", "DefaultLogsSpecs"):
+        raise ValueError(f"--logs-specs {ns.logs_specs!r}: plugdist-run does not load torchrun "
+                         "LogsSpecs classes; it keeps its own log layout (--log-dir, -r, -t, "
+                         "--duplicate-stdout-filters); drop --logs-specs or pass 'default'")
+    if ns.numa_binding is not None and ns.numa_binding not in NUMA_MODES:
+        raise ValueError(f"--numa-binding {ns.numa_binding!r} is not one of "
+                         f"{', '.join(NUMA_MODES)}")
     entrypoint, args = rest[0], tuple(rest[1:])
     if not ns.module and not ns.no_python and not os.path.isfile(entrypoint):
         raise ValueError(f"script {entrypoint!r} not found (cwd {os.getcwd()}); pass -m to run a "
@@ -255,4 +305,7 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
         rank_prefix=ns.rank_prefix, local_ranks_filter=ranks_filter, local_addr=ns.local_addr,
         signals_to_handle=parse_signals(ns.signals_to_handle),
         grace_period=timedelta(seconds=ns.grace_period), module=ns.module,
-        no_python=ns.no_python, run_path=ns.run_path)
+        no_python=ns.no_python, run_path=ns.run_path,
+        duplicate_stdout_filters=parse_filters(ns.duplicate_stdout_filters),
+        duplicate_stderr_filters=parse_filters(ns.duplicate_stderr_filters),
+        numa_binding=ns.numa_binding, virtual_local_rank=ns.virtual_local_rank)
