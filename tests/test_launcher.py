@@ -185,6 +185,19 @@ def test_parse_args_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
     assert cfg.duplicate_stderr_filters == ("Error",) and cfg.virtual_local_rank
     assert cfg.numa_binding == "core-complex"
     assert parse_args([WORKER]).duplicate_stdout_filters == ()
+    assert parse_args([WORKER]).grace_period.total_seconds() == 5
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PET_VIRTUAL_LOCAL_RANK", "1")
+        mp.setenv("PET_NUMA_BINDING", "socket")
+        assert (parse_args([WORKER]).virtual_local_rank, parse_args([WORKER]).numa_binding) == (
+            True, "socket")
+        mp.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "12")   # torchrun's variable
+        assert parse_args([WORKER]).grace_period.total_seconds() == 12
+        assert parse_args(["--shutdown_timeout", "1", WORKER]).grace_period.total_seconds() == 1
+        mp.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "soon")
+        with pytest.raises(SystemExit):
+            parse_args([WORKER])
+        assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT='soon' is not a number" in capsys.readouterr().err
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ZE_AFFINITY_MASK", "0,1.0,1.1,3")       # Level Zero: devices 0, 1 and 3
         assert parse_args(["--nproc-per-node", "xpu", WORKER]).nproc_per_node == 3
@@ -194,6 +207,8 @@ def test_parse_args_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
         assert "no Intel GPU found on this node" in capsys.readouterr().err
     for argv, message in {
         ("--logs-specs", "mine", WORKER): "does not load torchrun LogsSpecs classes",
+        ("--rdzv_backend", "etcd-v2", "--rdzv-endpoint", "h:1", WORKER):
+            "backends are static and c10d (torchrun's etcd and etcd-v2 are not offered)",
         ("--numa-binding", "nodes", WORKER): "'nodes' is not one of node, socket, exclusive",
     }.items():
         with pytest.raises(SystemExit):

@@ -73,7 +73,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str], list[str]]:
              f"{DEFAULT_MASTER_PORT} on several)")
     opt("--standalone", action="store_true",
         help="one node: a private store on 127.0.0.1 at a free port and a random run id")
-    opt("--rdzv-backend", default="static", choices=("static", "c10d"),
+    opt("--rdzv-backend", default="static", metavar="static|c10d",
         help="static: fixed --nnodes and node 0 at --master-addr; c10d: nodes meet at "
              "--rdzv-endpoint, ranks assigned there (default static)")
     opt("--rdzv-endpoint", default="", metavar="HOST:PORT",
@@ -131,8 +131,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str], list[str]]:
     opt("--signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", metavar="SIG,...",
         help="signals forwarded to the workers before they are stopped "
              "(default SIGTERM,SIGINT,SIGHUP,SIGQUIT)")
-    opt("--grace-period", "--shutdown-timeout", type=float, default=5.0, metavar="S",
-        help="seconds between forwarding a signal (or SIGTERM) and SIGKILL (default 5)")
+    opt("--grace-period", "--shutdown-timeout", type=float, default=None, metavar="S",
+        help="seconds between forwarding a signal (or SIGTERM) and SIGKILL (default: "
+             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT as torchrun reads it, else 5)")
     return p, takes_value, [s for a in p._actions for s in a.option_strings]
 
 
@@ -247,6 +248,11 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
 
 def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
+    if ns.rdzv_backend not in ("static", "c10d"):
+        raise ValueError(f"--rdzv-backend {ns.rdzv_backend!r}: plugdist-run's rendezvous "
+                         "backends are static and c10d (torchrun's etcd and etcd-v2 are not "
+                         "offered); c10d takes the same --rdzv-endpoint and needs no etcd "
+                         "server")
     backend, endpoint = ns.rdzv_backend, ns.rdzv_endpoint
     master_addr, master_port, node_rank = ns.master_addr, ns.master_port, ns.node_rank
     if ns.standalone:
@@ -290,6 +296,14 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
     if ns.numa_binding is not None and ns.numa_binding not in NUMA_MODES:
         raise ValueError(f"--numa-binding {ns.numa_binding!r} is not one of "
                          f"{', '.join(NUMA_MODES)}")
+    grace = ns.grace_period
+    if grace is None:
+        text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "5")
+        try:
+            grace = float(text)
+        except ValueError:
+            raise ValueError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text!r} is not a number of "
+                             "seconds; fix it or pass --grace-period") from None
     entrypoint, args = rest[0], tuple(rest[1:])
     if not ns.module and not ns.no_python and not os.path.isfile(entrypoint):
         raise ValueError(f"script {entrypoint!r} not found (cwd {os.getcwd()}); pass -m to run a "
@@ -304,7 +318,7 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
         redirects=parse_streams(ns.redirects, "--redirects"), tee=parse_streams(ns.tee, "--tee"),
         rank_prefix=ns.rank_prefix, local_ranks_filter=ranks_filter, local_addr=ns.local_addr,
         signals_to_handle=parse_signals(ns.signals_to_handle),
-        grace_period=timedelta(seconds=ns.grace_period), module=ns.module,
+        grace_period=timedelta(seconds=grace), module=ns.module,
         no_python=ns.no_python, run_path=ns.run_path,
         duplicate_stdout_filters=parse_filters(ns.duplicate_stdout_filters),
         duplicate_stderr_filters=parse_filters(ns.duplicate_stderr_filters),
