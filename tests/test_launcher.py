@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -794,32 +795,36 @@ def test_numa_binding_virtual_local_rank_and_duplicate_filters(tmp_path: Path) -
         want = cpus_for_workers("exclusive", 2)
     except ValueError as exc:      # one physical core: nothing exclusive to hand out
         pytest.skip(str(exc))
-    logs = tmp_path / "logs"
     script = ('echo "keep rank=$RANK local=$LOCAL_RANK gpu=$CUDA_VISIBLE_DEVICES"; '
               'echo "other $RANK"; echo "a,b $RANK"; '
               'grep Cpus_allowed_list /proc/self/status; echo "err $RANK" >&2')
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "5,7"}
+    # no --log-dir: the filtered files go to a temporary directory the launcher names; rank 1
+    # is kept off the console, yet its matching lines are duplicated
     res = launch("--standalone", "--nproc_per_node", "2", "--virtual_local_rank",
-                 "--numa-binding", "exclusive", "--duplicate-stdout-filters", "keep,a,,b",
-                 "--duplicate_stderr_filters", "err", "--log-dir", str(logs),
-                 "--logs-specs", "default", "--no-python", "sh", "-c", script, env=env)
+                 "--numa-binding", "exclusive", "--duplicate-stdout-filters",
+                 "keep,a,,b,Cpus_allowed", "--duplicate_stderr_filters", "err",
+                 "--local-ranks-filter", "0", "--logs-specs", "default", "--no-python", "sh",
+                 "-c", script, env=env)
     assert res.returncode == 0, res.stderr
-    lines = res.stdout.splitlines()
-    assert "[rank 0] keep rank=0 local=0 gpu=5" in lines
-    assert "[rank 1] keep rank=1 local=0 gpu=7" in lines
+    assert "[rank 0] keep rank=0 local=0 gpu=5" in res.stdout.splitlines()
+    assert "[rank 1]" not in res.stdout
+    (root,) = [line.split(" worker logs in ")[1].split(" (")[0]
+               for line in res.stderr.splitlines() if " worker logs in " in line]
+    out = (Path(root) / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
     # each worker (and the grep it started) runs on its own share of the node's cores
     for rank in range(2):
-        (line,) = [x for x in lines if x.startswith(f"[rank {rank}] Cpus_allowed_list:")]
+        (line,) = [x for x in out if x.startswith(f"[rank {rank}] Cpus_allowed_list:")]
         listed = line.split(":", 1)[1].strip()
         got = {c for part in listed.split(",") for c in range(
             int(part.split("-")[0]), int(part.split("-")[-1]) + 1)}
         assert got == want[rank], (rank, line)
-    (root,) = logs.iterdir()
-    out = (root / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
-    assert sorted(out) == ["[rank 0] a,b 0", "[rank 0] keep rank=0 local=0 gpu=5",
-                           "[rank 1] a,b 1", "[rank 1] keep rank=1 local=0 gpu=7"]
-    err = (root / "attempt_0" / "filtered_stderr.log").read_text().splitlines()
+    assert sorted(x for x in out if "Cpus" not in x) == [
+        "[rank 0] a,b 0", "[rank 0] keep rank=0 local=0 gpu=5",
+        "[rank 1] a,b 1", "[rank 1] keep rank=1 local=0 gpu=7"]
+    err = (Path(root) / "attempt_0" / "filtered_stderr.log").read_text().splitlines()
     assert sorted(err) == ["[rank 0] err 0", "[rank 1] err 1"]
+    shutil.rmtree(root)
     # a GPU list too short for the workers is refused before any worker starts
     res = launch("--standalone", "--nproc-per-node", "2", "--virtual-local-rank", "--no-python",
                  "sh", "-c", "echo started", env={**os.environ, "CUDA_VISIBLE_DEVICES": "3"})

@@ -422,10 +422,11 @@ class Agent:
             out_plan, err_plan = plan_streams(cfg, local_rank, rank_dir)
             env = self._worker_env(a, local_rank, base, os.path.join(rank_dir, "error.json"))
             stdout: int | None = None            # straight to our stdout: the cheapest
-            if not out_plan.piped:
-                stdout = subprocess.DEVNULL
-            elif out_plan.file or cfg.rank_prefix or cfg.duplicate_stdout_filters:
+            if cfg.duplicate_stdout_filters or out_plan.file or (out_plan.console
+                                                                  and cfg.rank_prefix):
                 stdout = subprocess.PIPE
+            elif not out_plan.console:
+                stdout = subprocess.DEVNULL
             try:
                 with spawning_bound_to(cpus[local_rank] if cpus else None):
                     proc = subprocess.Popen(cmd, env=env, start_new_session=True,
