@@ -772,19 +772,40 @@ def _fake_sysfs(root: Path) -> Path:
 def test_numa_binding_cpu_sets(tmp_path: Path) -> None:
     from plugdist.launcher.numa import cpus_for_workers
     sysfs, allowed = str(_fake_sysfs(tmp_path)), set(range(8))
-    sets = {mode: cpus_for_workers(mode, 4, sysfs=sysfs, allowed=allowed)
+    noproc = str(tmp_path / "noproc")       # no GPUs
+    sets = {mode: cpus_for_workers(mode, 4, sysfs=sysfs, procfs=noproc, allowed=allowed)
             for mode in ("node", "socket", "exclusive", "core-complex")}
     assert sets["node"] == [{0, 1, 2, 3}, {0, 1, 2, 3}, {4, 5, 6, 7}, {4, 5, 6, 7}]
     assert sets["socket"] == [allowed] * 4
     assert sets["exclusive"] == [{0, 1}, {2, 3}, {4, 5}, {6, 7}]   # a physical core each
     assert sets["core-complex"] == [{0, 1, 2, 3}, {0, 1, 2, 3}, {4, 5, 6, 7}, {4, 5, 6, 7}]
     # only the launcher's own CPUs are handed out
-    assert cpus_for_workers("node", 2, sysfs=sysfs, allowed={1, 2, 5}) == [{1, 2}, {5}]
-    assert cpus_for_workers("exclusive", 1, sysfs=sysfs, allowed=allowed) == [{0, 1, 2, 3}]
+    assert cpus_for_workers("node", 2, sysfs=sysfs, procfs=noproc,
+                            allowed={1, 2, 5}) == [{1, 2}, {5}]
+    assert cpus_for_workers("exclusive", 1, sysfs=sysfs, procfs=noproc,
+                            allowed=allowed) == [{0, 1, 2, 3}]
     with pytest.raises(ValueError, match="NUMA node 0 has 2 physical cores for 3 workers"):
-        cpus_for_workers("exclusive", 6, sysfs=sysfs, allowed=allowed)
+        cpus_for_workers("exclusive", 6, sysfs=sysfs, procfs=noproc, allowed=allowed)
+    # GPUs: a worker goes to its local rank's GPU's node (numa_node -1: one-node machine, 0);
+    # CUDA_VISIBLE_DEVICES picks from the GPUs in PCI order
+    gpus = {"0000:1a:00.0": "1", "0000:3b:00.0": "0", "0000:8c:00.0": "-1"}
+    for addr, node in gpus.items():
+        (tmp_path / "proc/driver/nvidia/gpus" / addr).mkdir(parents=True)
+        (tmp_path / "bus/pci/devices" / addr).mkdir(parents=True)
+        (tmp_path / "bus/pci/devices" / addr / "numa_node").write_text(node + "\n")
+    procfs = str(tmp_path / "proc")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        assert cpus_for_workers("node", 4, sysfs=sysfs, procfs=procfs, allowed=allowed) == [
+            {4, 5, 6, 7}, {0, 1, 2, 3}, {0, 1, 2, 3}, {4, 5, 6, 7}]   # rank 3: no GPU, by block
+        assert cpus_for_workers("exclusive", 3, sysfs=sysfs, procfs=procfs,
+                                allowed=allowed) == [{4, 5, 6, 7}, {0, 1}, {2, 3}]
+        mp.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+        assert cpus_for_workers("node", 2, sysfs=sysfs, procfs=procfs, allowed=allowed) == [
+            {0, 1, 2, 3}, {4, 5, 6, 7}]
     # no NUMA information: one node holding every allowed CPU
-    assert cpus_for_workers("node", 2, sysfs=str(tmp_path / "none"), allowed={0, 1}) == [
+    assert cpus_for_workers("node", 2, sysfs=str(tmp_path / "none"), procfs=noproc,
+                            allowed={0, 1}) == [
         {0, 1}, {0, 1}]
 
 

@@ -44,10 +44,12 @@ def _read(path: str) -> str:
 
 
 class _Topology:
-    """The parts of sysfs binding needs, under ``sysfs`` (``/sys``; a copy in tests)."""
+    """The parts of sysfs and procfs binding needs, under ``sysfs`` and ``procfs`` (``/sys``
+    and ``/proc``; a copy in tests)."""
 
-    def __init__(self, sysfs: str, allowed: set[int]) -> None:
+    def __init__(self, sysfs: str, procfs: str, allowed: set[int]) -> None:
         self.sysfs = sysfs
+        self.procfs = procfs
         self.allowed = allowed
         node_dir = os.path.join(sysfs, "devices/system/node")
         nodes: dict[int, set[int]] = {}
@@ -100,9 +102,8 @@ class _Topology:
     def gpu_nodes(self) -> list[int]:
         """NUMA node of each NVIDIA GPU this process may use, in PCI order (nvidia-smi's;
         ``CUDA_VISIBLE_DEVICES`` indices select from it). Empty: no GPU found."""
-        gpus_dir = "/proc/driver/nvidia/gpus"
         try:
-            addrs = sorted(os.listdir(gpus_dir)) if self.sysfs == "/sys" else []
+            addrs = sorted(os.listdir(os.path.join(self.procfs, "driver/nvidia/gpus")))
         except OSError:
             return []
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -129,7 +130,7 @@ def _group(values: Iterable[int], key: dict[int, int]) -> dict[int, set[int]]:
     return dict(sorted(out.items()))
 
 
-def cpus_for_workers(mode: str, nproc: int, *, sysfs: str = "/sys",
+def cpus_for_workers(mode: str, nproc: int, *, sysfs: str = "/sys", procfs: str = "/proc",
                      allowed: set[int] | None = None) -> list[set[int]]:
     """The CPU set of each local rank under ``mode``; ValueError for a bad mode or a node with
     fewer physical cores than workers (``exclusive``)."""
@@ -138,7 +139,7 @@ def cpus_for_workers(mode: str, nproc: int, *, sysfs: str = "/sys",
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError("binding workers to CPUs needs Linux (os.sched_setaffinity); drop "
                          "--numa-binding on this system")
-    topo = _Topology(sysfs, set(os.sched_getaffinity(0)) if allowed is None else allowed)
+    topo = _Topology(sysfs, procfs, set(os.sched_getaffinity(0)) if allowed is None else allowed)
     node_ids = list(topo.nodes)
     gpu_nodes = topo.gpu_nodes()
     node_of = [gpu_nodes[r] if r < len(gpu_nodes) else node_ids[r * len(node_ids) // nproc]
