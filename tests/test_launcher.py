@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -154,7 +155,7 @@ def test_parse_args_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
         ("--standalone", "--master-port", "5", WORKER): "drop --master-addr/--master-port",
         ("--nnodes", "2", "--node-rank", "2", WORKER): "--node-rank must be in [0, 1]",
         ("--nproc-per-node", "0", WORKER): "--nproc-per-node must be >= 1",
-        ("--nproc-per-node", "lots", WORKER): "not a number, auto, cpu or gpu",
+        ("--nproc-per-node", "lots", WORKER): "not a number, auto, cpu, gpu or xpu",
         ("--grace-period", "-1", WORKER): "--grace-period must be >= 0",
         ("--nnodes", "3:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", WORKER):
             "MIN (3) is greater than MAX (2)",
@@ -177,6 +178,42 @@ def test_parse_args_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as exc:
             parse_args(list(argv))
         assert exc.value.code == 2
+        assert message in capsys.readouterr().err, argv
+    cfg = parse_args(["--duplicate_stdout_filters", "loss,a,,b", "--duplicate-stderr-filters",
+                      "Error", "--logs_specs", "default", "--numa_binding", "core-complex",
+                      "--virtual-local-rank", WORKER])
+    assert cfg.duplicate_stdout_filters == ("loss", "a,b")
+    assert cfg.duplicate_stderr_filters == ("Error",) and cfg.virtual_local_rank
+    assert cfg.numa_binding == "core-complex"
+    assert parse_args([WORKER]).duplicate_stdout_filters == ()
+    assert parse_args([WORKER]).grace_period.total_seconds() == 5
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PET_VIRTUAL_LOCAL_RANK", "1")
+        mp.setenv("PET_NUMA_BINDING", "socket")
+        assert (parse_args([WORKER]).virtual_local_rank, parse_args([WORKER]).numa_binding) == (
+            True, "socket")
+        mp.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "12")   # torchrun's variable
+        assert parse_args([WORKER]).grace_period.total_seconds() == 12
+        assert parse_args(["--shutdown_timeout", "1", WORKER]).grace_period.total_seconds() == 1
+        mp.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "soon")
+        with pytest.raises(SystemExit):
+            parse_args([WORKER])
+        assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT='soon' is not a number" in capsys.readouterr().err
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ZE_AFFINITY_MASK", "0,1.0,1.1,3")       # Level Zero: devices 0, 1 and 3
+        assert parse_args(["--nproc-per-node", "xpu", WORKER]).nproc_per_node == 3
+        mp.setenv("ZE_AFFINITY_MASK", "")
+        with pytest.raises(SystemExit):
+            parse_args(["--nproc-per-node", "xpu", WORKER])
+        assert "no Intel GPU found on this node" in capsys.readouterr().err
+    for argv, message in {
+        ("--logs-specs", "mine", WORKER): "does not load torchrun LogsSpecs classes",
+        ("--rdzv_backend", "etcd-v2", "--rdzv-endpoint", "h:1", WORKER):
+            "backends are static and c10d (torchrun's etcd and etcd-v2 are not offered)",
+        ("--numa-binding", "nodes", WORKER): "'nodes' is not one of node, socket, exclusive",
+    }.items():
+        with pytest.raises(SystemExit):
+            parse_args(list(argv))
         assert message in capsys.readouterr().err, argv
     with pytest.raises(ValueError, match="exclude each other"):
         LaunchConfig(entrypoint="x", module=True, no_python=True)
@@ -703,3 +740,114 @@ def test_the_launcher_never_imports_torch(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=50)
     assert res.stdout.strip() == "0 []", res.stderr
+
+
+# --------------------------------------------------------------------------- torchrun's rarer flags
+
+
+def _fake_sysfs(root: Path) -> Path:
+    """Two NUMA nodes on one socket: node0 CPUs 0-3, node1 4-7; hardware-thread pairs (0,1),
+    (2,3), ... (one physical core each); a last-level cache per node."""
+    for node, cpus in ((0, "0-3"), (1, "4-7")):
+        d = root / "devices/system/node" / f"node{node}"
+        d.mkdir(parents=True)
+        (d / "cpulist").write_text(cpus + "\n")
+    for cpu in range(8):
+        d = root / "devices/system/cpu" / f"cpu{cpu}"
+        (d / "topology").mkdir(parents=True)
+        (d / "topology/physical_package_id").write_text("0\n")
+        pair = cpu - cpu % 2
+        (d / "topology/thread_siblings_list").write_text(f"{pair},{pair + 1}\n")
+        for index, (kind, level, shared) in enumerate((
+                ("Instruction", 1, f"{pair},{pair + 1}"), ("Data", 1, f"{pair},{pair + 1}"),
+                ("Unified", 3, f"{cpu - cpu % 4}-{cpu - cpu % 4 + 3}"))):
+            c = d / "cache" / f"index{index}"
+            c.mkdir(parents=True)
+            (c / "type").write_text(kind + "\n")
+            (c / "level").write_text(f"{level}\n")
+            (c / "shared_cpu_list").write_text(shared + "\n")
+    return root
+
+
+def test_numa_binding_cpu_sets(tmp_path: Path) -> None:
+    from plugdist.launcher.numa import cpus_for_workers
+    sysfs, allowed = str(_fake_sysfs(tmp_path)), set(range(8))
+    noproc = str(tmp_path / "noproc")       # no GPUs
+    sets = {mode: cpus_for_workers(mode, 4, sysfs=sysfs, procfs=noproc, allowed=allowed)
+            for mode in ("node", "socket", "exclusive", "core-complex")}
+    assert sets["node"] == [{0, 1, 2, 3}, {0, 1, 2, 3}, {4, 5, 6, 7}, {4, 5, 6, 7}]
+    assert sets["socket"] == [allowed] * 4
+    assert sets["exclusive"] == [{0, 1}, {2, 3}, {4, 5}, {6, 7}]   # a physical core each
+    assert sets["core-complex"] == [{0, 1, 2, 3}, {0, 1, 2, 3}, {4, 5, 6, 7}, {4, 5, 6, 7}]
+    # only the launcher's own CPUs are handed out
+    assert cpus_for_workers("node", 2, sysfs=sysfs, procfs=noproc,
+                            allowed={1, 2, 5}) == [{1, 2}, {5}]
+    assert cpus_for_workers("exclusive", 1, sysfs=sysfs, procfs=noproc,
+                            allowed=allowed) == [{0, 1, 2, 3}]
+    with pytest.raises(ValueError, match="NUMA node 0 has 2 physical cores for 3 workers"):
+        cpus_for_workers("exclusive", 6, sysfs=sysfs, procfs=noproc, allowed=allowed)
+    # GPUs: a worker goes to its local rank's GPU's node (numa_node -1: one-node machine, 0);
+    # CUDA_VISIBLE_DEVICES picks from the GPUs in PCI order
+    gpus = {"0000:1a:00.0": "1", "0000:3b:00.0": "0", "0000:8c:00.0": "-1"}
+    for addr, node in gpus.items():
+        (tmp_path / "proc/driver/nvidia/gpus" / addr).mkdir(parents=True)
+        (tmp_path / "bus/pci/devices" / addr).mkdir(parents=True)
+        (tmp_path / "bus/pci/devices" / addr / "numa_node").write_text(node + "\n")
+    procfs = str(tmp_path / "proc")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        assert cpus_for_workers("node", 4, sysfs=sysfs, procfs=procfs, allowed=allowed) == [
+            {4, 5, 6, 7}, {0, 1, 2, 3}, {0, 1, 2, 3}, {4, 5, 6, 7}]   # rank 3: no GPU, by block
+        assert cpus_for_workers("exclusive", 3, sysfs=sysfs, procfs=procfs,
+                                allowed=allowed) == [{4, 5, 6, 7}, {0, 1}, {2, 3}]
+        mp.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+        assert cpus_for_workers("node", 2, sysfs=sysfs, procfs=procfs, allowed=allowed) == [
+            {0, 1, 2, 3}, {4, 5, 6, 7}]
+    # no NUMA information: one node holding every allowed CPU
+    assert cpus_for_workers("node", 2, sysfs=str(tmp_path / "none"), procfs=noproc,
+                            allowed={0, 1}) == [
+        {0, 1}, {0, 1}]
+
+
+@pytest.mark.timeout(60)
+def test_numa_binding_virtual_local_rank_and_duplicate_filters(tmp_path: Path) -> None:
+    from plugdist.launcher.numa import cpus_for_workers
+    try:
+        want = cpus_for_workers("exclusive", 2)
+    except ValueError as exc:      # one physical core: nothing exclusive to hand out
+        pytest.skip(str(exc))
+    script = ('echo "keep rank=$RANK local=$LOCAL_RANK gpu=$CUDA_VISIBLE_DEVICES"; '
+              'echo "other $RANK"; echo "a,b $RANK"; '
+              'grep Cpus_allowed_list /proc/self/status; echo "err $RANK" >&2')
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "5,7"}
+    # no --log-dir: the filtered files go to a temporary directory the launcher names; rank 1
+    # is kept off the console, yet its matching lines are duplicated
+    res = launch("--standalone", "--nproc_per_node", "2", "--virtual_local_rank",
+                 "--numa-binding", "exclusive", "--duplicate-stdout-filters",
+                 "keep,a,,b,Cpus_allowed", "--duplicate_stderr_filters", "err",
+                 "--local-ranks-filter", "0", "--logs-specs", "default", "--no-python", "sh",
+                 "-c", script, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "[rank 0] keep rank=0 local=0 gpu=5" in res.stdout.splitlines()
+    assert "[rank 1]" not in res.stdout
+    (root,) = [line.split(" worker logs in ")[1].split(" (")[0]
+               for line in res.stderr.splitlines() if " worker logs in " in line]
+    out = (Path(root) / "attempt_0" / "filtered_stdout.log").read_text().splitlines()
+    # each worker (and the grep it started) runs on its own share of the node's cores
+    for rank in range(2):
+        (line,) = [x for x in out if x.startswith(f"[rank {rank}] Cpus_allowed_list:")]
+        listed = line.split(":", 1)[1].strip()
+        got = {c for part in listed.split(",") for c in range(
+            int(part.split("-")[0]), int(part.split("-")[-1]) + 1)}
+        assert got == want[rank], (rank, line)
+    assert sorted(x for x in out if "Cpus" not in x) == [
+        "[rank 0] a,b 0", "[rank 0] keep rank=0 local=0 gpu=5",
+        "[rank 1] a,b 1", "[rank 1] keep rank=1 local=0 gpu=7"]
+    err = (Path(root) / "attempt_0" / "filtered_stderr.log").read_text().splitlines()
+    assert sorted(err) == ["[rank 0] err 0", "[rank 1] err 1"]
+    shutil.rmtree(root)
+    # a GPU list too short for the workers is refused before any worker starts
+    res = launch("--standalone", "--nproc-per-node", "2", "--virtual-local-rank", "--no-python",
+                 "sh", "-c", "echo started", env={**os.environ, "CUDA_VISIBLE_DEVICES": "3"})
+    assert res.returncode != 0 and "started" not in res.stdout
+    assert "local rank 1 has no GPU in CUDA_VISIBLE_DEVICES=3" in res.stderr

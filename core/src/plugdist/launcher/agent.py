@@ -29,7 +29,8 @@ from typing import IO, Any
 
 from .config import LaunchConfig
 from .error_file import ERROR_FILE_VAR, read_error_file
-from .logs import Sink, plan_streams, pump
+from .logs import Duplicate, Sink, plan_streams, pump
+from .numa import cpus_for_workers, spawning_bound_to
 from .rendezvous import Assignment, RendezvousError, RendezvousInterrupted, StoreRendezvous
 from .summary import PROG, Failure, LaunchResult, WorkerStatus, exit_code_of
 
@@ -221,7 +222,8 @@ class Agent:
         if cfg.log_dir is not None:
             root = os.path.join(cfg.log_dir, f"{cfg.run_id}_{os.urandom(4).hex()}")
         elif cfg.redirects.default or cfg.redirects.per_rank or cfg.tee.default \
-                or cfg.tee.per_rank:
+                or cfg.tee.per_rank or cfg.duplicate_stdout_filters \
+                or cfg.duplicate_stderr_filters:
             root = tempfile.mkdtemp(prefix=f"plugdist-run-{cfg.run_id}-")
             self.err.text(f"{PROG}: worker logs in {root} (pass --log-dir to choose)")
         else:
@@ -402,19 +404,33 @@ class Agent:
         cmd = cfg.command()
         attempt_dir = os.path.join(self.log_root, f"attempt_{a.round}")
         plans = []
+        if cfg.virtual_local_rank:
+            self._own_gpu(cfg.nproc_per_node - 1)   # refuse before any worker has started
+        cpus = None
+        if cfg.numa_binding is not None:
+            try:
+                cpus = cpus_for_workers(cfg.numa_binding, cfg.nproc_per_node)
+            except (OSError, ValueError) as exc:
+                raise LaunchError(f"--numa-binding {cfg.numa_binding}: {exc}") from exc
+        filtered = {name: (os.path.join(attempt_dir, f"filtered_{name}.log"),
+                           tuple(n.encode() for n in needles))
+                    for name, needles in (("stdout", cfg.duplicate_stdout_filters),
+                                          ("stderr", cfg.duplicate_stderr_filters)) if needles}
         for local_rank in range(cfg.nproc_per_node):
             rank_dir = os.path.join(attempt_dir, str(local_rank))
             os.makedirs(rank_dir, exist_ok=True)
             out_plan, err_plan = plan_streams(cfg, local_rank, rank_dir)
             env = self._worker_env(a, local_rank, base, os.path.join(rank_dir, "error.json"))
             stdout: int | None = None            # straight to our stdout: the cheapest
-            if not out_plan.piped:
-                stdout = subprocess.DEVNULL
-            elif out_plan.file or cfg.rank_prefix:
+            if cfg.duplicate_stdout_filters or out_plan.file or (out_plan.console
+                                                                  and cfg.rank_prefix):
                 stdout = subprocess.PIPE
+            elif not out_plan.console:
+                stdout = subprocess.DEVNULL
             try:
-                proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=stdout,
-                                        stderr=subprocess.PIPE)
+                with spawning_bound_to(cpus[local_rank] if cpus else None):
+                    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                            stdout=stdout, stderr=subprocess.PIPE)
             except OSError as exc:
                 raise LaunchError(f"could not start rank {a.rank_offset + local_rank} (local "
                                   f"rank {local_rank}) with {cmd[0]!r}: {exc}") from exc
@@ -425,14 +441,21 @@ class Agent:
             plans.append((out_plan, err_plan))
         for w, (out_plan, err_plan) in zip(self.workers, plans, strict=True):
             prefix = f"[rank {w.rank}] ".encode() if cfg.rank_prefix else b""
-            for src, plan, console, tail in ((w.proc.stdout, out_plan, self.out, None),
-                                             (w.proc.stderr, err_plan, self.err, w.tail)):
+            for name, src, plan, console, tail in (
+                    ("stdout", w.proc.stdout, out_plan, self.out, None),
+                    ("stderr", w.proc.stderr, err_plan, self.err, w.tail)):
                 if src is None:
                     continue
                 file = Sink(open(plan.file, "ab"), binary=True) if plan.file else None
+                dup = None
+                if name in filtered:
+                    # one O_APPEND handle per reader: each line is one write, so the ranks'
+                    # lines interleave whole
+                    path, needles = filtered[name]
+                    dup = Duplicate(Sink(open(path, "ab"), binary=True), needles)
                 t = threading.Thread(
                     target=pump, args=(src, console if plan.console else None, prefix, file,
-                                       tail),
+                                       tail, dup),
                     name=f"{PROG}-rank{w.rank}", daemon=True)
                 t.start()
                 w.readers.append(t)
@@ -457,7 +480,23 @@ class Agent:
             PLUGDIST_AGENT_STORE=a.agent_store, PLUGDIST_RDZV_ROUND=str(a.round),
         )
         env[ERROR_FILE_VAR] = error_file
+        if cfg.virtual_local_rank:
+            env["LOCAL_RANK"] = "0"
+            env["CUDA_VISIBLE_DEVICES"] = self._own_gpu(local_rank)
         return env
+
+    def _own_gpu(self, local_rank: int) -> str:
+        """``--virtual-local-rank``: the one GPU a worker sees, taken from the launcher's own
+        ``CUDA_VISIBLE_DEVICES`` list when it has one."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is None:
+            return str(local_rank)
+        devices = [d.strip() for d in visible.split(",")]
+        if local_rank >= len(devices):
+            raise LaunchError(f"--virtual-local-rank: local rank {local_rank} has no GPU in "
+                              f"CUDA_VISIBLE_DEVICES={visible} ({len(devices)} listed); use "
+                              f"--nproc-per-node {len(devices)} or list more devices")
+        return devices[local_rank]
 
     def _stop(self, sig: int, *, mark: bool) -> None:
         """Send ``sig`` to every worker's process group; SIGKILL what outlives the grace period.

@@ -15,7 +15,15 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 
-from .config import LaunchConfig, RendezvousOptions, parse_nnodes, parse_signals, parse_streams
+from .config import (
+    LaunchConfig,
+    RendezvousOptions,
+    parse_filters,
+    parse_nnodes,
+    parse_signals,
+    parse_streams,
+)
+from .numa import NUMA_MODES
 
 __all__ = ["build_parser", "parse_args", "split_argv", "PROG"]
 
@@ -52,9 +60,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str], list[str]]:
 
     opt("--nnodes", default="1", metavar="N|MIN:MAX",
         help="number of nodes, or the range MIN:MAX for an elastic run (default 1)")
-    opt("--nproc-per-node", default="1", metavar="N|auto|cpu|gpu",
-        help="workers on this node: a number, cpu (one per core), gpu (one per GPU), auto "
-             "(gpu if any, else cpu); default 1")
+    opt("--nproc-per-node", default="1", metavar="N|auto|cpu|gpu|xpu",
+        help="workers on this node: a number, cpu (one per core), gpu (one per NVIDIA GPU), "
+             "xpu (one per Intel GPU), auto (gpu if any, else cpu); default 1")
     opt("--node-rank", type=int, default=None, metavar="K",
         help="this node's rank in [0, nnodes); default: assigned at rendezvous (static: 0)")
     opt("--master-addr", default=None, metavar="ADDR",
@@ -65,7 +73,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str], list[str]]:
              f"{DEFAULT_MASTER_PORT} on several)")
     opt("--standalone", action="store_true",
         help="one node: a private store on 127.0.0.1 at a free port and a random run id")
-    opt("--rdzv-backend", default="static", choices=("static", "c10d"),
+    opt("--rdzv-backend", default="static", metavar="static|c10d",
         help="static: fixed --nnodes and node 0 at --master-addr; c10d: nodes meet at "
              "--rdzv-endpoint, ranks assigned there (default static)")
     opt("--rdzv-endpoint", default="", metavar="HOST:PORT",
@@ -102,14 +110,30 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str], list[str]]:
         help="prefix each console line of worker output with [rank N] (default on)")
     opt("--local-ranks-filter", default="", metavar="R,...",
         help="show only these local ranks' output on the console (files keep everything)")
+    opt("--duplicate-stdout-filters", default="", metavar="TEXT,...",
+        help="also write every stdout line containing one of these strings (any local rank) to "
+             "attempt_N/filtered_stdout.log in the log directory; ,, is a literal comma")
+    opt("--duplicate-stderr-filters", default="", metavar="TEXT,...",
+        help="the same for stderr, into attempt_N/filtered_stderr.log")
+    opt("--logs-specs", default=None, metavar="NAME",
+        help="accepted for torchrun compatibility: only 'default' (plugdist-run's own log "
+             "layout, see --log-dir)")
+    opt("--numa-binding", default=None, metavar="node|socket|exclusive|core-complex",
+        help="bind each worker to the CPUs of its NUMA node (its GPU's, else nodes shared out "
+             "by local rank): the node's, its socket's, an exclusive share of the node's "
+             "cores, or one last-level-cache core complex")
+    opt("--virtual-local-rank", action="store_true",
+        help="every worker sees LOCAL_RANK=0 and, through CUDA_VISIBLE_DEVICES, only the GPU "
+             "of its local rank, as device 0")
     opt("--local-addr", default=None, metavar="ADDR",
         help="the address other nodes reach this node at (default: the one it reaches the "
              "rendezvous store from)")
     opt("--signals-to-handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT", metavar="SIG,...",
         help="signals forwarded to the workers before they are stopped "
              "(default SIGTERM,SIGINT,SIGHUP,SIGQUIT)")
-    opt("--grace-period", "--shutdown-timeout", type=float, default=5.0, metavar="S",
-        help="seconds between forwarding a signal (or SIGTERM) and SIGKILL (default 5)")
+    opt("--grace-period", "--shutdown-timeout", type=float, default=None, metavar="S",
+        help="seconds between forwarding a signal (or SIGTERM) and SIGKILL (default: "
+             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT as torchrun reads it, else 5)")
     return p, takes_value, [s for a in p._actions for s in a.option_strings]
 
 
@@ -166,13 +190,20 @@ def _nproc(text: str) -> int:
         if text == "gpu":
             raise ValueError("--nproc-per-node gpu: no GPU found on this node (no /dev/nvidia* "
                              "device); give a number, or cpu")
+        # not XPUs: without torch we cannot tell whether its build drives them, and an i915
+        # integrated GPU would turn auto's one-per-core into one worker
         return os.cpu_count() or 1
     if text == "xpu":
-        raise ValueError("--nproc-per-node xpu: plugdist-run does not count XPUs; give a number")
+        xpus = _xpu_count()
+        if not xpus:
+            raise ValueError("--nproc-per-node xpu: no Intel GPU found on this node (no i915 or "
+                             "xe device in /sys/class/drm); give a number, or cpu")
+        return xpus
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"--nproc-per-node: {text!r} is not a number, auto, cpu or gpu") from None
+        raise ValueError(f"--nproc-per-node: {text!r} is not a number, auto, cpu, gpu or "
+                         "xpu") from None
 
 
 def _gpu_count() -> int:
@@ -181,6 +212,19 @@ def _gpu_count() -> int:
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def _xpu_count() -> int:
+    """Intel GPUs without importing torch: ``ZE_AFFINITY_MASK`` (Level Zero's device list),
+    else the render nodes in /sys/class/drm driven by i915 or xe."""
+    mask = os.environ.get("ZE_AFFINITY_MASK")
+    if mask is not None:
+        return len({d.strip().split(".")[0] for d in mask.split(",") if d.strip()})
+    count = 0
+    for node in glob.glob("/sys/class/drm/renderD*"):
+        driver = os.path.basename(os.path.realpath(os.path.join(node, "device/driver")))
+        count += driver in ("i915", "xe")
+    return count
 
 
 def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
@@ -204,6 +248,11 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
 
 def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
+    if ns.rdzv_backend not in ("static", "c10d"):
+        raise ValueError(f"--rdzv-backend {ns.rdzv_backend!r}: plugdist-run's rendezvous "
+                         "backends are static and c10d (torchrun's etcd and etcd-v2 are not "
+                         "offered); c10d takes the same --rdzv-endpoint and needs no etcd "
+                         "server")
     backend, endpoint = ns.rdzv_backend, ns.rdzv_endpoint
     master_addr, master_port, node_rank = ns.master_addr, ns.master_port, ns.node_rank
     if ns.standalone:
@@ -240,6 +289,21 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
         except ValueError:
             raise ValueError(f"--local-ranks-filter {ns.local_ranks_filter!r} is not a "
                              f"comma-separated list of local ranks") from None
+    if ns.logs_specs not in (None, "", "default", "DefaultLogsSpecs"):
+        raise ValueError(f"--logs-specs {ns.logs_specs!r}: plugdist-run does not load torchrun "
+                         "LogsSpecs classes; it keeps its own log layout (--log-dir, -r, -t, "
+                         "--duplicate-stdout-filters); drop --logs-specs or pass 'default'")
+    if ns.numa_binding is not None and ns.numa_binding not in NUMA_MODES:
+        raise ValueError(f"--numa-binding {ns.numa_binding!r} is not one of "
+                         f"{', '.join(NUMA_MODES)}")
+    grace = ns.grace_period
+    if grace is None:
+        text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "5")
+        try:
+            grace = float(text)
+        except ValueError:
+            raise ValueError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text!r} is not a number of "
+                             "seconds; fix it or pass --grace-period") from None
     entrypoint, args = rest[0], tuple(rest[1:])
     if not ns.module and not ns.no_python and not os.path.isfile(entrypoint):
         raise ValueError(f"script {entrypoint!r} not found (cwd {os.getcwd()}); pass -m to run a "
@@ -254,5 +318,8 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
         redirects=parse_streams(ns.redirects, "--redirects"), tee=parse_streams(ns.tee, "--tee"),
         rank_prefix=ns.rank_prefix, local_ranks_filter=ranks_filter, local_addr=ns.local_addr,
         signals_to_handle=parse_signals(ns.signals_to_handle),
-        grace_period=timedelta(seconds=ns.grace_period), module=ns.module,
-        no_python=ns.no_python, run_path=ns.run_path)
+        grace_period=timedelta(seconds=grace), module=ns.module,
+        no_python=ns.no_python, run_path=ns.run_path,
+        duplicate_stdout_filters=parse_filters(ns.duplicate_stdout_filters),
+        duplicate_stderr_filters=parse_filters(ns.duplicate_stderr_filters),
+        numa_binding=ns.numa_binding, virtual_local_rank=ns.virtual_local_rank)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 __all__ = ["LaunchConfig", "RendezvousOptions", "Streams", "parse_streams", "parse_nnodes",
-           "parse_signals"]
+           "parse_signals", "parse_filters"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,15 @@ def parse_streams(text: str, flag: str) -> Streams:
             raise ValueError(f"{flag}: {item!r} should look like LOCAL_RANK:VALUE, e.g. 0:3,1:0")
         pairs.append((int(rank), value(v)))
     return Streams(per_rank=tuple(pairs))
+
+
+def parse_filters(text: str) -> tuple[str, ...]:
+    """``--duplicate-*-filters`` as torchrun reads them: comma-separated substrings, ``,,`` for
+    a literal comma; empty text: no filter (nothing duplicated)."""
+    if not text:
+        return ()
+    marker = "\x00"
+    return tuple(item.replace(marker, ",") for item in text.replace(",,", marker).split(","))
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -162,6 +171,10 @@ class LaunchConfig:
     module: bool = False
     no_python: bool = False
     run_path: bool = False
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    numa_binding: str | None = None
+    virtual_local_rank: bool = False
 
     @property
     def nnodes(self) -> int:
@@ -194,6 +207,9 @@ class LaunchConfig:
         if self.grace_period < timedelta(0):
             raise ValueError(f"--grace-period must be >= 0, got "
                              f"{self.grace_period.total_seconds()}")
+        if self.numa_binding not in (None, "node", "socket", "exclusive", "core-complex"):
+            raise ValueError(f"--numa-binding must be node, socket, exclusive or core-complex, "
+                             f"got {self.numa_binding!r}")
         if sum((self.module, self.no_python, self.run_path)) > 1:
             raise ValueError("-m, --no-python and --run-path exclude each other: -m runs "
                              "`python -m MODULE`, --no-python runs a program, --run-path runs a "

@@ -1,7 +1,9 @@
 """Worker output: to the console (``[rank N]``-prefixed), to per-attempt log files, or both.
 
 Layout of ``--log-dir DIR``: ``DIR/<run id>_<8 hex>/attempt_<N>/<local rank>/`` holding
-``stdout.log``, ``stderr.log`` and ``error.json`` (the worker's ``TORCHELASTIC_ERROR_FILE``).
+``stdout.log``, ``stderr.log`` and ``error.json`` (the worker's ``TORCHELASTIC_ERROR_FILE``);
+``attempt_<N>/filtered_stdout.log`` and ``filtered_stderr.log`` hold the lines that
+``--duplicate-*-filters`` picked, from every local rank.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import IO
 
 from .config import LaunchConfig
 
-__all__ = ["Sink", "StreamPlan", "plan_streams", "pump"]
+__all__ = ["Duplicate", "Sink", "StreamPlan", "plan_streams", "pump"]
 
 _MAX_CHUNK = 1 << 16        # longest piece read at once, so one endless line cannot eat memory
 
@@ -87,10 +89,19 @@ def plan_streams(cfg: LaunchConfig, local_rank: int, rank_dir: str | None,
     return plans[0], plans[1]
 
 
+@dataclass(frozen=True)
+class Duplicate:
+    """``--duplicate-*-filters``: lines containing any of ``needles`` also go to ``sink``
+    (prefixed like the console), the attempt's ``filtered_<stream>.log``."""
+
+    sink: Sink
+    needles: tuple[bytes, ...]
+
+
 def pump(src: IO[bytes], console: Sink | None, prefix: bytes, file: Sink | None,
-         tail: collections.deque[bytes] | None) -> None:
+         tail: collections.deque[bytes] | None, duplicate: Duplicate | None = None) -> None:
     """Copy ``src`` line by line to the console (prefixed) and the file until EOF (runs in a
-    reader thread); keep the last lines in ``tail``."""
+    reader thread); keep the last lines in ``tail``; copy matching lines to ``duplicate``."""
     at_line_start = True
     try:
         while True:
@@ -101,6 +112,9 @@ def pump(src: IO[bytes], console: Sink | None, prefix: bytes, file: Sink | None,
                 tail.append(chunk)
             if file is not None:
                 file.write(chunk)
+            if duplicate is not None and any(n in chunk for n in duplicate.needles):
+                duplicate.sink.write((prefix if at_line_start else b"") + chunk
+                                     + (b"" if chunk.endswith(b"\n") else b"\n"))
             if console is not None:
                 console.write((prefix if at_line_start and prefix else b"") + chunk)
             at_line_start = chunk.endswith(b"\n")
@@ -112,3 +126,5 @@ def pump(src: IO[bytes], console: Sink | None, prefix: bytes, file: Sink | None,
         src.close()
         if file is not None:
             file.close()
+        if duplicate is not None:
+            duplicate.sink.close()
