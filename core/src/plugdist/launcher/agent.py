@@ -58,6 +58,16 @@ class LaunchError(RuntimeError):
     """The launcher could not start a worker."""
 
 
+def _round_news(rdzv: StoreRendezvous, a: Assignment) -> str | None:
+    """How this round ended elsewhere (another node's outcome), or a membership change seen
+    here (which ends the round for every node); None while the round goes on."""
+    outcome = rdzv.outcome(a.round)
+    if outcome:
+        return outcome
+    reason = rdzv.check(a)
+    return rdzv.end_round(a, reason) if reason else None
+
+
 def _live_groups(pgids: set[int]) -> set[int]:
     """Those of ``pgids`` that still hold a live (non-zombie) process: one pass over /proc."""
     if not pgids:
@@ -337,12 +347,9 @@ class Agent:
                 self.leftovers = [w.rank for w in self.workers if w.pgid in left]
                 return "succeeded"
             if multi:
-                outcome = rdzv.outcome(a.round)
-                if outcome:
-                    return outcome
-                reason = rdzv.check(a)
-                if reason:
-                    return rdzv.end_round(a, reason)
+                news = _round_news(rdzv, a)
+                if news:
+                    return news
             self.sleeper.sleep(interval)
 
     def _after_round(self, rdzv: StoreRendezvous, a: Assignment,
@@ -389,12 +396,9 @@ class Agent:
         while not rdzv.all_done(a):
             if self.signals:
                 return "signal"
-            outcome = rdzv.outcome(a.round)
-            if outcome:
-                return outcome
-            reason = rdzv.check(a)
-            if reason:
-                return rdzv.end_round(a, reason)
+            news = _round_news(rdzv, a)
+            if news:
+                return news
             self.sleeper.sleep(interval)
         return "succeeded"
 
