@@ -10,14 +10,12 @@ import functools
 from typing import Any
 
 __all__ = ["availability", "is_nccl_available", "load", "version", "format_version",
-           "MIN_VERSION", "MIN_CUPY", "AVG_VERSION", "BF16_VERSION"]
+           "MIN_VERSION", "MIN_CUPY"]
 
 # cupy 14 is built against NCCL >= 2.18 and creates communicators with ncclCommInitRankConfig
 # (new in 2.18), so an older libnccl cannot serve it; cupy 14 also passes the unique id as bytes
 MIN_VERSION = (2, 18, 1)
 MIN_CUPY = 14
-AVG_VERSION = (2, 10, 0)   # ncclAvg (always there from MIN_VERSION on; kept for the dtype table)
-BF16_VERSION = (2, 10, 0)  # ncclBfloat16
 
 _INSTALL_HINT = ("pip install 'plugdist-nccl[cuda12]' (or [cuda13], matching the CUDA runtime of "
                  "your torch build)")

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 import torch
 from plugdist.reduce_op import ReduceOp
 
-from ._nccl import BF16_VERSION
-
 __all__ = ["Buffer", "data_buffer", "reduction_buffer", "check_reducible", "nccl_op"]
 
 # NCCL's ABI values (nccl.h), stable since 2.0; the bfloat16 and avg codes need NCCL >= 2.10
@@ -44,30 +42,27 @@ class Buffer:
     dtype: int
 
 
-def data_buffer(t: torch.Tensor, nccl_version: tuple[int, int, int]) -> Buffer:
+def data_buffer(t: torch.Tensor) -> Buffer:
     """``t`` for ops that only move data: its own type when NCCL has it, raw bytes otherwise."""
     code = _CODES.get(t.dtype)
-    if code is None or (code == _BFLOAT16 and nccl_version < BF16_VERSION):
+    if code is None:
         return Buffer(t.data_ptr(), t.numel() * t.element_size(), _UINT8)
     return Buffer(t.data_ptr(), t.numel(), code)
 
 
-def check_reducible(dtype: torch.dtype, nccl_version: tuple[int, int, int]) -> None:
-    """Raise TypeError when NCCL ``nccl_version`` cannot reduce ``dtype`` tensors."""
+def check_reducible(dtype: torch.dtype) -> None:
+    """Raise TypeError when NCCL cannot reduce ``dtype`` tensors."""
     if dtype in _COMPLEX_PARTS:
         return
     code = _CODES.get(dtype)
     if code is None:
         raise TypeError(f"NCCL cannot reduce {dtype} tensors; convert it (e.g. .float() or "
                         f".int()) first")
-    if code == _BFLOAT16 and nccl_version < BF16_VERSION:
-        raise TypeError(f"NCCL {'.'.join(map(str, nccl_version))} cannot reduce bfloat16 "
-                        f"(NCCL 2.10 or later can); convert to float32 or upgrade NCCL")
 
 
-def reduction_buffer(t: torch.Tensor, nccl_version: tuple[int, int, int]) -> Buffer:
+def reduction_buffer(t: torch.Tensor) -> Buffer:
     """``t`` for a reduction; raises TypeError for a dtype NCCL cannot reduce."""
-    check_reducible(t.dtype, nccl_version)
+    check_reducible(t.dtype)
     if t.dtype in _COMPLEX_PARTS:
         return Buffer(t.data_ptr(), t.numel() * 2, _COMPLEX_PARTS[t.dtype])
     return Buffer(t.data_ptr(), t.numel(), _CODES[t.dtype])

@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -37,7 +37,7 @@ from plugdist.reduce_op import ReduceOp
 from plugdist.store import Store
 from plugdist.work import Work
 
-from ._nccl import AVG_VERSION, availability, load, version
+from ._nccl import availability, load, version
 from .communicator import Communicator, CommunicatorClosed, create_communicator
 from .dtypes import Buffer, check_reducible, data_buffer, nccl_op, reduction_buffer
 from .options import ASYNC_ERROR_HANDLING_ENV, FailurePolicy, NCCLOptions
@@ -92,9 +92,7 @@ class NCCLProcessGroup(ProcessGroup):
         self._log = get_logger(rank=rank, group=self.group_name)
         self._nccl = load()
         self._version = version()
-        caps = self.static_capabilities()
-        self._caps = caps if self._version >= AVG_VERSION else \
-            replace(caps, reduce_ops=caps.reduce_ops - {ReduceOp.AVG})
+        self._caps = self.static_capabilities()
         self._policy = FailurePolicy.from_env()
         self._blocking = self._policy.blocking_wait
         if self._blocking and any(os.environ.get(n, "").strip() for n in ASYNC_ERROR_HANDLING_ENV):
@@ -293,14 +291,13 @@ class NCCLProcessGroup(ProcessGroup):
             for w in works:
                 w.fail(exc)
             raise
-        version_ = self._version
         nccl = self._nccl
 
         def issue(comm: Any, stream: int) -> None:
             nccl.groupStart()
             try:
                 for p in pending:
-                    _p2p_call(comm, p.send, data_buffer(p.tensor, version_), p.peer, stream)
+                    _p2p_call(comm, p.send, data_buffer(p.tensor), p.peer, stream)
             finally:
                 nccl.groupEnd()
 
@@ -423,7 +420,7 @@ class NCCLProcessGroup(ProcessGroup):
                              f"on CPU tensors")
         super()._check_reduce(op, red, tensor)
         try:
-            check_reducible(tensor.dtype, self._version)
+            check_reducible(tensor.dtype)
         except TypeError as exc:
             raise TypeError(f"{self.where(op)} {exc}") from None
 
@@ -431,26 +428,26 @@ class NCCLProcessGroup(ProcessGroup):
     def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
         if tensor.numel() == 0:
             return self._issue("all_reduce", tensor, _nothing, [tensor], [tensor])
-        buf, red = reduction_buffer(tensor, self._version), nccl_op(op, tensor.dtype)
+        buf, red = reduction_buffer(tensor), nccl_op(op, tensor.dtype)
         return self._issue("all_reduce", tensor,
                            lambda c, s: c.allReduce(buf.ptr, buf.ptr, buf.count, buf.dtype, red, s),
                            [tensor], [tensor])
 
     def native_broadcast(self, *, tensor: torch.Tensor, src: int) -> Work:
-        buf = data_buffer(tensor, self._version)
+        buf = data_buffer(tensor)
         return self._issue("broadcast", tensor, _if_any(
             buf, lambda c, s: c.broadcast(buf.ptr, buf.ptr, buf.count, buf.dtype, src, s)),
             [tensor], [tensor])
 
     def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
-        buf, red = reduction_buffer(tensor, self._version), nccl_op(op, tensor.dtype)
+        buf, red = reduction_buffer(tensor), nccl_op(op, tensor.dtype)
         # NCCL writes recvbuff on the root only: elsewhere the input stays as it was
         return self._issue("reduce", tensor, _if_any(
             buf, lambda c, s: c.reduce(buf.ptr, buf.ptr, buf.count, buf.dtype, red, dst, s)),
             [tensor], [tensor])
 
     def native_all_gather_into_tensor(self, *, output: torch.Tensor, tensor: torch.Tensor) -> Work:
-        inp, out = data_buffer(tensor, self._version), data_buffer(output, self._version)
+        inp, out = data_buffer(tensor), data_buffer(output)
         return self._issue("all_gather_into_tensor", tensor, _if_any(
             inp, lambda c, s: c.allGather(inp.ptr, out.ptr, inp.count, inp.dtype, s)),
             [tensor, output], [output])
@@ -458,7 +455,7 @@ class NCCLProcessGroup(ProcessGroup):
     def native_all_gather(self, *, output_tensors: list[torch.Tensor],
                           tensor: torch.Tensor) -> Work:
         flat = self._scratch(tensor, (self._size * tensor.numel(),))
-        inp, out = data_buffer(tensor, self._version), data_buffer(flat, self._version)
+        inp, out = data_buffer(tensor), data_buffer(flat)
 
         def issue(c: Any, s: int) -> None:
             if inp.count:
@@ -472,7 +469,7 @@ class NCCLProcessGroup(ProcessGroup):
 
     def native_reduce_scatter_tensor(self, *, output: torch.Tensor, input: torch.Tensor,
                                      op: ReduceOp) -> Work:
-        out, inp = reduction_buffer(output, self._version), reduction_buffer(input, self._version)
+        out, inp = reduction_buffer(output), reduction_buffer(input)
         red = nccl_op(op, output.dtype)
         return self._issue("reduce_scatter_tensor", output, _if_any(
             out, lambda c, s: c.reduceScatter(inp.ptr, out.ptr, out.count, out.dtype, red, s)),
@@ -481,13 +478,13 @@ class NCCLProcessGroup(ProcessGroup):
     def native_reduce_scatter(self, *, output: torch.Tensor, input_list: list[torch.Tensor],
                               op: ReduceOp) -> Work:
         flat = self._scratch(output, (self._size * output.numel(),))
-        out = reduction_buffer(output, self._version)
+        out = reduction_buffer(output)
         red = nccl_op(op, output.dtype)
 
         def issue(c: Any, s: int) -> None:
             if out.count:
                 torch.cat([t.reshape(-1) for t in input_list], out=flat)
-                inp = reduction_buffer(flat, self._version)
+                inp = reduction_buffer(flat)
                 c.reduceScatter(inp.ptr, out.ptr, out.count, out.dtype, red, s)
 
         return self._issue("reduce_scatter", output, issue, [output, flat, *input_list], [output])
@@ -530,7 +527,7 @@ class NCCLProcessGroup(ProcessGroup):
         # aborts the communicator only under NCCL_BLOCKING_WAIT
         device = self._device_of(None)
         flag = torch.zeros(1, dtype=torch.float32, device=device)
-        buf = data_buffer(flag, self._version)
+        buf = data_buffer(flag)
         return self._issue("barrier", flag,
                            lambda c, s: c.allReduce(buf.ptr, buf.ptr, 1, buf.dtype, 0, s),
                            [flag], [], blocking=True)
@@ -558,7 +555,7 @@ class NCCLProcessGroup(ProcessGroup):
                   result: Any) -> NCCLWork:
         """Send ``sends[r]`` to and receive ``recvs[r]`` from every rank r (None: nothing) as one
         NCCL group call; this rank's own slot is a copy on the stream."""
-        me, version_, nccl = self._rank, self._version, self._nccl
+        me, nccl = self._rank, self._nccl
 
         def issue(c: Any, s: int) -> None:
             mine_in, mine_out = sends[me], recvs[me]
@@ -571,9 +568,9 @@ class NCCLProcessGroup(ProcessGroup):
                         continue
                     out, inp = recvs[peer], sends[peer]
                     if inp is not None and inp.numel():
-                        _p2p_call(c, True, data_buffer(inp, version_), peer, s)
+                        _p2p_call(c, True, data_buffer(inp), peer, s)
                     if out is not None and out.numel():
-                        _p2p_call(c, False, data_buffer(out, version_), peer, s)
+                        _p2p_call(c, False, data_buffer(out), peer, s)
             finally:
                 nccl.groupEnd()
 
