@@ -84,8 +84,12 @@ def test_debug_detail_checks_bridged_groups(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_script_launched_by_plugdist_run_sees_torch_world(tmp_path: Path) -> None:
-    launcher = Path(sys.executable).with_name("plugdist-run")
+@pytest.mark.parametrize("launcher_name", ["plugdist-run", "torchrun"])
+def test_script_launched_by_either_launcher_sees_torch_world(tmp_path: Path,
+                                                              launcher_name: str) -> None:
+    """The same script, calling only plugdist.init_process_group, under either launcher
+    (torchrun: plugdist's env:// joins torch's agent store)."""
+    launcher = Path(sys.executable).with_name(launcher_name)
     proc = subprocess.run([str(launcher), "--standalone", "--nproc-per-node", "2",
                            str(HERE / "torch_scripts" / "sampler_script.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=100)
