@@ -16,14 +16,6 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module")
-def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                    "--no-build-isolation", "--target", str(target),
-                    str(HERE / "plugins" / "plugdist-broken")], check=True, timeout=160)
-    return target
-
 
 def _run(code: str, site: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

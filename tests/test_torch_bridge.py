@@ -145,14 +145,6 @@ def test_entry_point_turns_any_failure_into_a_warning(monkeypatch: pytest.Monkey
         autoload.autoload()
 
 
-@pytest.fixture(scope="module")
-def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                    "--no-build-isolation", "--target", str(target),
-                    str(HERE / "plugins" / "plugdist-broken")], check=True, timeout=160)
-    return target
-
 
 @pytest.mark.timeout(200)
 def test_import_torch_survives_a_broken_plugin(broken_site: Path) -> None:
