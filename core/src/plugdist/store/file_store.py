@@ -28,6 +28,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import TypeVar
 
 from ..errors import DistStoreError, DistTimeoutError, QueueEmptyError
 from ._util import check_amount, check_key, check_keys
@@ -38,9 +39,27 @@ __all__ = ["FileStore"]
 _REC = struct.Struct("!BII")
 _SET, _JOIN, _LEAVE, _DELETE, _QPUSH, _QPOP = 1, 2, 3, 4, 5, 6
 _POLL_MIN, _POLL_MAX = 0.001, 0.02
+_T = TypeVar("_T")
 # (current value or None) -> (value to write or None, result to return)
 _Updater = Callable[[bytes | None], tuple[bytes | None, bytes]]
 _Record = tuple[int, bytes, bytes]
+
+
+def _poll(attempt: Callable[[], _T | None], limit: float,
+          timeout_error: Callable[[], Exception]) -> _T:
+    """Call ``attempt`` until it returns something other than None, napping 1 ms growing to
+    20 ms between calls; after ``limit`` seconds raise ``timeout_error()``."""
+    deadline = time.monotonic() + limit
+    nap = _POLL_MIN
+    while True:
+        result = attempt()
+        if result is not None:
+            return result
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise timeout_error()
+        time.sleep(min(nap, left))
+        nap = min(nap * 2, _POLL_MAX)
 
 
 class _Log:
@@ -328,22 +347,18 @@ class FileStore(Store):
     def _wait(self, keys: list[str], timeout: timedelta | None, op: str,
               values_only: bool = False) -> None:
         limit = to_seconds(timeout if timeout is not None else self.timeout)
-        deadline = time.monotonic() + limit
-        nap = _POLL_MIN
         log = self._log
-        while True:
+        missing: list[str] = []
+
+        def all_there() -> bool | None:
             log.refresh()
             with log.mutex:
-                missing = [k for k in keys if k not in log.data
-                           and (values_only or not log.queues.get(k))]
-            if not missing:
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DistTimeoutError(f"{self!r}: {op} timeout after {limit:.3g}s; missing "
-                                       f"keys {missing}")
-            time.sleep(min(nap, left))
-            nap = min(nap * 2, _POLL_MAX)
+                missing[:] = [k for k in keys if k not in log.data
+                              and (values_only or not log.queues.get(k))]
+            return None if missing else True
+
+        _poll(all_there, limit, lambda: DistTimeoutError(
+            f"{self!r}: {op} timeout after {limit:.3g}s; missing keys {missing}"))
 
     def check(self, keys: Sequence[str]) -> bool:
         keys = check_keys(keys)
@@ -378,22 +393,15 @@ class FileStore(Store):
     def queue_pop(self, key: str, block: bool = True) -> bytes:
         check_key(key)
         log = self._log
-        limit = to_seconds(self.timeout)
-        deadline = time.monotonic() + limit
-        nap = _POLL_MIN
-        while True:
+        if not block:
             value = log.pop(key)
-            if value is not None:
-                return value
-            if not block:
+            if value is None:
                 raise QueueEmptyError(f"{self!r}: queue_pop({key!r}, block=False): the queue is "
                                       f"empty")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DistTimeoutError(f"{self!r}: queue_pop timeout after {limit:.3g}s; queue "
-                                       f"{key!r} stayed empty")
-            time.sleep(min(nap, left))
-            nap = min(nap * 2, _POLL_MAX)
+            return value
+        limit = to_seconds(self.timeout)
+        return _poll(lambda: log.pop(key), limit, lambda: DistTimeoutError(
+            f"{self!r}: queue_pop timeout after {limit:.3g}s; queue {key!r} stayed empty"))
 
     def queue_len(self, key: str) -> int:
         check_key(key)
