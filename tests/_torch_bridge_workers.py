@@ -389,7 +389,7 @@ def torch_first_suite(rank: int, n: int, ports: list[int]) -> dict[str, str | No
     tdist.destroy_process_group()
     if n == 2:
         out.update(run_checks({
-            "device map cpu:plugdist_gloo": lambda: _device_map(rank, n, ports[1]),
+            "device maps": lambda: _device_map(rank, n, [ports[1], *ports[6:10]]),
             "plugdist's world in torch": lambda: _world_in_torch(rank, n, ports[2:])}))
     return out
 
@@ -417,9 +417,18 @@ def mesh_1d_checks() -> Checks:
     return {"DeviceMesh (2,) + functional collectives + DTensor": mesh_1d}
 
 
-def _device_map(rank: int, n: int, port: int) -> None:
-    tdist.init_process_group("cpu:plugdist_gloo", init_method=f"tcp://127.0.0.1:{port}",
-                             rank=rank, world_size=n, timeout=timedelta(seconds=60))
+def _device_map(rank: int, n: int, ports: list[int]) -> None:
+    """The device-map form: one plugdist backend for cpu; then maps mixing plugdist and torch
+    backends (the other device is cuda, never used here: its backend is still built, and the
+    GPU test in test_nccl.py sends it tensors); then a map whose torch backend cannot be built
+    next to a plugdist one."""
+    from plugdist.torch_bridge import BridgeGroup, BridgeWork
+
+    def init(spec: str, port: int) -> None:
+        tdist.init_process_group(spec, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                 world_size=n, timeout=timedelta(seconds=60))
+
+    init("cpu:plugdist_gloo", ports[0])
     try:
         t = torch.tensor([rank + 1.0])
         tdist.all_reduce(t)
@@ -427,6 +436,48 @@ def _device_map(rank: int, n: int, port: int) -> None:
             raise AssertionError(f"{t}, {tdist.get_backend_config()}")
     finally:
         tdist.destroy_process_group()
+
+    def torch_gloo(device: str) -> Callable[[Any], bool]:
+        return lambda route: isinstance(route._get_backend(torch.device(device)),
+                                        tdist.ProcessGroupGloo)
+
+    def plugdist_toy(route: Any) -> bool:
+        return isinstance(route, BridgeGroup) and route.plugdist_group.backend_name == "toy"
+
+    # spec -> (cpu tensors go through plugdist?, the device served by another group, its check)
+    cases: dict[str, tuple[bool, str, Callable[[Any], bool]]] = {
+        "cpu:gloo,cuda:plugdist_toy": (False, "cpu", torch_gloo("cpu")),
+        "cpu:plugdist_gloo,cuda:gloo": (True, "cuda", torch_gloo("cuda")),
+        "cpu:plugdist_gloo,cuda:plugdist_toy": (True, "cuda", plugdist_toy)}
+    for port, (spec, (plugdist_cpu, routed, is_expected)) in zip(ports[1:], cases.items(),
+                                                                  strict=False):
+        init(spec, port)
+        world: Any = tdist.group.WORLD
+        routes = dict(world.routes)
+        try:
+            t = torch.tensor([rank + 1.0])
+            work = tdist.all_reduce(t, async_op=True)
+            work.wait()
+            objects: list[Any] = [None] * n
+            tdist.all_gather_object(objects, rank)
+            tdist.barrier()
+            got = (t.item(), isinstance(work, BridgeWork), objects, list(routes))
+            want = (n * (n + 1) / 2, plugdist_cpu, list(range(n)), [routed])
+            if got != want or not is_expected(routes[routed]):
+                raise AssertionError(f"{spec}: (sum, plugdist's work, objects, routed devices) "
+                                     f"{got} != {want}; {routed} served by {routes}")
+        finally:
+            tdist.destroy_process_group()
+        if world.routes:
+            raise AssertionError(f"{spec}: destroy left the routes {world.routes}")
+    try:
+        init("cpu:plugdist_gloo,cuda:ucc", ports[4])
+    except ValueError as err:
+        if "cpu:plugdist_gloo,cuda:ucc" not in str(err) or "give cuda" not in str(err):
+            raise AssertionError(f"unclear error: {err}") from err
+    else:
+        tdist.destroy_process_group()
+        raise AssertionError("cpu:plugdist_gloo,cuda:ucc was accepted")
 
 
 def _world_in_torch(rank: int, n: int, ports: list[int]) -> None:

@@ -31,9 +31,9 @@ def _failures(results: list[dict[str, str | None]]) -> dict[str, str]:
 @pytest.mark.timeout(300)
 def test_torch_first_world_of_2() -> None:
     """torch alone over plugdist_gloo/plugdist_toy: every op, DDP (plain, bucket views, no_sync,
-    find_unused_parameters), FSDP2, DeviceMesh (2,), the device-map form; then plugdist's world
-    shared with torch, destroyed, opted out of, and re-initialized."""
-    ports = [free_port() for _ in range(6)]
+    find_unused_parameters), FSDP2, DeviceMesh (2,), device maps (mixed ones too); then
+    plugdist's world shared with torch, destroyed, opted out of, and re-initialized."""
+    ports = [free_port() for _ in range(10)]
     results = run_world(workers.torch_first_suite, 2, timeout=280, args=(ports,))
     assert len(results[0]) > 60 and results[0].keys() == results[1].keys()
     assert not _failures(results), "\n".join(f"--- {k}\n{v}" for k, v in _failures(results).items())

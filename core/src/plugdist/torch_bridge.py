@@ -41,6 +41,7 @@ from .reduce_op import ReduceOp
 from .registry import BACKENDS, registry
 from .store import Store, TorchStoreAdapter
 from .store.for_torch import PlugdistStoreForTorch
+from .torch_device_map import caller_device_map, other_devices
 from .work import Work, gather_works
 
 __all__ = ["register", "create_group", "BridgeGroup", "BridgeWork", "share_world",
@@ -92,13 +93,30 @@ def create_group(backend: str, backend_options: Any, pg_options: Any = None) -> 
     if adopted is not None and not backend_options.global_ranks_in_group:
         _adopting.group = None
         return BridgeGroup(adopted, backend, owned=False, name=backend_options.group_id)
-    size = backend_options.group_size
+    size, rank = backend_options.group_size, backend_options.group_rank
     global_ranks = tuple(backend_options.global_ranks_in_group) or tuple(range(size))
     timeout = backend_options.timeout
-    pg = build_group(backend, TorchStoreAdapter(backend_options.store, timeout), global_ranks,
-                     backend_options.group_rank, f"torch:{backend_options.group_id}", timeout,
-                     pg_options, global_rank=global_ranks[backend_options.group_rank])
-    return BridgeGroup(pg, backend, owned=True, name=backend_options.group_id)
+    name = backend_options.group_id
+
+    def plugdist_group(backend: str, store: Any, label: str, options: Any) -> ProcessGroup:
+        return build_group(backend, TorchStoreAdapter(store, timeout), global_ranks, rank, label,
+                           timeout, options, global_rank=global_ranks[rank])
+
+    pg = plugdist_group(backend, backend_options.store, f"torch:{name}", pg_options)
+    routes: dict[str, Any] = {}
+    device_map = caller_device_map()
+    if device_map is not None:  # "cpu:gloo,cuda:plugdist_nccl": torch left the rest to us
+        def other(other_backend: str, device: str, store: Any) -> BridgeGroup:
+            group = plugdist_group(other_backend, store, f"torch:{name}:{device}", None)
+            return BridgeGroup(group, other_backend, owned=True, name=name)
+
+        try:
+            routes = other_devices(device_map, torch_name(backend), rank, size,
+                                   list(global_ranks), other)
+        except BaseException:
+            pg.shutdown()
+            raise
+    return BridgeGroup(pg, backend, owned=True, name=name, routes=routes)
 
 
 def _learn_devices(backend: str, factory: Any) -> None:
@@ -115,11 +133,17 @@ class BridgeGroup(_TorchProcessGroup):
     :class:`BridgeWork` and never blocks. Thread-safety and ordering are the plugdist group's:
     every member issues the same ops in the same order. ``owned`` groups (built by torch) are
     shut down with torch's; a shared one (plugdist's default group) is left to plugdist.
+
+    ``routes`` (from torch's device-map form, see :mod:`plugdist.torch_device_map`): the group
+    that serves each device type whose map entry is another backend; an op whose tensors (or
+    barrier/coalescing device) are on such a device is that group's call, unchanged.
     """
 
-    def __init__(self, group: ProcessGroup, backend: str, *, owned: bool, name: str = "") -> None:
+    def __init__(self, group: ProcessGroup, backend: str, *, owned: bool, name: str = "",
+                 routes: dict[str, Any] | None = None) -> None:
         super().__init__(group.rank(), group.size())
         self.plugdist_group = group
+        self.routes = routes or {}
         self._backend = torch_name(backend)
         self._owned = owned
         self._name = name
@@ -144,18 +168,23 @@ class BridgeGroup(_TorchProcessGroup):
 
     @property
     def _device_types(self) -> list[torch.device]:
-        return [torch.device(d) for d in self.plugdist_group.capabilities().device_types]
+        own = [d for d in self.plugdist_group.capabilities().device_types if d not in self.routes]
+        return [torch.device(d) for d in [*own, *self.routes]]
 
     def __repr__(self) -> str:
         return (f"<BridgeGroup {self._backend} torch group {self._name!r} over "
                 f"{self.plugdist_group!r}>")
 
     def shutdown(self) -> None:
-        """torch's destroy_process_group: shut the plugdist group down if torch built it."""
+        """torch's destroy_process_group: shut the plugdist group down if torch built it, and
+        every group that served other devices of its device map."""
         if self._owned:
             self._owned = False
             registry.plugins().hook.plugdist_group_destroyed(group=self.plugdist_group)
             self.plugdist_group.shutdown()
+        routes, self.routes = self.routes, {}
+        for route in {id(r): r for r in routes.values()}.values():
+            route.shutdown()
 
     def abort(self) -> None:
         self.shutdown()
@@ -341,6 +370,53 @@ class BridgeGroup(_TorchProcessGroup):
         work = gather_works(works, outputs, op=op, rank=pg.rank(), group=pg.group_name,
                             backend=pg.backend_name, timeout=pg.timeout)
         return self._work(work, outputs)
+
+
+# every op torch may send with tensors of another device of a device map
+_ROUTED_OPS = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
+               "allgather_coalesced", "_allgather_base", "all_gather_single",
+               "allgather_into_tensor_coalesced", "all_gather_single_coalesced", "gather",
+               "scatter", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+               "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced", "alltoall",
+               "alltoall_base", "all_to_all_single", "barrier", "send", "recv", "recv_anysource",
+               "start_coalescing", "end_coalescing", "_start_coalescing", "_end_coalescing")
+
+
+def _routed(name: str, own: Any) -> Any:
+    def op(self: BridgeGroup, *args: Any, **kwargs: Any) -> Any:
+        if self.routes:
+            device = _device_type(args) or _device_type(tuple(kwargs.values()))
+            route = self.routes.get(device) if device is not None else None
+            if route is not None:  # torch's C++ group spells coalescing with a leading "_"
+                method = getattr(route, name, None) or getattr(route, "_" + name)
+                return method(*args, **kwargs)
+        return own(self, *args, **kwargs)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = own.__doc__
+    return op
+
+
+for _name in _ROUTED_OPS:
+    setattr(BridgeGroup, _name, _routed(_name, getattr(BridgeGroup, _name)))
+
+
+def _device_type(args: Any, depth: int = 3) -> str | None:
+    """The device type of the first tensor in ``args`` (nested lists included), else of an
+    options object's ``device`` (barrier) or a device argument (coalescing); None if none."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device.type
+        if isinstance(arg, torch.device):
+            return arg.type
+        if isinstance(arg, (list, tuple)) and depth > 0:
+            found = _device_type(arg, depth - 1)
+            if found is not None:
+                return found
+        device = getattr(arg, "device", None)
+        if isinstance(device, torch.device):
+            return device.type
+    return None
 
 
 def _as_list(tensors: Any) -> list[torch.Tensor]:
