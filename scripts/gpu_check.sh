@@ -13,7 +13,8 @@
 #
 # Usage: scripts/gpu_check.sh [RESULTS_DIR]   (default: $OUT if set, else gpu-check-results)
 # Environment: PYTHON (default python3), GPU_WHEELS (.gpu-wheels), GPU_VENV (.gpu-venv),
-# GPU_CHECK_DRY_RUN=1 (run every step without a GPU: the GPU tests skip; verdict DRY-RUN).
+# GPU_CHECK_DRY_RUN=1 (run every step without a GPU: the GPU tests skip; verdict DRY-RUN),
+# GPU_CHECK_SETUP_ONLY=1 (stop after the install, verdict SETUP: to run other GPU scripts).
 # Exit status: 0 PASS (or a clean dry run), 1 FAIL, 2 cannot run here (no CUDA device, ...).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -93,6 +94,7 @@ dists=(-e core -e plugins/nccl -e plugins/gloo -e plugins/debug -e tests/plugins
 "${pipi[@]}" --no-deps --no-build-isolation "${dists[@]}" >>"$log" 2>&1 ||
   verdict FAIL 2 "(editable install of the repo failed, see $log)"
 "$vpy" -c "import plugdist_nccl; print('gpu-check: plugdist-nccl availability:', *plugdist_nccl.availability())" 2>&1 | tee -a "$log"
+[ "${GPU_CHECK_SETUP_ONLY:-0}" = 1 ] && verdict SETUP 0 "($venv is ready; its python: $vpy)"
 
 # 3. the tests: world sizes 1 and 2 (two ranks share a GPU when there is one)
 export PLUGDIST_TEST_RANKS_PER_GPU=2 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo

@@ -139,7 +139,12 @@ def p2p_eager_versus_held(rank: int, ws: int) -> list[str]:
     """Settles the held-back point-to-point question on a GPU: rank 0 isends and then blocks on
     the store until rank 1 has the data on the host. With NCCLOptions(eager_p2p=True) (torch's
     behaviour) that completes; held back (the default), the send waits for rank 0's next call on
-    the group, so rank 1 must see a timeout there, not the data."""
+    the group, so rank 1 must see a timeout there, not the data.
+
+    Each pair is connected first by a blocking send/recv: NCCL connects two ranks at their first
+    point-to-point call, whose group call then blocks the host until the peer posts its side, so
+    on a cold pair rank 1's timed wait could not return before rank 0 flushed (seen on an H100,
+    NCCL 2.28)."""
     from plugdist.world import world
     from plugdist_nccl import NCCLOptions
 
@@ -149,6 +154,12 @@ def p2p_eager_versus_held(rank: int, ws: int) -> list[str]:
     problems = []
     for eager in (True, False):
         g = dist.new_group([0, 1], pg_options=NCCLOptions(device_id=dev.index, eager_p2p=eager))
+        connect = torch.ones(1, device=dev)
+        if rank == 0:
+            dist.send(connect, dst=1, group=g)
+        else:
+            dist.recv(connect, src=0, group=g)
+        torch.cuda.synchronize(dev)
         key = f"p2p-test/{eager}"
         if rank == 0:
             work = dist.isend(torch.full((4,), 7.0, device=dev), dst=1, group=g)
@@ -192,3 +203,107 @@ def barrier_timeout(rank: int, ws: int) -> str:
     except dist.DistTimeoutError as err:
         return f"timeout: {err}"
     return "no error"
+
+
+# -- plugdist_nccl inside torch.distributed ---------------------------------------------------
+def torch_over_plugdist_nccl(rank: int, ws: int, ports: list[int]) -> list[str]:
+    """torch.distributed alone (no plugdist call) over plugdist_nccl, against torch's own NCCL
+    in the same world: ops, torch's DDP (parameters bitwise equal), FSDP2 (equal losses); then
+    the device-map forms that mix plugdist and torch backends, with cpu and cuda tensors."""
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+    from plugdist.testing.checks import assign_gpu
+    from plugdist.torch_bridge import BridgeWork
+
+    dev = assign_gpu(rank, ws)
+    problems: list[str] = []
+    tdist.init_process_group("plugdist_nccl", init_method=f"tcp://127.0.0.1:{ports[0]}",
+                             rank=rank, world_size=ws, timeout=timedelta(seconds=60))
+    world, ref = tdist.group.WORLD, tdist.new_group(backend="nccl")
+
+    def ops(group: object) -> list[object]:
+        t = torch.full((3,), rank + 1.0, device=dev)
+        tdist.all_reduce(t, group=group)
+        a = torch.empty(2 * ws, device=dev)
+        tdist.all_gather_into_tensor(a, torch.full((2,), float(rank), device=dev), group=group)
+        r = torch.empty(1, device=dev)
+        tdist.reduce_scatter_tensor(r, torch.arange(float(ws), device=dev), group=group)
+        b = torch.full((2,), float(rank), device=dev)
+        tdist.broadcast(b, src=ws - 1, group=group)
+        o = torch.empty(ws, device=dev)
+        tdist.all_to_all_single(o, torch.arange(float(ws), device=dev) + 10 * rank, group=group)
+        tdist.barrier(group=group)
+        objs: list[object] = [None] * ws
+        tdist.all_gather_object(objs, {"rank": rank}, group=group)
+        return [t.tolist(), a.tolist(), r.tolist(), b.tolist(), o.tolist(), objs]
+
+    if ops(world) != ops(ref):
+        problems.append(f"ops over plugdist_nccl {ops(world)} != over nccl {ops(ref)}")
+
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)).to(dev)
+
+    def ddp(group: object) -> list[torch.Tensor]:
+        model = mlp()
+        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index],
+                                                      process_group=group, bucket_cap_mb=0.001)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(4):
+            wrapped(torch.randn(5, 8, generator=gen).to(dev)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    if not all(torch.equal(a, b) for a, b in zip(ddp(world), ddp(ref), strict=True)):
+        problems.append("torch DDP over plugdist_nccl ended with other parameters than over nccl")
+
+    def fsdp(group: object) -> list[float]:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = mlp()
+        mesh = DeviceMesh.from_group(group, "cuda")
+        for layer in (model[0], model[2], model):
+            fully_shard(layer, mesh=mesh)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        gen = torch.Generator().manual_seed(200 + rank)
+        losses = []
+        for _ in range(4):
+            loss = model(torch.randn(6, 8, generator=gen).to(dev)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    if fsdp(world) != fsdp(ref):
+        problems.append("FSDP2 over plugdist_nccl gave other losses than over nccl")
+    tdist.destroy_process_group()
+
+    # which backend serves each device: (cpu work is plugdist's?, cuda work is plugdist's?)
+    maps = {"cpu:gloo,cuda:plugdist_nccl": (False, True),
+            "cpu:plugdist_gloo,cuda:nccl": (True, False),
+            "cpu:plugdist_gloo,cuda:plugdist_nccl": (True, True)}
+    for port, (spec, want) in zip(ports[1:], maps.items(), strict=True):
+        tdist.init_process_group(spec, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                 world_size=ws, timeout=timedelta(seconds=60))
+        try:
+            cpu, gpu = torch.tensor([rank + 1.0]), torch.tensor([rank + 1.0], device=dev)
+            works = [tdist.all_reduce(t, async_op=True) for t in (cpu, gpu)]
+            for w in works:
+                w.wait()
+            seen = tuple(isinstance(w, BridgeWork) for w in works)
+            model = nn.parallel.DistributedDataParallel(mlp(), device_ids=[dev.index])
+            model(torch.randn(2, 8, device=dev)).sum().backward()
+            tdist.barrier()
+            total = ws * (ws + 1) / 2
+            if (cpu.item(), gpu.item(), seen) != (total, total, want):
+                problems.append(f"{spec}: all_reduce gave cpu {cpu.item()}, cuda {gpu.item()} "
+                                f"(want {total}); plugdist served (cpu, cuda) = {seen}, "
+                                f"want {want}")
+        finally:
+            tdist.destroy_process_group()
+    return problems

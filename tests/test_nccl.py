@@ -26,6 +26,7 @@ from plugdist.registry import BACKENDS, registry
 from plugdist.testing import run_world
 from plugdist.testing.checks import check_names, run_checks
 from plugdist.testing.conformance import _gpu_shortfall
+from plugdist.testing.harness import free_port
 from plugdist_nccl import NCCLOptions, NCCLProcessGroup, availability, is_nccl_available
 from plugdist_nccl.communicator import Communicator, CommunicatorClosed, exchange_unique_id
 from plugdist_nccl.options import ErrorHandling, FailurePolicy, error_handling_from_env
@@ -603,6 +604,17 @@ def test_p2p_eager_versus_held_back() -> None:
     _two_ranks()
     results = run_world(workers.p2p_eager_versus_held, 2, backend="nccl", timeout=120,
                         group_timeout=60.0)
+    assert results == [[], []], results
+
+
+@needs_gpu
+@pytest.mark.timeout(240)
+def test_plugdist_nccl_inside_torch() -> None:
+    """torch.distributed alone over plugdist_nccl matches torch's NCCL (ops, DDP, FSDP2), and
+    the device-map forms mixing plugdist and torch backends serve cpu and cuda tensors."""
+    _two_ranks()
+    ports = [free_port() for _ in range(4)]
+    results = run_world(workers.torch_over_plugdist_nccl, 2, timeout=200, args=(ports,))
     assert results == [[], []], results
 
 

@@ -62,12 +62,16 @@ def verify_model_across_ranks(pg: ProcessGroup, params: Sequence[torch.Tensor],
     size = pg.size()
     if size == 1:
         return
-    count = torch.tensor([len(params)], dtype=torch.int64)
+    # on the parameters' device when the backend handles it (nccl handles cuda only), else cpu
+    device = params[0].device if params else torch.device("cpu")
+    if device.type not in pg.capabilities().device_types:
+        device = torch.device("cpu")
+    count = torch.tensor([len(params)], dtype=torch.int64, device=device)
     counts = [torch.empty_like(count) for _ in range(size)]
     pg.all_gather(counts, count).wait()
     per_rank = [int(c.item()) for c in counts]
     rows = max(per_rank)
-    mine = _fingerprint(params, rows)
+    mine = _fingerprint(params, rows).to(device)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     pg.all_gather(gathered, mine).wait()
     tables = [g.tolist() for g in gathered]

@@ -26,7 +26,8 @@ import plugdist as dist
 from plugdist import ReduceOp
 from plugdist.work import Work
 
-__all__ = ["CHECKS", "run_checks", "check_names", "gpu_shortfall", "RANKS_PER_GPU_ENV"]
+__all__ = ["CHECKS", "run_checks", "check_names", "gpu_shortfall", "check_device", "assign_gpu",
+           "RANKS_PER_GPU_ENV"]
 
 # Ranks of a CUDA-only backend that may share one GPU (default 1). Set by the GPU check to run
 # world size 2 on a one-GPU machine; each sharing rank then gets its own NCCL_HOSTID, since NCCL
@@ -82,12 +83,18 @@ def check_device() -> torch.device | None:
     gets its own ``NCCL_HOSTID`` (read by NCCL when the rank's first communicator is built)."""
     if not cuda_only(_world().capabilities().device_types):
         return None
-    local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    return assign_gpu(int(os.environ.get("LOCAL_RANK", dist.get_rank())), dist.get_world_size())
+
+
+def assign_gpu(local_rank: int, world_size: int) -> torch.device:
+    """Make GPU ``local_rank`` modulo the GPU count current and return it; with more ranks than
+    GPUs and ``PLUGDIST_TEST_RANKS_PER_GPU`` above 1, give this rank its own ``NCCL_HOSTID``.
+    Needs no plugdist world (for scripts that only use torch.distributed)."""
     gpus = torch.cuda.device_count()
-    device = torch.device("cuda", local % gpus)
+    device = torch.device("cuda", local_rank % gpus)
     torch.cuda.set_device(device)
-    if dist.get_world_size() > gpus and _ranks_per_gpu() > 1:
-        tag = f"-plugdist-rank{local}"
+    if world_size > gpus and _ranks_per_gpu() > 1:
+        tag = f"-plugdist-rank{local_rank}"
         host = os.environ.get("NCCL_HOSTID") or socket.gethostname()
         if not host.endswith(tag):
             os.environ["NCCL_HOSTID"] = host + tag
