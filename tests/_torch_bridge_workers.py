@@ -573,6 +573,22 @@ def mpi_suite(rank: int, n: int) -> dict[str, str | None]:
             raise AssertionError(f"default group {world!r}")
 
     checks["torch's default group is plugdist's mpi world"] = shared
+
+    def device_map_subgroup() -> None:
+        """The issue's spelling "cpu:plugdist_mpi,cuda:nccl", with gloo for cuda (no GPU
+        here), as a new_group: cpu through plugdist's MPI, cuda's backend built beside it."""
+        from plugdist.torch_bridge import BridgeWork
+
+        mixed: Any = tdist.new_group(backend="cpu:plugdist_mpi,cuda:gloo")
+        t = torch.tensor([rank + 1.0])
+        work = tdist.all_reduce(t, group=mixed, async_op=True)
+        work.wait()
+        cuda = mixed.routes["cuda"]._get_backend(torch.device("cuda"))
+        if (t.item(), isinstance(work, BridgeWork), mixed.plugdist_group.backend_name,
+                isinstance(cuda, tdist.ProcessGroupGloo)) != (n * (n + 1) / 2, True, "mpi", True):
+            raise AssertionError(f"{t}, {work!r}, {mixed!r}, cuda served by {cuda!r}")
+
+    checks["new_group(backend='cpu:plugdist_mpi,cuda:gloo')"] = device_map_subgroup
     checks.update(op_checks(world, ref, "plugdist_mpi (shared)"))
     checks.update(op_checks(built, ref, "plugdist_mpi (torch-built)"))
     checks.update(training_checks({"plugdist_mpi": world}, ref))
