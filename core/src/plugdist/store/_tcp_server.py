@@ -1,9 +1,9 @@
 """The TCPStore server: one daemon thread, one selector, every client on non-blocking sockets.
 
-Blocking requests (GET, WAIT, MULTI_GET, QUEUE_POP, WAIT_WORKERS) park the connection; a write
-that creates a key (or fills an empty queue) answers the parked connections at once, and a
-deadline heap answers the ones whose timeout passes. A parked request waits on one missing key
-at a time, so a WAIT on n keys costs one index entry, not n.
+This module is the sockets: accepting, the handshake, framing, output buffering and the limits.
+What a command does, and the parking of blocking requests (GET, WAIT, MULTI_GET, QUEUE_POP,
+WAIT_WORKERS) until a write or their deadline answers them, is the key space's
+(:mod:`plugdist.store._tcp_keyspace`).
 
 A client that disconnects, fails authentication, or sends anything that is not a well-formed
 protocol frame is dropped and logged; nothing it does reaches other clients. Bounds
@@ -15,9 +15,7 @@ replies a client may leave unread before the server stops reading its requests.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import hmac
-import itertools
 import resource
 import secrets
 import selectors
@@ -25,21 +23,19 @@ import socket
 import struct
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from ..errors import DistNetworkError
 from ..log import get_logger
 from . import _wire as w
+from ._tcp_keyspace import KeySpace
 
 __all__ = ["StoreServer", "TCPStoreLimits"]
 
 _READ = selectors.EVENT_READ
 _WRITE = selectors.EVENT_WRITE
 _RECV_SIZE = 256 * 1024
-_INIT_KEY_COUNT = 1  # num_keys counts the worker counter once someone joined (as torch does)
-_MAX_TIMEOUT = 1e7  # seconds; longer ones are clamped (the deadline heap needs finite numbers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,32 +76,10 @@ class _Conn:
         self.out = bytearray()    # bytes the kernel has not taken yet
         self.handshaken = False
         self.nonce = nonce        # the server nonce sent in this connection's greeting
-        self.waiter: _Waiter | None = None
+        self.waiter: Any = None   # the parked request (the key space's), if any
         self.closed = False
         self.since = 0.0          # when the pending handshake / half-sent frame last progressed
         self.paused = False       # reading stopped: too many unread replies
-
-
-def _seconds(timeout: float) -> float:
-    """A timeout from the wire: NaN is malformed; the rest is clamped to [0, ~115 days]."""
-    if timeout != timeout:
-        raise ValueError("timeout is NaN")
-    return min(max(timeout, 0.0), _MAX_TIMEOUT)
-
-
-class _Waiter:
-    __slots__ = ("conn", "op", "keys", "pos", "deadline", "timeout", "count", "done")
-
-    def __init__(self, conn: _Conn, op: w.Op, keys: list[bytes], timeout: float,
-                 count: int = 0) -> None:
-        self.conn = conn
-        self.op = op
-        self.keys = keys
-        self.pos = 0  # keys[:pos] were seen present; the waiter is indexed under keys[pos]
-        self.timeout = timeout = _seconds(timeout)
-        self.deadline = time.monotonic() + timeout
-        self.count = count
-        self.done = False
 
 
 def _raise_fd_limit(want: int = 65536) -> None:
@@ -138,15 +112,7 @@ class StoreServer:
         self.token = token or None
         self.limits = limits or TCPStoreLimits()
         self.port = 0
-        self._data: dict[bytes, bytes] = {}
-        self._queues: dict[bytes, deque[bytes]] = {}
-        self._waiting: dict[bytes, list[_Waiter]] = {}
-        self._poppers: dict[bytes, deque[_Waiter]] = {}
-        self._worker_waiters: list[_Waiter] = []
-        self._deadlines: list[tuple[float, int, _Waiter]] = []
-        self._seq = itertools.count()
-        self._joined = 0
-        self._parked = 0
+        self._keys = KeySpace(self._answer, self.limits.max_frame_bytes)
         self._accept_paused_until = 0.0
         self._conns: dict[int, _Conn] = {}
         self._pending: set[_Conn] = set()  # mid-handshake or mid-frame: watched for stalls
@@ -156,15 +122,6 @@ class StoreServer:
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
         self._log = get_logger(component="tcp_store_server")
-        self._handlers: dict[int, Callable[[_Conn, bytes, int, int], bytes | None]] = {
-            w.Op.SET: self._op_set, w.Op.GET: self._op_get, w.Op.ADD: self._op_add,
-            w.Op.COMPARE_SET: self._op_compare_set, w.Op.WAIT: self._op_wait,
-            w.Op.CHECK: self._op_check, w.Op.NUM_KEYS: self._op_num_keys,
-            w.Op.DELETE_KEY: self._op_delete_key, w.Op.MULTI_GET: self._op_multi_get,
-            w.Op.MULTI_SET: self._op_multi_set, w.Op.WAIT_WORKERS: self._op_wait_workers,
-            w.Op.APPEND: self._op_append, w.Op.QUEUE_PUSH: self._op_queue_push,
-            w.Op.QUEUE_POP: self._op_queue_pop, w.Op.QUEUE_LEN: self._op_queue_len,
-        }
 
     @property
     def alive(self) -> bool:
@@ -234,8 +191,9 @@ class StoreServer:
         try:
             while not self._stop_event.is_set():
                 delay = None
-                if self._deadlines:
-                    delay = min(max(0.0, self._deadlines[0][0] - time.monotonic()), 3600.0)
+                deadline = self._keys.next_deadline()
+                if deadline is not None:
+                    delay = min(max(0.0, deadline - time.monotonic()), 3600.0)
                 if self._accept_paused_until:
                     pause = max(0.0, self._accept_paused_until - time.monotonic())
                     delay = pause if delay is None else min(delay, pause)
@@ -260,8 +218,8 @@ class StoreServer:
                     if mask & _READ and not conn.closed and not conn.paused:
                         self._on_readable(conn)
                 now = time.monotonic()
-                if self._deadlines:
-                    self._expire(now)
+                if deadline is not None:
+                    self._keys.expire(now)
                 if self._pending and now >= next_sweep:
                     self._sweep_stalled(now)
                     next_sweep = now + self._sweep_interval()
@@ -410,16 +368,17 @@ class StoreServer:
                 stop = pos + 5 + length
                 if stop > end:
                     break
-                handler = self._handlers.get(op)
-                if handler is None:
+                if not self._keys.knows(op):
                     raise _ProtocolError(f"unknown command {op}")
                 try:
-                    reply = handler(conn, buf, pos + 5, stop)
+                    reply = self._keys.handle(conn, op, buf, pos + 5, stop)
                 except (ValueError, IndexError, struct.error, UnicodeDecodeError,
                         OverflowError) as e:
                     raise _ProtocolError(f"malformed {w.Op(op).name} request: {e}") from None
                 pos = stop
-                if reply is not None:
+                if reply is None:  # parked: its clock is the request's timeout now
+                    self._pending.discard(conn)
+                else:
                     self._send(conn, reply)
                     if conn.closed:
                         return
@@ -473,10 +432,7 @@ class StoreServer:
         self._pending.discard(conn)
         self._send(conn, w.WELCOME.pack(w.MAGIC, w.VERSION, w.HELLO_OK, reply_proof))
         if flags & w.FLAG_JOIN:
-            self._joined += 1
-            if self._worker_waiters:
-                for waiter in [x for x in self._worker_waiters if self._joined >= x.count]:
-                    self._finish(waiter, _ok(w.I64.pack(self._joined)))
+            self._keys.join()
         return w.HELLO.size
 
     def _refuse_auth(self, conn: _Conn, why: str) -> None:
@@ -485,6 +441,13 @@ class StoreServer:
         self._close(conn)
 
     # ---- output ----------------------------------------------------------------------------
+
+    def _answer(self, conn: _Conn, reply: bytes) -> None:
+        """The key space answered ``conn``'s parked request: send it, then read on."""
+        self._send(conn, reply)
+        if conn.inbuf:
+            self._resume.append(conn)
+
 
     def _send(self, conn: _Conn, data: bytes) -> None:
         if conn.out:
@@ -541,7 +504,7 @@ class StoreServer:
         conn.closed = True
         self._pending.discard(conn)
         if conn.waiter is not None:
-            self._forget(conn.waiter)
+            self._keys.forget(conn.waiter)
             conn.waiter = None
         self._conns.pop(conn.sock.fileno(), None)
         try:
@@ -549,334 +512,4 @@ class StoreServer:
         except (KeyError, ValueError):
             pass
         conn.sock.close()
-
-    # ---- waiting ---------------------------------------------------------------------------
-
-    def _present(self, op: w.Op, key: bytes) -> bool:
-        """Whether ``key`` satisfies a parked ``op``: GET/MULTI_GET want a value, WAIT a value or
-        a non-empty queue, QUEUE_POP a non-empty queue."""
-        if op == w.Op.WAIT:
-            return key in self._data or bool(self._queues.get(key))
-        if op == w.Op.QUEUE_POP:
-            return bool(self._queues.get(key))
-        return key in self._data
-
-    def _first_missing(self, waiter: _Waiter, start: int) -> int:
-        keys, op = waiter.keys, waiter.op
-        for i in range(start, len(keys)):
-            if not self._present(op, keys[i]):
-                return i
-        return len(keys)
-
-    def _park(self, waiter: _Waiter) -> None:
-        conn = waiter.conn
-        conn.waiter = waiter
-        self._pending.discard(conn)
-        if waiter.op == w.Op.WAIT_WORKERS:
-            self._worker_waiters.append(waiter)
-        elif waiter.op == w.Op.QUEUE_POP:
-            self._poppers.setdefault(waiter.keys[0], deque()).append(waiter)
-        else:
-            self._waiting.setdefault(waiter.keys[waiter.pos], []).append(waiter)
-        self._parked += 1
-        dl = self._deadlines
-        if len(dl) > 1024 and len(dl) > 4 * self._parked:
-            # answered waiters stay in the heap until their deadline; drop them in bulk so a
-            # stream of short waits under a long timeout cannot grow it without bound
-            dl[:] = [e for e in dl if not e[2].done]
-            heapq.heapify(dl)
-        heapq.heappush(dl, (waiter.deadline, next(self._seq), waiter))
-
-    def _forget(self, waiter: _Waiter) -> None:
-        if waiter.done:
-            return
-        waiter.done = True
-        self._parked -= 1
-        if waiter.op == w.Op.WAIT_WORKERS:
-            self._worker_waiters.remove(waiter)
-            return
-        if waiter.op == w.Op.QUEUE_POP:
-            poppers = self._poppers.get(waiter.keys[0])
-            if poppers is not None:
-                try:
-                    poppers.remove(waiter)
-                except ValueError:
-                    pass
-                if not poppers:
-                    del self._poppers[waiter.keys[0]]
-            return
-        key = waiter.keys[waiter.pos] if waiter.pos < len(waiter.keys) else None
-        lst = self._waiting.get(key) if key is not None else None
-        if lst is not None:
-            try:
-                lst.remove(waiter)
-            except ValueError:
-                pass
-            if not lst:
-                del self._waiting[key]  # type: ignore[arg-type]
-
-    def _finish(self, waiter: _Waiter, reply: bytes) -> None:
-        self._forget(waiter)
-        conn = waiter.conn
-        conn.waiter = None
-        self._send(conn, reply)
-        if conn.inbuf:
-            self._resume.append(conn)
-
-    def _key_created(self, key: bytes) -> None:
-        waiters = self._waiting.pop(key, None)
-        if not waiters:
-            return
-        for waiter in waiters:
-            if waiter.done:
-                continue
-            nxt = self._first_missing(waiter, waiter.pos + 1)
-            if nxt == len(waiter.keys):
-                # every key was seen; one may have been deleted since: check them all once
-                nxt = self._first_missing(waiter, 0)
-            waiter.pos = nxt
-            if nxt < len(waiter.keys):
-                self._waiting.setdefault(waiter.keys[nxt], []).append(waiter)
-            else:
-                waiter.pos = len(waiter.keys)
-                self._finish(waiter, self._ready_reply(waiter))
-
-    def _ready_reply(self, waiter: _Waiter) -> bytes:
-        if waiter.op == w.Op.GET:
-            return _ok(self._data[waiter.keys[0]])
-        if waiter.op == w.Op.MULTI_GET:
-            return _ok(w.pack_blobs([self._data[k] for k in waiter.keys]))
-        return _OK_EMPTY
-
-    def _expire(self, now: float) -> None:
-        dl = self._deadlines
-        while dl and dl[0][0] <= now:
-            _, _, waiter = heapq.heappop(dl)
-            if waiter.done:
-                continue
-            if waiter.op == w.Op.WAIT_WORKERS:
-                msg = (f"Timed out after {_whole_seconds(waiter.timeout)} seconds waiting for "
-                       f"clients. {self._joined}/{waiter.count} clients joined.")
-            elif waiter.op == w.Op.QUEUE_POP:
-                msg = (f"queue_pop timeout after {waiter.timeout:.3g}s; queue "
-                       f"{_name(waiter.keys[0])!r} stayed empty")
-            else:
-                missing = [_name(k) for k in waiter.keys if not self._present(waiter.op, k)]
-                msg = (f"{waiter.op.name.lower()} timeout after {waiter.timeout:.3g}s; missing "
-                       f"keys {missing}")
-            self._finish(waiter, _reply(w.Status.TIMEOUT, msg.encode()))
-
-    def _wait_for(self, conn: _Conn, op: w.Op, keys: list[bytes], timeout: float) -> bytes | None:
-        waiter = _Waiter(conn, op, keys, timeout)
-        timeout = waiter.timeout
-        waiter.pos = self._first_missing(waiter, 0)
-        if waiter.pos == len(keys):
-            return self._ready_reply(waiter)
-        if timeout <= 0:
-            missing = [_name(k) for k in keys if not self._present(op, k)]
-            return _reply(w.Status.TIMEOUT, f"{op.name.lower()} timeout (0s): missing keys "
-                                            f"{missing}".encode())
-        self._park(waiter)
-        return None
-
-    def _created_value(self, key: bytes) -> None:
-        """A value now exists under ``key`` where none did."""
-        if key in self._waiting:
-            self._key_created(key)
-
-    # ---- commands: (conn, buf, body start, body end) -> reply frame or None when parked ----
-
-    def _op_set(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
-        key, pos = _blob(buf, pos, end)
-        value, _ = _blob(buf, pos, end)
-        created = key not in self._data
-        self._data[key] = value
-        if created:
-            self._created_value(key)
-        return _OK_EMPTY
-
-    def _op_get(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes | None:
-        timeout, kl = _F64_U32.unpack_from(buf, pos)
-        if pos + 12 + kl != end:
-            raise ValueError("key length does not match the frame")
-        key = bytes(buf[pos + 12:end])
-        value = self._data.get(key)
-        if value is not None:
-            return _ok(value)
-        return self._wait_for(conn, w.Op.GET, [key], timeout)
-
-    def _op_add(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
-        amount, kl = _I64_U32.unpack_from(buf, pos)
-        if pos + 12 + kl != end:
-            raise ValueError("key length does not match the frame")
-        key = bytes(buf[pos + 12:end])
-        old = self._data.get(key)
-        if old is None:
-            total = amount
-        else:
-            try:
-                total = int(old) + amount
-            except ValueError:
-                return _reply(w.Status.ERROR, (
-                    f"add({_name(key)!r}) met a value that is not an integer ({old[:32]!r}): "
-                    f"the key was written by set(); use a separate key for counters").encode())
-        if not -(2**63) <= total < 2**63:
-            return _reply(w.Status.ERROR, f"add({_name(key)!r}) overflows a 64-bit counter "
-                                          f"({total})".encode())
-        self._data[key] = str(total).encode()
-        if old is None:
-            self._created_value(key)
-        return _ok(w.I64.pack(total))
-
-    def _op_append(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
-        key, pos = _blob(buf, pos, end)
-        tail, _ = _blob(buf, pos, end)
-        old = self._data.get(key)
-        if old is not None and len(old) + len(tail) > self.limits.max_frame_bytes:
-            return _reply(w.Status.ERROR, (
-                f"append({_name(key)!r}) would grow the value past the frame limit of "
-                f"{self.limits.max_frame_bytes} bytes; a get could never return it").encode())
-        self._data[key] = tail if old is None else old + tail
-        if old is None:
-            self._created_value(key)
-        return _OK_EMPTY
-
-    def _op_compare_set(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
-        key, pos = _blob(buf, pos, end)
-        expected, pos = _blob(buf, pos, end)
-        desired, _ = _blob(buf, pos, end)
-        current = self._data.get(key)
-        if current is None:
-            if expected:
-                return _ok(expected)
-            self._data[key] = desired
-            self._created_value(key)
-            return _ok(desired)
-        if current == expected:
-            self._data[key] = desired
-            return _ok(desired)
-        return _ok(current)
-
-    def _op_wait(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes | None:
-        (timeout,) = w.F64.unpack_from(buf, pos)
-        keys, _ = w.unpack_blobs(buf, pos + 8, end)
-        return self._wait_for(conn, w.Op.WAIT, keys, timeout)
-
-    def _op_multi_get(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes | None:
-        (timeout,) = w.F64.unpack_from(buf, pos)
-        keys, _ = w.unpack_blobs(buf, pos + 8, end)
-        return self._wait_for(conn, w.Op.MULTI_GET, keys, timeout)
-
-    def _op_check(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
-        keys, _ = w.unpack_blobs(buf, pos, end)
-        present = all(self._present(w.Op.WAIT, k) for k in keys)
-        return _ok(b"\x01" if present else b"\x00")
-
-    def _op_num_keys(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
-        extra = _INIT_KEY_COUNT if self._joined else 0
-        return _ok(w.I64.pack(len(self._data) + extra))
-
-    def _op_delete_key(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
-        key, _ = _blob(buf, pos, end)
-        had_value = self._data.pop(key, None) is not None
-        had_queue = bool(self._queues.pop(key, None))
-        return _ok(b"\x01" if had_value or had_queue else b"\x00")
-
-    def _op_multi_set(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
-        items, _ = w.unpack_blobs(buf, pos, end)
-        if len(items) % 2:
-            raise ValueError("odd number of blobs")
-        for i in range(0, len(items), 2):
-            key = items[i]
-            created = key not in self._data
-            self._data[key] = items[i + 1]
-            if created:
-                self._created_value(key)
-        return _OK_EMPTY
-
-    def _op_queue_push(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
-        key, pos = _blob(buf, pos, end)
-        value, _ = _blob(buf, pos, end)
-        poppers = self._poppers.get(key)
-        if poppers:
-            # a parked pop takes the value directly, oldest pop first
-            self._finish(poppers[0], _ok(value))
-            return _OK_EMPTY
-        q = self._queues.get(key)
-        if q is None:
-            q = self._queues[key] = deque()
-        q.append(value)
-        if len(q) == 1 and key in self._waiting:
-            self._key_created(key)
-        return _OK_EMPTY
-
-    def _op_queue_pop(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes | None:
-        timeout, block, kl = _F64_U8_U32.unpack_from(buf, pos)
-        timeout = _seconds(timeout)
-        if pos + 13 + kl != end:
-            raise ValueError("key length does not match the frame")
-        key = bytes(buf[pos + 13:end])
-        q = self._queues.get(key)
-        if q:
-            value = q.popleft()
-            if not q:
-                del self._queues[key]
-            return _ok(value)
-        if not block:
-            return _reply(w.Status.QUEUE_EMPTY, f"queue {_name(key)!r} is empty".encode())
-        if timeout <= 0:
-            return _reply(w.Status.TIMEOUT,
-                          f"queue_pop timeout (0s): queue {_name(key)!r} is empty".encode())
-        self._park(_Waiter(conn, w.Op.QUEUE_POP, [key], timeout))
-        return None
-
-    def _op_queue_len(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes:
-        key, _ = _blob(buf, pos, end)
-        return _ok(w.I64.pack(len(self._queues.get(key, ()))))
-
-    def _op_wait_workers(self, conn: _Conn, buf: bytes, pos: int, end: int) -> bytes | None:
-        timeout, count = _F64_I64.unpack_from(buf, pos)
-        timeout = _seconds(timeout)
-        if self._joined >= count:
-            return _ok(w.I64.pack(self._joined))
-        if timeout <= 0:
-            return _reply(w.Status.TIMEOUT, (f"Timed out after 0 seconds waiting for clients. "
-                                             f"{self._joined}/{count} clients joined.").encode())
-        self._park(_Waiter(conn, w.Op.WAIT_WORKERS, [], timeout, count))
-        return None
-
-
-_F64_U32 = struct.Struct("!dI")
-_I64_U32 = struct.Struct("!qI")
-_F64_I64 = struct.Struct("!dq")
-_F64_U8_U32 = struct.Struct("!dBI")
-
-
-def _whole_seconds(seconds: float) -> int:
-    return max(int(seconds + 0.999), 0)
-
-
-def _name(key: bytes) -> str:
-    return key.decode(errors="replace")
-
-
-def _reply(status: w.Status, body: bytes) -> bytes:
-    return w.HEADER.pack(len(body), status) + body
-
-
-def _ok(body: bytes) -> bytes:
-    return w.HEADER.pack(len(body), 0) + body
-
-
-_OK_EMPTY = _ok(b"")
-
-
-def _blob(buf: bytes, pos: int, end: int) -> tuple[bytes, int]:
-    if pos + 4 > end:
-        raise ValueError("truncated length")
-    (n,) = w.U32.unpack_from(buf, pos)
-    stop = pos + 4 + n
-    if stop > end:
-        raise ValueError("field runs past the frame")
-    return bytes(buf[pos + 4:stop]), stop
 

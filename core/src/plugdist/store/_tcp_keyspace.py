@@ -1,0 +1,423 @@
+"""The TCPStore server's key space: the data, the queues and the parked requests, and every
+command run on them. No sockets: :class:`~plugdist.store._tcp_server.StoreServer` parses frames,
+calls :meth:`KeySpace.handle`, and sends what it returns; a parked request is answered later
+through the ``answer`` callback, when a write creates its key (or fills its queue) or its
+deadline passes (:meth:`KeySpace.expire`). A request waits on one missing key at a time, so a
+WAIT on n keys costs one index entry, not n. Only the serving thread uses it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import struct
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from . import _wire as w
+
+__all__ = ["KeySpace"]
+
+_INIT_KEY_COUNT = 1  # num_keys counts the worker counter once someone joined (as torch does)
+_MAX_TIMEOUT = 1e7  # seconds; longer ones are clamped (the deadline heap needs finite numbers)
+
+
+def _seconds(timeout: float) -> float:
+    """A timeout from the wire: NaN is malformed; the rest is clamped to [0, ~115 days]."""
+    if timeout != timeout:
+        raise ValueError("timeout is NaN")
+    return min(max(timeout, 0.0), _MAX_TIMEOUT)
+
+
+class _Waiter:
+    """One parked request of connection ``conn``."""
+
+    __slots__ = ("conn", "op", "keys", "pos", "deadline", "timeout", "count", "done")
+
+    def __init__(self, conn: Any, op: w.Op, keys: list[bytes], timeout: float,
+                 count: int = 0) -> None:
+        self.conn = conn
+        self.op = op
+        self.keys = keys
+        self.pos = 0  # keys[:pos] were seen present; the waiter is indexed under keys[pos]
+        self.timeout = timeout = _seconds(timeout)
+        self.deadline = time.monotonic() + timeout
+        self.count = count
+        self.done = False
+
+
+class KeySpace:
+    """The data and the parked requests of one server. ``answer(conn, reply)`` sends a parked
+    request's reply (after ``conn.waiter`` was cleared); ``max_value_bytes`` bounds what APPEND
+    may grow a value to (a GET could not return more in one frame)."""
+
+    def __init__(self, answer: Callable[[Any, bytes], None], max_value_bytes: int) -> None:
+        self._answer = answer
+        self._max_value_bytes = max_value_bytes
+        self._data: dict[bytes, bytes] = {}
+        self._queues: dict[bytes, deque[bytes]] = {}
+        self._waiting: dict[bytes, list[_Waiter]] = {}
+        self._poppers: dict[bytes, deque[_Waiter]] = {}
+        self._worker_waiters: list[_Waiter] = []
+        self._deadlines: list[tuple[float, int, _Waiter]] = []
+        self._seq = itertools.count()
+        self._joined = 0
+        self._parked = 0
+        self._handlers: dict[int, Callable[[Any, bytes, int, int], bytes | None]] = {
+            w.Op.SET: self._op_set, w.Op.GET: self._op_get, w.Op.ADD: self._op_add,
+            w.Op.COMPARE_SET: self._op_compare_set, w.Op.WAIT: self._op_wait,
+            w.Op.CHECK: self._op_check, w.Op.NUM_KEYS: self._op_num_keys,
+            w.Op.DELETE_KEY: self._op_delete_key, w.Op.MULTI_GET: self._op_multi_get,
+            w.Op.MULTI_SET: self._op_multi_set, w.Op.WAIT_WORKERS: self._op_wait_workers,
+            w.Op.APPEND: self._op_append, w.Op.QUEUE_PUSH: self._op_queue_push,
+            w.Op.QUEUE_POP: self._op_queue_pop, w.Op.QUEUE_LEN: self._op_queue_len,
+        }
+
+    def join(self) -> None:
+        """A client joined (its handshake carried the join flag): count it for WAIT_WORKERS and
+        num_keys, and answer the WAIT_WORKERS requests it satisfies."""
+        self._joined += 1
+        if self._worker_waiters:
+            for waiter in [x for x in self._worker_waiters if self._joined >= x.count]:
+                self._finish(waiter, _ok(w.I64.pack(self._joined)))
+
+    def knows(self, op: int) -> bool:
+        return op in self._handlers
+
+    def handle(self, conn: Any, op: int, buf: bytes, pos: int, end: int) -> bytes | None:
+        """Run command ``op`` (one it :meth:`knows`) on its body ``buf[pos:end]``: the reply
+        frame, or None when the request was parked (``conn.waiter`` is set until it is answered
+        through ``answer``). Raises ValueError (and the like) for a malformed body."""
+        return self._handlers[op](conn, buf, pos, end)
+
+    def _present(self, op: w.Op, key: bytes) -> bool:
+        """Whether ``key`` satisfies a parked ``op``: GET/MULTI_GET want a value, WAIT a value or
+        a non-empty queue, QUEUE_POP a non-empty queue."""
+        if op == w.Op.WAIT:
+            return key in self._data or bool(self._queues.get(key))
+        if op == w.Op.QUEUE_POP:
+            return bool(self._queues.get(key))
+        return key in self._data
+
+    def _first_missing(self, waiter: _Waiter, start: int) -> int:
+        keys, op = waiter.keys, waiter.op
+        for i in range(start, len(keys)):
+            if not self._present(op, keys[i]):
+                return i
+        return len(keys)
+
+    def _park(self, waiter: _Waiter) -> None:
+        waiter.conn.waiter = waiter
+        if waiter.op == w.Op.WAIT_WORKERS:
+            self._worker_waiters.append(waiter)
+        elif waiter.op == w.Op.QUEUE_POP:
+            self._poppers.setdefault(waiter.keys[0], deque()).append(waiter)
+        else:
+            self._waiting.setdefault(waiter.keys[waiter.pos], []).append(waiter)
+        self._parked += 1
+        dl = self._deadlines
+        if len(dl) > 1024 and len(dl) > 4 * self._parked:
+            # answered waiters stay in the heap until their deadline; drop them in bulk so a
+            # stream of short waits under a long timeout cannot grow it without bound
+            dl[:] = [e for e in dl if not e[2].done]
+            heapq.heapify(dl)
+        heapq.heappush(dl, (waiter.deadline, next(self._seq), waiter))
+
+    def forget(self, waiter: _Waiter) -> None:
+        """Unpark ``waiter`` without answering it (its connection closed). Idempotent."""
+        if waiter.done:
+            return
+        waiter.done = True
+        self._parked -= 1
+        if waiter.op == w.Op.WAIT_WORKERS:
+            self._worker_waiters.remove(waiter)
+            return
+        if waiter.op == w.Op.QUEUE_POP:
+            poppers = self._poppers.get(waiter.keys[0])
+            if poppers is not None:
+                try:
+                    poppers.remove(waiter)
+                except ValueError:
+                    pass
+                if not poppers:
+                    del self._poppers[waiter.keys[0]]
+            return
+        key = waiter.keys[waiter.pos] if waiter.pos < len(waiter.keys) else None
+        lst = self._waiting.get(key) if key is not None else None
+        if lst is not None:
+            try:
+                lst.remove(waiter)
+            except ValueError:
+                pass
+            if not lst:
+                del self._waiting[key]  # type: ignore[arg-type]
+
+    def _finish(self, waiter: _Waiter, reply: bytes) -> None:
+        self.forget(waiter)
+        waiter.conn.waiter = None
+        self._answer(waiter.conn, reply)
+
+    def _key_created(self, key: bytes) -> None:
+        waiters = self._waiting.pop(key, None)
+        if not waiters:
+            return
+        for waiter in waiters:
+            if waiter.done:
+                continue
+            nxt = self._first_missing(waiter, waiter.pos + 1)
+            if nxt == len(waiter.keys):
+                # every key was seen; one may have been deleted since: check them all once
+                nxt = self._first_missing(waiter, 0)
+            waiter.pos = nxt
+            if nxt < len(waiter.keys):
+                self._waiting.setdefault(waiter.keys[nxt], []).append(waiter)
+            else:
+                waiter.pos = len(waiter.keys)
+                self._finish(waiter, self._ready_reply(waiter))
+
+    def _ready_reply(self, waiter: _Waiter) -> bytes:
+        if waiter.op == w.Op.GET:
+            return _ok(self._data[waiter.keys[0]])
+        if waiter.op == w.Op.MULTI_GET:
+            return _ok(w.pack_blobs([self._data[k] for k in waiter.keys]))
+        return _OK_EMPTY
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a parked request (monotonic seconds), or None."""
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def expire(self, now: float) -> None:
+        """Answer, with a timeout reply, every parked request whose deadline passed."""
+        dl = self._deadlines
+        while dl and dl[0][0] <= now:
+            _, _, waiter = heapq.heappop(dl)
+            if waiter.done:
+                continue
+            if waiter.op == w.Op.WAIT_WORKERS:
+                msg = (f"Timed out after {_whole_seconds(waiter.timeout)} seconds waiting for "
+                       f"clients. {self._joined}/{waiter.count} clients joined.")
+            elif waiter.op == w.Op.QUEUE_POP:
+                msg = (f"queue_pop timeout after {waiter.timeout:.3g}s; queue "
+                       f"{_name(waiter.keys[0])!r} stayed empty")
+            else:
+                missing = [_name(k) for k in waiter.keys if not self._present(waiter.op, k)]
+                msg = (f"{waiter.op.name.lower()} timeout after {waiter.timeout:.3g}s; missing "
+                       f"keys {missing}")
+            self._finish(waiter, _reply(w.Status.TIMEOUT, msg.encode()))
+
+    def _wait_for(self, conn: Any, op: w.Op, keys: list[bytes], timeout: float) -> bytes | None:
+        waiter = _Waiter(conn, op, keys, timeout)
+        timeout = waiter.timeout
+        waiter.pos = self._first_missing(waiter, 0)
+        if waiter.pos == len(keys):
+            return self._ready_reply(waiter)
+        if timeout <= 0:
+            missing = [_name(k) for k in keys if not self._present(op, k)]
+            return _reply(w.Status.TIMEOUT, f"{op.name.lower()} timeout (0s): missing keys "
+                                            f"{missing}".encode())
+        self._park(waiter)
+        return None
+
+    def _created_value(self, key: bytes) -> None:
+        """A value now exists under ``key`` where none did."""
+        if key in self._waiting:
+            self._key_created(key)
+
+    # ---- commands: (conn, buf, body start, body end) -> reply frame or None when parked
+
+    def _op_set(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        key, pos = _blob(buf, pos, end)
+        value, _ = _blob(buf, pos, end)
+        created = key not in self._data
+        self._data[key] = value
+        if created:
+            self._created_value(key)
+        return _OK_EMPTY
+
+    def _op_get(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
+        timeout, kl = _F64_U32.unpack_from(buf, pos)
+        if pos + 12 + kl != end:
+            raise ValueError("key length does not match the frame")
+        key = bytes(buf[pos + 12:end])
+        value = self._data.get(key)
+        if value is not None:
+            return _ok(value)
+        return self._wait_for(conn, w.Op.GET, [key], timeout)
+
+    def _op_add(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        amount, kl = _I64_U32.unpack_from(buf, pos)
+        if pos + 12 + kl != end:
+            raise ValueError("key length does not match the frame")
+        key = bytes(buf[pos + 12:end])
+        old = self._data.get(key)
+        if old is None:
+            total = amount
+        else:
+            try:
+                total = int(old) + amount
+            except ValueError:
+                return _reply(w.Status.ERROR, (
+                    f"add({_name(key)!r}) met a value that is not an integer ({old[:32]!r}): "
+                    f"the key was written by set(); use a separate key for counters").encode())
+        if not -(2**63) <= total < 2**63:
+            return _reply(w.Status.ERROR, f"add({_name(key)!r}) overflows a 64-bit counter "
+                                          f"({total})".encode())
+        self._data[key] = str(total).encode()
+        if old is None:
+            self._created_value(key)
+        return _ok(w.I64.pack(total))
+
+    def _op_append(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        key, pos = _blob(buf, pos, end)
+        tail, _ = _blob(buf, pos, end)
+        old = self._data.get(key)
+        if old is not None and len(old) + len(tail) > self._max_value_bytes:
+            return _reply(w.Status.ERROR, (
+                f"append({_name(key)!r}) would grow the value past the frame limit of "
+                f"{self._max_value_bytes} bytes; a get could never return it").encode())
+        self._data[key] = tail if old is None else old + tail
+        if old is None:
+            self._created_value(key)
+        return _OK_EMPTY
+
+    def _op_compare_set(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        key, pos = _blob(buf, pos, end)
+        expected, pos = _blob(buf, pos, end)
+        desired, _ = _blob(buf, pos, end)
+        current = self._data.get(key)
+        if current is None:
+            if expected:
+                return _ok(expected)
+            self._data[key] = desired
+            self._created_value(key)
+            return _ok(desired)
+        if current == expected:
+            self._data[key] = desired
+            return _ok(desired)
+        return _ok(current)
+
+    def _op_wait(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
+        (timeout,) = w.F64.unpack_from(buf, pos)
+        keys, _ = w.unpack_blobs(buf, pos + 8, end)
+        return self._wait_for(conn, w.Op.WAIT, keys, timeout)
+
+    def _op_multi_get(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
+        (timeout,) = w.F64.unpack_from(buf, pos)
+        keys, _ = w.unpack_blobs(buf, pos + 8, end)
+        return self._wait_for(conn, w.Op.MULTI_GET, keys, timeout)
+
+    def _op_check(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        keys, _ = w.unpack_blobs(buf, pos, end)
+        present = all(self._present(w.Op.WAIT, k) for k in keys)
+        return _ok(b"\x01" if present else b"\x00")
+
+    def _op_num_keys(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        extra = _INIT_KEY_COUNT if self._joined else 0
+        return _ok(w.I64.pack(len(self._data) + extra))
+
+    def _op_delete_key(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        key, _ = _blob(buf, pos, end)
+        had_value = self._data.pop(key, None) is not None
+        had_queue = bool(self._queues.pop(key, None))
+        return _ok(b"\x01" if had_value or had_queue else b"\x00")
+
+    def _op_multi_set(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        items, _ = w.unpack_blobs(buf, pos, end)
+        if len(items) % 2:
+            raise ValueError("odd number of blobs")
+        for i in range(0, len(items), 2):
+            key = items[i]
+            created = key not in self._data
+            self._data[key] = items[i + 1]
+            if created:
+                self._created_value(key)
+        return _OK_EMPTY
+
+    def _op_queue_push(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        key, pos = _blob(buf, pos, end)
+        value, _ = _blob(buf, pos, end)
+        poppers = self._poppers.get(key)
+        if poppers:
+            # a parked pop takes the value directly, oldest pop first
+            self._finish(poppers[0], _ok(value))
+            return _OK_EMPTY
+        q = self._queues.get(key)
+        if q is None:
+            q = self._queues[key] = deque()
+        q.append(value)
+        if len(q) == 1 and key in self._waiting:
+            self._key_created(key)
+        return _OK_EMPTY
+
+    def _op_queue_pop(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
+        timeout, block, kl = _F64_U8_U32.unpack_from(buf, pos)
+        timeout = _seconds(timeout)
+        if pos + 13 + kl != end:
+            raise ValueError("key length does not match the frame")
+        key = bytes(buf[pos + 13:end])
+        q = self._queues.get(key)
+        if q:
+            value = q.popleft()
+            if not q:
+                del self._queues[key]
+            return _ok(value)
+        if not block:
+            return _reply(w.Status.QUEUE_EMPTY, f"queue {_name(key)!r} is empty".encode())
+        if timeout <= 0:
+            return _reply(w.Status.TIMEOUT,
+                          f"queue_pop timeout (0s): queue {_name(key)!r} is empty".encode())
+        self._park(_Waiter(conn, w.Op.QUEUE_POP, [key], timeout))
+        return None
+
+    def _op_queue_len(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        key, _ = _blob(buf, pos, end)
+        return _ok(w.I64.pack(len(self._queues.get(key, ()))))
+
+    def _op_wait_workers(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
+        timeout, count = _F64_I64.unpack_from(buf, pos)
+        timeout = _seconds(timeout)
+        if self._joined >= count:
+            return _ok(w.I64.pack(self._joined))
+        if timeout <= 0:
+            return _reply(w.Status.TIMEOUT, (f"Timed out after 0 seconds waiting for clients. "
+                                             f"{self._joined}/{count} clients joined.").encode())
+        self._park(_Waiter(conn, w.Op.WAIT_WORKERS, [], timeout, count))
+        return None
+
+
+_F64_U32 = struct.Struct("!dI")
+_I64_U32 = struct.Struct("!qI")
+_F64_I64 = struct.Struct("!dq")
+_F64_U8_U32 = struct.Struct("!dBI")
+
+
+def _whole_seconds(seconds: float) -> int:
+    return max(int(seconds + 0.999), 0)
+
+
+def _name(key: bytes) -> str:
+    return key.decode(errors="replace")
+
+
+def _reply(status: w.Status, body: bytes) -> bytes:
+    return w.HEADER.pack(len(body), status) + body
+
+
+def _ok(body: bytes) -> bytes:
+    return w.HEADER.pack(len(body), 0) + body
+
+
+_OK_EMPTY = _ok(b"")
+
+
+def _blob(buf: bytes, pos: int, end: int) -> tuple[bytes, int]:
+    if pos + 4 > end:
+        raise ValueError("truncated length")
+    (n,) = w.U32.unpack_from(buf, pos)
+    stop = pos + 4 + n
+    if stop > end:
+        raise ValueError("field runs past the frame")
+    return bytes(buf[pos + 4:stop]), stop
+
