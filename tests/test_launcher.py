@@ -687,6 +687,52 @@ def test_env_rendezvous_reads_other_launchers(launcher_vars: dict[str, str],
     assert dict(os.environ) == before   # nothing leaks into the other tests' environment
 
 
+@pytest.mark.parametrize(("nodelist", "first"), [
+    ("node07", "node07"), ("node[07-09,12],gpu1", "node07"), ("a,b[1-2]", "a"),
+    ("rack[2-3]-n[01-04]", "rack2-n01"), ("n[001]", "n001"), ("x-[5,6]", "x-5")])
+def test_slurm_first_host(nodelist: str, first: str) -> None:
+    from plugdist.rendezvous import slurm_first_host
+    assert slurm_first_host(nodelist) == first
+
+
+def test_slurm_node_list_that_cannot_be_read_names_the_fix() -> None:
+    from plugdist.rendezvous import RendezvousError, slurm_first_host
+    with pytest.raises(RendezvousError, match="set MASTER_ADDR"):
+        slurm_first_host("n[1-2")
+
+
+_SLURM_RANK = """
+import plugdist as dist, torch
+dist.init_process_group("gloo")
+t = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(t)
+import os
+print(os.environ["MASTER_ADDR"], os.environ["LOCAL_RANK"], t.item(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_srun_across_hosts_meets_on_the_first_node() -> None:
+    """srun's variables for 2 tasks on 2 nodes and no MASTER_*: every rank derives the master
+    from the step's node list (its first node, "localhost" here standing for node 0) and the
+    port from the job, and the two meet there for real."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                         "MASTER_PORT", "PLUGDIST_AGENT_STORE", "TORCHELASTIC_USE_AGENT_STORE")
+            and not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
+    job = str(os.getpid())  # a port of its own per test run
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", _SLURM_RANK], text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**base, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+             "SLURM_NTASKS_PER_NODE": "1", "SLURM_JOB_ID": job, "SLURM_STEP_ID": "0",
+             "SLURM_STEP_NODELIST": "localhost,node-b"}) for r in range(2)]
+    outs = [p.communicate(timeout=80) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    assert [out.split() for out, _ in outs] == [["localhost", "0", "3.0"]] * 2
+
+
 @pytest.mark.timeout(60)
 def test_torch_store_client_behind_the_store_api() -> None:
     """torchrun's agent store is a torch TCPStore; plugdist reaches it through this adapter."""

@@ -18,7 +18,7 @@ from .errors import DistError
 from .store import FileStore, PrefixStore, Store, TCPStore, TorchStoreAdapter
 
 __all__ = ["env_rendezvous_handler", "tcp_rendezvous_handler", "file_rendezvous_handler",
-           "RendezvousError", "RendezvousHandler"]
+           "RendezvousError", "RendezvousHandler", "slurm_first_host"]
 
 RendezvousHandler = Callable[..., tuple[Store, int, int]]
 
@@ -132,8 +132,9 @@ def env_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
     Without RANK/WORLD_SIZE, the variables of mpiexec (MPICH), mpirun (Open MPI) or srun
     (Slurm) give them, and LOCAL_RANK, LOCAL_WORLD_SIZE, RANK and WORLD_SIZE are then set in
     ``os.environ`` for the script to read. When every rank runs on this host, MASTER_ADDR
-    defaults to 127.0.0.1 and MASTER_PORT to a port derived from the job (see
-    docs/launcher.md). Under plugdist-run or torchrun, the launcher's store is used as a client.
+    defaults to 127.0.0.1 and MASTER_PORT to a port derived from the job; under srun across
+    hosts, MASTER_ADDR defaults to the first node of the step (see docs/launcher.md). Under
+    plugdist-run or torchrun, the launcher's store is used as a client.
     """
     rank = _query_int(url, "rank", rank)
     world_size = _query_int(url, "world_size", world_size)
@@ -153,6 +154,11 @@ def env_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
         if o_local_size == world_size:   # one host: no need to name a master
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_job_port()))
+        elif launcher.startswith("srun") and "MASTER_ADDR" not in os.environ:
+            nodes = next((os.environ[v] for v in _SLURM_NODELISTS if os.environ.get(v)), "")
+            if nodes:  # srun starts task 0 on the first node of the step
+                os.environ["MASTER_ADDR"] = slurm_first_host(nodes)
+                os.environ.setdefault("MASTER_PORT", str(_job_port()))
     rank = _env_int("RANK", rank, "this process's rank")
     world_size = _env_int("WORLD_SIZE", world_size, "the number of processes")
     _check(rank, world_size, "env://")
@@ -173,6 +179,29 @@ def env_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
         raise RendezvousError(f"environment variable MASTER_PORT={port_text!r} is not a port "
                               f"number") from None
     return _tcp_store(host, port, rank, world_size, timeout), rank, world_size
+
+
+_SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+
+
+def slurm_first_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist expression: ``"node[07-09,12],gpu1"`` gives
+    ``"node07"``, ``"rack[2-3]-n[01-04]"`` gives ``"rack2-n01"`` (zero padding kept)."""
+    first, depth = "", 0
+    for ch in nodelist.strip():  # up to the first comma outside brackets
+        if ch == "," and depth == 0:
+            break
+        depth += (ch == "[") - (ch == "]")
+        first += ch
+    if depth != 0 or not first:
+        raise RendezvousError(f"cannot read the Slurm node list {nodelist!r}; set MASTER_ADDR "
+                              f"to the host of rank 0")
+    out, rest = "", first
+    while "[" in rest:
+        head, _, tail = rest.partition("[")
+        ranges, _, rest = tail.partition("]")
+        out += head + ranges.split(",")[0].split("-")[0]
+    return out + rest
 
 
 def _job_port() -> int:
