@@ -238,8 +238,9 @@ def torch_over_plugdist_nccl(rank: int, ws: int, ports: list[int]) -> list[str]:
         tdist.all_gather_object(objs, {"rank": rank}, group=group)
         return [t.tolist(), a.tolist(), r.tolist(), b.tolist(), o.tolist(), objs]
 
-    if ops(world) != ops(ref):
-        problems.append(f"ops over plugdist_nccl {ops(world)} != over nccl {ops(ref)}")
+    ours, theirs = ops(world), ops(ref)
+    if ours != theirs:
+        problems.append(f"ops over plugdist_nccl {ours} != over nccl {theirs}")
 
     def mlp() -> nn.Module:
         torch.manual_seed(0)

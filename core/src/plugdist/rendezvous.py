@@ -47,11 +47,12 @@ def _check(rank: int, world_size: int, source: str) -> None:
 
 
 # Where other launchers put rank, world size and local rank: MPICH/Hydra, Open MPI, Slurm.
+_SRUN = "srun (Slurm)"
 _LAUNCHER_VARS = (
     ("mpiexec (MPICH/Hydra)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
      "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("srun (Slurm)", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+    (_SRUN, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 )
 
 
@@ -154,7 +155,7 @@ def env_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
         if o_local_size == world_size:   # one host: no need to name a master
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_job_port()))
-        elif launcher.startswith("srun") and "MASTER_ADDR" not in os.environ:
+        elif launcher == _SRUN and "MASTER_ADDR" not in os.environ:
             nodes = next((os.environ[v] for v in _SLURM_NODELISTS if os.environ.get(v)), "")
             if nodes:  # srun starts task 0 on the first node of the step
                 os.environ["MASTER_ADDR"] = slurm_first_host(nodes)

@@ -44,8 +44,8 @@ from .store.for_torch import PlugdistStoreForTorch
 from .torch_device_map import caller_device_map, other_devices
 from .work import Work, gather_works
 
-__all__ = ["register", "create_group", "BridgeGroup", "BridgeWork", "share_world",
-           "release_world", "torch_name", "PREFIX", "ENV_SWITCH"]
+__all__ = ["register", "create_group", "BridgeGroup", "RoutingBridgeGroup", "BridgeWork",
+           "share_world", "release_world", "torch_name", "PREFIX", "ENV_SWITCH"]
 
 PREFIX = autoload.PREFIX
 ENV_SWITCH = autoload.ENV_SWITCH  # "0" keeps ``import torch`` from registering plugdist_* names
@@ -98,12 +98,11 @@ def create_group(backend: str, backend_options: Any, pg_options: Any = None) -> 
     timeout = backend_options.timeout
     name = backend_options.group_id
 
-    def plugdist_group(backend: str, store: Any, label: str, options: Any) -> ProcessGroup:
-        return build_group(backend, TorchStoreAdapter(store, timeout), global_ranks, rank, label,
+    def plugdist_group(kind: str, store: Any, label: str, options: Any) -> ProcessGroup:
+        return build_group(kind, TorchStoreAdapter(store, timeout), global_ranks, rank, label,
                            timeout, options, global_rank=global_ranks[rank])
 
     pg = plugdist_group(backend, backend_options.store, f"torch:{name}", pg_options)
-    routes: dict[str, Any] = {}
     device_map = caller_device_map()
     if device_map is not None:  # "cpu:gloo,cuda:plugdist_nccl": torch left the rest to us
         def other(other_backend: str, device: str, store: Any) -> BridgeGroup:
@@ -116,7 +115,9 @@ def create_group(backend: str, backend_options: Any, pg_options: Any = None) -> 
         except BaseException:
             pg.shutdown()
             raise
-    return BridgeGroup(pg, backend, owned=True, name=name, routes=routes)
+        if routes:
+            return RoutingBridgeGroup(pg, backend, owned=True, name=name, routes=routes)
+    return BridgeGroup(pg, backend, owned=True, name=name)
 
 
 def _learn_devices(backend: str, factory: Any) -> None:
@@ -134,9 +135,8 @@ class BridgeGroup(_TorchProcessGroup):
     every member issues the same ops in the same order. ``owned`` groups (built by torch) are
     shut down with torch's; a shared one (plugdist's default group) is left to plugdist.
 
-    ``routes`` (from torch's device-map form, see :mod:`plugdist.torch_device_map`): the group
-    that serves each device type whose map entry is another backend; an op whose tensors (or
-    barrier/coalescing device) are on such a device is that group's call, unchanged.
+    ``routes`` (only in a :class:`RoutingBridgeGroup`): the group serving each device type that
+    a device map gave to another backend.
     """
 
     def __init__(self, group: ProcessGroup, backend: str, *, owned: bool, name: str = "",
@@ -382,23 +382,29 @@ _ROUTED_OPS = ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allga
                "start_coalescing", "end_coalescing", "_start_coalescing", "_end_coalescing")
 
 
+class RoutingBridgeGroup(BridgeGroup):
+    """A BridgeGroup built from a device map naming other backends too (see
+    :mod:`plugdist.torch_device_map`): an op whose tensors (or barrier/coalescing device) are on
+    a device in ``routes`` is that group's call, unchanged; the rest is the BridgeGroup's. A
+    class of its own so that groups without a device map keep the direct path."""
+
+
 def _routed(name: str, own: Any) -> Any:
     def op(self: BridgeGroup, *args: Any, **kwargs: Any) -> Any:
-        if self.routes:
-            device = _device_type(args) or _device_type(tuple(kwargs.values()))
-            route = self.routes.get(device) if device is not None else None
-            if route is not None:  # torch's C++ group spells coalescing with a leading "_"
-                method = getattr(route, name, None) or getattr(route, "_" + name)
-                return method(*args, **kwargs)
+        device = _device_type(args) or _device_type(tuple(kwargs.values()))
+        route = self.routes.get(device) if device is not None else None
+        if route is not None:  # torch's C++ group spells coalescing with a leading "_"
+            method = getattr(route, name, None) or getattr(route, "_" + name)
+            return method(*args, **kwargs)
         return own(self, *args, **kwargs)
 
-    op.__name__ = op.__qualname__ = name
+    op.__name__, op.__qualname__ = name, f"RoutingBridgeGroup.{name}"
     op.__doc__ = own.__doc__
     return op
 
 
 for _name in _ROUTED_OPS:
-    setattr(BridgeGroup, _name, _routed(_name, getattr(BridgeGroup, _name)))
+    setattr(RoutingBridgeGroup, _name, _routed(_name, getattr(BridgeGroup, _name)))
 
 
 def _device_type(args: Any, depth: int = 3) -> str | None:

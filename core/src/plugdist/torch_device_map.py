@@ -5,7 +5,7 @@ at the first factory that returns a whole ``ProcessGroup`` (which every Python b
 C++ ``Backend`` class has no Python constructor in torch 2.x) and then sends every device's ops
 to that group. So when torch calls a ``plugdist_*`` factory for a map that names other backends
 too, :func:`other_devices` builds the rest the way torch would have, and the bridged group
-routes each op by the device of its tensors (see ``BridgeGroup``):
+routes each op by the device of its tensors (see ``RoutingBridgeGroup``):
 
 - a torch backend that torch built earlier in its loop (``gloo`` for cpu in
   ``"cpu:gloo,cuda:plugdist_nccl"``) is used as torch registered it, on the C++ group torch was

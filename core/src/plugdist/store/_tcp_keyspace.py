@@ -420,4 +420,3 @@ def _blob(buf: bytes, pos: int, end: int) -> tuple[bytes, int]:
     if stop > end:
         raise ValueError("field runs past the frame")
     return bytes(buf[pos + 4:stop]), stop
-

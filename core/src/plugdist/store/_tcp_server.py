@@ -218,8 +218,7 @@ class StoreServer:
                     if mask & _READ and not conn.closed and not conn.paused:
                         self._on_readable(conn)
                 now = time.monotonic()
-                if deadline is not None:
-                    self._keys.expire(now)
+                self._keys.expire(now)
                 if self._pending and now >= next_sweep:
                     self._sweep_stalled(now)
                     next_sweep = now + self._sweep_interval()
