@@ -93,7 +93,10 @@ def main() -> None:
     out, mode, extra = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     info = {"env": {k: os.environ.get(k) for k in VARS}, "argv": sys.argv[1:], "pid": os.getpid()}
-    print(f"worker rank {rank} mode {mode} up", flush=True)
+    # one write: the workers share the launcher's stdout, and print() writes the text and the
+    # newline separately, so two ranks' lines could interleave
+    sys.stdout.write(f"worker rank {rank} mode {mode} up\n")
+    sys.stdout.flush()
 
     if mode == "env":
         port = int(os.environ["PLUGDIST_AGENT_STORE"].rpartition(":")[2])

@@ -61,7 +61,7 @@ class Recipe:
 
 def _ctx(pg: GroupLike, op: str) -> dict[str, Any]:
     return dict(op=op, rank=pg.rank(), group=pg.group_name, backend=pg.backend_name,
-                timeout=pg.timeout)
+                timeout=pg.timeout, abort=getattr(pg, "abort_signal", None))
 
 
 def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

@@ -3,6 +3,7 @@
     RuntimeError
     └── DistError                  anything plugdist raises on purpose
         ├── DistBackendError       a backend failed an op (its own message kept)
+        │   └── DistRankFailureError  a member of the group died or hung (``.ranks`` names it)
         ├── DistStoreError         a key-value store refused or failed a request
         │   ├── DistTimeoutError   (also a DistError) a wait ran past its timeout
         │   └── QueueEmptyError    a non-blocking queue_pop found the queue empty
@@ -19,6 +20,7 @@ from __future__ import annotations
 __all__ = [
     "DistError",
     "DistBackendError",
+    "DistRankFailureError",
     "DistStoreError",
     "DistNetworkError",
     "DistTimeoutError",
@@ -34,6 +36,19 @@ class DistError(RuntimeError):
 
 class DistBackendError(DistError):
     """A backend failed an operation; the backend's own message is kept."""
+
+
+class DistRankFailureError(DistBackendError):
+    """An op could not complete because members of its group failed (died, or stopped sending
+    heartbeats). ``ranks`` holds the failed global ranks known when it was raised; the
+    survivors continue with :func:`plugdist.shrink_group`."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] | list[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks: tuple[int, ...] = tuple(sorted(ranks))
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.ranks))
 
 
 class DistStoreError(DistError):

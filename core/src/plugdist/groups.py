@@ -7,6 +7,7 @@ order (the group's name is its position in that order). Non-members of a group g
 
 from __future__ import annotations
 
+import atexit
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -14,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
+from . import membership as _membership
 from .debug_level import DebugLevel, get_debug_level
 from .errors import DistError, DistTimeoutError, where
 from .log import get_logger
@@ -193,9 +195,15 @@ def init_world(backend: str | None = None, init_method: str | None = None,
     world.reset()
     world.store, world.rank, world.size, world.backend = store, rank, world_size, name
     world.owned_store = owned
+    world.group_options = pg_options
     try:
+        if world_size > 1 and _membership.enabled():
+            start_membership(_membership.Membership(store, str(rank),
+                                                    [str(r) for r in range(world_size)]))
+            store.compare_set(_membership.CURRENT, b"", b"0")
         pg = _build_group(name, tuple(range(world_size)), group_name or "0", timeout, pg_options)
     except BaseException:
+        _stop_membership()
         _close_store()
         world.reset()
         raise
@@ -203,16 +211,41 @@ def init_world(backend: str | None = None, init_method: str | None = None,
     return pg
 
 
+def start_membership(m: _membership.Membership, started: bool = False) -> None:
+    """Make ``m`` the world's membership and start it (unless ``started``); withdrawn at exit
+    (a clean exit is not a failure)."""
+    if not started:
+        m.start()
+    world.membership = m
+    atexit.register(m.stop)
+
+
+def _stop_membership() -> None:
+    m, world.membership = world.membership, None
+    if m is not None:
+        m.stop()
+        atexit.unregister(m.stop)
+
+
 def _build_group(backend: str, global_ranks: tuple[int, ...], name: str, timeout: timedelta,
                  pg_options: Any) -> ProcessGroup:
     """Build this process's member of a group of the world and record it there."""
     assert world.store is not None  # callers hold an initialized world
-    base = PrefixStore(f"plugdist/group/{name}", world.store)
+    prefix = _membership.group_prefix(world.epoch, name)
+    m = world.membership
+    uids = m.uids_of(global_ranks) if m is not None else ()
+    base = (PrefixStore(prefix, world.store) if m is None
+            else _membership.GuardedPrefixStore(prefix, world.store, m, uids))
     info = GroupInfo(name=name, backend=backend, global_ranks=global_ranks, store=base,
                      timeout=timeout)
+
+    def record(pg: ProcessGroup) -> None:
+        world.add(pg, info)
+        if m is not None:
+            m.watch(pg, uids)
+
     return build_group(backend, base, global_ranks, global_ranks.index(world.rank), name,
-                       timeout, pg_options, global_rank=world.rank,
-                       record=lambda pg: world.add(pg, info))
+                       timeout, pg_options, global_rank=world.rank, record=record)
 
 
 def build_group(backend: str, store: Store, global_ranks: tuple[int, ...], group_rank: int,
@@ -293,10 +326,13 @@ def _leave() -> None:
     if store is None or not world.owned_store or world.size <= 1:
         return
     try:
-        if store.add("plugdist/leaving", 1) == world.size:
-            store.set("plugdist/left", b"1")
+        tag = "" if world.epoch == 0 else f"@{world.epoch}"
+        if store.add(f"plugdist/leaving{tag}", 1) == world.size:
+            store.set(f"plugdist/left{tag}", b"1")
+            if world.membership is not None or world.epoch:
+                store.set(_membership.CLOSED, str(world.epoch))  # tells waiting joiners
         if getattr(store, "is_master", False):
-            store.wait(["plugdist/left"], _LEAVE_WAIT)
+            store.wait([f"plugdist/left{tag}"], _LEAVE_WAIT)
     except DistError as err:
         get_logger(rank=world.rank).warning("destroy_process_group: peers did not all leave",
                                             error=str(err))
@@ -309,6 +345,7 @@ def destroy(group: ProcessGroup | None = None) -> None:
         return
     hook = registry.plugins().hook
     if group is None or group is world.default:
+        _stop_membership()
         for pg in reversed(world.members()):
             hook.plugdist_group_destroyed(group=pg)
             pg.shutdown()

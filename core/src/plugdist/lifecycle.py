@@ -19,7 +19,7 @@ from .process_group import ProcessGroup
 from .store import PrefixStore, Store
 from .world import world
 
-__all__ = ["init_process_group", "destroy_process_group", "TORCH_WORLD_ENV"]
+__all__ = ["init_process_group", "destroy_process_group", "TORCH_WORLD_ENV", "JOIN_ENV"]
 
 TORCH_WORLD_ENV = "PLUGDIST_TORCH_WORLD"
 
@@ -27,7 +27,8 @@ TORCH_WORLD_ENV = "PLUGDIST_TORCH_WORLD"
 def init_process_group(backend: str | None = None, init_method: str | None = None,
                        timeout: timedelta | None = None, world_size: int = -1, rank: int = -1,
                        store: Store | None = None, group_name: str = "", pg_options: Any = None,
-                       device_id: Any = None, torch_world: bool | None = None) -> None:
+                       device_id: Any = None, torch_world: bool | None = None,
+                       join: bool | None = None) -> None:
     """Join the world: rendezvous, build the default group, wait until every rank has joined.
 
     Blocks until all ``world_size`` ranks called it (bounded by ``timeout``, default 30 min);
@@ -38,9 +39,18 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     ``torch_world`` (default: on, unless ``PLUGDIST_TORCH_WORLD=0``): also make torch's default
     group run over this world's default group (backend ``plugdist_<backend>``), so code that asks
     ``torch.distributed`` sees this world; skipped when torch's default group already exists.
+
+    ``join`` (default: ``PLUGDIST_JOIN=1`` in the environment): join a running world instead of
+    forming one. ``rank``/``world_size`` are not given: the store (``init_method`` or
+    ``store``) is the running world's; this blocks until the members admit this process at
+    their next ``plugdist.grow_group()`` (bounded by ``timeout``), and returns with this
+    process's rank and the new world size.
     """
-    pg = groups.init_world(backend, init_method, timeout, world_size, rank, store, group_name,
-                           pg_options, device_id)
+    if _wants_join(join):
+        pg = _join(backend, init_method, timeout, store, pg_options)
+    else:
+        pg = groups.init_world(backend, init_method, timeout, world_size, rank, store,
+                               group_name, pg_options, device_id)
     if _wants_torch_world(torch_world):
         _share_with_torch(pg, explicit=bool(torch_world))
     get_logger(rank=world.rank, group=pg.group_name).info(
@@ -58,6 +68,31 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         torch_bridge.release_world(world.torch_default)
         world.torch_default = None
     groups.destroy(group)
+
+
+JOIN_ENV = "PLUGDIST_JOIN"
+
+
+def _wants_join(arg: bool | None) -> bool:
+    if arg is not None:
+        return arg
+    return os.environ.get(JOIN_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _join(backend: str | None, init_method: str | None, timeout: timedelta | None,
+          store: Store | None, pg_options: Any) -> ProcessGroup:
+    from . import resilience
+    from .process_group import DEFAULT_TIMEOUT
+    from .rendezvous import join_store
+
+    limit = timeout if timeout is not None else DEFAULT_TIMEOUT
+    if store is not None and init_method is not None:
+        raise ValueError("pass either init_method or store to init_process_group, not both")
+    if backend is None:
+        backend = groups.get_default_backend_for_device("cpu")
+    if store is None:
+        store = join_store(init_method, limit)
+    return resilience.join_world(backend, store, limit, pg_options)
 
 
 def _wants_torch_world(arg: bool | None) -> bool:

@@ -43,6 +43,7 @@ from typing import Any, ClassVar
 import torch
 
 from . import composition
+from .abort import AbortSignal
 from .capabilities import ALL_REDUCE_OPS, Capabilities
 from .errors import DistTimeoutError, op_timeout, where
 from .reduce_op import ReduceOp, check_reduce_op
@@ -118,6 +119,9 @@ class ProcessGroup:
     native_reduce_ops: ClassVar[frozenset[ReduceOp]] = ALL_REDUCE_OPS
     supports_any_source: ClassVar[bool] = False
     refused_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset()
+    # non-empty: why this backend's groups cannot be rebuilt with other members (shrink_group
+    # and grow_group refuse with it); empty: the core's default rebuild works
+    rebuild_refusal: ClassVar[str] = ""
     _caps: Capabilities | None = None  # this group's capabilities, fixed at first use
     # set per class by __init_subclass__: which ops run_blocking may hand to native_blocking,
     # and the lean route (see _LEAN) of each op that has one here
@@ -139,6 +143,7 @@ class ProcessGroup:
         self.options = options or GroupOptions(global_ranks=tuple(range(size)))
         # (op, reduction, dtype) -> whether that op on a plain CPU tensor is native (_native_cpu)
         self._lean_checked: dict[tuple[str, ReduceOp | None, torch.dtype], bool] = {}
+        self.abort_signal = AbortSignal()
 
     # -- identity ----------------------------------------------------------------------------
     def rank(self) -> int:
@@ -180,10 +185,30 @@ class ProcessGroup:
         Idempotent; called by destroy_process_group.
         """
 
+    def abort(self, reason: str = "the group was aborted", ranks: tuple[int, ...] = ()) -> None:
+        """Fail every op in flight on this rank, and every later one, with
+        ``DistRankFailureError`` (``reason``; ``ranks``: the failed global ranks). Non-blocking,
+        idempotent, any thread; then the backend's ``native_abort``. The group cannot be used
+        again: shut it down, and continue on a group of the survivors (``shrink_group``)."""
+        self.abort_signal.fire(reason, ranks)
+        self.native_abort()
+
+    def native_abort(self) -> None:
+        """Optional: release what the backend has in flight (the core already releases every
+        thread waiting on a Work of this group, and refuses new ops). Must not block."""
+
+    def native_shrink(self, keep: Sequence[int], options: GroupOptions) -> Any:
+        """Optional: this group's survivors as a new group, natively (NCCL's ncclCommShrink,
+        MPI's ULFM). ``keep``: the group ranks that stay, in order; every one of them calls it.
+        Return NotImplemented to have the core build a fresh group of the survivors through the
+        backend's constructor on a fresh store prefix (the default, which every backend gets);
+        raise a DistError when the backend cannot survive a member's failure at all."""
+        return NotImplemented
+
     def work(self, op: str, **kwargs: Any) -> Work:
         """A fresh pending Work carrying this group's context, for backends to complete."""
         return Work(op=op, rank=self._rank, group=self.group_name, backend=self.backend_name,
-                    timeout=self.timeout, **kwargs)
+                    timeout=self.timeout, abort=self.abort_signal, **kwargs)
 
     def where(self, op: str) -> str:
         return where(rank=self._rank, group=self.group_name, op=op, backend=self.backend_name)
@@ -310,6 +335,8 @@ class ProcessGroup:
         for plain CPU tensors, then the backend's ``native_<op>_blocking``); the public op,
         validating and planning as always, with a native op handed to the backend's
         ``native_blocking`` on this thread; the public op's Work."""
+        if self.abort_signal.reason is not None:
+            raise self.abort_signal.error(self.where(op))
         lean = self._lean.get(op)
         if lean is not None and lean(self, *args):
             return
@@ -455,6 +482,8 @@ class ProcessGroup:
         return self._dispatch(op, _device_type(sample), kwargs)
 
     def _dispatch(self, op: str, device: str, kwargs: dict[str, Any]) -> Work:
+        if self.abort_signal.reason is not None:
+            raise self.abort_signal.error(self.where(op))
         call = _waiting.call
         if call is not None and call[0] is self and call[1] == op:
             _waiting.call = None  # for this dispatch only, not the ops a composition issues

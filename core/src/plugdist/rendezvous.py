@@ -18,7 +18,7 @@ from .errors import DistError
 from .store import FileStore, PrefixStore, Store, TCPStore, TorchStoreAdapter
 
 __all__ = ["env_rendezvous_handler", "tcp_rendezvous_handler", "file_rendezvous_handler",
-           "RendezvousError", "RendezvousHandler", "slurm_first_host"]
+           "RendezvousError", "RendezvousHandler", "slurm_first_host", "join_store"]
 
 RendezvousHandler = Callable[..., tuple[Store, int, int]]
 
@@ -245,3 +245,29 @@ def file_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
     store = FileStore(path, world_size)
     store.set_timeout(timeout)
     return store, rank, world_size
+
+
+def join_store(url: str | None, timeout: timedelta) -> Store:
+    """The running world's store, for a process that joins it (``init_process_group(join=True)``):
+    the launcher's store under plugdist-run, else a client of the store at ``tcp://HOST:PORT``
+    or ``env://`` (MASTER_ADDR, MASTER_PORT; RANK and WORLD_SIZE are not needed: the members
+    assign them), or the file of ``file://PATH``. Blocks until the store is reachable."""
+    url = url or "env://"
+    parsed = urlparse(url)
+    if parsed.scheme == "env":
+        agent = _agent_store(-1, timeout)
+        if agent is not None:
+            return agent
+        host, port_text = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if not host or not port_text:
+            raise RendezvousError("init_process_group(join=True) with env:// needs MASTER_ADDR "
+                                  "and MASTER_PORT: the address of the running world's store")
+        return TCPStore(host, int(port_text), None, is_master=False, timeout=timeout)
+    if parsed.scheme == "tcp":
+        if not parsed.hostname or not parsed.port:
+            raise RendezvousError(f"init_method {url!r} needs tcp://HOST:PORT")
+        return TCPStore(parsed.hostname, parsed.port, None, is_master=False, timeout=timeout)
+    if parsed.scheme == "file":
+        return FileStore(parsed.path, -1, timeout=timeout)
+    raise RendezvousError(f"init_process_group(join=True): init_method {url!r} is not one a "
+                          f"joiner can use; use env://, tcp://HOST:PORT or file://PATH")

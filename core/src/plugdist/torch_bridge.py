@@ -522,6 +522,16 @@ def share_world(group: ProcessGroup, backend: str, store: Store, rank: int, worl
     return shared
 
 
+def swap_group(shared: Any, group: ProcessGroup) -> None:
+    """Make torch's group ``shared`` (a BridgeGroup) run over ``group`` from now on: what
+    ``shrink_group``/``grow_group`` do, so that torch DDP/FSDP keep the object they hold.
+    torch keeps a group's ``rank()`` and ``size()`` in C++, fixed at construction: they keep
+    their old values (read plugdist's ``get_rank()``/``get_world_size()`` for the new ones)."""
+    if not isinstance(shared, BridgeGroup):
+        raise TypeError(f"swap_group: {shared!r} is not a group over a plugdist backend")
+    shared.plugdist_group = group
+
+
 def release_world(shared: Any) -> None:
     """Undo :func:`share_world`: destroy torch's groups if torch's default group is still
     ``shared`` (the user may have destroyed it already)."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .abort import AbortSignal, wait_sliced
 from .errors import DistBackendError, DistError, DistTimeoutError, op_timeout, where
 
 __all__ = ["Work", "completed_work", "failed_work"]
@@ -31,12 +32,14 @@ class Work:
 
     def __init__(self, future: torch.futures.Future | None = None, *, op: str = "", rank: int = -1,
                  group: str = "", backend: str = "", timeout: timedelta | None = None,
-                 source_rank: int | Callable[[], int] = -1) -> None:
+                 source_rank: int | Callable[[], int] = -1,
+                 abort: AbortSignal | None = None) -> None:
         self._fut = future  # made on first use: see ``_future``
         self._done: threading.Event | None = None  # made by the first wait that must block
         self.op, self.rank, self.group, self.backend = op, rank, group, backend
         self.timeout = timeout
         self._source_rank = source_rank
+        self.abort = abort  # the issuing group's: fired, it releases ``wait`` (plugdist.abort)
 
     @property
     def _future(self) -> torch.futures.Future:
@@ -51,26 +54,60 @@ class Work:
         with _LAZY_LOCK:
             if self._fut is None:
                 self._fut = torch.futures.Future()
-            return self._fut
+                fresh = True
+            else:
+                fresh = False
+        if fresh and self.abort is not None:
+            self.abort.watch_future(self)
+        return self._fut
+
+    def _abort_future(self) -> None:
+        """The group was aborted: fail the future if the op has not finished (see
+        AbortSignal.watch_future)."""
+        fut = self._fut
+        if fut is not None and not fut.done() and self.abort is not None:
+            try:
+                fut.set_exception(self.abort.error(self._where()))
+            except RuntimeError:
+                pass  # completed by the backend meanwhile
 
     # -- completion, for backends ------------------------------------------------------------
     def set_result(self, value: Any) -> None:
-        """Mark the op done with ``value`` (usually the output tensors). Call once, any thread."""
-        self._future.set_result(value)
+        """Mark the op done with ``value`` (usually the output tensors). Call once, any thread;
+        ignored if the group's abort failed the op first."""
+        try:
+            self._future.set_result(value)
+        except RuntimeError:
+            if self.abort is None or not self.abort.fired:
+                raise
 
     def set_exception(self, exc: BaseException) -> None:
-        """Mark the op failed. Call once, from any thread."""
-        self._future.set_exception(self._with_context(exc))
+        """Mark the op failed. Call once, from any thread. A transport error on a group whose
+        member has failed becomes that failure (``DistRankFailureError``)."""
+        exc = self._with_context(exc)
+        if self.abort is not None:
+            exc = self.abort.explain(exc, self._where())
+        try:
+            self._future.set_exception(exc)
+        except RuntimeError:
+            if self.abort is None or not self.abort.fired:
+                raise
 
     # -- the user-facing contract ------------------------------------------------------------
     def wait(self, timeout: timedelta | float | None = None) -> bool:
-        """Block until done; True on success. Raises the op's error, or DistTimeoutError."""
+        """Block until done; True on success. Raises the op's error, DistTimeoutError, or
+        DistRankFailureError as soon as the group is aborted for a failed member."""
         if not self._future.done():
             seconds = self._seconds(timeout)
-            if not self._done_event().wait(seconds):
-                raise self.timeout_error(seconds)
+            if not wait_sliced(self._done_event().wait, seconds, self.abort):
+                if self.abort is not None and self.abort.fired and not self._future.done():
+                    raise self.abort.error(self._where())
+                if not self._future.done():
+                    raise self.timeout_error(seconds)
         exc = self.exception()
         if exc is not None:
+            if self.abort is not None:
+                raise self.abort.explain(exc, self._where())
             raise exc
         return True
 
@@ -144,7 +181,7 @@ class Work:
     def _context(self, op: str | None = None) -> dict[str, Any]:
         """This Work's context (``op`` replaced if given), for a Work that follows from it."""
         return dict(op=op or self.op, rank=self.rank, group=self.group, backend=self.backend,
-                    timeout=self.timeout, source_rank=self.source_rank)
+                    timeout=self.timeout, source_rank=self.source_rank, abort=self.abort)
 
     # -- helpers -----------------------------------------------------------------------------
     def _where(self) -> str:
@@ -163,6 +200,7 @@ class Work:
                 err: BaseException = type(exc)(f"{here} failed: {exc}")
             except TypeError:  # a DistError subclass with a constructor of its own
                 return exc
+            err.__dict__.update(exc.__dict__)  # e.g. DistRankFailureError.ranks
         else:
             err = DistBackendError(f"{here} failed: {type(exc).__name__}: {exc}")
         err.__cause__ = exc

@@ -62,6 +62,13 @@ class World:
             self.owned_store = False
             # torch's default group while it runs over ours (plugdist.torch_bridge.share_world)
             self.torch_default: Any = None
+            # liveness and the agreed epoch (plugdist.membership); None when resilience is off
+            self.membership: Any = None
+            self.epoch = 0
+            self.group_options: Any = None  # the default group's pg_options, for rebuilds
+            # a joiner: the epoch it was admitted at, and whether it has the training state
+            self.joined_epoch: int | None = None
+            self.state_received = False
 
     @property
     def initialized(self) -> bool:

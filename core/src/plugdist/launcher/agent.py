@@ -185,6 +185,8 @@ class _Worker:
         self.released = False         # the watchdog was told this group is gone
         self.failed = False
         self.stopped = False
+        self.replaced = False         # not counted in the round's outcome: it was replaced, or
+        self.replacement = False      # it is a replacement that found the run finished
         self.tail: collections.deque[bytes] = collections.deque(maxlen=_TAIL_CHUNKS)
         self.readers: list[threading.Thread] = []
 
@@ -205,7 +207,8 @@ class _Worker:
             returncode=self.returncode, failed=self.failed, stopped=self.stopped,
             stderr_tail=tuple(text.splitlines()),
             error_file=self.error_file if err else None,
-            error_message=err[0] if err else "", error_traceback=tuple(err[1]) if err else ())
+            error_message=err[0] if err else "", error_traceback=tuple(err[1]) if err else (),
+            replaced=self.replaced)
 
 
 class Agent:
@@ -224,6 +227,9 @@ class Agent:
         self._tmp: str | None = None
         self._change = ""           # the last membership change, for the summary
         self._keep_tmp = False      # a worker failed: its error file is named in the summary
+        self.replacements = 0       # workers started by --replace-failed
+        self._filtered: dict[str, tuple[str, tuple[bytes, ...]]] = {}
+        self._cpus: list[Any] | None = None
         self.log_root = self._log_root()
 
     # -- set up --------------------------------------------------------------------------------
@@ -328,6 +334,12 @@ class Agent:
                 return "signal"
             failed = [w for w in self.workers
                       if w.returncode is None and w.poll() is not None and w.returncode != 0]
+            failed = [w for w in failed if not self._too_late(w)]
+            if failed and self.cfg.replace_failed \
+                    and self.replacements + len(failed) <= self.cfg.max_restarts:
+                for w in failed:
+                    self._replace(a, base, w)
+                failed = []
             if failed:
                 self._keep_tmp = True
                 for w in failed:
@@ -342,7 +354,7 @@ class Agent:
                                   message=st.error_message, error_file=st.error_file)
                 rdzv.publish_failure(a, failure.to_dict())
                 return rdzv.end_round(a, f"failed: rank {first.rank} on node {a.node_rank}")
-            if all(w.returncode is not None for w in self.workers):
+            if all(w.returncode is not None for w in self.workers if not w.replaced):
                 left = _live_groups({w.pgid for w in self.workers})
                 self.leftovers = [w.rank for w in self.workers if w.pgid in left]
                 return "succeeded"
@@ -405,64 +417,115 @@ class Agent:
     # -- workers ---------------------------------------------------------------------------------
     def _spawn(self, a: Assignment, base: dict[str, str]) -> None:
         cfg = self.cfg
-        cmd = cfg.command()
         attempt_dir = os.path.join(self.log_root, f"attempt_{a.round}")
-        plans = []
         if cfg.virtual_local_rank:
             self._own_gpu(cfg.nproc_per_node - 1)   # refuse before any worker has started
-        cpus = None
+        self._cpus = None
         if cfg.numa_binding is not None:
             try:
-                cpus = cpus_for_workers(cfg.numa_binding, cfg.nproc_per_node)
+                self._cpus = cpus_for_workers(cfg.numa_binding, cfg.nproc_per_node)
             except (OSError, ValueError) as exc:
                 raise LaunchError(f"--numa-binding {cfg.numa_binding}: {exc}") from exc
-        filtered = {name: (os.path.join(attempt_dir, f"filtered_{name}.log"),
-                           tuple(n.encode() for n in needles))
-                    for name, needles in (("stdout", cfg.duplicate_stdout_filters),
-                                          ("stderr", cfg.duplicate_stderr_filters)) if needles}
-        for local_rank in range(cfg.nproc_per_node):
-            rank_dir = os.path.join(attempt_dir, str(local_rank))
-            os.makedirs(rank_dir, exist_ok=True)
-            out_plan, err_plan = plan_streams(cfg, local_rank, rank_dir)
-            env = self._worker_env(a, local_rank, base, os.path.join(rank_dir, "error.json"))
-            stdout: int | None = None            # straight to our stdout: the cheapest
-            if cfg.duplicate_stdout_filters or out_plan.file or (out_plan.console
-                                                                  and cfg.rank_prefix):
-                stdout = subprocess.PIPE
-            elif not out_plan.console:
-                stdout = subprocess.DEVNULL
-            try:
-                with spawning_bound_to(cpus[local_rank] if cpus else None):
-                    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
-                                            stdout=stdout, stderr=subprocess.PIPE)
-            except OSError as exc:
-                raise LaunchError(f"could not start rank {a.rank_offset + local_rank} (local "
-                                  f"rank {local_rank}) with {cmd[0]!r}: {exc}") from exc
-            if self.watchdog is not None:
-                self.watchdog.tell(f"+{proc.pid}")
-            self.workers.append(_Worker(a.rank_offset + local_rank, local_rank, proc,
-                                        env[ERROR_FILE_VAR]))
-            plans.append((out_plan, err_plan))
-        for w, (out_plan, err_plan) in zip(self.workers, plans, strict=True):
-            prefix = f"[rank {w.rank}] ".encode() if cfg.rank_prefix else b""
-            for name, src, plan, console, tail in (
-                    ("stdout", w.proc.stdout, out_plan, self.out, None),
-                    ("stderr", w.proc.stderr, err_plan, self.err, w.tail)):
-                if src is None:
-                    continue
-                file = Sink(open(plan.file, "ab"), binary=True) if plan.file else None
-                dup = None
-                if name in filtered:
-                    # one O_APPEND handle per reader: each line is one write, so the ranks'
-                    # lines interleave whole
-                    path, needles = filtered[name]
-                    dup = Duplicate(Sink(open(path, "ab"), binary=True), needles)
-                t = threading.Thread(
-                    target=pump, args=(src, console if plan.console else None, prefix, file,
-                                       tail, dup),
-                    name=f"{PROG}-rank{w.rank}", daemon=True)
-                t.start()
-                w.readers.append(t)
+        self._filtered = {name: (os.path.join(attempt_dir, f"filtered_{name}.log"),
+                                 tuple(n.encode() for n in needles))
+                          for name, needles in (("stdout", cfg.duplicate_stdout_filters),
+                                                ("stderr", cfg.duplicate_stderr_filters))
+                          if needles}
+        # every worker starts before any output is relayed: relaying threads would delay them
+        started = [self._start(a, base, local_rank, os.path.join(attempt_dir, str(local_rank)))
+                   for local_rank in range(cfg.nproc_per_node)]
+        for worker, (out_plan, err_plan) in started:
+            self._relay(worker, out_plan, err_plan)
+
+    def _start(self, a: Assignment, base: dict[str, str], local_rank: int, rank_dir: str,
+               replaces: int | None = None) -> tuple[_Worker, tuple[Any, Any]]:
+        """Start one worker; ``replaces``: the rank of the dead worker it stands in for, started
+        to join the running world. Its output is relayed by :meth:`_relay`."""
+        cfg = self.cfg
+        cmd = cfg.command()
+        os.makedirs(rank_dir, exist_ok=True)
+        out_plan, err_plan = plan_streams(cfg, local_rank, rank_dir)
+        env = self._worker_env(a, local_rank, base, os.path.join(rank_dir, "error.json"))
+        if replaces is not None:
+            env.pop("RANK", None)   # the running world assigns the joiner's rank
+            env.update(PLUGDIST_JOIN="1", PLUGDIST_REPLACES=str(replaces),
+                       PLUGDIST_REPLACEMENT=str(self.replacements))
+        stdout: int | None = None            # straight to our stdout: the cheapest
+        if cfg.duplicate_stdout_filters or out_plan.file or (out_plan.console
+                                                              and cfg.rank_prefix):
+            stdout = subprocess.PIPE
+        elif not out_plan.console:
+            stdout = subprocess.DEVNULL
+        cpus = self._cpus
+        rank = a.rank_offset + local_rank if replaces is None else replaces
+        try:
+            with spawning_bound_to(cpus[local_rank] if cpus else None):
+                proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                                        stdout=stdout, stderr=subprocess.PIPE)
+        except OSError as exc:
+            raise LaunchError(f"could not start rank {rank} (local rank {local_rank}) with "
+                              f"{cmd[0]!r}: {exc}") from exc
+        if self.watchdog is not None:
+            self.watchdog.tell(f"+{proc.pid}")
+        worker = _Worker(rank, local_rank, proc, env[ERROR_FILE_VAR])
+        self.workers.append(worker)
+        return worker, (out_plan, err_plan)
+
+    def _relay(self, w: _Worker, out_plan: Any, err_plan: Any) -> None:
+        """Start the threads that relay ``w``'s output (console, files, the stderr tail)."""
+        prefix = f"[rank {w.rank}] ".encode() if self.cfg.rank_prefix else b""
+        for name, src, plan, console, tail in (
+                ("stdout", w.proc.stdout, out_plan, self.out, None),
+                ("stderr", w.proc.stderr, err_plan, self.err, w.tail)):
+            if src is None:
+                continue
+            file = Sink(open(plan.file, "ab"), binary=True) if plan.file else None
+            dup = None
+            if name in self._filtered:
+                # one O_APPEND handle per reader: each line is one write, so the ranks'
+                # lines interleave whole
+                path, needles = self._filtered[name]
+                dup = Duplicate(Sink(open(path, "ab"), binary=True), needles)
+            t = threading.Thread(
+                target=pump, args=(src, console if plan.console else None, prefix, file, tail,
+                                   dup),
+                name=f"{PROG}-rank{w.rank}", daemon=True)
+            t.start()
+            w.readers.append(t)
+
+    def _too_late(self, w: _Worker) -> bool:
+        """A replacement that failed after every other worker had finished successfully: the
+        run ended before it could join, which is not a failure of the run."""
+        if not w.replacement or any(o.returncode != 0 for o in self.workers
+                                    if o is not w and not o.replaced):
+            return False
+        w.replaced = True
+        self.err.text(f"{PROG}: the replacement for rank {w.rank} (pid {w.proc.pid}) found the "
+                      f"run finished before it could join")
+        return True
+
+    def _replace(self, a: Assignment, base: dict[str, str], dead: _Worker) -> None:
+        """--replace-failed: report ``dead`` and start one worker that joins the running world
+        in its place (the survivors admit it at a step boundary)."""
+        self._keep_tmp = True
+        dead.failed = dead.replaced = True
+        dead.drain(0.5)
+        self.replacements += 1
+        st = dead.status()
+        self.err.text(f"{PROG}: rank {dead.rank} (local rank {dead.local_rank}, pid "
+                      f"{dead.proc.pid}) {st.describe()}; the others go on; starting a "
+                      f"replacement that joins them ({self.replacements} of "
+                      f"{self.cfg.max_restarts} replacements)")
+        for line in st.traceback()[-20:] or st.stderr_tail[-5:]:
+            self.err.text("    " + line)
+        if self.watchdog is not None:
+            self.watchdog.tell(f"-{dead.pgid}")
+        rank_dir = os.path.join(self.log_root, f"attempt_{a.round}",
+                                f"{dead.local_rank}_replacement_{self.replacements}")
+        worker, (out_plan, err_plan) = self._start(a, base, dead.local_rank, rank_dir,
+                                                   replaces=dead.rank)
+        worker.replacement = True
+        self._relay(worker, out_plan, err_plan)
 
     def _worker_env(self, a: Assignment, local_rank: int, base: dict[str, str],
                     error_file: str) -> dict[str, str]:

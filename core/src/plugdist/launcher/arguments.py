@@ -86,6 +86,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str], list[str]]:
              "keep_alive_interval, keep_alive_max_attempt, token")
     opt("--max-restarts", type=int, default=0, metavar="N",
         help="restart every worker of every node up to N times after a failure (default 0)")
+    opt("--replace-failed", action="store_true",
+        help="when a worker dies, keep the others running and start one new worker that joins "
+             "the running world (plugdist resilient groups); --max-restarts then counts "
+             "replacements")
     opt("--monitor-interval", type=float, default=0.1, metavar="S",
         help="seconds between checks of the workers (default 0.1)")
     opt("--start-method", default="spawn", choices=("spawn", "fork", "forkserver"),
@@ -313,7 +317,8 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
         min_nodes=min_nodes, max_nodes=max_nodes, node_rank=node_rank,
         master_addr=master_addr, master_port=master_port, rdzv_backend=backend,
         rdzv_endpoint=endpoint, run_id=run_id, rdzv=rdzv, standalone=ns.standalone,
-        max_restarts=ns.max_restarts, monitor_interval=timedelta(seconds=ns.monitor_interval),
+        max_restarts=ns.max_restarts, replace_failed=ns.replace_failed,
+        monitor_interval=timedelta(seconds=ns.monitor_interval),
         start_method=ns.start_method, role=ns.role, log_dir=ns.log_dir,
         redirects=parse_streams(ns.redirects, "--redirects"), tee=parse_streams(ns.tee, "--tee"),
         rank_prefix=ns.rank_prefix, local_ranks_filter=ranks_filter, local_addr=ns.local_addr,

@@ -156,6 +156,7 @@ class LaunchConfig:
     rdzv: RendezvousOptions = field(default_factory=RendezvousOptions)
     standalone: bool = False
     max_restarts: int = 0
+    replace_failed: bool = False  # start one new worker for a dead one; the others go on
     monitor_interval: timedelta = timedelta(seconds=0.1)
     start_method: str = "spawn"
     role: str = "default"

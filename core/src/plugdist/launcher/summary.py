@@ -56,6 +56,7 @@ class WorkerStatus:
     error_file: str | None = None
     error_message: str = ""
     error_traceback: tuple[str, ...] = ()
+    replaced: bool = False        # --replace-failed started another worker in its place
 
     @property
     def exit_code(self) -> int:
@@ -118,7 +119,8 @@ class LaunchResult:
 
     @property
     def failures(self) -> list[WorkerStatus]:
-        return [w for w in self.workers if w.failed]
+        """Workers that failed and were not replaced (--replace-failed)."""
+        return [w for w in self.workers if w.failed and not w.replaced]
 
 
 def extract_traceback(lines: Sequence[str]) -> list[str]:
@@ -193,6 +195,12 @@ def format_summary(result: LaunchResult) -> str:
             out.extend("    " + line for line in _clip(list(first.traceback)))
         elif first.message:
             out.append("    " + first.message)
+    replaced = [w for w in result.workers if w.failed and w.replaced]
+    if replaced:
+        out.append(f"{PROG}: {len(replaced)} worker(s) died and were replaced while the others "
+                   f"went on ({where}):")
+        out.extend(f"  rank {w.rank} (local rank {w.local_rank}, pid {w.pid}): {w.describe()}"
+                   for w in replaced)
     if failures:
         out.append(f"{PROG}: {len(failures)} of {len(result.workers)} workers failed ({where})")
         ordered = sorted(failures, key=lambda w: (first is None or w.rank != first.rank, w.rank))

@@ -7,12 +7,15 @@
 from .bucketing import DEFAULT_FIRST_BUCKET_BYTES, compute_bucket_assignment
 from .comm_hooks import CommHook, GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .ddp import DistributedDataParallel
+from .fault_tolerant import BelowMinWorldSizeError, ElasticSampler, ResilientTraining
 from .join import Join, Joinable, JoinHook
 from .logging_data import DDPLogger
 from .reducer import BucketedReducer, Reducer, ReducerOptions
+from .torch_hooks import resilient_allreduce_hook
 
 __all__ = [
     "DistributedDataParallel", "Reducer", "ReducerOptions", "BucketedReducer", "GradBucket",
     "CommHook", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "Join", "Joinable",
     "JoinHook", "DDPLogger", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES",
+    "resilient_allreduce_hook", "ResilientTraining", "ElasticSampler", "BelowMinWorldSizeError",
 ]

@@ -121,6 +121,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             param_names=dict(enumerate(names)))
         self.logger = DDPLogger()
         reducer_cls = _resolve_reducer(reducer)
+        self._reducer_setup = (reducer_cls, params, options)
+        self._comm_hook: tuple[Any, CommHook] | None = None
         self.reducer: Reducer = reducer_cls(params, self.process_group, options, self.logger)
         self.logger.set_construction_data(
             self,
@@ -307,9 +309,30 @@ class DistributedDataParallel(nn.Module, Joinable):
             name, resolved = getattr(hook, "__qualname__", repr(hook)), hook
         _check_comm_hook(resolved)
         self.reducer.register_comm_hook(state, resolved)
+        self._comm_hook = (state, resolved)
         self.logger.data["comm_hook"] = name
 
     # -- introspection -----------------------------------------------------------------------------
+    def _replace_process_group(self, group: ProcessGroup, resync: bool) -> None:
+        """Go on over ``group`` (the world after a shrink or a grow): a fresh reducer on it,
+        with the comm hook registered again. ``resync``: first repeat what the constructor
+        does collectively (the model check across ranks and the broadcast of rank 0's
+        parameters and buffers), for the joiners whose constructors run it meanwhile."""
+        self.reducer.close()
+        old, self.process_group = self.process_group, group
+        if self._comm_hook is not None and self._comm_hook[0] is old:
+            self._comm_hook = (group, self._comm_hook[1])  # a hook whose state was the group
+        self._rank = group.rank()
+        reducer_cls, params, options = self._reducer_setup
+        if resync:
+            _, names = self._params_for_reducer()
+            verify_model_across_ranks(group, params, names,
+                                      group.where("DistributedDataParallel"))
+            self._sync_module_states(0)
+        self.reducer = reducer_cls(params, group, options, self.logger)
+        if self._comm_hook is not None:
+            self.reducer.register_comm_hook(*self._comm_hook)
+
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """Construction parameters, bucket layout and averaged runtime stats (times in ns)."""
         data = self.logger.snapshot()

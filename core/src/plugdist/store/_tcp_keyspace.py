@@ -73,6 +73,7 @@ class KeySpace:
             w.Op.MULTI_SET: self._op_multi_set, w.Op.WAIT_WORKERS: self._op_wait_workers,
             w.Op.APPEND: self._op_append, w.Op.QUEUE_PUSH: self._op_queue_push,
             w.Op.QUEUE_POP: self._op_queue_pop, w.Op.QUEUE_LEN: self._op_queue_len,
+            w.Op.WILL: self._op_will, w.Op.DELETE_PREFIX: self._op_delete_prefix,
         }
 
     def join(self) -> None:
@@ -269,6 +270,31 @@ class KeySpace:
             self._created_value(key)
         return _ok(w.I64.pack(total))
 
+    def _op_will(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        key, pos = _blob(buf, pos, end)
+        value, _ = _blob(buf, pos, end)
+        conn.will = (key, value) if key else None
+        return _OK_EMPTY
+
+    def execute_will(self, will: tuple[bytes, bytes]) -> None:
+        """A connection with a will closed: append its value to the numbered log at its key
+        (the counter ``key`` goes up by one to n, the value lands at ``key/n``), waking every
+        request waiting on either. A counter some client overwrote with set() is left alone."""
+        key, value = will
+        old = self._data.get(key)
+        try:
+            n = (int(old) if old is not None else 0) + 1
+        except ValueError:
+            return
+        self._data[key] = str(n).encode()
+        if old is None:
+            self._created_value(key)
+        entry = key + b"/" + str(n).encode()
+        created = entry not in self._data
+        self._data[entry] = value
+        if created:
+            self._created_value(entry)
+
     def _op_append(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)
         tail, _ = _blob(buf, pos, end)
@@ -322,6 +348,16 @@ class KeySpace:
         had_value = self._data.pop(key, None) is not None
         had_queue = bool(self._queues.pop(key, None))
         return _ok(b"\x01" if had_value or had_queue else b"\x00")
+
+    def _op_delete_prefix(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        prefix, _ = _blob(buf, pos, end)
+        doomed = [k for k in self._data if k.startswith(prefix)]
+        for k in doomed:
+            del self._data[k]
+        queues = [k for k in self._queues if k.startswith(prefix)]
+        for k in queues:
+            del self._queues[k]
+        return _ok(w.I64.pack(len(set(doomed) | set(queues))))
 
     def _op_multi_set(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         items, _ = w.unpack_blobs(buf, pos, end)

@@ -66,7 +66,7 @@ class _ProtocolError(Exception):
 
 class _Conn:
     __slots__ = ("sock", "peer", "inbuf", "need", "out", "handshaken", "nonce", "waiter",
-                 "closed", "since", "paused")
+                 "closed", "since", "paused", "will")
 
     def __init__(self, sock: socket.socket, peer: str, nonce: bytes) -> None:
         self.sock = sock
@@ -80,6 +80,7 @@ class _Conn:
         self.closed = False
         self.since = 0.0          # when the pending handshake / half-sent frame last progressed
         self.paused = False       # reading stopped: too many unread replies
+        self.will: tuple[bytes, bytes] | None = None  # (log key, value) written on close
 
 
 def _raise_fd_limit(want: int = 65536) -> None:
@@ -505,6 +506,9 @@ class StoreServer:
         if conn.waiter is not None:
             self._keys.forget(conn.waiter)
             conn.waiter = None
+        if conn.will is not None:
+            self._keys.execute_will(conn.will)
+            conn.will = None
         self._conns.pop(conn.sock.fileno(), None)
         try:
             self._sel.unregister(conn.sock)

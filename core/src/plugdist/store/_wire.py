@@ -106,6 +106,8 @@ class Op(enum.IntEnum):
     QUEUE_PUSH = 13
     QUEUE_POP = 14
     QUEUE_LEN = 15
+    DELETE_PREFIX = 17  # prefix: delete every key (and queue) starting with it; replies the count
+    WILL = 16  # key, value: on this connection's close, log value under key (empty key: cancel)
 
 
 class Status(enum.IntEnum):

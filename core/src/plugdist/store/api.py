@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 __all__ = ["Store", "DEFAULT_STORE_TIMEOUT", "to_bytes", "to_seconds"]
 
@@ -145,6 +146,20 @@ class Store:
     def queue_len(self, key: str) -> int:
         """Number of values in queue ``key`` (0 if it never existed)."""
         raise self._not_implemented("queue_len")
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Optional: delete every key (value and queue) whose name starts with ``prefix``;
+        returns how many. Used to forget the keys of finished epochs."""
+        raise self._not_implemented("delete_prefix")
+
+    def hold_will(self, key: str, value: bytes | str) -> Any:
+        """Optional (liveness for resilient groups): leave a will that the store itself
+        executes when this process's hold ends without the returned object's ``cancel()`` — the
+        process died, or lost the store: ``value`` is appended to the numbered log ``key`` (the
+        counter ``key`` becomes n, the value lands at ``f"{key}/{n}"``). A store that cannot
+        notice a client's death raises NotImplementedError; membership then relies on
+        heartbeats alone."""
+        raise self._not_implemented("hold_will")
 
     def clone(self) -> Store:
         """A new, independent handle on the same data (its own connections or file handle), for

@@ -121,6 +121,15 @@ class HashStore(Store):
             had_value = self._data.pop(check_key(key), None) is not None
             return bool(self._queues.pop(key, None)) or had_value
 
+    def delete_prefix(self, prefix: str) -> int:
+        with self._cond:
+            doomed = {k for k in self._data if k.startswith(prefix)}
+            doomed |= {k for k in self._queues if k.startswith(prefix)}
+            for k in doomed:
+                self._data.pop(k, None)
+                self._queues.pop(k, None)
+            return len(doomed)
+
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         ks = check_keys(keys)
         with self._cond:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 from ._util import check_key, check_keys
 from .api import Store, to_bytes
@@ -60,6 +61,12 @@ class PrefixStore(Store):
 
     def clone(self) -> PrefixStore:
         return PrefixStore(self.prefix, self.underlying_store.clone())
+
+    def delete_prefix(self, prefix: str) -> int:
+        return self.underlying_store.delete_prefix(f"{self.prefix}/{prefix}")
+
+    def hold_will(self, key: str, value: bytes | str) -> Any:
+        return self.underlying_store.hold_will(self._k(key), value)
 
     def set(self, key: str, value: bytes | str) -> None:
         self.underlying_store.set(self._k(key), to_bytes(value))

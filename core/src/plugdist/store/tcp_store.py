@@ -517,6 +517,12 @@ class TCPStore(Store):
         frame = w.request(w.Op.DELETE_KEY, w.U32.pack(len(k)) + k)
         return self._request("delete_key", frame) == b"\x01"
 
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key (value and queue) that starts with ``prefix``; returns how many."""
+        p = prefix.encode()
+        frame = w.request(w.Op.DELETE_PREFIX, w.U32.pack(len(p)) + p)
+        return w.I64.unpack(self._request("delete_prefix", frame))[0]
+
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """All values in one round trip; blocks like ``get`` until every key exists."""
         t = to_seconds(self._timeout)
@@ -536,12 +542,60 @@ class TCPStore(Store):
             blobs.append(to_bytes(v))
         self._request("multi_set", w.request(w.Op.MULTI_SET, w.pack_blobs(blobs)))
 
+    def hold_will(self, key: str, value: bytes | str) -> Will:
+        """Leave a will with the server: if this process's hold on it ends without
+        ``cancel()`` (the process died, or its connection dropped), the server appends
+        ``value`` to the numbered log ``key`` (the counter ``key`` becomes n, the value is at
+        ``f"{key}/{n}"``). One dedicated connection per will. Blocks for one round trip."""
+        k, v = check_key(key).encode(), to_bytes(value)
+        conn = self._connect(join=False, timeout=max(to_seconds(self._timeout), 1.0))
+        will = Will(self, conn)
+        will._send(k, v)
+        return will
+
     def close(self) -> None:
         """Close this store's connections; on the master also stop the server (other clients
         then get DistNetworkError). Idempotent."""
         with self._lock:
             self._closed = True
         self._finalizer()
+
+
+class Will:
+    """A will left with a TCPStore server (see ``TCPStore.hold_will``). ``cancel`` withdraws
+    it and closes its connection; idempotent."""
+
+    def __init__(self, store: TCPStore, conn: _Connection) -> None:
+        self._store = store
+        self._conn: _Connection | None = conn
+        self._lock = threading.Lock()
+
+    def _send(self, key: bytes, value: bytes) -> None:
+        body = b"".join((w.U32.pack(len(key)), key, w.U32.pack(len(value)), value))
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            status, reply = conn.roundtrip(w.request(w.Op.WILL, body), _MIN_IO_TIMEOUT)
+        except (OSError, ConnectionError) as e:
+            raise DistNetworkError(f"TCPStore {self._store.host}:{self._store.port}: connection "
+                                   f"lost while leaving a will ({e})") from e
+        if status != w.Status.OK:
+            raise DistStoreError(f"TCPStore {self._store.host}:{self._store.port}: will: "
+                                 f"{reply.decode(errors='replace')}")
+
+    def cancel(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            body = w.U32.pack(0) + w.U32.pack(0)
+            conn.roundtrip(w.request(w.Op.WILL, body), _MIN_IO_TIMEOUT)
+        except (OSError, ConnectionError):
+            pass  # the server is gone: nobody is left to read the will
+        finally:
+            conn.close()
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

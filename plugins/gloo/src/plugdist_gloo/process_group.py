@@ -8,6 +8,7 @@ group, group registry) is never touched, so both can run side by side in one pro
 
 from __future__ import annotations
 
+import ctypes
 import re
 import socket
 from collections.abc import Callable, Sequence
@@ -84,6 +85,12 @@ def _rank_of_peer(message: str, peers: dict[int, list[bytes]]) -> int | None:
     found = {r for r, blobs in peers.items()
              if any(needle in b and port_bytes in b for b in blobs)}
     return found.pop() if len(found) == 1 else None
+
+
+# aborted Gloo groups, kept until the process ends (see GlooProcessGroup._let_go); the list
+# holds one reference nobody owns, so not even interpreter shutdown runs their destructors
+_ABANDONED: list[tuple[Any, Any]] = []
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ABANDONED))
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -176,10 +183,14 @@ class GlooProcessGroup(ProcessGroup):
         return True, "torch.distributed.ProcessGroupGloo"
 
     def shutdown(self) -> None:
-        """Close Gloo's connections and join its threads. Idempotent; ops still pending fail."""
-        pg, self._pg = getattr(self, "_pg", None), None
-        if pg is None:
+        """Close Gloo's connections and join its threads. Idempotent; ops still pending fail.
+        On an aborted group it does not block: see _let_go."""
+        if getattr(self, "_pg", None) is None:
             return
+        if self.abort_signal.fired:
+            self._let_go()
+            return
+        pg, self._pg = self._pg, None
         for name in ("shutdown", "abort"):
             fn = getattr(pg, name, None)
             if fn is not None:
@@ -192,6 +203,22 @@ class GlooProcessGroup(ProcessGroup):
         del pg
         self._bridge = None  # last: Gloo may use the store until it is released
         self._log.debug("gloo group shut down")
+
+    def _let_go(self) -> None:
+        """Release an aborted group without waiting. Its ops with a dead peer end only at
+        Gloo's own timeout, and Gloo's shutdown and destructor join its threads, so they would
+        block that long (and a destructor still pending at exit aborts the process). So the
+        group is left to the process: ``_ABANDONED`` keeps it (and the store Gloo uses) and is
+        never emptied. One per failure, a few sockets and threads each."""
+        pg, self._pg = self._pg, None
+        try:
+            pg.abort()
+        except Exception as exc:  # noqa: BLE001 - best effort, the group is going anyway
+            self._log.debug("gloo abort failed", error=str(exc))
+        self._waiters.close(timeout=0.0)
+        _ABANDONED.append((pg, self._bridge))
+        self._bridge = None
+        self._log.debug("aborted gloo group left to the process")
 
     # -- plumbing -------------------------------------------------------------------------------
     def _native(self, op: str) -> Any:
@@ -294,10 +321,14 @@ class GlooProcessGroup(ProcessGroup):
             native = call(pg)
         except Exception as exc:
             raise self._translate(op, exc) from exc
-        finished, error = wait_native(native, self.timeout)
+        signal = self.abort_signal
+        finished, error = wait_native(native, self.timeout, signal)
         if not finished:
+            signal.check(lambda: self.where(op))
             raise self.timeout_error(op) from error
         if error is not None:
+            if signal.monitored:
+                raise signal.explain(self._translate(op, error), self.where(op)) from error
             raise self._translate(op, error) from error
         for s in staged:
             s.finish()

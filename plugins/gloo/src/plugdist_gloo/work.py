@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
+from plugdist.abort import AbortSignal, wait_sliced
 from plugdist.errors import DistError
 from plugdist.work import Work
 
@@ -41,6 +42,8 @@ class IssuingGroup(Protocol):
     def backend_name(self) -> str: ...
     @property
     def timeout(self) -> timedelta: ...
+    @property
+    def abort_signal(self) -> AbortSignal: ...
 
     def _translate(self, op: str, exc: BaseException) -> DistError:
         """The op's error as a DistError naming rank, group, op and backend."""
@@ -63,7 +66,7 @@ class GlooWork(Work):
     def __init__(self, pg: IssuingGroup, op: str, result: Any,
                  staged: Sequence[Staged] = (), any_source: bool = False) -> None:
         super().__init__(op=op, rank=pg._rank, group=pg.group_name, backend=pg.backend_name,
-                         timeout=pg.timeout)
+                         timeout=pg.timeout, abort=pg.abort_signal)
         self._pg = pg
         self._native: Any = None
         self._value = result
@@ -101,9 +104,14 @@ class GlooWork(Work):
                     self._source = int(native._source_rank())
             except Exception as exc:  # noqa: BLE001 - handed to whoever waits on the Work
                 error = exc
+        translated: BaseException | None = None
+        if error is not None:
+            translated = self._pg._translate(self.op, error)
+            if self.abort is not None:
+                translated = self.abort.explain(translated, self._where())
         with self._lock:
-            if error is not None:
-                self._error = self._pg._translate(self.op, error)
+            if translated is not None:
+                self._error = translated
             self._finished = True
             self._native = None  # the torch work holds the tensors; let them go
             fut = self._fut
@@ -115,7 +123,8 @@ class GlooWork(Work):
 
     def _materialize(self) -> torch.futures.Future:
         with self._lock:
-            if self._fut is None:
+            fresh = self._fut is None
+            if fresh:
                 fut: torch.futures.Future = torch.futures.Future()
                 if self._finished:  # no callbacks on a new future: safe under the lock
                     if self._error is not None:
@@ -123,7 +132,27 @@ class GlooWork(Work):
                     else:
                         fut.set_result(self._value)
                 self._fut = fut
-            return self._fut
+            held = self._fut
+        assert held is not None  # set just above, under the lock
+        if fresh and self.abort is not None:
+            self.abort.watch_future(self)
+        return held
+
+    def _abort_future(self) -> None:
+        """The group was aborted before Gloo finished the op: fail it now (Gloo's own outcome,
+        when it comes, is dropped)."""
+        abort = self.abort
+        if abort is None:
+            return
+        with self._lock:
+            if self._claimed:
+                return
+            self._claimed = True
+            self._error = abort.error(self._where())
+            self._finished = True
+            fut = self._fut
+        if fut is not None:
+            fut.set_exception(self._error)
 
     def _poll(self) -> bool:
         """Complete from torch's work if it finished; True when the outcome is final."""
@@ -154,13 +183,17 @@ class GlooWork(Work):
             limit = self.timeout if timeout is None else timeout
             if limit is not None and not isinstance(limit, timedelta):
                 limit = timedelta(seconds=limit)
-            finished, error = wait_native(native, limit)
+            finished, error = wait_native(native, limit, self.abort)
             if not finished:
+                if self.abort is not None and self.abort.fired:
+                    raise self.abort.error(self._where())
                 raise self.timeout_error(self._seconds(timeout)) from error
             self._complete(error)
         if not self._finished:  # armed, or completed by another thread this very moment
             super().wait(timeout)
         if self._error is not None:
+            if self.abort is not None:
+                raise self.abort.explain(self._error, self._where())
             raise self._error
         return True
 
@@ -185,9 +218,28 @@ class GlooWork(Work):
         return self._future
 
 
-def wait_native(native: Any, limit: timedelta | None) -> tuple[bool, BaseException | None]:
+def wait_native(native: Any, limit: timedelta | None,
+                signal: AbortSignal | None = None) -> tuple[bool, BaseException | None]:
     """torch's ``native.wait``, bounded by ``limit`` (None: no bound), the GIL released:
-    ``(False, error)`` when the op had not finished by then, else ``(True, its error or None)``."""
+    ``(False, error)`` when the op had not finished by then (or ``signal`` fired), else
+    ``(True, its error or None)``. With a monitored ``signal`` it waits in slices (Gloo's timed
+    wait leaves the op running), so an abort releases it at once."""
+    if signal is not None and signal.monitored:
+        failure: list[BaseException] = []
+
+        def once(seconds: float | None) -> bool:
+            try:
+                native.wait() if seconds is None else native.wait(timedelta(seconds=seconds))
+            except Exception as exc:  # noqa: BLE001 - a timed-out slice, or the op's error
+                if not native.is_completed():
+                    return False
+                failure.append(exc)
+            return True
+
+        seconds = None if limit is None else limit.total_seconds()
+        if wait_sliced(once, seconds, signal):
+            return True, (failure[0] if failure else None)
+        return False, None
     try:
         native.wait() if limit is None else native.wait(limit)
     except Exception as exc:  # noqa: BLE001 - the caller says what it means

@@ -56,6 +56,10 @@ class MPIProcessGroup(ProcessGroup):
     """
 
     backend_name: ClassVar[str] = "mpi"
+    rebuild_refusal: ClassVar[str] = (
+        "an MPI group's members are fixed by mpiexec: MPICH's mpiexec ends every rank when one "
+        "dies, and a new process cannot join MPI_COMM_WORLD. Use gloo for resilient training "
+        "(see docs/resilience.md: MPI's ULFM, in Open MPI 5, is the path a later version takes)")
     device_types: ClassVar[tuple[str, ...]] = ("cpu",)
     # AVG is left to the core (SUM, then a local divide)
     native_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset(ReduceOp) - {ReduceOp.AVG}

@@ -1,0 +1,205 @@
+"""Surviving a dead rank: ``shrink_group``, ``grow_group``, ``get_failed_ranks`` and the join
+side of ``init_process_group(join=True)``.
+
+The mechanism is the same on every backend: :mod:`plugdist.membership` names the failed
+members and records the epoch the survivors agree on; the groups of the old epoch are aborted
+and shut down, and the new world's default group is built through ``build_group`` on a fresh
+store prefix (so plugins such as the debug wrapper apply), unless the backend builds it
+natively (``ProcessGroup.native_shrink``). torch's default group over plugdist's world keeps its
+object: the plugdist group inside it is swapped (:func:`plugdist.torch_bridge.swap_group`).
+
+Above :mod:`plugdist.groups` and the torch bridge; nothing below imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from . import groups
+from .errors import DistError
+from .log import get_logger
+from .membership import Decision, Membership, request_join
+from .process_group import GroupOptions, ProcessGroup
+from .registry import BACKENDS, Backend, registry
+from .store import Store
+from .world import world
+
+__all__ = ["shrink_group", "grow_group", "get_failed_ranks", "join_world"]
+
+_ATTEMPTS = 3  # agreements tried when members keep failing while the new group is built
+
+
+def _membership(what: str) -> Membership:
+    pg = world.require(what)
+    refusal = getattr(pg, "rebuild_refusal", "")
+    if refusal:
+        raise DistError(f"{pg.where(what)} {what} is not available on this backend: {refusal}")
+    m = world.membership
+    if m is None:
+        raise DistError(f"{what} needs resilience, which is off in this process: it is off for a "
+                        f"world of one rank and with PLUGDIST_RESILIENCE=0")
+    return m
+
+
+def _resolve(group: Any, what: str) -> tuple[ProcessGroup, Any]:
+    """(plugdist's default group, the handle to return): ``group`` may be None, plugdist's
+    default group, or torch's default group running over it."""
+    pg = world.require(what)
+    if group is None or group is pg:
+        return pg, None
+    inner = getattr(group, "plugdist_group", None)
+    if inner is not None and inner is pg:
+        return pg, group
+    raise ValueError(f"{what}: only the default group (plugdist's, or torch's default group over "
+                     f"it) can be shrunk or grown; sub-groups of a world that loses a rank are "
+                     f"destroyed: create them again with new_group() over the new world")
+
+
+def get_failed_ranks(group: Any = None) -> list[int]:
+    """The ranks of ``group`` (default: the world) known to have failed, as group ranks of the
+    current epoch; [] when none (or resilience is off). Does not block."""
+    m = world.membership
+    if m is None:
+        return []
+    if group is None or group is world.default or \
+            getattr(group, "plugdist_group", None) is world.default:
+        return m.failed_ranks()
+    info = world.info(group)
+    uids = m.uids_of(info.global_ranks)
+    dead = {m.rank_of(u) for u in uids if u in m.failed}
+    return [i for i, g in enumerate(info.global_ranks) if g in dead]
+
+
+def shrink_group(ranks_to_exclude: Sequence[int] | None = None, group: Any = None,
+                 timeout: timedelta | None = None) -> Any:
+    """Continue without failed ranks: a collective of the survivors of the default group.
+
+    ``ranks_to_exclude`` None: the ranks the survivors agree have failed (every rank not known
+    to have failed must call this); given: those ranks (torch's meaning; the others call it with
+    the same list). Aborts whatever is in flight on the old groups, destroys them (sub-groups
+    included), and returns the new default group, ranks compacted in the old order;
+    ``get_rank()``/``get_world_size()`` follow it. ``group`` may be torch's default group over
+    plugdist's world: it is returned, same object, now running over the new group. Blocks up to
+    ``timeout`` (default: the group's); raises DistRankFailureError on an excluded rank."""
+    pg, handle = _resolve(group, "shrink_group")
+    m = _membership("shrink_group")
+    limit = timeout or world.info(pg).timeout
+    exclude: tuple[str, ...] | None = None
+    if ranks_to_exclude is not None:
+        bad = [r for r in ranks_to_exclude if not 0 <= r < world.size]
+        if bad:
+            raise ValueError(f"shrink_group: ranks_to_exclude {bad} are not ranks of the world "
+                             f"(0..{world.size - 1})")
+        exclude = m.uids_of(ranks_to_exclude)
+    for g in world.members():
+        g.abort(f"shrink_group was called on rank {world.rank}: the group is being replaced")
+    for attempt in range(_ATTEMPTS):
+        decision = m.agree_shrink(exclude, limit)
+        try:
+            _enter(m, decision, limit, "shrink_group")
+            break
+        except DistError as err:
+            failed_now = [u for u in decision.members if u in m.failed]
+            if not failed_now or attempt == _ATTEMPTS - 1:
+                raise
+            get_logger(rank=world.rank).warning("shrink_retry", epoch=decision.epoch,
+                                                failed=failed_now, error=str(err))
+            exclude = None
+    return handle if handle is not None else world.default
+
+
+def grow_group(group: Any = None, timeout: timedelta | None = None) -> Any:
+    """Admit the processes waiting to join (``init_process_group(join=True)``): a collective of
+    every member of the default group. Returns the same group at once when nobody waits;
+    otherwise the new default group with the joiners' ranks appended (torch's default group
+    over the world: the same object, running over it). Blocks up to ``timeout``."""
+    pg, handle = _resolve(group, "grow_group")
+    m = _membership("grow_group")
+    limit = timeout or world.info(pg).timeout
+    decision = m.agree_grow(limit)
+    if decision is None:
+        return handle if handle is not None else pg
+    _enter(m, decision, limit, "grow_group")
+    return handle if handle is not None else world.default
+
+
+def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> None:
+    """Leave the old epoch's groups and build the default group of ``decision``."""
+    old_default = world.default
+    hook = registry.plugins().hook
+    native = None
+    if why == "shrink_group" and old_default is not None:
+        keep = [m.rank_of(u) for u in decision.members]
+        native = _native_shrink(old_default, keep, decision, timeout)
+    for g in reversed(world.members()):
+        hook.plugdist_group_destroyed(group=g)
+        g.shutdown()
+        world.remove(g)
+    world.default = None
+    m.enter(decision)
+    world.epoch, world.rank, world.size = decision.epoch, m.rank, len(decision.members)
+    world.group_count = 0
+    if os.environ.get("RANK") is not None:  # scripts that read them see the new world
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(world.rank), str(world.size)
+    assert world.backend is not None
+    name = f"e{decision.epoch}"
+    if native is not None:
+        pg = native
+    else:
+        info_timeout = timeout if old_default is None else old_default.timeout
+        pg = groups._build_group(world.backend, tuple(range(world.size)), name, info_timeout,
+                                 world.group_options)
+    world.default = pg
+    if world.torch_default is not None:
+        from . import torch_bridge
+
+        torch_bridge.swap_group(world.torch_default, pg)
+    get_logger(rank=world.rank, group=name).info(
+        why, epoch=decision.epoch, world_size=world.size, backend=world.backend,
+        joined=decision.joined)
+
+
+def _native_shrink(old: ProcessGroup, keep: list[int], decision: Decision,
+                   timeout: timedelta) -> ProcessGroup | None:
+    """The backend's own shrink of ``old`` (None: build a fresh group instead)."""
+    options = GroupOptions(group_name=f"e{decision.epoch}", timeout=old.timeout,
+                           global_ranks=tuple(range(len(decision.members))),
+                           backend_options=world.group_options)
+    result = old.native_shrink(keep, options)
+    return None if result is NotImplemented else result
+
+
+def join_world(backend: str, store: Store, timeout: timedelta, pg_options: Any) -> ProcessGroup:
+    """The joiner's side of ``init_process_group(join=True)``: register through ``store``, wait
+    to be admitted by the members' ``grow_group`` (bounded by ``timeout``), build its member of
+    the new default group, and make it this process's world."""
+    if world.initialized:
+        raise DistError("init_process_group was already called in this process; call "
+                        "destroy_process_group() first to re-initialize")
+    name = Backend(backend)
+    registry.load(BACKENDS, name)  # an unknown backend fails before the members wait for us
+    store.set_timeout(timeout)
+    m, decision = request_join(store, timeout)
+    world.reset()
+    world.store, world.backend, world.owned_store = store, name, True
+    world.group_options = pg_options
+    world.epoch, world.rank, world.size = decision.epoch, m.rank, len(decision.members)
+    groups.start_membership(m, started=True)
+    try:
+        pg = groups._build_group(name, tuple(range(world.size)), f"e{decision.epoch}", timeout,
+                                 pg_options)
+    except BaseException:
+        groups._stop_membership()
+        world.reset()
+        raise
+    world.default = pg
+    world.joined_epoch = decision.epoch
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(world.rank), str(world.size)
+    get_logger(rank=world.rank).info("joined", epoch=decision.epoch, world_size=world.size,
+                                     members=json.dumps(decision.members))
+    return pg
+

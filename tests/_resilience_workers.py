@@ -1,0 +1,276 @@
+"""What each process of the resilience tests runs: ``python _resilience_workers.py SCENARIO``.
+
+The environment gives MASTER_ADDR/MASTER_PORT, RANK/WORLD_SIZE (or PLUGDIST_JOIN=1 for a
+joiner), BACKEND and RESULT_DIR; each process writes ``RESULT_DIR/<name>.json`` with what it
+saw, and the test checks every file. Victims SIGKILL themselves (a real kill, no exception).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import plugdist as dist
+import torch
+
+TIMEOUT = timedelta(seconds=60)
+
+
+def check_collectives(tag: str) -> list[str]:
+    """Every collective once on the default group; the wrong results, described."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    bad: list[str] = []
+
+    def expect(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if not torch.equal(got, want):
+            bad.append(f"{tag} {name}: rank {rank}/{size} got {got.tolist()} want {want.tolist()}")
+
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    expect("all_reduce", t, torch.full((3,), float(size * (size + 1) // 2)))
+    t = torch.full((2,), float(rank))
+    dist.broadcast(t, src=size - 1)
+    expect("broadcast", t, torch.full((2,), float(size - 1)))
+    outs = [torch.zeros(2) for _ in range(size)]
+    dist.all_gather(outs, torch.full((2,), float(rank)))
+    expect("all_gather", torch.stack(outs), torch.arange(size).float().repeat_interleave(2)
+           .reshape(size, 2))
+    out = torch.zeros(2)
+    dist.reduce_scatter(out, [torch.full((2,), float(rank + i)) for i in range(size)])
+    expect("reduce_scatter", out, torch.full((2,), float(sum(r + rank for r in range(size)))))
+    big = torch.zeros(size * 2)
+    dist.all_gather_into_tensor(big, torch.full((2,), float(rank)))
+    expect("all_gather_into_tensor", big, torch.arange(size).float().repeat_interleave(2))
+    t = torch.full((1,), float(rank))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    expect("all_reduce MAX", t, torch.full((1,), float(size - 1)))
+    a2a_in = torch.arange(size, dtype=torch.float32) + 10 * rank
+    a2a_out = torch.zeros(size)
+    dist.all_to_all_single(a2a_out, a2a_in)
+    expect("all_to_all_single", a2a_out, torch.arange(size).float() * 10 + rank)
+    if size > 1:
+        nxt, prv = (rank + 1) % size, (rank - 1) % size
+        got = torch.zeros(1)
+        reqs = [dist.isend(torch.full((1,), float(rank)), nxt), dist.irecv(got, prv)]
+        for r in reqs:
+            r.wait()
+        expect("send/recv", got, torch.full((1,), float(prv)))
+    dist.barrier()
+    return bad
+
+
+def _store() -> Any:
+    from plugdist.world import world
+
+    return world.store
+
+
+def _write(name: str, result: dict[str, Any]) -> None:
+    path = os.path.join(os.environ["RESULT_DIR"], f"{name}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
+def _die(store: Any) -> None:
+    """SIGKILL this process (or, with HANG=1, SIGSTOP it: alive but silent)."""
+    store.set(f"test/killed/{os.environ['RANK']}", repr(time.time()))
+    os.kill(os.getpid(), signal.SIGSTOP if os.environ.get("HANG") == "1" else signal.SIGKILL)
+
+
+def _until_failure(victims: set[int], kill_at: int, steps: int = 10_000) -> tuple[int, Any]:
+    """Run collectives until one fails; the victims kill themselves at step ``kill_at``."""
+    rank = dist.get_rank()
+    for step in range(steps):
+        if step == kill_at and rank in victims:
+            _die(_store())
+        try:
+            t = torch.ones(4)
+            dist.all_reduce(t)
+            if step % 3 == 0:
+                dist.broadcast(t, src=0)
+            if step % 5 == 0:
+                dist.barrier()
+        except dist.DistRankFailureError as err:
+            return step, err
+    raise AssertionError("no rank failure seen")
+
+
+def _grow_to(size: int, deadline_s: float = 60.0) -> float:
+    """grow_group until the world has ``size`` ranks; seconds spent."""
+    start = time.monotonic()
+    while dist.get_world_size() < size:
+        if time.monotonic() - start > deadline_s:
+            raise AssertionError(f"world still {dist.get_world_size()} ranks after {deadline_s}s")
+        dist.grow_group(timeout=TIMEOUT)
+        if dist.get_world_size() < size:
+            time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def kill_shrink_grow() -> None:
+    """Victims die mid-loop; survivors name them, shrink, check, admit joiners, check."""
+    victims = {int(v) for v in os.environ["VICTIMS"].split(",")}
+    grow_back = int(os.environ.get("GROW_TO", "0"))
+    backend = os.environ["BACKEND"]
+    if os.environ.get("PLUGDIST_JOIN") == "1":
+        t0 = time.time()
+        dist.init_process_group(backend, timeout=TIMEOUT)
+        admitted = time.time()
+        bad = check_collectives("joined")
+        _write(f"joiner-{os.getpid()}", {"role": "joiner", "rank": dist.get_rank(),
+                                         "size": dist.get_world_size(), "bad": bad,
+                                         "init_s": admitted - t0})
+        final_barrier()
+        return
+    dist.init_process_group(backend, timeout=TIMEOUT)
+    rank = dist.get_rank()
+    bad = check_collectives("start")
+    step, err = _until_failure(victims, kill_at=3)
+    seen = time.time()
+    store = _store()
+    killed = [float(store.get(f"test/killed/{v}")) for v in sorted(victims)]
+    failed_known = dist.get_failed_ranks()
+    shrink_start = time.time()
+    dist.shrink_group(timeout=TIMEOUT)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    first_op = time.time()
+    bad += check_collectives("shrunk")
+    result = {"role": "survivor", "old_rank": rank, "error_type": type(err).__name__,
+              "error": str(err), "error_ranks": list(err.ranks), "failed_known": failed_known,
+              "detect_s": seen - max(killed), "shrink_s": first_op - shrink_start,
+              "rank": dist.get_rank(), "size": dist.get_world_size(), "bad": bad}
+    if grow_back:
+        result["grow_s"] = _grow_to(grow_back)
+        result["bad"] += check_collectives("grown")
+        result["grown_size"] = dist.get_world_size()
+    _write(f"survivor-{rank}", result)
+    final_barrier()
+
+
+def final_barrier() -> None:
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def excluded_alive() -> None:
+    """Rank 1 is excluded with ranks_to_exclude=[1] while alive; it must get a clear error."""
+    dist.init_process_group(os.environ["BACKEND"], timeout=TIMEOUT)
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(1.0)  # the others shrink it away meanwhile
+        try:
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            outcome = "no error"
+        except dist.DistRankFailureError as err:
+            outcome = str(err)
+        _write("excluded-1", {"role": "excluded", "error": outcome})
+        os._exit(0)  # not a member any more: nothing to leave cleanly
+    dist.shrink_group(ranks_to_exclude=[1], timeout=TIMEOUT)
+    bad = check_collectives("shrunk")
+    _write(f"survivor-{rank}", {"role": "survivor", "rank": dist.get_rank(),
+                                "size": dist.get_world_size(), "bad": bad})
+    final_barrier()
+
+
+def die_during_shrink() -> None:
+    """Rank 3 dies first; rank 2 dies once it sees the failure, while the others shrink."""
+    dist.init_process_group(os.environ["BACKEND"], timeout=TIMEOUT)
+    rank = dist.get_rank()
+    try:
+        _until_failure({3}, kill_at=2)
+    except AssertionError:
+        raise
+    if rank == 2:
+        time.sleep(0.3)  # the others are inside shrink_group by now
+        _die(_store())
+    dist.shrink_group(timeout=TIMEOUT)
+    bad = check_collectives("shrunk")
+    _write(f"survivor-{rank}", {"role": "survivor", "rank": dist.get_rank(),
+                                "size": dist.get_world_size(), "bad": bad,
+                                "failed": dist.get_failed_ranks()})
+    final_barrier()
+
+
+def die_after_agreeing() -> None:
+    """Rank 3 dies; rank 2 takes part in the agreement, then dies (SIGKILL) before it builds
+    the new group: the others must notice while building, and agree again without it."""
+    from plugdist import resilience
+
+    dist.init_process_group(os.environ["BACKEND"], timeout=TIMEOUT)
+    rank = dist.get_rank()
+    _until_failure({3}, kill_at=2)
+    if rank == 2:
+        def die_on_entry(*_args: Any, **_kwargs: Any) -> None:
+            _die(_store())
+
+        resilience._enter = die_on_entry  # type: ignore[assignment]
+    dist.shrink_group(timeout=TIMEOUT)
+    from plugdist.world import world
+
+    bad = check_collectives("shrunk")
+    _write(f"survivor-{rank}", {"role": "survivor", "rank": dist.get_rank(),
+                                "size": dist.get_world_size(), "bad": bad, "epoch": world.epoch})
+    final_barrier()
+
+
+def torch_ddp() -> None:
+    """torch's DDP over plugdist_gloo: rank 2 dies, the survivors shrink and keep training on the
+    same torch group object; the parameters stay identical on every survivor."""
+    import hashlib
+
+    import torch.distributed as tdist
+    from plugdist.parallel import resilient_allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    dist.init_process_group(os.environ["BACKEND"], timeout=TIMEOUT)
+    rank = dist.get_rank()
+    tgroup = tdist.group.WORLD
+    torch.manual_seed(0)
+    model = TorchDDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                         torch.nn.Linear(16, 1)), process_group=tgroup)
+    model.register_comm_hook(tgroup, resilient_allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    committed = 0
+    failures = 0
+    while committed < 12:
+        if committed == 4 and rank == 2:
+            _die(_store())
+        gen = torch.Generator().manual_seed(1000 * committed + dist.get_rank())
+        x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+        opt.zero_grad()
+        try:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        except dist.DistRankFailureError:
+            failures += 1
+            same = dist.shrink_group(group=tgroup, timeout=TIMEOUT)
+            assert same is tgroup, "shrink_group must return torch's group object itself"
+            continue  # the step's gradients are discarded; redo it with the survivors
+        except RuntimeError as err:  # torch DDP wraps the hook's error
+            if "DistRankFailureError" not in repr(err) and "aborted" not in str(err):
+                raise
+            failures += 1
+            same = dist.shrink_group(group=tgroup, timeout=TIMEOUT)
+            assert same is tgroup
+            continue
+        opt.step()
+        committed += 1
+    digest = hashlib.sha1(b"".join(p.detach().numpy().tobytes()
+                                   for p in model.parameters())).hexdigest()
+    _write(f"survivor-{rank}", {"role": "survivor", "rank": dist.get_rank(),
+                                "size": dist.get_world_size(), "failures": failures,
+                                "sha1": digest, "same_group": tdist.group.WORLD is tgroup})
+    final_barrier()
+
+
+if __name__ == "__main__":
+    {"kill_shrink_grow": kill_shrink_grow, "excluded_alive": excluded_alive,
+     "die_during_shrink": die_during_shrink, "die_after_agreeing": die_after_agreeing,
+     "torch_ddp": torch_ddp}[sys.argv[1]]()

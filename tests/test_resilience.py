@@ -1,0 +1,216 @@
+"""Resilient groups with real processes and real SIGKILLs (workers: _resilience_workers.py).
+
+Each test starts a world of real processes over loopback; the victims SIGKILL themselves at a
+chosen point; every surviving process writes what it saw, and the test checks each one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from plugdist.testing.harness import free_port
+
+WORKER = str(Path(__file__).with_name("_resilience_workers.py"))
+
+
+def run_scenario(tmp_path: Path, scenario: str, world: int, backend: str, *,
+                 victims: str = "", grow_to: int = 0, joiners: int = 0,
+                 joiner_delay: float = 2.0, torch_world: bool = False,
+                 timeout: float = 90.0, extra_env: dict[str, str] | None = None
+                 ) -> dict[str, dict[str, Any]]:
+    """Run ``scenario`` on ``world`` ranks (+ ``joiners`` started later with PLUGDIST_JOIN=1);
+    returns each process's result by name. Fails if a process that is not a victim fails or
+    writes nothing."""
+    results = tmp_path / "results"
+    results.mkdir()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE=str(world), BACKEND=backend, VICTIMS=victims, GROW_TO=str(grow_to),
+               RESULT_DIR=str(results), PLUGDIST_TORCH_WORLD="1" if torch_world else "0",
+               **(extra_env or {}))
+    procs: dict[str, subprocess.Popen] = {}
+    logs = {}
+    for r in range(world):
+        logs[f"rank{r}"] = open(tmp_path / f"rank{r}.log", "w")
+        procs[f"rank{r}"] = subprocess.Popen([sys.executable, WORKER, scenario],
+                                             env=dict(env, RANK=str(r)), stdout=logs[f"rank{r}"],
+                                             stderr=subprocess.STDOUT)
+    if joiners:
+        time.sleep(joiner_delay)
+    for j in range(joiners):
+        name = f"joiner{j}"
+        logs[name] = open(tmp_path / f"{name}.log", "w")
+        join_env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")}
+        procs[name] = subprocess.Popen([sys.executable, WORKER, scenario],
+                                       env=dict(join_env, PLUGDIST_JOIN="1"), stdout=logs[name],
+                                       stderr=subprocess.STDOUT)
+    victim_names = {f"rank{v}" for v in victims.split(",") if v}
+    deadline = time.monotonic() + timeout
+    try:
+        for name, p in procs.items():
+            if name not in victim_names:  # a hung victim never exits by itself
+                p.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+        for f in logs.values():
+            f.close()
+    problems = []
+    for name, p in procs.items():
+        if name in victim_names:
+            if p.returncode != -signal.SIGKILL:
+                problems.append(f"{name} (a victim) exited with {p.returncode}, not SIGKILL")
+        elif p.returncode != 0:
+            log = (tmp_path / f"{name}.log").read_text()[-3000:]
+            problems.append(f"{name} exited with {p.returncode}:\n{log}")
+    assert not problems, "\n".join(problems)
+    return {f.stem: json.loads(f.read_text()) for f in results.glob("*.json")}
+
+
+def survivors(found: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in found.values() if r["role"] == "survivor"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend", ["gloo", "toy"])
+def test_kill_shrink_then_grow(tmp_path: Path, backend: str) -> None:
+    """Rank 2 of 4 SIGKILLed mid-way through a loop of collectives: every survivor gets
+    DistRankFailureError naming rank 2 within a second, shrinks to 3, runs every collective
+    correctly; a new process joins, grow_group admits it, the 4 ranks run every collective."""
+    found = run_scenario(tmp_path, "kill_shrink_grow", 4, backend, victims="2", grow_to=4,
+                         joiners=1)
+    alive = survivors(found)
+    assert sorted(r["old_rank"] for r in alive) == [0, 1, 3]
+    for r in alive:
+        assert r["error_type"] == "DistRankFailureError", r
+        assert r["error_ranks"] == [2] and r["failed_known"] == [2], r
+        assert "rank 2 died" in r["error"] and "shrink_group" in r["error"], r["error"]
+        assert r["detect_s"] < 1.0, f"rank {r['old_rank']} named the failure after {r['detect_s']}s"
+        assert r["size"] == 3 and r["bad"] == [], r
+        assert r["grown_size"] == 4
+    assert sorted(r["rank"] for r in alive) == [0, 1, 2], "ranks are compacted in the old order"
+    joiner = [r for r in found.values() if r["role"] == "joiner"]
+    assert len(joiner) == 1 and joiner[0]["rank"] == 3 and joiner[0]["size"] == 4, joiner
+    assert joiner[0]["bad"] == []
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_rank_is_caught_by_heartbeats(tmp_path: Path) -> None:
+    """Rank 1 stops (SIGSTOP: alive, connections open, silent): the survivors name it once its
+    heartbeat is 2 s old, shrink without it, and go on."""
+    found = run_scenario(tmp_path, "kill_shrink_grow", 3, "gloo", victims="1",
+                         extra_env={"HANG": "1", "PLUGDIST_HEARTBEAT_TIMEOUT": "2"})
+    alive = survivors(found)
+    assert sorted(r["old_rank"] for r in alive) == [0, 2]
+    for r in alive:
+        assert r["error_type"] == "DistRankFailureError" and r["error_ranks"] == [1], r
+        assert "hung (no heartbeat" in r["error"], r["error"]
+        assert 1.5 <= r["detect_s"] < 4.0, r["detect_s"]  # the last beat came before the stop
+        assert r["size"] == 2 and r["bad"] == [], r
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_die_together(tmp_path: Path) -> None:
+    found = run_scenario(tmp_path, "kill_shrink_grow", 4, "gloo", victims="1,2")
+    alive = survivors(found)
+    assert sorted(r["old_rank"] for r in alive) == [0, 3]
+    for r in alive:
+        assert r["error_type"] == "DistRankFailureError"
+        assert set(r["error_ranks"]) <= {1, 2} and r["error_ranks"], r
+        assert r["size"] == 2 and r["bad"] == [], r
+
+
+@pytest.mark.timeout(120)
+def test_rank_dies_during_shrink(tmp_path: Path) -> None:
+    """Rank 3 dies; rank 2 dies while the others are inside shrink_group: they end in one
+    consistent group of 2."""
+    found = run_scenario(tmp_path, "die_during_shrink", 4, "gloo", victims="2,3")
+    alive = survivors(found)
+    assert len(alive) == 2
+    for r in alive:
+        assert r["size"] == 2 and r["bad"] == [], r
+    assert sorted(r["rank"] for r in alive) == [0, 1]
+
+
+@pytest.mark.timeout(120)
+def test_rank_dies_after_agreeing(tmp_path: Path) -> None:
+    """Rank 2 dies after the survivors agreed on a world that holds it, while the new group is
+    being built: the build fails fast and the survivors agree again, without it."""
+    found = run_scenario(tmp_path, "die_after_agreeing", 4, "gloo", victims="2,3")
+    alive = survivors(found)
+    assert len(alive) == 2
+    for r in alive:
+        assert r["size"] == 2 and r["bad"] == [], r
+        assert r["epoch"] == 2, r
+
+
+@pytest.mark.timeout(120)
+def test_excluded_rank_that_is_alive_gets_a_clear_error(tmp_path: Path) -> None:
+    found = run_scenario(tmp_path, "excluded_alive", 3, "gloo")
+    assert "excluded from the world by shrink_group" in found["excluded-1"]["error"]
+    alive = survivors(found)
+    assert len(alive) == 2 and all(r["size"] == 2 and r["bad"] == [] for r in alive)
+
+
+@pytest.mark.timeout(150)
+def test_torch_ddp_keeps_training_on_the_same_torch_group(tmp_path: Path) -> None:
+    """torch's own DDP over plugdist_gloo: rank 2 is killed, the survivors shrink and keep
+    training on the torch group object DDP holds; parameters stay identical."""
+    found = run_scenario(tmp_path, "torch_ddp", 4, "gloo", victims="2", torch_world=True)
+    alive = survivors(found)
+    assert len(alive) == 3
+    assert all(r["same_group"] and r["size"] == 3 and r["failures"] == 1 for r in alive), alive
+    assert len({r["sha1"] for r in alive}) == 1, "parameters differ between survivors"
+
+
+_WILL_CLIENT = """
+import os, signal, sys
+from plugdist import TCPStore
+store = TCPStore("127.0.0.1", int(sys.argv[1]), None, is_master=False)
+will = store.hold_will("deaths", sys.argv[2])
+if sys.argv[3] == "cancel":
+    will.cancel()
+    store.close()
+    print("cancelled", flush=True)
+    sys.exit(0)
+print("holding", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_store_will_runs_when_the_holder_is_killed_and_not_when_cancelled() -> None:
+    from datetime import timedelta
+
+    from plugdist import TCPStore
+
+    master = TCPStore("127.0.0.1", 0, None, is_master=True, timeout=timedelta(seconds=20))
+    try:
+        port = str(master.port)
+        done = subprocess.run([sys.executable, "-c", _WILL_CLIENT, port, "polite", "cancel"],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0 and "cancelled" in done.stdout, done.stderr
+        killed = subprocess.run([sys.executable, "-c", _WILL_CLIENT, port, "victim", "kill"],
+                                capture_output=True, text=True, timeout=30)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        master.wait(["deaths/1"], timedelta(seconds=10))
+        assert master.get("deaths") == b"1", "only the killed client's will ran"
+        assert master.get("deaths/1") == b"victim"
+        master.set("old/a", b"1")
+        master.set("old/b/c", b"2")
+        master.set("kept", b"3")
+        assert master.delete_prefix("old/") == 2
+        assert not master.check(["old/a"]) and master.check(["kept"])
+    finally:
+        master.close()
