@@ -283,6 +283,11 @@ class GlooProcessGroup(ProcessGroup):
         opts = self._opts("AllreduceOptions", reduceOp=self._gloo_op(op, tensor))
         return self._issue("all_reduce", lambda pg: pg.allreduce([s.buf], opts), [tensor], [s])
 
+    def native_sparse_all_reduce(self, *, tensor: torch.Tensor) -> Work:
+        # torch's gloo sums sparse COO tensors itself (and replaces the tensor's contents)
+        opts = self._opts("AllreduceOptions", reduceOp=self._red[ReduceOp.SUM])
+        return self._issue("all_reduce", lambda pg: pg.allreduce([tensor], opts), [tensor])
+
     # -- lean blocking hooks: the native ops above, waited on in torch's C++ wait (the GIL
     # released) with no GlooWork: the synchronous frontend's path for the hot ops
     def _block(self, op: str, call: Callable[[Any], Any], staged: Sequence[Staged] = ()) -> None:
