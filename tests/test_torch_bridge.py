@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,12 +69,24 @@ def test_dead_peer_fails_torch_wait_within_the_group_timeout() -> None:
                         expect_errors=True)
     out = results[0].value
     assert results[0].ok and out is not None, results[0]
-    for backend, limit in (("plugdist_toy", 3), ("plugdist_gloo", 5)):
-        message, seconds = out[backend]
+    for (backend, op), (message, seconds) in out.items():
+        limit = 3 if backend == "plugdist_toy" else 5
         assert message != "no error", out
-        assert seconds < limit + 5, f"{backend}: error after {seconds:.1f}s: {message}"
-        for part in ("rank 0", "op all_reduce", "backend"):
+        assert seconds < limit + 5, f"{backend} {op}: error after {seconds:.1f}s: {message}"
+        for part in ("rank 0", f"op {op}", "backend"):
             assert part in message, f"{backend}: {message!r} lacks {part!r}"
+        # what torch's own test_barrier_timeout_* matches in a timeout's message
+        assert re.search(" (Timed out|closed|timeout) ", message), message
+
+
+@pytest.mark.timeout(120)
+def test_barrier_timeout_reads_like_torchs() -> None:
+    results = run_world(workers.barrier_timeout, 2, timeout=100, args=(free_port(),))
+    assert set(results[0]) == {"plugdist_gloo", "plugdist_toy"}, results[0]
+    for backend, message in results[0].items():
+        assert message.startswith("DistTimeoutError: [rank 0, group "), message
+        assert re.search(" (Timed out|closed|timeout) ", message), message
+        assert "op barrier" in message and f"backend '{backend[9:]}'" in message, message
 
 
 @pytest.mark.timeout(120)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..debug_level import DebugLevel, get_debug_level
-from ..errors import DistError, DistTimeoutError
+from ..errors import DistError, DistTimeoutError, timed_out
 from ..log import get_logger
 from ..work import Work
 from .bucketing import DEFAULT_FIRST_BUCKET_BYTES, compute_bucket_assignment
@@ -837,8 +837,8 @@ def _wait_future(fut: torch.futures.Future, timeout: float, what: str) -> Any:
         done = threading.Event()
         fut.then(lambda _f: done.set())  # .then exists on every torch future type
         if not done.wait(timeout):
-            raise DistTimeoutError(f"{what} did not complete within {timeout:.1f}s: a peer may "
-                                   f"have died or be running a different collective")
+            raise DistTimeoutError(f"{timed_out(what, timeout)}: a peer may have died or be "
+                                   f"running a different collective")
     return fut.value()
 
 

@@ -14,7 +14,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
-from plugdist.errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError, where
+from plugdist.errors import (
+    DistBackendError,
+    DistError,
+    DistNetworkError,
+    DistTimeoutError,
+    timed_out,
+    where,
+)
 from plugdist.log import get_logger
 from plugdist.process_group import GroupOptions, ProcessGroup
 from plugdist.reduce_op import ReduceOp
@@ -258,8 +265,8 @@ class GlooProcessGroup(ProcessGroup):
         err: DistError
         if any(h in low for h in _TIMEOUT_HINTS):
             err = DistTimeoutError(
-                f"{here} timed out after {seconds:.1f}s waiting for a peer (gloo: {msg}); a rank "
-                f"may have died, be stuck, or be running a different op")
+                f"{timed_out(here, seconds, 'a peer')} (gloo: {msg}); a rank may have died, be "
+                f"stuck, or be running a different op")
         elif any(h in low for h in _PEER_LOST_HINTS):
             peer = _rank_of_peer(msg, self._peers)
             if peer is None and self._size == 2:
