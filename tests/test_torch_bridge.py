@@ -119,6 +119,43 @@ def _python(code: str, env: dict[str, str] | None = None) -> subprocess.Complete
                           env={**os.environ, **(env or {})}, timeout=120)
 
 
+def test_torch_env_rendezvous_uses_launcher_variables_only_without_rank() -> None:
+    """torch's env:// (wrapped on ``import torch``): RANK set wins over a launcher's variables;
+    neither gives torch's own error; a launcher's variables alone give rank, world and (one
+    host) master."""
+    code = (
+        "import importlib, os, torch, torch.distributed as d\n"
+        "rdzv = importlib.import_module('torch.distributed.rendezvous')\n"
+        "assert rdzv._rendezvous_handlers['env'].plugdist_fallback\n"
+        "from plugdist.testing.harness import free_port\n"
+        "os.environ.update(RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1',\n"
+        "                  MASTER_PORT=str(free_port()), PMI_RANK='3', PMI_SIZE='4')\n"
+        "d.init_process_group('gloo')\n"
+        "print('set', d.get_rank(), d.get_world_size(), 'LOCAL_RANK' in os.environ)\n"
+        "d.destroy_process_group()\n"
+        "for k in ('RANK', 'WORLD_SIZE', 'PMI_RANK', 'PMI_SIZE', 'MASTER_ADDR', 'MASTER_PORT'):\n"
+        "    del os.environ[k]\n"
+        "try:\n"
+        "    d.init_process_group('gloo')\n"
+        "except ValueError as e:\n"
+        "    print('none', e)\n"
+        "os.environ.update(PMI_RANK='0', PMI_SIZE='1', MPI_LOCALRANKID='0', MPI_LOCALNRANKS='1')\n"
+        "d.init_process_group('gloo')\n"
+        "print('mpiexec', d.get_rank(), d.get_world_size(), os.environ['RANK'],\n"
+        "      os.environ['MASTER_ADDR'])\n"
+        "d.destroy_process_group()\n")
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE",
+        "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "set 0 1 False", proc.stdout
+    assert lines[1].startswith("none ") and "RANK expected, but not set" in lines[1], proc.stdout
+    assert lines[2] == "mpiexec 0 1 0 127.0.0.1", proc.stdout
+
+
 def test_import_torch_registers_names_without_importing_plugins() -> None:
     code = ("import sys, torch, torch.distributed as d\n"
             "print(sorted(n for n in d.Backend.backend_list if n.startswith('plugdist_')))\n"
