@@ -775,10 +775,11 @@ def check_sparse_embedding_matches_torch(rank: int, ws: int) -> None:
     torch.manual_seed(3)
     base = SparseEmbeddings()
     ours = DDP(copy.deepcopy(base))
+    hooked = DDP(copy.deepcopy(base))
+    hooked.register_comm_hook(None, "allreduce")  # the hook gets the sparse gradient itself
     theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base),
                                                        process_group=ref_group)
-    runs = [(ours, torch.optim.SGD(ours.parameters(), lr=0.5)),
-            (theirs, torch.optim.SGD(theirs.parameters(), lr=0.5))]
+    runs = [(m, torch.optim.SGD(m.parameters(), lr=0.5)) for m in (ours, hooked, theirs)]
     gen = torch.Generator().manual_seed(100 + rank)
     for step in range(5):
         # rank 0 leaves the embedding's upper rows untouched: the ranks' gradients differ in
@@ -793,9 +794,10 @@ def check_sparse_embedding_matches_torch(rank: int, ws: int) -> None:
             if not model.module.emb.weight.grad.is_sparse:
                 raise AssertionError("the embedding's gradient is no longer sparse")
             opt.step()
-    for (name, got), (_, want) in zip(ours.module.named_parameters(),
-                                      theirs.module.named_parameters(), strict=True):
-        torch.testing.assert_close(got, want, msg=lambda m, name=name: f"{name}: {m}")
+    for model in (ours, hooked):
+        for (name, got), (_, want) in zip(model.module.named_parameters(),
+                                          theirs.module.named_parameters(), strict=True):
+            torch.testing.assert_close(got, want, msg=lambda m, name=name: f"{name}: {m}")
     sizes = ours.reducer.bucket_indices()
     sparse_buckets = [b for b in sizes if len(b) == 1 and b[0] in (0, 1)]
     if len(sparse_buckets) != 2:
