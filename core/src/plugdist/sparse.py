@@ -16,19 +16,32 @@ Other ops and other reductions refuse sparse tensors, as torch's gloo does: :fun
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from datetime import timedelta
+from typing import Any, Protocol
 
 import torch
 
 from .reduce_op import ReduceOp
 from .work import Work, gather_works
 
-if TYPE_CHECKING:
-    from .process_group import ProcessGroup
-
 __all__ = ["all_reduce", "check_all_reduce", "refusal", "MAX_DIMS"]
 
 MAX_DIMS = 16  # the header holds a shape of up to this many dimensions
+
+
+class GroupLike(Protocol):
+    """What the composed sparse all_reduce needs of a group (``ProcessGroup`` is one)."""
+
+    @property
+    def group_name(self) -> str: ...
+    @property
+    def backend_name(self) -> str: ...
+    @property
+    def timeout(self) -> timedelta: ...
+    def rank(self) -> int: ...
+    def size(self) -> int: ...
+    def where(self, op: str) -> str: ...
+    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> Work: ...
 
 
 def refusal(where: str, name: str, tensor: torch.Tensor) -> str:
@@ -51,7 +64,7 @@ def check_all_reduce(where: str, tensor: torch.Tensor, op: ReduceOp) -> None:
                          f"{MAX_DIMS} are supported")
 
 
-def all_reduce(pg: ProcessGroup, tensor: torch.Tensor) -> Work:
+def all_reduce(pg: GroupLike, tensor: torch.Tensor) -> Work:
     """Sum the sparse COO ``tensor`` over ``pg`` into ``tensor`` (see the module docstring).
     Blocks for the header exchange (bounded by the group's timeout); returns the Work of the
     data exchange, whose result is ``[tensor]``."""
