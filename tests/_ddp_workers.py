@@ -804,6 +804,28 @@ def check_sparse_embedding_matches_torch(rank: int, ws: int) -> None:
         raise AssertionError(f"each sparse parameter needs a bucket of its own: {sizes}")
 
 
+def check_sparse_embedding_variants(rank: int, ws: int) -> None:
+    """Sparse gradients with find_unused_parameters, static_graph and join (uneven inputs: a
+    joined rank contributes empty sparse gradients): the replicas stay equal."""
+    for options in ({"find_unused_parameters": True}, {"static_graph": True}, {}):
+        torch.manual_seed(5)
+        model = DDP(SparseEmbeddings(), **options)
+        opt = torch.optim.SGD(model.parameters(), lr=0.3)
+        gen = torch.Generator().manual_seed(rank)
+        with model.join():
+            for _ in range(3 + rank):
+                opt.zero_grad()
+                tokens = torch.randint(0, 40, (2, 3), generator=gen)
+                bags = torch.randint(0, 30, (2, 2), generator=gen)
+                model(tokens, bags).square().mean().backward()
+                opt.step()
+        for name, p in model.module.named_parameters():
+            top = p.detach().clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            if not torch.equal(top, p.detach()):
+                raise AssertionError(f"{options}: {name} differs between ranks")
+
+
 SUITE: dict[str, Callable[[int, int], None]] = {
     "mlp_matches_big_batch": check_mlp_matches_big_batch,
     "conv_bn": check_conv_bn,
@@ -827,6 +849,7 @@ SUITE: dict[str, Callable[[int, int], None]] = {
     "local_errors": check_local_errors,
     "logging_and_hooks": check_logging_and_hooks,
     "sparse_embedding_matches_torch": check_sparse_embedding_matches_torch,
+    "sparse_embedding_variants": check_sparse_embedding_variants,
 }
 
 
