@@ -139,21 +139,33 @@ def test_torch_env_rendezvous_uses_launcher_variables_only_without_rank() -> Non
         "    d.init_process_group('gloo')\n"
         "except ValueError as e:\n"
         "    print('none', e)\n"
-        "os.environ.update(PMI_RANK='0', PMI_SIZE='1', MPI_LOCALRANKID='0', MPI_LOCALNRANKS='1')\n"
-        "d.init_process_group('gloo')\n"
-        "print('mpiexec', d.get_rank(), d.get_world_size(), os.environ['RANK'],\n"
-        "      os.environ['MASTER_ADDR'])\n"
-        "d.destroy_process_group()\n")
-    env = {k: v for k, v in os.environ.items() if k not in (
-        "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE",
-        "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")}
+        "launchers = {\n"
+        "    'mpiexec': dict(PMI_RANK='0', PMI_SIZE='1', MPI_LOCALRANKID='0',\n"
+        "                    MPI_LOCALNRANKS='1'),\n"
+        "    'mpirun': dict(OMPI_COMM_WORLD_RANK='0', OMPI_COMM_WORLD_SIZE='1',\n"
+        "                  OMPI_COMM_WORLD_LOCAL_RANK='0', OMPI_COMM_WORLD_LOCAL_SIZE='1'),\n"
+        "    'srun': dict(SLURM_PROCID='0', SLURM_NTASKS='1', SLURM_LOCALID='0',\n"
+        "                 SLURM_NTASKS_PER_NODE='1', SLURM_JOB_ID='7')}\n"
+        "for name, variables in launchers.items():\n"
+        "    os.environ.update(variables)\n"
+        "    d.init_process_group('gloo')\n"
+        "    print(name, d.get_rank(), d.get_world_size(), os.environ['RANK'],\n"
+        "          os.environ['MASTER_ADDR'])\n"
+        "    d.destroy_process_group()\n"
+        "    for k in [*variables, 'RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE',\n"
+        "              'MASTER_ADDR', 'MASTER_PORT']:\n"
+        "        del os.environ[k]\n")
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "TMPDIR")
+           or not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "PMI_", "MPI_",
+                                "OMPI_", "SLURM_", "PMIX_"))}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "set 0 1 False", proc.stdout
     assert lines[1].startswith("none ") and "RANK expected, but not set" in lines[1], proc.stdout
-    assert lines[2] == "mpiexec 0 1 0 127.0.0.1", proc.stdout
+    assert lines[2:] == [f"{name} 0 1 0 127.0.0.1" for name in ("mpiexec", "mpirun", "srun")], \
+        proc.stdout
 
 
 def test_import_torch_registers_names_without_importing_plugins() -> None:
