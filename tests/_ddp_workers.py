@@ -743,6 +743,89 @@ def check_logging_and_hooks(rank: int, ws: int) -> None:
         raise AssertionError(f"live logging data: {live}")
 
 
+class SparseEmbeddings(nn.Module):
+    """An Embedding and an EmbeddingBag with sparse gradients, and a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 6, sparse=True)
+        self.bag = nn.EmbeddingBag(30, 6, mode="sum", sparse=True)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, tokens: torch.Tensor, bags: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.emb(tokens).mean(1), self.bag(bags)], 1))
+
+
+_torch_gloo: list[Any] = []
+
+
+def torch_gloo_group() -> Any:
+    """torch's own Gloo over this world (built once, collectively, on first use)."""
+    import torch.distributed as tdist
+
+    if not _torch_gloo:
+        _torch_gloo.append(tdist.new_group(backend="gloo"))
+    return _torch_gloo[0]
+
+
+def check_sparse_embedding_matches_torch(rank: int, ws: int) -> None:
+    """Sparse gradients: the same model trained by plugdist's DDP and by torch's DDP over
+    torch's Gloo, from the same start on the same per-rank data, ends with equal parameters."""
+    ref_group = torch_gloo_group()
+    torch.manual_seed(3)
+    base = SparseEmbeddings()
+    ours = DDP(copy.deepcopy(base))
+    hooked = DDP(copy.deepcopy(base))
+    hooked.register_comm_hook(None, "allreduce")  # the hook gets the sparse gradient itself
+    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base),
+                                                       process_group=ref_group)
+    runs = [(m, torch.optim.SGD(m.parameters(), lr=0.5)) for m in (ours, hooked, theirs)]
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in range(5):
+        # rank 0 leaves the embedding's upper rows untouched: the ranks' gradients differ in
+        # their non-zero rows (and counts), as real batches do
+        high = 20 if rank == 0 else 40
+        tokens = torch.randint(0, high, (4, 3), generator=gen)
+        bags = torch.randint(0, 30, (4, 2 + step % 2), generator=gen)
+        target = torch.randint(0, 3, (4,), generator=gen)
+        for model, opt in runs:
+            opt.zero_grad()
+            F.cross_entropy(model(tokens, bags), target).backward()
+            if not model.module.emb.weight.grad.is_sparse:
+                raise AssertionError("the embedding's gradient is no longer sparse")
+            opt.step()
+    for model in (ours, hooked):
+        for (name, got), (_, want) in zip(model.module.named_parameters(),
+                                          theirs.module.named_parameters(), strict=True):
+            torch.testing.assert_close(got, want, msg=lambda m, name=name: f"{name}: {m}")
+    sizes = ours.reducer.bucket_indices()
+    sparse_buckets = [b for b in sizes if len(b) == 1 and b[0] in (0, 1)]
+    if len(sparse_buckets) != 2:
+        raise AssertionError(f"each sparse parameter needs a bucket of its own: {sizes}")
+
+
+def check_sparse_embedding_variants(rank: int, ws: int) -> None:
+    """Sparse gradients with find_unused_parameters, static_graph and join (uneven inputs: a
+    joined rank contributes empty sparse gradients): the replicas stay equal."""
+    for options in ({"find_unused_parameters": True}, {"static_graph": True}, {}):
+        torch.manual_seed(5)
+        model = DDP(SparseEmbeddings(), **options)
+        opt = torch.optim.SGD(model.parameters(), lr=0.3)
+        gen = torch.Generator().manual_seed(rank)
+        with model.join():
+            for _ in range(3 + rank):
+                opt.zero_grad()
+                tokens = torch.randint(0, 40, (2, 3), generator=gen)
+                bags = torch.randint(0, 30, (2, 2), generator=gen)
+                model(tokens, bags).square().mean().backward()
+                opt.step()
+        for name, p in model.module.named_parameters():
+            top = p.detach().clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            if not torch.equal(top, p.detach()):
+                raise AssertionError(f"{options}: {name} differs between ranks")
+
+
 SUITE: dict[str, Callable[[int, int], None]] = {
     "mlp_matches_big_batch": check_mlp_matches_big_batch,
     "conv_bn": check_conv_bn,
@@ -765,6 +848,8 @@ SUITE: dict[str, Callable[[int, int], None]] = {
     "mismatched_models": check_mismatched_models,
     "local_errors": check_local_errors,
     "logging_and_hooks": check_logging_and_hooks,
+    "sparse_embedding_matches_torch": check_sparse_embedding_matches_torch,
+    "sparse_embedding_variants": check_sparse_embedding_variants,
 }
 
 

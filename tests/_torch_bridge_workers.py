@@ -605,13 +605,37 @@ def dead_peer(rank: int, n: int, port: int) -> dict[str, Any]:
         os._exit(0)
     time.sleep(0.5)
     out: dict[str, Any] = {}
+    calls = {"all_reduce": lambda g: tdist.all_reduce(torch.ones(4), group=g,
+                                                      async_op=True).wait(),
+             "barrier": lambda g: tdist.barrier(group=g)}
     for name, group in (("plugdist_toy", toy), ("plugdist_gloo", None)):
-        t0 = time.monotonic()
-        try:
-            tdist.all_reduce(torch.ones(4), group=group, async_op=True).wait()
-            out[name] = ("no error", time.monotonic() - t0)
-        except Exception as err:  # noqa: BLE001 - the error is the result
-            out[name] = (f"{type(err).__name__}: {err}", time.monotonic() - t0)
+        for op, call in calls.items():
+            t0 = time.monotonic()
+            try:
+                call(group)
+                out[name, op] = ("no error", time.monotonic() - t0)
+            except Exception as err:  # noqa: BLE001 - the error is the result
+                out[name, op] = (f"{type(err).__name__}: {err}", time.monotonic() - t0)
+    return out
+
+
+def barrier_timeout(rank: int, n: int, port: int) -> dict[str, str]:
+    """torch's test_barrier_timeout_*: only rank 0 calls barrier (on short-timeout groups of
+    either backend, through torch's API), so it times out; returns rank 0's messages."""
+    tdist.init_process_group("plugdist_gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                             world_size=n, timeout=timedelta(seconds=30))
+    short = timedelta(seconds=1)
+    groups = {b: tdist.new_group(backend=b, timeout=short) for b in ("plugdist_gloo",
+                                                                      "plugdist_toy")}
+    out: dict[str, str] = {}
+    if rank == 0:
+        for name, group in groups.items():
+            try:
+                tdist.barrier(group=group)
+                out[name] = "no error"
+            except Exception as err:  # noqa: BLE001 - the error is the result
+                out[name] = f"{type(err).__name__}: {err}"
+    tdist.barrier()  # the default group: rank 1 stays until rank 0 is done
     return out
 
 

@@ -128,7 +128,7 @@ def test_timeout_error_reads_like_a_works() -> None:
     err = pg.timeout_error("all_reduce", 2.5)
     assert isinstance(err, dist.DistTimeoutError)
     assert str(err) == str(pg.work("all_reduce").timeout_error(2.5))
-    assert "[rank 0, group '0', backend 'solo', op all_reduce] did not complete within 2.5s" \
+    assert "[rank 0, group '0', backend 'solo', op all_reduce] Timed out waiting 2500ms" \
         in str(err)
 
 

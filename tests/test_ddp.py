@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif("gloo" not in registry.names("plugdist.backends"
 
 THREE_RANK_CHECKS = ["mlp_matches_big_batch", "conv_bn", "find_unused", "no_sync", "rebuild",
                      "join_variants", "static_graph", "join", "join_throw", "mismatched_models",
-                     "comm_hooks"]
+                     "comm_hooks", "sparse_embedding_matches_torch"]
 
 
 # DDP only uses the ProcessGroup interface: the whole suite also runs on the other installed
@@ -95,5 +95,8 @@ def test_bucket_assignment() -> None:
     # one dtype per bucket; buckets ordered by their first member's position
     mixed = [_t(2), _t(2, torch.float16), _t(2), _t(2, torch.float16)]
     assert compute_bucket_assignment(mixed, [3, 2, 1, 0], [1 << 20]) == [[3, 1], [2, 0]]
+    # a tensor with a sparse gradient is a bucket of its own and counts toward no limit
+    assert compute_bucket_assignment(ts, order, [16, 40], [False, False, True]) == \
+        [[5, 4, 3], [2], [1, 0]]
     with pytest.raises(ValueError):
         compute_bucket_assignment(ts, order, [])

@@ -93,6 +93,7 @@ def test_stuck_rank_is_named_within_the_timeout(planted: tuple[str, Path, list[d
         assert f"[rank {rank}, group '1', backend '{backend}', op all_reduce]" in msg, msg
         assert "collective #1 (all_reduce)" in msg, msg
         assert "group rank 1 (global [1]) never reached it" in msg, msg
+        assert "] Rank 1 failed to pass monitoredBarrier in " in msg, msg  # torch's DETAIL words
         assert w.STUCK_TIMEOUT <= took < w.STUCK_TIMEOUT + 10, took
     late = results[1]["late"]
     assert late["type"] == "DistTimeoutError", late

@@ -194,6 +194,37 @@ def test_under_mpiexec_tutorial_mpi_call_and_gloo_without_rank(tmp_path: Path) -
             "local_rank": str(rank), "env_rank": str(rank), "store": "TCPStore:TCPStore"}
 
 
+@pytest.mark.timeout(150)
+def test_plain_torch_script_on_plugdist_backends_under_bare_mpiexec(tmp_path: Path) -> None:
+    """``torch.distributed.init_process_group("plugdist_mpi")`` (and ``plugdist_gloo``) in a
+    script that never imports plugdist, under ``mpiexec -n 3`` with nothing set: torch's env://
+    takes rank, world size and master from mpiexec's variables."""
+    import plugdist
+    if not plugdist.is_backend_available("mpi"):
+        pytest.skip("plugdist-mpi is not usable here")
+    _gloo()
+    mpiexec = _mpiexec()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    script = str(Path(__file__).parent / "torch_scripts" / "torch_only_script.py")
+    outs = {b: tmp_path / b for b in ("plugdist_mpi", "plugdist_gloo")}
+    procs = []
+    for backend, out in outs.items():
+        out.mkdir()
+        procs.append(subprocess.Popen([mpiexec, "-n", "3", sys.executable, script, backend,
+                                       str(out)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = _finish(procs, 140)
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err
+    for backend, out in outs.items():
+        for rank in range(3):
+            assert read_json(out / f"rank{rank}.json") == {
+                "rank": rank, "world": 3, "sum": 6.0, "backend": backend,
+                "sparse": [1.0, 1.0, 1.0, 3.0], "env_rank": str(rank),
+                "local_rank": str(rank)}
+
+
 @pytest.mark.timeout(120)
 def test_plugdist_script_under_torchrun_uses_the_agent_store(tmp_path: Path) -> None:
     """torchrun serves its store at MASTER_PORT and says TORCHELASTIC_USE_AGENT_STORE=True: a

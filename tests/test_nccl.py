@@ -626,6 +626,7 @@ def test_blocking_wait_raises_timeout() -> None:
                         group_timeout=3.0, env={"NCCL_BLOCKING_WAIT": "1"}, expect_errors=True)
     assert results[0].value is not None and results[0].value.startswith("timeout:"), results[0]
     assert "NCCL_BLOCKING_WAIT" in results[0].value and "was aborted" in results[0].value
+    assert " Timed out waiting 3000ms for " in results[0].value, results[0].value
 
 
 @needs_gpu

@@ -4,6 +4,7 @@ a TCPStore. Then cross-process checks (real worker processes) for the stores pro
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -250,6 +251,8 @@ def test_timeouts_say_timeout(h: Handle) -> None:
             call()
         assert isinstance(info.value, DistStoreError), name
         assert f"{name} timeout" in str(info.value), str(info.value)
+        # what torch's own tests match in a timeout's message
+        assert re.search(" (Timed out|closed|timeout) ", str(info.value)), str(info.value)
 
 
 @pytest.mark.timeout(20)

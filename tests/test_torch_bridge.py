@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,12 +69,24 @@ def test_dead_peer_fails_torch_wait_within_the_group_timeout() -> None:
                         expect_errors=True)
     out = results[0].value
     assert results[0].ok and out is not None, results[0]
-    for backend, limit in (("plugdist_toy", 3), ("plugdist_gloo", 5)):
-        message, seconds = out[backend]
+    for (backend, op), (message, seconds) in out.items():
+        limit = 3 if backend == "plugdist_toy" else 5
         assert message != "no error", out
-        assert seconds < limit + 5, f"{backend}: error after {seconds:.1f}s: {message}"
-        for part in ("rank 0", "op all_reduce", "backend"):
+        assert seconds < limit + 5, f"{backend} {op}: error after {seconds:.1f}s: {message}"
+        for part in ("rank 0", f"op {op}", "backend"):
             assert part in message, f"{backend}: {message!r} lacks {part!r}"
+        # what torch's own test_barrier_timeout_* matches in a timeout's message
+        assert re.search(" (Timed out|closed|timeout) ", message), message
+
+
+@pytest.mark.timeout(120)
+def test_barrier_timeout_reads_like_torchs() -> None:
+    results = run_world(workers.barrier_timeout, 2, timeout=100, args=(free_port(),))
+    assert set(results[0]) == {"plugdist_gloo", "plugdist_toy"}, results[0]
+    for backend, message in results[0].items():
+        assert message.startswith("DistTimeoutError: [rank 0, group "), message
+        assert re.search(" (Timed out|closed|timeout) ", message), message
+        assert "op barrier" in message and f"backend '{backend[9:]}'" in message, message
 
 
 @pytest.mark.timeout(120)
@@ -104,6 +117,55 @@ def test_script_launched_by_either_launcher_sees_torch_world(tmp_path: Path,
 def _python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_torch_env_rendezvous_uses_launcher_variables_only_without_rank() -> None:
+    """torch's env:// (wrapped on ``import torch``): RANK set wins over a launcher's variables;
+    neither gives torch's own error; a launcher's variables alone give rank, world and (one
+    host) master."""
+    code = (
+        "import importlib, os, torch, torch.distributed as d\n"
+        "rdzv = importlib.import_module('torch.distributed.rendezvous')\n"
+        "assert rdzv._rendezvous_handlers['env'].plugdist_fallback\n"
+        "from plugdist.testing.harness import free_port\n"
+        "os.environ.update(RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1',\n"
+        "                  MASTER_PORT=str(free_port()), PMI_RANK='3', PMI_SIZE='4')\n"
+        "d.init_process_group('gloo')\n"
+        "print('set', d.get_rank(), d.get_world_size(), 'LOCAL_RANK' in os.environ)\n"
+        "d.destroy_process_group()\n"
+        "for k in ('RANK', 'WORLD_SIZE', 'PMI_RANK', 'PMI_SIZE', 'MASTER_ADDR', 'MASTER_PORT'):\n"
+        "    del os.environ[k]\n"
+        "try:\n"
+        "    d.init_process_group('gloo')\n"
+        "except ValueError as e:\n"
+        "    print('none', e)\n"
+        "launchers = {\n"
+        "    'mpiexec': dict(PMI_RANK='0', PMI_SIZE='1', MPI_LOCALRANKID='0',\n"
+        "                    MPI_LOCALNRANKS='1'),\n"
+        "    'mpirun': dict(OMPI_COMM_WORLD_RANK='0', OMPI_COMM_WORLD_SIZE='1',\n"
+        "                  OMPI_COMM_WORLD_LOCAL_RANK='0', OMPI_COMM_WORLD_LOCAL_SIZE='1'),\n"
+        "    'srun': dict(SLURM_PROCID='0', SLURM_NTASKS='1', SLURM_LOCALID='0',\n"
+        "                 SLURM_NTASKS_PER_NODE='1', SLURM_JOB_ID='7')}\n"
+        "for name, variables in launchers.items():\n"
+        "    os.environ.update(variables)\n"
+        "    d.init_process_group('gloo')\n"
+        "    print(name, d.get_rank(), d.get_world_size(), os.environ['RANK'],\n"
+        "          os.environ['MASTER_ADDR'])\n"
+        "    d.destroy_process_group()\n"
+        "    for k in [*variables, 'RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE',\n"
+        "              'MASTER_ADDR', 'MASTER_PORT']:\n"
+        "        del os.environ[k]\n")
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "TMPDIR")
+           or not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "PMI_", "MPI_",
+                                "OMPI_", "SLURM_", "PMIX_"))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "set 0 1 False", proc.stdout
+    assert lines[1].startswith("none ") and "RANK expected, but not set" in lines[1], proc.stdout
+    assert lines[2:] == [f"{name} 0 1 0 127.0.0.1" for name in ("mpiexec", "mpirun", "srun")], \
+        proc.stdout
 
 
 def test_import_torch_registers_names_without_importing_plugins() -> None:

@@ -6,20 +6,26 @@ torch calls :func:`autoload` on ``import torch`` (entry point group ``torch.back
 group of it. It lives outside the ``plugdist`` package so that ``import torch`` does not pay for
 ``import plugdist`` (about 50 ms); the bridge itself is :mod:`plugdist.torch_bridge`.
 
-``PLUGDIST_TORCH_BACKENDS=0`` switches the automatic registration off;
-``plugdist.torch_bridge.register()`` registers explicitly.
+It also lets torch's own ``env://`` rendezvous (what ``init_process_group`` runs before it
+builds any group) find the world under mpiexec, mpirun and srun, as plugdist's ``env://`` does:
+:func:`install_env_fallback`.
+
+``PLUGDIST_TORCH_BACKENDS=0`` switches both off; ``plugdist.torch_bridge.register()`` registers
+explicitly.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import os
 import warnings
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["autoload", "register", "installed_backends", "PREFIX", "ENV_SWITCH"]
+__all__ = ["autoload", "register", "installed_backends", "install_env_fallback", "PREFIX",
+           "ENV_SWITCH"]
 
 PREFIX = "plugdist_"
 ENV_SWITCH = "PLUGDIST_TORCH_BACKENDS"
@@ -37,6 +43,7 @@ def autoload() -> None:
         if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
             return
         register()
+        install_env_fallback()
     except Exception as err:  # noqa: BLE001 - see the docstring
         warnings.warn(f"plugdist: could not register plugdist backends with torch.distributed "
                       f"({type(err).__name__}: {err}); set {ENV_SWITCH}=0 to skip this step",
@@ -65,6 +72,40 @@ def register(names: Iterable[str] | None = None) -> list[str]:
                 devices=list(PROVISIONAL_DEVICES))
         done.append(torch_name)
     return done
+
+
+# what mpiexec (MPICH/Hydra), mpirun (Open MPI) and srun set for every rank they start
+_LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def install_env_fallback() -> None:
+    """Wrap torch's ``env://`` rendezvous handler: where the environment has no ``RANK`` and the
+    URL no ``rank=`` but a launcher set its rank variable, plugdist's
+    :func:`plugdist.rendezvous.adopt_launcher_env` first sets ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK`` and (on one host, or under srun) ``MASTER_ADDR``/``MASTER_PORT``; torch's
+    handler then runs as always. Anything else goes straight to torch's handler, unchanged.
+    Idempotent; imports nothing beyond torch.distributed until a fallback is needed."""
+    import torch.distributed as tdist
+
+    if not tdist.is_available():
+        return
+    # the module, not the function that torch.distributed exports under the same name
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+    torch_env = rdzv._rendezvous_handlers.get("env")
+    if torch_env is None or getattr(torch_env, "plugdist_fallback", False):
+        return
+
+    def env_handler(url: str, *args: Any, **kwargs: Any) -> Any:
+        if ("RANK" not in os.environ and "rank=" not in url
+                and any(v in os.environ for v in _LAUNCHER_RANK_VARS)):
+            from plugdist.rendezvous import adopt_launcher_env
+
+            adopt_launcher_env()
+        return torch_env(url, *args, **kwargs)
+
+    env_handler.plugdist_fallback = True  # type: ignore[attr-defined]
+    env_handler.__wrapped__ = torch_env  # type: ignore[attr-defined]
+    rdzv._rendezvous_handlers["env"] = env_handler
 
 
 # The bridge is named here, not imported: it imports this module (for ``register``), and this

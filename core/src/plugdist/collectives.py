@@ -244,10 +244,12 @@ def monitored_barrier(group: Any = None, timeout: timedelta | None = None,
                 break
             deadline = timedelta(0)
     if missing:
-        what = (f"ranks {missing} failed to pass monitored_barrier" if wait_all_ranks else
-                f"rank {missing[0]} failed to pass monitored_barrier")
-        msg = (f"{what} in group {pg.group_name!r} within {timeout.total_seconds():.1f}s "
-               f"(group ranks; global {[info.global_ranks[r] for r in missing]})")
+        # torch's words first (what its tests match), then which ranks, in both numberings
+        who = (f"Ranks {', '.join(map(str, missing))}" if wait_all_ranks else
+               f"Rank {missing[0]}")
+        msg = (f"{who} failed to pass monitoredBarrier in "
+               f"{round(timeout.total_seconds() * 1000)} ms (group {pg.group_name!r}: group "
+               f"ranks {missing}, global ranks {[info.global_ranks[r] for r in missing]})")
         store.set(f"{prefix}/release", msg.encode())
         here = where(rank=0, group=pg.group_name, op="monitored_barrier")
         raise DistTimeoutError(f"{here} {msg}")

@@ -9,7 +9,9 @@
         │   └── QueueEmptyError    a non-blocking queue_pop found the queue empty
         └── DistNetworkError       a connection could not be made or was lost
 
-Messages name what the user needs to act: rank, group, op, backend, and the fix.
+Messages name what the user needs to act: rank, group, op, backend, and the fix. A timeout
+starts with torch's words for the same event (:func:`timed_out`, :func:`store_timeout`), which
+torch's tests and users' scripts match (``" (Timed out|closed|timeout) "``).
 ``DistTimeoutError`` is also raised by collectives (a peer that never answered), hence
 it is a ``DistError`` first and a ``DistStoreError`` second: ``except DistStoreError``
 around a store call still catches store timeouts.
@@ -27,6 +29,8 @@ __all__ = [
     "QueueEmptyError",
     "where",
     "op_timeout",
+    "timed_out",
+    "store_timeout",
 ]
 
 
@@ -82,10 +86,24 @@ def where(*, rank: int | None = None, group: str | None = None, op: str | None =
     return "[" + ", ".join(parts) + "]" if parts else ""
 
 
+def timed_out(here: str, seconds: float | None,
+              waiting_for: str = "the operation to complete") -> str:
+    """``<here> Timed out waiting <N>ms for <waiting_for>``: torch's (gloo's) words for an op,
+    a barrier or a group's creation that did not finish in time, after ``here`` (a
+    :func:`where`). Every such plugdist message starts so; the cause and fix follow."""
+    return f"{here} Timed out waiting {round((seconds or 0) * 1000)}ms for {waiting_for}"
+
+
+def store_timeout(op: str, seconds: float, detail: str) -> str:
+    """``<op> timeout after <s>s; <detail>``: torch's TCPStore words for a store request
+    (``wait``, ``get``, ...) whose keys did not appear in time."""
+    return f"{op} timeout after {seconds:.3g}s; {detail}"
+
+
 def op_timeout(here: str, seconds: float | None) -> DistTimeoutError:
     """The error for an op that did not complete within ``seconds``; ``here`` is its
     :func:`where`."""
     return DistTimeoutError(
-        f"{here} did not complete within {seconds or 0:.1f}s: a peer may have died, be stuck, "
-        f"or be running a different op; check every rank's logs (the debug plugin's "
-        f"TORCH_DISTRIBUTED_DEBUG=DETAIL names the ranks that never arrived)")
+        f"{timed_out(here, seconds)}: a peer may have died, be stuck, or be running a different "
+        f"op; check every rank's logs (the debug plugin's TORCH_DISTRIBUTED_DEBUG=DETAIL names "
+        f"the ranks that never arrived)")

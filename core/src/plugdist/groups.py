@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 from . import membership as _membership
 from .debug_level import DebugLevel, get_debug_level
-from .errors import DistError, DistTimeoutError, where
+from .errors import DistError, DistTimeoutError, timed_out, where
 from .log import get_logger
 from .process_group import DEFAULT_TIMEOUT, GroupOptions, ProcessGroup
 from .registry import BACKENDS, RENDEZVOUS, Backend, PluginNotFoundError, registry
@@ -305,10 +305,10 @@ def _store_barrier(store: Store, tag: str, group_rank: int, size: int, timeout: 
         store.wait(keys, timeout)
     except DistTimeoutError as err:
         missing = [r for r in range(size) if not store.check([f"{tag}/{r}"])]
-        raise DistTimeoutError(f"{where(rank=group_rank, group=name)} timed out after "
-                               f"{timeout.total_seconds():.0f}s waiting for group ranks {missing} "
-                               f"to join; are they running, and calling the same group "
-                               f"constructors in the same order?") from err
+        here = where(rank=group_rank, group=name)
+        raise DistTimeoutError(f"{timed_out(here, timeout.total_seconds(), 'every rank to join')}"
+                               f": group ranks {missing} never did; are they running, and calling "
+                               f"the same group constructors in the same order?") from err
 
 
 _LEAVE_WAIT = timedelta(seconds=10)

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .errors import DistError, DistRankFailureError, DistTimeoutError
+from .errors import DistError, DistRankFailureError, DistTimeoutError, timed_out
 from .log import get_logger
 from .store import PrefixStore, Store
 
@@ -334,7 +334,8 @@ class Membership:
                                        f"ranks_to_exclude; only the ranks that stay call it")
         store.set(_epoch_key(e, f"shrink/arrived/{self.uid}"), b"1")
         decided = _epoch_key(e, "next")
-        deadline = time.monotonic() + timeout.total_seconds()
+        limit = timeout.total_seconds()
+        deadline = time.monotonic() + limit
         while not store.check([decided]):
             if exclude is not None:
                 proposal = [u for u in self.members if u not in exclude]
@@ -347,9 +348,9 @@ class Membership:
                 if pending and time.monotonic() > deadline:
                     ranks = [self.rank_of(u) for u in pending]
                     raise DistTimeoutError(
-                        f"[rank {self.rank}] shrink_group timed out after "
-                        f"{timeout.total_seconds():.1f}s: ranks {ranks} neither called it nor "
-                        f"failed; every surviving rank must call shrink_group")
+                        f"{timed_out(f'[rank {self.rank}, op shrink_group]', limit, 'the survivors')}"
+                        f": ranks {ranks} neither called it nor failed; every surviving rank "
+                        f"must call shrink_group")
             if proposal:
                 store.compare_set(decided, b"", json.dumps({"members": proposal}))
                 break
@@ -449,10 +450,10 @@ def request_join(store: Store, timeout: timedelta,
                         f"left) before admitting member {uid}; there is nothing to join") \
                         from None
                 if time.monotonic() >= deadline:
+                    here = f"[member {uid}, op init_process_group(join=True)]"
                     raise DistTimeoutError(
-                        f"init_process_group(join=True): member {uid} was not admitted within "
-                        f"{timeout.total_seconds():.1f}s; the running ranks admit joiners when "
-                        f"they call plugdist.grow_group()") from None
+                        f"{timed_out(here, timeout.total_seconds(), 'admission')}: the running "
+                        f"ranks admit joiners when they call plugdist.grow_group()") from None
         epoch = int(store.get(f"{_JOIN}/{n}/admitted"))
         members = json.loads(_wait_get(store, _epoch_key(epoch, "members"), timeout))
     except BaseException:

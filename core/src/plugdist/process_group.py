@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import composition
+from . import composition, sparse
 from .abort import AbortSignal
 from .capabilities import ALL_REDUCE_OPS, Capabilities
 from .errors import DistTimeoutError, op_timeout, where
@@ -231,6 +231,8 @@ class ProcessGroup:
         return self._run("broadcast", tensor, tensor=tensor, src=src)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
+        if getattr(tensor, "is_sparse", False):
+            return self._sparse_all_reduce(tensor, op)
         self._check_tensor("all_reduce", tensor)
         self._check_reduce("all_reduce", op, tensor)
         return self._run_reduction("all_reduce", tensor, tensor, tensor=tensor, op=op)
@@ -370,6 +372,14 @@ class ProcessGroup:
                 red is None or red in caps.reduce_ops)
         return native
 
+    def _sparse_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        """all_reduce of a sparse COO tensor: the backend's own, else composed (see
+        :mod:`plugdist.sparse`; blocks for a small header exchange)."""
+        sparse.check_all_reduce(self.where("all_reduce"), tensor, op)
+        self._check_device("all_reduce", tensor, "tensor")
+        work = self.native_sparse_all_reduce(tensor=tensor)
+        return sparse.all_reduce(self, tensor) if work is NotImplemented else work
+
     def barrier(self) -> Work:
         device = self.device_types[0] if self.device_types else "cpu"
         return self._dispatch("barrier", device, {})
@@ -425,6 +435,12 @@ class ProcessGroup:
     def native_all_to_all_single_blocking(self, *, output: torch.Tensor,
                                           input: torch.Tensor) -> Any:
         """Even splits only: the rows of both tensors (of one shape) shared out alike."""
+        return NotImplemented
+
+    def native_sparse_all_reduce(self, *, tensor: torch.Tensor) -> Any:
+        """Optional: sum the sparse COO ``tensor`` over the group into ``tensor`` (its contents
+        replaced, as ``copy_`` does) and return a Work; NotImplemented (the default) has the core
+        compose it from dense all_gathers. Checked already: ReduceOp.SUM, device."""
         return NotImplemented
 
     def native_broadcast(self, *, tensor: torch.Tensor, src: int) -> Work:
@@ -519,21 +535,24 @@ class ProcessGroup:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{self.where(op)} {name} must be a torch.Tensor, "
                             f"got {type(tensor).__name__}")
+        if tensor.layout is not torch.strided:
+            raise ValueError(sparse.refusal(self.where(op), name, tensor))
         if not tensor.is_contiguous():
             raise ValueError(f"{self.where(op)} {name} is not contiguous "
                              f"(shape {list(tensor.shape)}, "
                              f"stride {list(tensor.stride())}); pass tensor.contiguous()")
+        self._check_device(op, tensor, name)
+        if tensor.is_conj() or tensor.is_neg():
+            raise ValueError(f"{self.where(op)} {name} is a lazily conjugated/negated view, whose "
+                             f"memory does not hold its values; pass "
+                             f"{name}.resolve_conj().resolve_neg() (a copy)")
+
+    def _check_device(self, op: str, tensor: torch.Tensor, name: str) -> None:
         if _device_type(tensor) not in self.capabilities().device_types:
             raise ValueError(f"{self.where(op)} {name} is on {tensor.device}, but backend "
                              f"{self.backend_name!r} handles "
                              f"{', '.join(self.device_types)} tensors; "
                              f"move it, or use a backend for {tensor.device.type}")
-        if tensor.is_sparse:
-            raise ValueError(f"{self.where(op)} sparse tensors are not supported")
-        if tensor.is_conj() or tensor.is_neg():
-            raise ValueError(f"{self.where(op)} {name} is a lazily conjugated/negated view, whose "
-                             f"memory does not hold its values; pass "
-                             f"{name}.resolve_conj().resolve_neg() (a copy)")
 
     def _check_rank(self, op: str, rank: int, name: str) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self._size:

@@ -18,7 +18,8 @@ from .errors import DistError
 from .store import FileStore, PrefixStore, Store, TCPStore, TorchStoreAdapter
 
 __all__ = ["env_rendezvous_handler", "tcp_rendezvous_handler", "file_rendezvous_handler",
-           "RendezvousError", "RendezvousHandler", "slurm_first_host", "join_store"]
+           "RendezvousError", "RendezvousHandler", "slurm_first_host", "adopt_launcher_env",
+           "join_store"]
 
 RendezvousHandler = Callable[..., tuple[Store, int, int]]
 
@@ -139,27 +140,7 @@ def env_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
     """
     rank = _query_int(url, "rank", rank)
     world_size = _query_int(url, "world_size", world_size)
-    other = None
-    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        other = _from_other_launcher()
-    if other is not None:
-        launcher, o_rank, o_size, o_local, o_local_size = other
-        rank = o_rank if rank < 0 else rank
-        world_size = o_size if world_size < 1 else world_size
-        os.environ.setdefault("RANK", str(rank))
-        os.environ.setdefault("WORLD_SIZE", str(world_size))
-        if o_local is not None:
-            os.environ.setdefault("LOCAL_RANK", str(o_local))
-        if o_local_size is not None:
-            os.environ.setdefault("LOCAL_WORLD_SIZE", str(o_local_size))
-        if o_local_size == world_size:   # one host: no need to name a master
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_job_port()))
-        elif launcher == _SRUN and "MASTER_ADDR" not in os.environ:
-            nodes = next((os.environ[v] for v in _SLURM_NODELISTS if os.environ.get(v)), "")
-            if nodes:  # srun starts task 0 on the first node of the step
-                os.environ["MASTER_ADDR"] = slurm_first_host(nodes)
-                os.environ.setdefault("MASTER_PORT", str(_job_port()))
+    rank, world_size = adopt_launcher_env(rank, world_size)
     rank = _env_int("RANK", rank, "this process's rank")
     world_size = _env_int("WORLD_SIZE", world_size, "the number of processes")
     _check(rank, world_size, "env://")
@@ -180,6 +161,38 @@ def env_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
         raise RendezvousError(f"environment variable MASTER_PORT={port_text!r} is not a port "
                               f"number") from None
     return _tcp_store(host, port, rank, world_size, timeout), rank, world_size
+
+
+def adopt_launcher_env(rank: int = -1, world_size: int = -1) -> tuple[int, int]:
+    """Where ``RANK`` and ``WORLD_SIZE`` are both missing from the environment and mpiexec,
+    mpirun or srun started this process: set them, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
+    (one host, or srun across hosts) ``MASTER_ADDR``/``MASTER_PORT`` in ``os.environ`` from the
+    launcher's variables, never replacing a value already set. Returns ``(rank, world_size)``:
+    the given ones (-1: not given), else the launcher's. Also what torch's own ``env://`` runs
+    first under plugdist (see :mod:`_plugdist_torch_autoload`)."""
+    other = None
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        other = _from_other_launcher()
+    if other is None:
+        return rank, world_size
+    launcher, o_rank, o_size, o_local, o_local_size = other
+    rank = o_rank if rank < 0 else rank
+    world_size = o_size if world_size < 1 else world_size
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    if o_local is not None:
+        os.environ.setdefault("LOCAL_RANK", str(o_local))
+    if o_local_size is not None:
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(o_local_size))
+    if o_local_size == world_size:   # one host: no need to name a master
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_job_port()))
+    elif launcher == _SRUN and "MASTER_ADDR" not in os.environ:
+        nodes = next((os.environ[v] for v in _SLURM_NODELISTS if os.environ.get(v)), "")
+        if nodes:  # srun starts task 0 on the first node of the step
+            os.environ["MASTER_ADDR"] = slurm_first_host(nodes)
+            os.environ.setdefault("MASTER_PORT", str(_job_port()))
+    return rank, world_size
 
 
 _SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")

@@ -17,13 +17,15 @@ DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 def compute_bucket_assignment(tensors: Sequence[torch.Tensor], order: Sequence[int],
-                              size_limits: Sequence[int]) -> list[list[int]]:
+                              size_limits: Sequence[int],
+                              sparse: Sequence[bool] = ()) -> list[list[int]]:
     """Group the indices in ``order`` into buckets of ``tensors[i]``; pure and deterministic.
 
     Bucket ``k`` of a (dtype, device) closes as soon as its byte size reaches
     ``size_limits[min(k, len(size_limits) - 1)]`` (so a single large tensor gets a bucket of its
-    own). Buckets come back sorted by the position, in ``order``, of their first member, which
-    approximates the order in which they fill up during backward.
+    own). An index whose ``sparse`` entry is true (its gradient is sparse) gets a bucket of its
+    own and counts toward no limit. Buckets come back sorted by the position, in ``order``, of
+    their first member, which approximates the order in which they fill up during backward.
     """
     if not size_limits:
         raise ValueError("compute_bucket_assignment needs at least one size limit")
@@ -32,6 +34,9 @@ def compute_bucket_assignment(tensors: Sequence[torch.Tensor], order: Sequence[i
     closed_count: dict[tuple[torch.dtype, torch.device], int] = {}
     done: list[list[int]] = []
     for index in order:
+        if index < len(sparse) and sparse[index]:
+            done.append([index])
+            continue
         t = tensors[index]
         key = (t.dtype, t.device)
         members, size = open_buckets.get(key, ([], 0))

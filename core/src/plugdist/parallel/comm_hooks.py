@@ -5,7 +5,9 @@ per bucket per iteration, on the thread running backward, as soon as every gradi
 bucket is ready; the future's value is the reduced flat tensor (same numel and dtype as
 ``bucket.buffer()``; a one-element list of it is accepted too), which the reducer writes back
 into the parameters' ``.grad``. Buckets handed to a hook are **not** pre-divided by the world
-size: averaging is the hook's job.
+size: averaging is the hook's job. A parameter with a sparse gradient has a bucket of its own
+whose ``buffer()`` is that gradient (a sparse COO tensor); the hook's future holds the reduced
+sparse tensor, which becomes the parameter's ``.grad``.
 
 Built-in hooks (also found by name through the ``plugdist.comm_hooks`` entry points) take as
 ``state`` the ProcessGroup to reduce over, or None for the DDP model's own group.
@@ -60,7 +62,10 @@ class GradBucket:
         self._buffer = buffer
 
     def gradients(self) -> list[torch.Tensor]:
-        """Views of ``buffer()``, one per parameter, shaped like the parameter."""
+        """Views of ``buffer()``, one per parameter, shaped like the parameter (a sparse
+        gradient's bucket: ``[buffer()]``, the gradient itself)."""
+        if self._buffer.layout is not torch.strided:
+            return [self._buffer]
         return [self._buffer[o:o + p.numel()].view(p.shape)
                 for o, p in zip(self._offsets, self._parameters, strict=True)]
 

@@ -107,7 +107,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                           UserWarning, stacklevel=2)
 
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        params, names = self._params_for_reducer()
+        params, names, sparse = self._params_for_reducer()
         self._buffers_to_sync = [b for n, b in module.named_buffers()
                                  if n not in self.parameters_to_ignore]
         where = self.process_group.where("DistributedDataParallel")
@@ -118,7 +118,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             bucket_cap_bytes=self.bucket_bytes_cap,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
-            param_names=dict(enumerate(names)))
+            param_names=dict(enumerate(names)), expect_sparse_gradients=tuple(sparse))
         self.logger = DDPLogger()
         reducer_cls = _resolve_reducer(reducer)
         self._reducer_setup = (reducer_cls, params, options)
@@ -175,9 +175,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.output_device = _device_index(output_device if output_device is not None
                                                else device_ids[0])
 
-    def _params_for_reducer(self) -> tuple[list[nn.Parameter], list[str]]:
+    def _params_for_reducer(self) -> tuple[list[nn.Parameter], list[str], list[bool]]:
+        """The parameters to synchronise, their names, and which get sparse gradients (the
+        weight of an Embedding/EmbeddingBag built with sparse=True)."""
         params: list[nn.Parameter] = []
         names: list[str] = []
+        sparse: list[bool] = []
         seen: set[int] = set()
         for module_name, m in self.module.named_modules():
             for pname, p in m.named_parameters(recurse=False):
@@ -185,14 +188,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                 if not p.requires_grad or fqn in self.parameters_to_ignore or id(p) in seen:
                     continue  # tied weights are reduced once, under their first name
                 seen.add(id(p))
-                if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
-                    raise NotImplementedError(
-                        f"{self.process_group.where('DistributedDataParallel')} {fqn!r} produces "
-                        f"sparse gradients, which plugdist's reducers do not support; build "
-                        f"{type(m).__name__} with sparse=False")
                 params.append(p)
                 names.append(fqn)
-        return params, names
+                sparse.append(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse)
+        return params, names, sparse
 
     def _module_states(self) -> list[torch.Tensor]:
         return [t for n, t in _unique_named([*self.module.named_parameters(),
@@ -325,7 +324,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._rank = group.rank()
         reducer_cls, params, options = self._reducer_setup
         if resync:
-            _, names = self._params_for_reducer()
+            _, names, _ = self._params_for_reducer()
             verify_model_across_ranks(group, params, names,
                                       group.where("DistributedDataParallel"))
             self._sync_module_states(0)

@@ -6,7 +6,9 @@
 * parameters are grouped into buckets (one dtype and device each; a small first bucket, then
   ``bucket_cap_bytes``), in reverse registration order at first and, after the first
   iteration, once more in the order their gradients actually became ready (rank 0's order,
-  broadcast, so every rank agrees);
+  broadcast, so every rank agrees); a parameter with a sparse gradient (an embedding built with
+  ``sparse=True``) is a bucket of its own, whose gradient is divided and reduced with the
+  sparse all_reduce and becomes the parameter's ``.grad``;
 * a post-accumulate-grad hook on each parameter marks it ready and copies a large gradient into
   the bucket (divided by the world size on the way; small ones are copied together when their
   bucket is launched); once a bucket is full its all-reduce is launched asynchronously while
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..debug_level import DebugLevel, get_debug_level
-from ..errors import DistError, DistTimeoutError
+from ..errors import DistError, DistTimeoutError, timed_out
 from ..log import get_logger
 from ..work import Work
 from .bucketing import DEFAULT_FIRST_BUCKET_BYTES, compute_bucket_assignment
@@ -55,6 +57,8 @@ class ReducerOptions:
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
     param_names: Mapping[int, str] = field(default_factory=dict)  # index -> name, for messages
+    # per parameter: its gradient is a sparse COO tensor (reduced in a bucket of its own)
+    expect_sparse_gradients: tuple[bool, ...] = ()
 
 
 class Reducer(abc.ABC):
@@ -137,11 +141,11 @@ _FUSED_COPY_NUMEL = 32768
 
 class _Bucket:
     __slots__ = ("index", "indices", "params", "offsets", "buffer", "views", "pending", "work",
-                 "future", "deferred")
+                 "future", "deferred", "sparse", "reduced")
 
     def __init__(self, index: int, indices: list[int], params: Sequence[torch.Tensor],
                  offsets: list[int], buffer: torch.Tensor, views: list[torch.Tensor],
-                 fused: list[bool]) -> None:
+                 fused: list[bool], sparse: bool = False) -> None:
         self.index = index
         self.indices = indices
         self.params = list(params)
@@ -151,7 +155,12 @@ class _Bucket:
         self.pending = len(indices)
         self.work: Work | None = None
         self.future: torch.futures.Future | None = None
-        self.deferred = [(p, v) for p, v, f in zip(params, views, fused, strict=True) if not f]
+        self.deferred = [] if sparse else [
+            (p, v) for p, v, f in zip(params, views, fused, strict=True) if not f]
+        # a sparse bucket has no flat buffer (``buffer`` is empty): it reduces its one
+        # parameter's gradient, ``reduced``, itself
+        self.sparse = sparse
+        self.reduced: torch.Tensor | None = None
 
 
 def _view_like(buffer: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
@@ -226,9 +235,12 @@ class BucketedReducer(Reducer):
 
         self._buckets: list[_Bucket] = []
         self._locators: list[tuple[_Bucket, torch.Tensor]] = []
-        self._fused = [p.numel() >= _FUSED_COPY_NUMEL for p in self.parameters]
+        self._sparse = [bool(s) for s in options.expect_sparse_gradients] + [False] * (
+            n - len(options.expect_sparse_gradients))
+        self._fused = [p.numel() >= _FUSED_COPY_NUMEL and not sparse
+                       for p, sparse in zip(self.parameters, self._sparse, strict=True)]
         self._init_buckets(compute_bucket_assignment(
-            self.parameters, list(range(n - 1, -1, -1)), self._size_limits))
+            self.parameters, list(range(n - 1, -1, -1)), self._size_limits, self._sparse))
 
         self._handles: list[Any] = []
         self_ref = weakref.ref(self)
@@ -261,18 +273,24 @@ class BucketedReducer(Reducer):
                     raise DistError(f"{self._where()} bucket {bucket_index} mixes "
                                     f"{first.dtype}/{first.device} and {p.dtype}/{p.device}; "
                                     f"a bucket holds one dtype on one device")
+            sparse = self._sparse[indices[0]]
+            if sparse and len(indices) > 1:
+                raise DistError(f"{self._where()} bucket {bucket_index} puts a parameter with a "
+                                f"sparse gradient among others; it needs a bucket of its own")
             offsets, total = [], 0
             for p in params:
                 offsets.append(total)
-                total += p.numel()
+                total += 0 if sparse else p.numel()
             buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
-            views = [_view_like(buffer, p, o) for p, o in zip(params, offsets, strict=True)]
+            views = [buffer if sparse else _view_like(buffer, p, o)
+                     for p, o in zip(params, offsets, strict=True)]
             bucket = _Bucket(bucket_index, list(indices), params, offsets, buffer, views,
-                             [self._fused[i] for i in indices])
+                             [self._fused[i] for i in indices], sparse)
             for i, view in zip(indices, views, strict=True):
                 locators[i] = (bucket, view)
                 p = self.parameters[i]
-                if self._as_view and p.grad is not None and not _aliases(p.grad, view):
+                if (self._as_view and not sparse and p.grad is not None
+                        and not _aliases(p.grad, view)):
                     # Regrouping after grads exist: keep them, now living in the new bucket.
                     view.copy_(p.grad)
                     p.grad = view
@@ -457,6 +475,11 @@ class BucketedReducer(Reducer):
         if grad is None:
             view.zero_()
             return None
+        if grad.layout is not torch.strided:
+            raise RuntimeError(f"a parameter of shape {list(param.shape)} got a {grad.layout} "
+                               f"gradient where DistributedDataParallel expected a dense one; "
+                               f"only the weights of Embedding/EmbeddingBag(sparse=True) may "
+                               f"have sparse gradients")
         if _aliases(grad, view):
             return view
         if grad.requires_grad:
@@ -525,10 +548,31 @@ class BucketedReducer(Reducer):
             bucket = buckets[self._next_bucket]
             self._copy_deferred_in(bucket)
             self.logger.comm_start()
-            self._launch(bucket, bucket.buffer)
+            self._launch(bucket, self._sparse_grad(bucket) if bucket.sparse else bucket.buffer)
             self._next_bucket += 1
 
+    def _sparse_grad(self, bucket: _Bucket, zero: bool = False) -> torch.Tensor:
+        """What a sparse bucket reduces: its parameter's gradient divided by the world size
+        (without a comm hook), an empty one if it has none (or ``zero``, for join)."""
+        index = bucket.indices[0]
+        param = self.parameters[index]
+        grad = None if zero else param.grad
+        if grad is None:
+            return torch.sparse_coo_tensor(
+                torch.empty((1, 0), dtype=torch.int64, device=param.device),
+                param.new_empty((0, *param.shape[1:])), param.shape)
+        if grad.layout is not torch.sparse_coo:
+            raise RuntimeError(f"{self._where()} {self._describe(index)} got a {grad.layout} "
+                               f"gradient; DistributedDataParallel expected a sparse one, as its "
+                               f"module was built with sparse=True")
+        grad = grad.detach()
+        if self._comm_hook is None and self._divisor() != 1:
+            grad = grad / self._div_factor  # type: ignore[operator]
+        return grad
+
     def _launch(self, bucket: _Bucket, buffer: torch.Tensor) -> None:
+        if bucket.sparse:
+            bucket.reduced = buffer
         if self._comm_hook is None:
             bucket.work = self.process_group.all_reduce(buffer)
             return
@@ -583,6 +627,12 @@ class BucketedReducer(Reducer):
         used = self._wait_global_used()
         for bucket in self._buckets:
             result = self._wait_bucket(bucket)
+            if bucket.sparse:
+                index = bucket.indices[0]
+                if used is None or used[index]:
+                    self.parameters[index].grad = result
+                bucket.reduced = None
+                continue
             if result is not bucket.buffer:
                 if result.numel() != bucket.buffer.numel():
                     raise RuntimeError(
@@ -633,7 +683,7 @@ class BucketedReducer(Reducer):
     def _wait_bucket(self, bucket: _Bucket) -> torch.Tensor:
         if bucket.work is not None:
             bucket.work.wait()
-            return bucket.buffer
+            return bucket.reduced if bucket.reduced is not None else bucket.buffer
         fut = bucket.future
         if fut is None:
             raise DistError(f"{self._where()} bucket {bucket.index} was never reduced")
@@ -657,7 +707,8 @@ class BucketedReducer(Reducer):
                 raise DistError(f"{self._where()} the recorded gradient order covers "
                                 f"{len(set(order))} of {len(self.parameters)} parameters; cannot "
                                 f"regroup buckets")
-            assignment = compute_bucket_assignment(self.parameters, order, self._size_limits)
+            assignment = compute_bucket_assignment(self.parameters, order, self._size_limits,
+                                                   self._sparse)
             assignment = self._agree_on_assignment(assignment)
             self._has_rebuilt = True
             self._rebuilt_order = []
@@ -734,14 +785,15 @@ class BucketedReducer(Reducer):
             self._iterations += 1
             for bucket in self._buckets:
                 bucket.work = bucket.future = None
-                self._launch(bucket, torch.zeros_like(bucket.buffer))
+                self._launch(bucket, self._sparse_grad(bucket, zero=True) if bucket.sparse
+                             else torch.zeros_like(bucket.buffer))
             used_work = None
             if self._tracks_used():
                 used_work = self.process_group.all_reduce(
                     torch.zeros(len(self.parameters), dtype=torch.int32, device=self._device))
             for bucket in self._buckets:
                 self._wait_bucket(bucket)
-                bucket.work = bucket.future = None
+                bucket.work = bucket.future = bucket.reduced = None
             if used_work is not None:
                 used_work.wait()
 
@@ -785,8 +837,8 @@ def _wait_future(fut: torch.futures.Future, timeout: float, what: str) -> Any:
         done = threading.Event()
         fut.then(lambda _f: done.set())  # .then exists on every torch future type
         if not done.wait(timeout):
-            raise DistTimeoutError(f"{what} did not complete within {timeout:.1f}s: a peer may "
-                                   f"have died or be running a different collective")
+            raise DistTimeoutError(f"{timed_out(what, timeout)}: a peer may have died or be "
+                                   f"running a different collective")
     return fut.value()
 
 

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import store_timeout
 from . import _wire as w
 
 __all__ = ["KeySpace"]
@@ -200,12 +201,12 @@ class KeySpace:
                 msg = (f"Timed out after {_whole_seconds(waiter.timeout)} seconds waiting for "
                        f"clients. {self._joined}/{waiter.count} clients joined.")
             elif waiter.op == w.Op.QUEUE_POP:
-                msg = (f"queue_pop timeout after {waiter.timeout:.3g}s; queue "
-                       f"{_name(waiter.keys[0])!r} stayed empty")
+                msg = store_timeout("queue_pop", waiter.timeout,
+                                    f"queue {_name(waiter.keys[0])!r} stayed empty")
             else:
                 missing = [_name(k) for k in waiter.keys if not self._present(waiter.op, k)]
-                msg = (f"{waiter.op.name.lower()} timeout after {waiter.timeout:.3g}s; missing "
-                       f"keys {missing}")
+                msg = store_timeout(waiter.op.name.lower(), waiter.timeout,
+                                    f"missing keys {missing}")
             self._finish(waiter, _reply(w.Status.TIMEOUT, msg.encode()))
 
     def _wait_for(self, conn: Any, op: w.Op, keys: list[bytes], timeout: float) -> bytes | None:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
-from ..errors import DistStoreError, DistTimeoutError, QueueEmptyError
+from ..errors import DistStoreError, DistTimeoutError, QueueEmptyError, store_timeout
 from ._util import check_amount, check_key, check_keys
 from .api import DEFAULT_STORE_TIMEOUT, Store, to_bytes, to_seconds
 
@@ -358,7 +358,7 @@ class FileStore(Store):
             return None if missing else True
 
         _poll(all_there, limit, lambda: DistTimeoutError(
-            f"{self!r}: {op} timeout after {limit:.3g}s; missing keys {missing}"))
+            f"{self!r}: {store_timeout(op, limit, f'missing keys {missing}')}"))
 
     def check(self, keys: Sequence[str]) -> bool:
         keys = check_keys(keys)
@@ -401,7 +401,7 @@ class FileStore(Store):
             return value
         limit = to_seconds(self.timeout)
         return _poll(lambda: log.pop(key), limit, lambda: DistTimeoutError(
-            f"{self!r}: queue_pop timeout after {limit:.3g}s; queue {key!r} stayed empty"))
+            f"{self!r}: {store_timeout('queue_pop', limit, f'queue {key!r} stayed empty')}"))
 
     def queue_len(self, key: str) -> int:
         check_key(key)

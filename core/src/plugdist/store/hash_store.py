@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 
-from ..errors import DistStoreError, DistTimeoutError, QueueEmptyError
+from ..errors import DistStoreError, DistTimeoutError, QueueEmptyError, store_timeout
 from ._util import check_amount, check_key, check_keys
 from .api import DEFAULT_STORE_TIMEOUT, Store, to_bytes, to_seconds
 
@@ -103,8 +103,8 @@ class HashStore(Store):
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                raise DistTimeoutError(f"HashStore: {op} timeout after {limit:.3g}s; missing "
-                                       f"keys {missing}")
+                raise DistTimeoutError(
+                    f"HashStore: {store_timeout(op, limit, f'missing keys {missing}')}")
             self._cond.wait(min(left, _MAX_NAP))
 
     def check(self, keys: Sequence[str]) -> bool:

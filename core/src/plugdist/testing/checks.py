@@ -277,6 +277,38 @@ def check_all_reduce_shapes(rank: int, ws: int) -> None:
 
 
 @check
+def check_sparse_all_reduce(rank: int, ws: int) -> None:
+    """A sparse COO all_reduce (SUM) gives the dense one's sum on every rank, from ranks whose
+    non-zeros differ in rows and count (one rank has none); other reductions and ops refuse a
+    sparse tensor, naming the op."""
+    device = check_device()
+
+    def local(dtype: torch.dtype, empty: bool = False) -> torch.Tensor:
+        idx = torch.tensor([[rank % 3, 2, 2, rank + 3], [0, 1, 1, rank % 2]])
+        vals = torch.tensor([1, 2, 3, rank + 1], dtype=dtype)
+        if empty:
+            idx, vals = idx[:, :0], vals[:0]
+        return torch.sparse_coo_tensor(idx, vals, (ws + 3, 2), device=device)
+
+    for dtype in (torch.float32, torch.int64):
+        for async_op in (False, True):
+            for empty in (False, rank == ws - 1):
+                s = local(dtype, empty)
+                want = s.to_dense()
+                dist.all_reduce(want)
+                run(dist.all_reduce(s, async_op=async_op), async_op)
+                assert s.is_sparse, "all_reduce made a sparse tensor dense"
+                same(s.to_dense(), want, f"sparse all_reduce {dtype} async={async_op}")
+    s = local(torch.float32)
+    expect_error(ValueError, ["all_reduce", "SUM", "MAX"],
+                 lambda: dist.all_reduce(s, op=ReduceOp.MAX))
+    expect_error(ValueError, ["broadcast", "sparse_coo", "to_dense()"],
+                 lambda: dist.broadcast(s, src=0))
+    expect_error(ValueError, ["all_gather", "sparse_coo"],
+                 lambda: dist.all_gather([s] * ws, s))
+
+
+@check
 def check_broadcast(rank: int, ws: int) -> None:
     for dtype in DTYPES:
         for src in range(ws):

@@ -145,10 +145,13 @@ class FingerprintExchange:
                        err: DistTimeoutError) -> NoReturn:
         ident = self._ident
         globals_ = [ident.global_ranks[r] for r in missing]
-        msg = (f"{ident.where(fp.op)} collective #{fp.seq} ({fp.op}) timed out after "
-               f"{self._timeout.total_seconds():.1f}s: group {rank_list(missing)} (global "
-               f"{globals_}) never reached it: stuck, dead, or on another path through the "
-               f"program (TORCH_DISTRIBUTED_DEBUG=DETAIL check, nothing was sent)")
+        # torch's words for its DETAIL check (a monitored barrier before each collective) first
+        ms = round(self._timeout.total_seconds() * 1000)
+        msg = (f"{ident.where(fp.op)} {rank_list(missing).capitalize()} failed to pass "
+               f"monitoredBarrier in {ms} ms: collective #{fp.seq} ({fp.op}): group "
+               f"{rank_list(missing)} (global {globals_}) never reached it: stuck, dead, or on "
+               f"another path through the program (TORCH_DISTRIBUTED_DEBUG=DETAIL check, nothing "
+               f"was sent)")
         # tell a late rank not to run a collective nobody will join
         self._store.set(keys[ident.rank], json.dumps({_GAVE_UP: msg, "seq": fp.seq}).encode())
         self._acknowledge(fp.seq, [r for r in range(ident.size) if r not in missing])

@@ -15,7 +15,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
-from plugdist.errors import DistBackendError, DistError, DistNetworkError, DistTimeoutError, where
+from plugdist.errors import (
+    DistBackendError,
+    DistError,
+    DistNetworkError,
+    DistTimeoutError,
+    timed_out,
+    where,
+)
 from plugdist.log import get_logger
 from plugdist.process_group import GroupOptions, ProcessGroup
 from plugdist.reduce_op import ReduceOp
@@ -285,8 +292,8 @@ class GlooProcessGroup(ProcessGroup):
         err: DistError
         if any(h in low for h in _TIMEOUT_HINTS):
             err = DistTimeoutError(
-                f"{here} timed out after {seconds:.1f}s waiting for a peer (gloo: {msg}); a rank "
-                f"may have died, be stuck, or be running a different op")
+                f"{timed_out(here, seconds, 'a peer')} (gloo: {msg}); a rank may have died, be "
+                f"stuck, or be running a different op")
         elif any(h in low for h in _PEER_LOST_HINTS):
             peer = _rank_of_peer(msg, self._peers)
             if peer is None and self._size == 2:
@@ -309,6 +316,11 @@ class GlooProcessGroup(ProcessGroup):
         s = self._stage("all_reduce", tensor, op)
         opts = self._opts("AllreduceOptions", reduceOp=self._gloo_op(op, tensor))
         return self._issue("all_reduce", lambda pg: pg.allreduce([s.buf], opts), [tensor], [s])
+
+    def native_sparse_all_reduce(self, *, tensor: torch.Tensor) -> Work:
+        # torch's gloo sums sparse COO tensors itself (and replaces the tensor's contents)
+        opts = self._opts("AllreduceOptions", reduceOp=self._red[ReduceOp.SUM])
+        return self._issue("all_reduce", lambda pg: pg.allreduce([tensor], opts), [tensor])
 
     # -- lean blocking hooks: the native ops above, waited on in torch's C++ wait (the GIL
     # released) with no GlooWork: the synchronous frontend's path for the hot ops

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, NoReturn
 
 import torch
 from plugdist import ReduceOp
-from plugdist.errors import DistBackendError, DistError, DistTimeoutError, where
+from plugdist.errors import DistBackendError, DistError, DistTimeoutError, timed_out, where
 from plugdist.log import get_logger
 from plugdist.process_group import GroupOptions, ProcessGroup
 from plugdist.store import Store, TCPStore
@@ -591,9 +591,9 @@ def _arrive(store: Store, here: str, rank: int, size: int, timeout: timedelta,
         store.wait([f"mpi/arrived/{r}" for r in range(size)], timeout)
     except DistTimeoutError as err:
         missing = [members[r] for r in range(size) if not store.check([f"mpi/arrived/{r}"])]
-        raise DistTimeoutError(f"{here} timed out after {timeout.total_seconds():.1f}s waiting "
-                               f"for global ranks {missing} to create the group; are they "
-                               f"running, and creating the same groups in the same order?") from err
+        waited = timed_out(here, timeout.total_seconds(), "every member to create the group")
+        raise DistTimeoutError(f"{waited}: global ranks {missing} never did; are they running, "
+                               f"and creating the same groups in the same order?") from err
 
 
 def _create_comm(MPI: Any, members: tuple[int, ...], name: str) -> Any:

@@ -31,7 +31,7 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
-from plugdist.errors import DistBackendError, DistError, DistTimeoutError, where
+from plugdist.errors import DistBackendError, DistError, DistTimeoutError, timed_out, where
 from plugdist.log import get_logger
 from plugdist.process_group import GroupOptions, ProcessGroup
 from plugdist.reduce_op import ReduceOp
@@ -370,8 +370,8 @@ class NCCLProcessGroup(ProcessGroup):
 
     def _timeout_error(self, work: NCCLWork, seconds: float, tail: str) -> DistTimeoutError:
         """``work`` outlived ``seconds``; ``tail`` says what happens about it."""
-        what = "did not finish on" if work.launched else "was still being queued by NCCL on"
-        return DistTimeoutError(f"{work._where()} {what} {work.device} within {seconds:.1f}s"
+        what = "the op to finish on" if work.launched else "NCCL to queue the op on"
+        return DistTimeoutError(f"{timed_out(work._where(), seconds, f'{what} {work.device}')}"
                                 f"{tail}")
 
     def _wait_timeout(self, work: NCCLWork, seconds: float) -> BaseException:
