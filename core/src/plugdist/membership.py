@@ -347,10 +347,10 @@ class Membership:
                 proposal = alive if not pending else []
                 if pending and time.monotonic() > deadline:
                     ranks = [self.rank_of(u) for u in pending]
+                    here = f"[rank {self.rank}, op shrink_group]"
                     raise DistTimeoutError(
-                        f"{timed_out(f'[rank {self.rank}, op shrink_group]', limit, 'the survivors')}"
-                        f": ranks {ranks} neither called it nor failed; every surviving rank "
-                        f"must call shrink_group")
+                        f"{timed_out(here, limit, 'the survivors')}: ranks {ranks} neither "
+                        f"called it nor failed; every surviving rank must call shrink_group")
             if proposal:
                 store.compare_set(decided, b"", json.dumps({"members": proposal}))
                 break
