@@ -15,9 +15,10 @@ from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
 from .errors import DistError
-from .store import FileStore, PrefixStore, Store, TCPStore, TorchStoreAdapter
+from .store import PrefixStore, Store, TCPStore, TorchStoreAdapter, open_store
 
 __all__ = ["env_rendezvous_handler", "tcp_rendezvous_handler", "file_rendezvous_handler",
+           "store_rendezvous_handler",
            "RendezvousError", "RendezvousHandler", "slurm_first_host"]
 
 RendezvousHandler = Callable[..., tuple[Store, int, int]]
@@ -215,33 +216,40 @@ def _job_port() -> int:
     return 20000 + zlib.crc32(job.encode()) % 20000
 
 
+def store_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
+                             timeout: timedelta = timedelta(minutes=30)
+                             ) -> tuple[Store, int, int]:
+    """Any store URL (``tcp://``, ``file://``, ``etcd://``, a third party's scheme): rank and
+    world size from the arguments, the URL query (``?rank=R&world_size=N``) or RANK and
+    WORLD_SIZE in the environment; the store from :func:`~plugdist.store.open_store`."""
+    rank = _query_int(url, "rank", rank)
+    world_size = _query_int(url, "world_size", world_size)
+    if rank < 0 and "RANK" in os.environ:
+        rank = _parse_int("RANK", os.environ["RANK"])
+    if world_size < 0 and "WORLD_SIZE" in os.environ:
+        world_size = _parse_int("WORLD_SIZE", os.environ["WORLD_SIZE"])
+    if rank < 0 or world_size < 0:
+        scheme = urlparse(url).scheme
+        raise RendezvousError(f"init_method {url!r}: {scheme}:// needs rank= and world_size= (as "
+                              f"arguments of init_process_group, in the URL query, or RANK and "
+                              f"WORLD_SIZE in the environment)")
+    _check(rank, world_size, url)
+    return open_store(url, timeout, rank=rank, world_size=world_size), rank, world_size
+
+
 def tcp_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
                            timeout: timedelta = timedelta(minutes=30)) -> tuple[Store, int, int]:
     """``tcp://host:port[?rank=R&world_size=N]``: rank 0 serves the store on host:port."""
     parsed = urlparse(url)
     if not parsed.hostname or parsed.port is None:
         raise RendezvousError(f"init_method {url!r} must look like tcp://HOST:PORT")
-    rank = _query_int(url, "rank", rank)
-    world_size = _query_int(url, "world_size", world_size)
-    if rank < 0 or world_size < 0:
-        raise RendezvousError(f"init_method {url!r}: tcp:// needs rank= and world_size= (as "
-                              f"arguments of init_process_group or in the URL query)")
-    _check(rank, world_size, url)
-    return _tcp_store(parsed.hostname, parsed.port, rank, world_size, timeout), rank, world_size
+    return store_rendezvous_handler(url, rank, world_size, timeout)
 
 
 def file_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
                             timeout: timedelta = timedelta(minutes=30)) -> tuple[Store, int, int]:
     """``file:///path``: a FileStore on a file every rank can reach (shared file system)."""
     parsed = urlparse(url)
-    path = parsed.path if not parsed.netloc else f"//{parsed.netloc}{parsed.path}"
-    if not path:
+    if not (parsed.path or parsed.netloc):
         raise RendezvousError(f"init_method {url!r} must look like file:///absolute/path")
-    rank = _query_int(url, "rank", rank)
-    world_size = _query_int(url, "world_size", world_size)
-    if rank < 0 or world_size < 0:
-        raise RendezvousError(f"init_method {url!r}: file:// needs rank= and world_size=")
-    _check(rank, world_size, url)
-    store = FileStore(path, world_size)
-    store.set_timeout(timeout)
-    return store, rank, world_size
+    return store_rendezvous_handler(url, rank, world_size, timeout)
