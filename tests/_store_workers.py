@@ -68,7 +68,8 @@ def _load_store_package() -> types.ModuleType:
 
 
 def _open(spec: dict) -> Any:
-    """A store from a JSON description: {"kind": "tcp"|"file", ...} or {"prefix", "inner"}."""
+    """A store from a JSON description: {"kind": "tcp"|"file"|"url", ...} or {"prefix",
+    "inner"}."""
     store = _load_store_package()
     if "prefix" in spec:
         return store.PrefixStore(spec["prefix"], _open(spec["inner"]))
@@ -78,6 +79,8 @@ def _open(spec: dict) -> Any:
                               is_master=False, timeout=timeout, token=spec.get("token"))
     if spec["kind"] == "file":
         return store.FileStore(spec["path"], spec.get("world_size", -1), timeout=timeout)
+    if spec["kind"] == "url":  # any installed store scheme, through the plugdist.stores group
+        return store.open_store(spec["url"], timeout)
     raise ValueError(f"unknown store kind {spec['kind']!r}")
 
 
