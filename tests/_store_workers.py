@@ -218,6 +218,33 @@ def task_busy_clients(spec: dict, clients: int, stop_key: str) -> Any:
     return {"rounds": rounds, "errors": errors}
 
 
+def task_churn(spec: dict, me: int, go: str, stop: str) -> Any:
+    """add + set in a loop until ``stop`` exists (for failover tests): every add's result, the
+    number of sets, the longest op and when it started, and any error."""
+    s = _open(spec)
+    adds: list[int] = []
+    sets, longest, longest_at, errors = 0, 0.0, 0.0, []
+    _ready()
+    s.get(go)
+    while True:
+        t0 = time.time()
+        try:
+            adds.append(s.add("counter", 1))
+            s.set(f"w{me}/{sets}", str(adds[-1]))
+            sets += 1
+            if sets % 10 == 0 and s.check([stop]):
+                break
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            errors.append(f"{type(err).__name__}: {err}")
+            if len(errors) > 3:
+                break
+        took = time.time() - t0
+        if took > longest:
+            longest, longest_at = took, t0
+    return {"adds": adds, "sets": sets, "longest": longest, "longest_at": longest_at,
+            "errors": errors}
+
+
 def main() -> None:
     task, raw = sys.argv[1], sys.argv[2]
     fn = globals()[f"task_{task}"]

@@ -26,9 +26,13 @@ from plugdist.errors import DistNetworkError, DistStoreError
 __all__ = ["EtcdClient", "EtcdError", "EtcdUnavailableError", "TLSConfig", "b64", "unb64",
            "prefix_end"]
 
-# one attempt on one member waits this long for an answer: etcd answers a request waiting for a
-# new leader once one is elected (about a second with its defaults)
-_ATTEMPT_READ = 3.0
+# An attempt on one member waits this long for an answer (twice as long after _SHORT_TRIES timed
+# out: a cluster that is merely slow still gets its time). Short, because a request a member
+# forwarded to a leader that just died is never answered, while the same request sent again
+# once a new leader is elected (1-2 s with etcd's defaults) is; repeating is safe (see
+# plugdist_etcd.store).
+_ATTEMPT_READ = 0.5
+_SHORT_TRIES = 6
 _CONNECT = 1.0
 _RETRYABLE_CODES = {4, 14}  # DeadlineExceeded ("request timed out"), Unavailable (no leader, ...)
 _AUTH_CODES = {16}          # Unauthenticated
@@ -120,7 +124,7 @@ class EtcdClient:
         :class:`EtcdUnavailableError` when no endpoint answered in time."""
         payload = json.dumps(body).encode()
         attempt = _Attempt()
-        tried = 0
+        tried = timed_out = 0
         while True:
             index = self._current
             endpoint = self.endpoints[index]
@@ -131,8 +135,10 @@ class EtcdClient:
                 resp = self._pool.request(
                     "POST", f"{endpoint}/v3/{path}", body=payload, headers=self._headers(auth),
                     timeout=urllib3.Timeout(connect=min(_CONNECT, left),
-                                            read=min(_ATTEMPT_READ, left)))
+                                            read=min(_ATTEMPT_READ * 2 ** max(timed_out - _SHORT_TRIES, 0),
+                                                     left)))
             except urllib3.exceptions.HTTPError as err:
+                timed_out += isinstance(err, urllib3.exceptions.ReadTimeoutError)
                 attempt.errors.append(f"{endpoint}: {type(err).__name__}: {err}")
             else:
                 data = _json(resp.data)
