@@ -131,12 +131,11 @@ class EtcdClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self._unavailable(what, attempt)
+            read = _ATTEMPT_READ * 2 ** max(timed_out - _SHORT_TRIES, 0)
             try:
                 resp = self._pool.request(
                     "POST", f"{endpoint}/v3/{path}", body=payload, headers=self._headers(auth),
-                    timeout=urllib3.Timeout(connect=min(_CONNECT, left),
-                                            read=min(_ATTEMPT_READ * 2 ** max(timed_out - _SHORT_TRIES, 0),
-                                                     left)))
+                    timeout=urllib3.Timeout(connect=min(_CONNECT, left), read=min(read, left)))
             except urllib3.exceptions.HTTPError as err:
                 timed_out += isinstance(err, urllib3.exceptions.ReadTimeoutError)
                 attempt.errors.append(f"{endpoint}: {type(err).__name__}: {err}")
