@@ -98,15 +98,21 @@ def _tcp_store(host: str, port: int, rank: int, world_size: int, timeout: timede
 def _agent_store(world_size: int, timeout: timedelta) -> Store | None:
     """The store of the launcher that started this process, as a client, or None.
 
-    plugdist-run announces its own (a plugdist TCPStore) in ``PLUGDIST_AGENT_STORE``; torchrun
+    plugdist-run announces its own in ``PLUGDIST_AGENT_STORE``: HOST:PORT of a plugdist
+    TCPStore, or a store URL (``--rdzv-backend etcd``: ``etcd://...``) opened by
+    :func:`~plugdist.store.open_store`; torchrun
     sets ``TORCHELASTIC_USE_AGENT_STORE=True`` and serves a torch TCPStore at MASTER_ADDR:
     MASTER_PORT, reached through torch's client. Keys go under a prefix per round (per restart
     under torchrun), so a restarted world never reads the previous attempt's keys.
     """
     env = os.environ
     if env.get("PLUGDIST_AGENT_STORE"):
-        host, _, port = env["PLUGDIST_AGENT_STORE"].rpartition(":")
-        store: Store = TCPStore(host, int(port), None, is_master=False, timeout=timeout)
+        announced = env["PLUGDIST_AGENT_STORE"]
+        if "://" in announced:
+            store: Store = open_store(announced, timeout)
+        else:
+            host, _, port = announced.rpartition(":")
+            store = TCPStore(host, int(port), None, is_master=False, timeout=timeout)
         round_ = env.get("PLUGDIST_RDZV_ROUND", "0")
         return _OwningPrefixStore(f"plugdist/worker/round_{round_}", store)
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR") \
