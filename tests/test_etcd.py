@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.pool import ThreadPool
 
 import pytest
 
@@ -202,3 +203,48 @@ def test_user_and_password_auth(tmp_path) -> None:  # type: ignore[no-untyped-de
             plugdist.open_store(f"etcd://root:wrong@{cluster.endpoints[0]}/auth",
                                 timedelta(seconds=5)).set("k", "v")
         assert "wrong" not in str(info.value) and "root" in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_add_under_contention_counts_each_once(etcd1) -> None:  # type: ignore[no-untyped-def]
+    """Many handles adding to one counter at once take the contention-free path (increments as
+    keys, summed in the same transaction, folded later): each result is distinct and dense, and
+    get, set, compare_set and append see the counter's sum."""
+    url = etcd1.url(f"contend/{os.urandom(6).hex()}")
+    nthreads, times = 24, 15
+    seen: list[int] = []
+    lock = threading.Lock()
+    start = threading.Barrier(nthreads)
+
+    def adder() -> None:
+        s = plugdist.open_store(url, timedelta(seconds=60))
+        start.wait()
+        got = [s.add("counter", 1) for _ in range(times)]
+        with lock:
+            seen.extend(got)
+        s.close()
+
+    threads = [threading.Thread(target=adder) for _ in range(nthreads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    total = nthreads * times
+    assert sorted(seen) == list(range(1, total + 1))
+    s = plugdist.open_store(url, timedelta(seconds=10))
+    assert s.get("counter") == str(total).encode()
+    assert s.num_keys() == 1
+    assert s.compare_set("counter", str(total), "1000") == b"1000"
+    assert s.add("counter", 5) == 1005
+    # increments pending again, then set() replaces the whole counter
+    with ThreadPool(8) as pool:
+        pool.map(lambda _: plugdist.open_store(url, timedelta(seconds=30)).add("c2", 2), range(8))
+    assert s.get("c2") == b"16"
+    s.set("c2", "text")
+    assert s.get("c2") == b"text"
+    with pytest.raises(DistStoreError, match="not an integer"):
+        s.add("c2", 1)
+    assert s.get("c2") == b"text"
+    s.append("c2", "!")
+    assert s.get("c2") == b"text!"
+    s.close()

@@ -1,20 +1,26 @@
 """``EtcdStore``: plugdist's Store on an etcd cluster (v3 API), so no process of the job hosts it.
 
-Layout under the job's prefix ``P`` (``/<prefix>/``): ``P k/<key>`` values, ``P q/<n>:<key>/<id>``
-queue items (``n`` = the key's length in bytes, so one key's items are never a prefix of
-another's), ``P m/<handle>/<slot>`` each handle's last-write markers, ``P lease`` the job lease.
+Layout under the job's prefix ``P`` (``/<prefix>/``): ``P k/<key>`` values; ``P a/<n>:<key>/<id>``
+pending increments of a counter; ``P q/<n>:<key>/<id>`` queue items (``n`` = the key's length in
+bytes, so one key's entries are never a prefix of another's); ``P m/<handle>/<slot>`` each
+handle's last-write markers; ``P lease`` the job lease.
 
-Round trips: set, get (present), check, num_keys, delete_key, compare_set, multi_get/multi_set,
-queue_push, queue_len: one each. ``add``/``append``: one transaction guarded by the key's last
-revision this handle saw (the first add on a new key: guarded by "absent"); a stale guard costs
-one more, the failure branch bringing the fresh value back (no sleeps, no blind retries).
+Round trips: set, get, check, num_keys, delete_key, compare_set, multi_get/multi_set, queue_push,
+queue_len: one each. ``add`` uncontended: one transaction guarded by the revision of the counter
+this handle saw last. ``add`` under contention (several processes adding to one counter at
+once, a rendezvous): a compare-and-swap loop would cost O(n^2) transactions, so a failed guard
+switches to an unguarded transaction that puts the increment as its own key and reads the
+counter and every pending increment in the same transaction: the sum is the value at that
+revision, one round trip whatever the contention. Pending increments are folded into the
+counter (one guarded transaction) once there are many. ``get`` sums them too.
 ``wait``/``get`` of a missing key: one watch from the revision of the check, never a poll.
 
 Exactly once: a request that failed in transit may or may not have been applied, and the client
-repeats it on another member. ``add``, ``append`` and ``queue_pop`` are guarded by a revision
-compare, so a repeat never applies twice, and their transaction also writes a marker
-(request id + result) that a failed compare reads back in the same round trip: if the marker
-holds this request's id, the first try was applied and its result is returned.
+repeats it on another member. Every non-idempotent write (``add``, ``append``, ``queue_pop``) is
+guarded (the key's revision, or the revision of this op's marker) so a repeat never applies
+twice, and also writes a marker (request id, and the result where it is known) that a failed
+guard reads back in the same round trip: if the marker holds this request's id, the first try
+was applied.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ __all__ = ["EtcdStore"]
 
 _TXN_OPS = 64      # etcd refuses a transaction of more than 128 operations (its default)
 _SEEN_MAX = 4096   # revisions remembered for add/append guards
+_FOLD_AT = 16      # an add that sees a multiple of this many pending increments folds them
 
 
 def _put(key: bytes, value: bytes, lease: int) -> dict[str, Any]:
@@ -103,10 +110,11 @@ class EtcdStore(Store):
         self._p = f"/{self.prefix}/".encode() if self.prefix else b"/"
         self._handle = os.urandom(6).hex()
         self._ids = itertools.count()
-        self._slots: list[int] = []
+        self._slots: list[list[int]] = []   # free [slot, revision of its marker]
         self._slot_count = 0
         self._lock = threading.Lock()
-        self._seen: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
+        # counter key -> (value, revision) last seen, or None: it had pending increments
+        self._seen: OrderedDict[bytes, tuple[bytes, int] | None] = OrderedDict()
         self._closed = False
         self._lease: Lease | None = None
         if _lease is not None:
@@ -126,6 +134,13 @@ class EtcdStore(Store):
     def _qkey(self, key: str) -> bytes:
         raw = self._vkey(key)[len(self._p) + 2:]
         return self._p + b"q/" + str(len(raw)).encode() + b":" + raw + b"/"
+
+    def _dkey(self, key: str) -> bytes:
+        raw = self._vkey(key)[len(self._p) + 2:]
+        return self._p + b"a/" + str(len(raw)).encode() + b":" + raw + b"/"
+
+    def _marker(self, slot: int) -> bytes:
+        return self._p + b"m/" + self._handle.encode() + b"/" + str(slot).encode()
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
         if isinstance(keys, (str, bytes)):
@@ -185,20 +200,23 @@ class EtcdStore(Store):
     # -- the core operations -------------------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
         v = to_bytes(value)
-        self._call("kv/put", _put(self._vkey(key), v, self._lease_id)["request_put"],
-                   f"set({key!r})")
+        d = self._dkey(key)
+        self._txn([], [_put(self._vkey(key), v, self._lease_id), _delete(d, prefix_end(d))], [],
+                  f"set({key!r})")
 
     def get(self, key: str) -> bytes:
-        vkey = self._vkey(key)
-        limit = to_seconds(self.timeout)
-        deadline = time.monotonic() + limit
-        while True:
-            data = self._call("kv/range", {"key": b64(vkey)}, f"get({key!r})",
-                              self._request_deadline(deadline))
-            found = data.get("kvs", [])
-            if found:
-                return unb64(found[0].get("value"))
-            self._watch_for([key], "value", _revision(data), deadline, "get", limit)
+        return self.multi_get([key], op="get")[0]
+
+    def _logical(self, value: list[dict[str, Any]], deltas: list[dict[str, Any]]) -> bytes:
+        """A key's value: what ``set`` wrote, plus any pending increments."""
+        raw = unb64(value[0].get("value")) if value else b""
+        if not deltas:
+            return raw
+        try:
+            base = int(raw or b"0")
+        except ValueError:
+            return raw  # increments left by an add that failed on this value; it removes them
+        return str(base + sum(int(unb64(d.get("value"))) for d in deltas)).encode()
 
     def add(self, key: str, amount: int) -> int:
         if isinstance(amount, bool) or not isinstance(amount, int):
@@ -213,55 +231,178 @@ class EtcdStore(Store):
                     f"({(current or b'')[:32]!r}): the key was written by set(); use a "
                     f"separate key for counters") from None
 
-        return int(self._modify(key, plus, f"add({key!r})"))
+        what = f"add({key!r})"
+        vkey = self._vkey(key)
+        with self._lock:
+            seen = self._seen.get(vkey, (b"", -1))
+        if seen is not None:  # no pending increments last time: try the guarded write
+            done = self._modify(key, plus, what, None if seen[1] < 0 else seen, fold=False)
+            if isinstance(done, bytes):
+                return int(done)
+            plus(done[0])  # raises if the value is not an integer
+        return self._add_increment(key, amount, plus, what)
+
+    def _add_increment(self, key: str, amount: int, plus: Callable[[bytes | None], bytes],
+                       what: str) -> int:
+        """``add`` as its own increment key, summed with the counter in the same transaction."""
+        vkey, d = self._vkey(key), self._dkey(key)
+        slot = self._take_slot()
+        marker = self._marker(slot[0])
+        rid = f"{self._handle}.{next(self._ids)}".encode()
+        inc = d + f"{self._handle}/{slot[0]}/{next(self._ids)}".encode()
+        deadline = self._deadline()
+        try:
+            while True:
+                guard = {"key": b64(marker), "target": "MOD", "mod_revision": str(slot[1])}
+                create = {"compare": [{"key": b64(vkey), "target": "CREATE",
+                                       "create_revision": "0"}],
+                          "success": [_put(vkey, b"0", self._lease_id)], "failure": []}
+                reads = [_range(vkey), _range(d, prefix_end(d))]
+                data = self._txn([guard], [_put(inc, str(amount).encode(), self._lease_id),
+                                           {"request_txn": create},
+                                           _put(marker, rid, self._lease_id), *reads],
+                                 [*reads, _range(marker)], what, deadline)
+                responses = data.get("responses", [])
+                if data.get("succeeded"):
+                    slot[1] = _revision(data)
+                    value, deltas = _kvs(responses[3]), _kvs(responses[4])
+                    mine = slot[1]
+                else:
+                    value, deltas = _kvs(responses[0]), _kvs(responses[1])
+                    mark = _kvs(responses[2])
+                    slot[1] = int(mark[0]["mod_revision"]) if mark else 0
+                    if not (mark and unb64(mark[0].get("value")) == rid):
+                        continue  # the marker moved for another reason: guard again
+                    # our first try went through: the sum up to our increment's revision
+                    ours = [x for x in deltas if unb64(x.get("key")) == inc]
+                    mine = int(ours[0]["mod_revision"]) if ours else 1 << 62
+                    deltas = [x for x in deltas if int(x["mod_revision"]) <= mine]
+                raw = unb64(value[0].get("value")) if value else b""
+                try:
+                    plus(raw)
+                except DistStoreError:
+                    self._txn([], [_delete(inc)], [], what, deadline)  # undo, then say why
+                    raise
+                self._remember(vkey, None, 0)
+                if len(deltas) % _FOLD_AT == 0:  # about one adder in _FOLD_AT folds
+                    self._fold(vkey, value, deltas, what, deadline)
+                return int(raw or b"0") + sum(int(unb64(x.get("value"))) for x in deltas)
+        finally:
+            self._give_slot(slot)
+
+    def _fold(self, vkey: bytes, value: list[dict[str, Any]], deltas: list[dict[str, Any]],
+              what: str, deadline: float, force: bool = False) -> bool:
+        """Add the oldest pending increments into the counter and delete them, in one
+        transaction guarded by the counter's revision as read (losing that race is fine).
+
+        Only increments whose add has finished are folded (its handle's marker moved on, or is
+        gone), and only the oldest run of them: an add whose reply was lost then finds its own
+        increment and every older one still countable, so its repeat returns the exact value.
+        ``force`` folds them all (compare_set and append on a counter, which are rare)."""
+        if not value:
+            return False
+        deltas = sorted(deltas, key=lambda x: int(x["mod_revision"]))[:_TXN_OPS]
+        if not force:
+            owners = {self._owner(x) for x in deltas}
+            ops = [_range(m) for m in owners]
+            data = self._txn([], ops, [], what, deadline)
+            moved = {}
+            for m, r in zip(owners, data.get("responses", []), strict=True):
+                found = _kvs(r)
+                moved[m] = int(found[0]["mod_revision"]) if found else 1 << 62
+            done = 0
+            for x in deltas:
+                if moved[self._owner(x)] <= int(x["mod_revision"]):
+                    break
+                done += 1
+            deltas = deltas[:done]
+        if not deltas:
+            return False
+        try:
+            total = int(unb64(value[0].get("value")) or b"0") + sum(
+                int(unb64(x.get("value"))) for x in deltas)
+        except ValueError:
+            return False
+        data = self._txn([{"key": b64(vkey), "target": "MOD",
+                           "mod_revision": value[0]["mod_revision"]}],
+                         [_put(vkey, str(total).encode(), self._lease_id),
+                          *({"request_delete_range": {"key": x["key"]}} for x in deltas)],
+                         [], what, deadline)
+        return bool(data.get("succeeded"))
+
+    def _owner(self, delta: dict[str, Any]) -> bytes:
+        """The marker of the op that put increment ``delta`` (``<d><handle>/<slot>/<n>``)."""
+        handle, slot, _ = unb64(delta.get("key")).rsplit(b"/", 3)[-3:]
+        return self._p + b"m/" + handle + b"/" + slot
 
     def append(self, key: str, value: bytes | str) -> None:
         tail = to_bytes(value)
-        self._modify(key, lambda current: (current or b"") + tail, f"append({key!r})")
+        with self._lock:
+            seen = self._seen.get(self._vkey(key))
+        self._modify(key, lambda current: (current or b"") + tail, f"append({key!r})", seen,
+                     fold=True)
 
-    def _modify(self, key: str, fn: Callable[[bytes | None], bytes], what: str) -> bytes:
-        """Read-modify-write of ``key`` as one guarded transaction (see the module docstring)."""
-        vkey = self._vkey(key)
+    def _modify(self, key: str, fn: Callable[[bytes | None], bytes], what: str,
+                seen: tuple[bytes, int] | None, fold: bool) -> bytes | tuple[bytes, bool]:
+        """Read-modify-write of ``key`` as one transaction guarded by the revision seen (None:
+        absent) and by "no pending increments". Returns the new value. When the guard fails:
+        with ``fold``, folds pending increments and tries again with what it read; without,
+        returns the value read and True (``add`` then takes its contention-free path)."""
+        vkey, d = self._vkey(key), self._dkey(key)
         slot = self._take_slot()
-        marker = self._p + b"m/" + self._handle.encode() + b"/" + str(slot).encode()
+        marker = self._marker(slot[0])
         rid = f"{self._handle}.{next(self._ids)}".encode() + b"\n"
         deadline = self._deadline()
+        no_deltas = {"key": b64(d), "range_end": b64(prefix_end(d)), "target": "CREATE",
+                     "create_revision": "0"}
         try:
-            with self._lock:
-                seen = self._seen.get(vkey)
             while True:
                 if seen is None:
                     guard = {"key": b64(vkey), "target": "CREATE", "create_revision": "0"}
                 else:
                     guard = {"key": b64(vkey), "target": "MOD", "mod_revision": str(seen[1])}
                 new = fn(seen[0] if seen is not None else None)
-                data = self._txn([guard], [_put(vkey, new, self._lease_id),
-                                           _put(marker, rid + new, self._lease_id)],
-                                 [_range(vkey), _range(marker)], what, deadline)
+                data = self._txn([guard, no_deltas],
+                                 [_put(vkey, new, self._lease_id),
+                                  _put(marker, rid + new, self._lease_id)],
+                                 [_range(vkey), _range(d, prefix_end(d)), _range(marker)],
+                                 what, deadline)
                 if data.get("succeeded"):
-                    self._remember(vkey, new, _revision(data))
+                    slot[1] = _revision(data)
+                    self._remember(vkey, new, slot[1])
                     return new
                 responses = data.get("responses", [])
-                mark = _kvs(responses[1]) if len(responses) > 1 else []
+                mark = _kvs(responses[2])
+                slot[1] = int(mark[0]["mod_revision"]) if mark else 0
                 if mark and unb64(mark[0].get("value")).startswith(rid):
                     return unb64(mark[0].get("value"))[len(rid):]  # our first try went through
-                current = _kvs(responses[0]) if responses else []
+                current, deltas = _kvs(responses[0]), _kvs(responses[1])
+                if not fold:  # add: another writer came in between; see _add_increment
+                    return (unb64(current[0].get("value")) if current else b""), True
+                if deltas:
+                    self._fold(vkey, current, deltas, what, deadline, force=True)
+                    seen = None  # read again, whoever folded
+                    continue
                 seen = (unb64(current[0].get("value")), int(current[0]["mod_revision"])) \
                     if current else None
         finally:
-            with self._lock:
-                self._slots.append(slot)
+            self._give_slot(slot)
 
-    def _take_slot(self) -> int:
+    def _take_slot(self) -> list[int]:
+        """A marker slot for one op: [slot number, revision of its marker (0: none yet)]."""
         with self._lock:
             if self._slots:
                 return self._slots.pop()
             self._slot_count += 1
-            return self._slot_count - 1
+            return [self._slot_count - 1, 0]
 
-    def _remember(self, vkey: bytes, value: bytes, revision: int) -> None:
+    def _give_slot(self, slot: list[int]) -> None:
         with self._lock:
-            self._seen[vkey] = (value, revision)
+            self._slots.append(slot)
+
+    def _remember(self, vkey: bytes, value: bytes | None, revision: int) -> None:
+        with self._lock:
+            self._seen[vkey] = None if value is None else (value, revision)
             self._seen.move_to_end(vkey)
             if len(self._seen) > _SEEN_MAX:
                 self._seen.popitem(last=False)
@@ -269,27 +410,35 @@ class EtcdStore(Store):
     def compare_set(self, key: str, expected_value: bytes | str,
                     desired_value: bytes | str) -> bytes:
         expected, desired = to_bytes(expected_value), to_bytes(desired_value)
-        vkey = self._vkey(key)
+        vkey, d = self._vkey(key), self._dkey(key)
         what = f"compare_set({key!r})"
         put = _put(vkey, desired, self._lease_id)
-        if expected == b"":  # a missing key counts as empty: absent, or present and empty
-            inner = {"compare": [{"key": b64(vkey), "target": "VALUE", "value": ""}],
-                     "success": [put], "failure": [_range(vkey)]}
-            data = self._txn([{"key": b64(vkey), "target": "CREATE", "create_revision": "0"}],
-                             [put], [{"request_txn": inner}], what)
+        no_deltas = {"key": b64(d), "range_end": b64(prefix_end(d)), "target": "CREATE",
+                     "create_revision": "0"}
+        reads = [_range(vkey), _range(d, prefix_end(d))]
+        deadline = self._deadline()
+        while True:
+            if expected == b"":  # a missing key counts as empty: absent, or present and empty
+                inner = {"compare": [{"key": b64(vkey), "target": "VALUE", "value": ""},
+                                     no_deltas], "success": [put], "failure": reads}
+                data = self._txn([{"key": b64(vkey), "target": "CREATE",
+                                   "create_revision": "0"}, no_deltas],
+                                 [put], [{"request_txn": inner}], what, deadline)
+                if data.get("succeeded"):
+                    return desired
+                data = data["responses"][0]["response_txn"]
+            else:
+                data = self._txn([{"key": b64(vkey), "target": "VALUE",
+                                   "value": b64(expected)}, no_deltas], [put], reads, what,
+                                 deadline)
             if data.get("succeeded"):
                 return desired
-            nested = data["responses"][0]["response_txn"]
-            if nested.get("succeeded"):
-                return desired
-            found = _kvs(nested["responses"][0])
-        else:
-            data = self._txn([{"key": b64(vkey), "target": "VALUE", "value": b64(expected)}],
-                             [put], [_range(vkey)], what)
-            if data.get("succeeded"):
-                return desired
-            found = _kvs(data["responses"][0])
-        return unb64(found[0].get("value")) if found else expected
+            value, deltas = _kvs(data["responses"][0]), _kvs(data["responses"][1])
+            current = self._logical(value, deltas)
+            if deltas and current == expected and self._fold(vkey, value, deltas, what,
+                                                             deadline, force=True):
+                continue  # it matched once its increments were counted: try again
+            return current if value else expected
 
     def _request_deadline(self, deadline: float) -> float:
         # a check inside a wait gets at least a moment, even when the wait's time is up
@@ -367,8 +516,9 @@ class EtcdStore(Store):
         vkey, q = self._vkey(key), self._qkey(key)
         with self._lock:
             self._seen.pop(vkey, None)
-        data = self._txn([], [_delete(vkey), _delete(q, prefix_end(q))], [],
-                         f"delete_key({key!r})")
+        d = self._dkey(key)
+        data = self._txn([], [_delete(vkey), _delete(q, prefix_end(q)),
+                              _delete(d, prefix_end(d))], [], f"delete_key({key!r})")
         return any(int(r.get("response_delete_range", {}).get("deleted", 0) or 0)
                    for r in data.get("responses", []))
 
@@ -376,37 +526,45 @@ class EtcdStore(Store):
     def has_extended_api(self) -> bool:
         return True
 
-    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+    def multi_get(self, keys: Sequence[str], op: str = "multi_get") -> list[bytes]:
         ks = self._keys(keys)
         limit = to_seconds(self.timeout)
         deadline = time.monotonic() + limit
         while True:
             values: dict[str, bytes] = {}
             revision = 0
-            for i in range(0, len(ks), _TXN_OPS):
-                chunk = ks[i:i + _TXN_OPS]
-                data = self._txn([], [_range(self._vkey(k)) for k in chunk], [], "multi_get",
+            for i in range(0, len(ks), _TXN_OPS // 2):
+                chunk = ks[i:i + _TXN_OPS // 2]
+                reads = []
+                for k in chunk:
+                    d = self._dkey(k)
+                    reads += [_range(self._vkey(k)), _range(d, prefix_end(d))]
+                data = self._txn([], reads, [], op if op == "multi_get" else f"{op}({ks[0]!r})",
                                  self._request_deadline(deadline))
-                for k, r in zip(chunk, data.get("responses", []), strict=True):
-                    found = _kvs(r)
-                    if found:
-                        values[k] = unb64(found[0].get("value"))
+                responses = data.get("responses", [])
+                for j, k in enumerate(chunk):
+                    value, deltas = _kvs(responses[2 * j]), _kvs(responses[2 * j + 1])
+                    if value:
+                        values[k] = self._logical(value, deltas)
                 rev = _revision(data)
                 revision = rev if not revision else min(revision, rev)
             missing = [k for k in ks if k not in values]
             if not missing:
                 return [values[k] for k in ks]
-            self._watch_for(missing, "value", revision, deadline, "multi_get", limit)
+            self._watch_for(missing, "value", revision, deadline, op, limit)
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
         ks = self._keys(keys)
         if len(ks) != len(values):
             raise ValueError(f"multi_set got {len(ks)} keys but {len(values)} values")
         vs = [to_bytes(v) for v in values]
-        for i in range(0, len(ks), _TXN_OPS):
-            self._txn([], [_put(self._vkey(k), v, self._lease_id)
-                           for k, v in zip(ks[i:i + _TXN_OPS], vs[i:i + _TXN_OPS], strict=True)],
-                      [], "multi_set")
+        step = _TXN_OPS // 2
+        for i in range(0, len(ks), step):
+            ops = []
+            for k, v in zip(ks[i:i + step], vs[i:i + step], strict=True):
+                d = self._dkey(k)
+                ops += [_put(self._vkey(k), v, self._lease_id), _delete(d, prefix_end(d))]
+            self._txn([], ops, [], "multi_set")
 
     def queue_push(self, key: str, value: bytes | str) -> None:
         item = self._qkey(key) + os.urandom(8).hex().encode()
@@ -419,7 +577,7 @@ class EtcdStore(Store):
         limit = to_seconds(self.timeout)
         deadline = time.monotonic() + limit
         slot = self._take_slot()
-        marker = self._p + b"m/" + self._handle.encode() + b"/" + str(slot).encode()
+        marker = self._marker(slot[0])
         try:
             while True:
                 data = self._call("kv/range", {"key": b64(q), "range_end": b64(prefix_end(q)),
@@ -443,13 +601,14 @@ class EtcdStore(Store):
                                  _put(marker, rid + value, self._lease_id)],
                                 [_range(marker)], what, self._request_deadline(deadline))
                 if got.get("succeeded"):
+                    slot[1] = _revision(got)
                     return value
                 mark = _kvs(got["responses"][0]) if got.get("responses") else []
+                slot[1] = int(mark[0]["mod_revision"]) if mark else 0
                 if mark and unb64(mark[0].get("value")).startswith(rid):
                     return value  # our first try took it
         finally:
-            with self._lock:
-                self._slots.append(slot)
+            self._give_slot(slot)
 
     def queue_len(self, key: str) -> int:
         q = self._qkey(key)
