@@ -248,3 +248,41 @@ def test_add_under_contention_counts_each_once(etcd1) -> None:  # type: ignore[n
     s.append("c2", "!")
     assert s.get("c2") == b"text!"
     s.close()
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+@pytest.mark.timeout(90)
+def test_tls_with_client_certificates(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """etcd serving https and asking for a client certificate (--client-cert-auth): the store
+    connects with the URL's CA, certificate and key; without a certificate it is refused."""
+    import shutil
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make certificates with")
+    from plugdist_etcd.testing import EtcdCluster
+    d = str(tmp_path)
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+             "-keyout", f"{d}/ca.key", "-out", f"{d}/ca.pem")
+    with open(f"{d}/san.cnf", "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,"
+                "clientAuth\n")
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                 "-keyout", f"{d}/{name}.key", "-out", f"{d}/{name}.csr")
+        _openssl("x509", "-req", "-in", f"{d}/{name}.csr", "-CA", f"{d}/ca.pem", "-CAkey",
+                 f"{d}/ca.key", "-CAcreateserial", "-days", "1", "-extfile", f"{d}/san.cnf",
+                 "-out", f"{d}/{name}.pem")
+    cluster = EtcdCluster(1, f"{d}/data", client_tls=(f"{d}/server.pem", f"{d}/server.key",
+                                                       f"{d}/ca.pem"))
+    with cluster:
+        url = cluster.url("tls", cacert=f"{d}/ca.pem", cert=f"{d}/client.pem",
+                          key=f"{d}/client.key")
+        assert url.startswith("etcds://")
+        s = plugdist.open_store(url, timedelta(seconds=10))
+        s.set("k", "v")
+        assert s.get("k") == b"v" and s.add("n", 3) == 3
+        s.close()
+        with pytest.raises(DistStoreError, match="no etcd endpoint"):
+            plugdist.open_store(cluster.url("tls", cacert=f"{d}/ca.pem"), timedelta(seconds=2))

