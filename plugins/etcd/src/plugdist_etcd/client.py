@@ -22,6 +22,7 @@ from typing import Any
 
 import urllib3
 from plugdist.errors import DistNetworkError, DistStoreError
+from plugdist.log import get_logger
 
 __all__ = ["EtcdClient", "EtcdError", "EtcdUnavailableError", "TLSConfig", "b64", "unb64",
            "prefix_end"]
@@ -160,6 +161,9 @@ class EtcdClient:
             with self._lock:
                 if self._current == index:
                     self._current = (index + 1) % len(self.endpoints)
+            # endpoints never carry credentials (parse_etcd_url keeps them apart)
+            get_logger(store="etcd").info("etcd_endpoint_failed", op=what, endpoint=endpoint,
+                                          error=attempt.errors[-1][-200:])
             tried += 1
             if tried % len(self.endpoints) == 0:  # every member failed once: let etcd settle
                 time.sleep(min(0.05 * (tried // len(self.endpoints)), 0.25,
