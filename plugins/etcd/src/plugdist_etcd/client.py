@@ -32,8 +32,9 @@ __all__ = ["EtcdClient", "EtcdError", "EtcdUnavailableError", "TLSConfig", "b64"
 # forwarded to a leader that just died is never answered, while the same request sent again
 # once a new leader is elected (1-2 s with etcd's defaults) is; repeating is safe (see
 # plugdist_etcd.store).
-_ATTEMPT_READ = 0.5
-_SHORT_TRIES = 6
+_ATTEMPT_READ = 0.25
+_SHORT_TRIES = 8
+_BYTES_PER_S = 50e6  # a large value gets time to travel and be written on top of that
 _CONNECT = 1.0
 _RETRYABLE_CODES = {4, 14}  # DeadlineExceeded ("request timed out"), Unavailable (no leader, ...)
 _AUTH_CODES = {16}          # Unauthenticated
@@ -132,7 +133,8 @@ class EtcdClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self._unavailable(what, attempt)
-            read = _ATTEMPT_READ * 2 ** max(timed_out - _SHORT_TRIES, 0)
+            read = (_ATTEMPT_READ + len(payload) / _BYTES_PER_S) * 2 ** max(
+                timed_out - _SHORT_TRIES, 0)
             try:
                 resp = self._pool.request(
                     "POST", f"{endpoint}/v3/{path}", body=payload, headers=self._headers(auth),
