@@ -3,7 +3,7 @@
 Layout under the job's prefix ``P`` (``/<prefix>/``): ``P k/<key>`` values; ``P a/<n>:<key>/<id>``
 pending increments of a counter; ``P q/<n>:<key>/<id>`` queue items (``n`` = the key's length in
 bytes, so one key's entries are never a prefix of another's); ``P m/<handle>/<slot>`` each
-handle's last-write markers; ``P lease`` the job lease.
+handle's last-write markers. Every key is put with the job's lease (see ``_job_lease``).
 
 Round trips: set, get, check, num_keys, delete_key, compare_set, multi_get/multi_set, queue_push,
 queue_len: one each. ``add`` uncontended: one transaction guarded by the revision of the counter
@@ -25,6 +25,7 @@ was applied.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import threading
@@ -180,21 +181,17 @@ class EtcdStore(Store):
                                      "failure": failure}, what, deadline)
 
     def _job_lease(self) -> Lease:
-        record = self._p + b"lease"
-        found = _kvs({"response_range": self._call("kv/range", {"key": b64(record)},
-                                                   "open")})
-        if found:
-            lease_id = int(unb64(found[0].get("value")))
-        else:
-            mine = Lease(self._client, self.ttl)
-            data = self._txn([{"key": b64(record), "target": "CREATE", "create_revision": "0"}],
-                             [_put(record, str(mine.id).encode(), mine.id)], [_range(record)],
-                             "open")
-            if data.get("succeeded"):
-                lease_id = mine.id
-            else:  # another process made the job lease first
-                mine.revoke()
-                lease_id = int(unb64(_kvs(data["responses"][0])[0].get("value")))
+        """The job's lease, one per prefix: its id is derived from the prefix, so every process
+        asks etcd for the same one in one request (the first creates it, the others are told it
+        exists), with no record to agree on and no lease granted in vain."""
+        lease_id = int.from_bytes(hashlib.blake2b(self._p, digest_size=8).digest(), "big")
+        lease_id = (lease_id & ((1 << 62) - 1)) | 1   # positive int64, never 0 (etcd's "pick")
+        try:
+            self._call("lease/grant", {"TTL": max(int(self.ttl), 1), "ID": str(lease_id)},
+                       "open")
+        except EtcdError as err:
+            if "already exists" not in str(err):
+                raise
         return acquire_shared(self._client, self.ttl, lease_id)
 
     # -- the core operations -------------------------------------------------------------------
@@ -234,9 +231,9 @@ class EtcdStore(Store):
         what = f"add({key!r})"
         vkey = self._vkey(key)
         with self._lock:
-            seen = self._seen.get(vkey, (b"", -1))
-        if seen is not None:  # no pending increments last time: try the guarded write
-            done = self._modify(key, plus, what, None if seen[1] < 0 else seen, fold=False)
+            seen = self._seen.get(vkey)
+        if seen is not None:  # this handle knows the counter's revision: try the guarded write
+            done = self._modify(key, plus, what, seen, fold=False)
             if isinstance(done, bytes):
                 return int(done)
             plus(done[0])  # raises if the value is not an integer
@@ -285,22 +282,27 @@ class EtcdStore(Store):
                     raise
                 self._remember(vkey, None, 0)
                 if len(deltas) % _FOLD_AT == 0:  # about one adder in _FOLD_AT folds
-                    self._fold(vkey, value, deltas, what, deadline)
+                    folded = self._fold(vkey, value, deltas, what, deadline, finished=inc)
+                    if folded and folded[2] == len(deltas):  # the counter is plain again
+                        self._remember(vkey, folded[0], folded[1])
                 return int(raw or b"0") + sum(int(unb64(x.get("value"))) for x in deltas)
         finally:
             self._give_slot(slot)
 
     def _fold(self, vkey: bytes, value: list[dict[str, Any]], deltas: list[dict[str, Any]],
-              what: str, deadline: float, force: bool = False) -> bool:
+              what: str, deadline: float, force: bool = False,
+              finished: bytes = b"") -> tuple[bytes, int, int] | None:
         """Add the oldest pending increments into the counter and delete them, in one
         transaction guarded by the counter's revision as read (losing that race is fine).
 
         Only increments whose add has finished are folded (its handle's marker moved on, or is
         gone), and only the oldest run of them: an add whose reply was lost then finds its own
         increment and every older one still countable, so its repeat returns the exact value.
-        ``force`` folds them all (compare_set and append on a counter, which are rare)."""
+        ``finished``: the caller's own increment, whose reply it holds. ``force`` folds them
+        all (compare_set and append on a counter, which are rare).
+        Returns (the counter's new value, its revision, how many were folded), or None."""
         if not value:
-            return False
+            return None
         deltas = sorted(deltas, key=lambda x: int(x["mod_revision"]))[:_TXN_OPS]
         if not force:
             owners = {self._owner(x) for x in deltas}
@@ -312,23 +314,26 @@ class EtcdStore(Store):
                 moved[m] = int(found[0]["mod_revision"]) if found else 1 << 62
             done = 0
             for x in deltas:
-                if moved[self._owner(x)] <= int(x["mod_revision"]):
+                if moved[self._owner(x)] <= int(x["mod_revision"]) and \
+                        unb64(x.get("key")) != finished:
                     break
                 done += 1
             deltas = deltas[:done]
         if not deltas:
-            return False
+            return None
         try:
             total = int(unb64(value[0].get("value")) or b"0") + sum(
                 int(unb64(x.get("value"))) for x in deltas)
         except ValueError:
-            return False
+            return None
         data = self._txn([{"key": b64(vkey), "target": "MOD",
                            "mod_revision": value[0]["mod_revision"]}],
                          [_put(vkey, str(total).encode(), self._lease_id),
                           *({"request_delete_range": {"key": x["key"]}} for x in deltas)],
                          [], what, deadline)
-        return bool(data.get("succeeded"))
+        if not data.get("succeeded"):
+            return None
+        return str(total).encode(), _revision(data), len(deltas)
 
     def _owner(self, delta: dict[str, Any]) -> bytes:
         """The marker of the op that put increment ``delta`` (``<d><handle>/<slot>/<n>``)."""
@@ -436,7 +441,7 @@ class EtcdStore(Store):
             value, deltas = _kvs(data["responses"][0]), _kvs(data["responses"][1])
             current = self._logical(value, deltas)
             if deltas and current == expected and self._fold(vkey, value, deltas, what,
-                                                             deadline, force=True):
+                                                             deadline, force=True) is not None:
                 continue  # it matched once its increments were counted: try again
             return current if value else expected
 
