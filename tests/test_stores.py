@@ -1,5 +1,6 @@
 """One store test suite, run against every store: HashStore, FileStore, TCPStore, PrefixStore over
-a TCPStore. Then cross-process checks (real worker processes) for the stores processes share."""
+a TCPStore, and plugdist-etcd's EtcdStore on a real etcd member (skipped without the plugin).
+Then cross-process checks (real worker processes) for the stores processes share."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from _store_workers import result, spawn, wait_ready  # noqa: E402
 from plugdist.errors import DistError, DistStoreError, DistTimeoutError, QueueEmptyError
 from plugdist.store import FileStore, HashStore, PrefixStore, Store, TCPStore
 
-KINDS = ["hash", "file", "tcp", "prefix_tcp"]
+KINDS = ["hash", "file", "tcp", "prefix_tcp", "etcd"]
 SHORT = timedelta(seconds=0.2)
 
 
@@ -28,11 +29,14 @@ class Handle:
     """A store under test plus a way to open another handle on the same data (another client,
     another FileStore on the same path), as a second process would."""
 
-    def __init__(self, kind: str, tmp_path) -> None:
+    def __init__(self, kind: str, tmp_path, request=None) -> None:
         self.kind = kind
         self.opened: list[Store] = []
         self.path = str(tmp_path / "store.log")
-        if kind == "hash":
+        if kind == "etcd":  # a real etcd member, shared by the session; a prefix per test
+            self.url = request.getfixturevalue("etcd1").url(f"t/{os.urandom(6).hex()}")
+            self.store = self._keep(plugdist.open_store(self.url, timedelta(seconds=10)))
+        elif kind == "hash":
             self.store: Store = HashStore(timeout=timedelta(seconds=10))
         elif kind == "file":
             self.store = self._keep(FileStore(self.path, -1, timeout=timedelta(seconds=10)))
@@ -50,6 +54,8 @@ class Handle:
             return self.store
         if self.kind == "file":
             return self._keep(FileStore(self.path, -1, timeout=timedelta(seconds=10)))
+        if self.kind == "etcd":
+            return self._keep(plugdist.open_store(self.url, timedelta(seconds=10)))
         client = self._keep(TCPStore("127.0.0.1", self.master.port,
                                      timeout=timedelta(seconds=10)))
         return client if self.kind == "tcp" else PrefixStore("ns", client)
@@ -61,7 +67,7 @@ class Handle:
 
 @pytest.fixture(params=KINDS)
 def h(request, tmp_path) -> Iterator[Handle]:
-    handle = Handle(request.param, tmp_path)
+    handle = Handle(request.param, tmp_path, request)
     yield handle
     handle.close()
 
@@ -223,7 +229,7 @@ def test_num_keys_counts_like_torch(h: Handle) -> None:
     """torch counts one coordination entry in FileStore (its reference count) and in a TCPStore
     once a store with a fixed world size joined; HashStore counts only the user's keys."""
     s = h.store
-    base = {"hash": 0, "file": 1, "tcp": 0, "prefix_tcp": 0}[h.kind]
+    base = {"hash": 0, "file": 1, "tcp": 0, "prefix_tcp": 0, "etcd": 0}[h.kind]
     assert s.num_keys() == base
     for k in ("key", "key0", "key1", "key2", "key3"):
         s.set(k, "v")
@@ -677,14 +683,19 @@ def test_file_store_bad_arguments(tmp_path) -> None:
 
 # ---- across processes -------------------------------------------------------------------------
 
-XKINDS = ["tcp", "file", "prefix_tcp"]
+XKINDS = ["tcp", "file", "prefix_tcp", "etcd"]
 
 
 @pytest.fixture(params=XKINDS)
 def shared(request, tmp_path) -> Iterator[tuple[Store, dict]]:
     """A store in this process and the JSON spec a worker process uses to open the same one."""
     kind = request.param
-    if kind == "file":
+    if kind == "etcd":
+        url = request.getfixturevalue("etcd1").url(f"x/{os.urandom(6).hex()}")
+        s = plugdist.open_store(url, timedelta(seconds=30))
+        spec = {"kind": "url", "url": url}
+        closers = [s]
+    elif kind == "file":
         path = str(tmp_path / "xproc.log")
         s: Store = FileStore(path, -1, timeout=timedelta(seconds=30))
         spec: dict = {"kind": "file", "path": path}

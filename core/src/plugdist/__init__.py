@@ -83,7 +83,7 @@ from .process_group import Capabilities, GroupOptions, ProcessGroup
 from .reduce_op import ReduceOp, reduce_op
 from .registry import Backend
 from .resilience import get_failed_ranks, grow_group, shrink_group
-from .store import FileStore, HashStore, PrefixStore, Store, TCPStore
+from .store import FileStore, HashStore, PrefixStore, Store, TCPStore, open_store
 from .work import Work
 
 __version__ = "0.1.0"
@@ -105,7 +105,7 @@ __all__ = [
     "Backend", "Capabilities", "DebugLevel", "DistBackendError", "DistError", "DistNetworkError",
     "DistStoreError", "DistTimeoutError", "QueueEmptyError", "FileStore", "GroupMember",
     "GroupOptions", "HashStore",
-    "P2POp", "PrefixStore", "ProcessGroup", "ReduceOp", "Store", "TCPStore", "Work",
+    "P2POp", "PrefixStore", "ProcessGroup", "ReduceOp", "Store", "TCPStore", "Work", "open_store",
     "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object",
     "all_gather_single", "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single",
     "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list",

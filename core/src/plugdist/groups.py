@@ -20,7 +20,8 @@ from .debug_level import DebugLevel, get_debug_level
 from .errors import DistError, DistTimeoutError, timed_out, where
 from .log import get_logger
 from .process_group import DEFAULT_TIMEOUT, GroupOptions, ProcessGroup
-from .registry import BACKENDS, RENDEZVOUS, Backend, PluginNotFoundError, registry
+from .registry import BACKENDS, RENDEZVOUS, STORES, Backend, PluginNotFoundError, registry
+from .rendezvous import store_rendezvous_handler
 from .store import PrefixStore, Store
 from .world import GroupInfo, NotInitializedError, world
 
@@ -183,12 +184,16 @@ def init_world(backend: str | None = None, init_method: str | None = None,
         if not scheme:
             raise ValueError(f"init_method {url!r} has no scheme; use env://, tcp://HOST:PORT or "
                              f"file:///PATH (registered: {', '.join(registry.names(RENDEZVOUS))})")
-        try:
+        if scheme in registry.names(RENDEZVOUS):
             handler = registry.load(RENDEZVOUS, scheme)
-        except PluginNotFoundError as err:
-            raise ValueError(f"init_method {url!r}: no rendezvous handler for scheme "
+        elif scheme in registry.names(STORES):   # any store URL is a rendezvous too
+            handler = store_rendezvous_handler
+        else:
+            known = sorted(set(registry.names(RENDEZVOUS)) | set(registry.names(STORES)))
+            raise ValueError(f"init_method {url!r}: no rendezvous handler or store for scheme "
                              f"{scheme + '://'!r}; registered: "
-                             f"{', '.join(s + '://' for s in registry.names(RENDEZVOUS))}") from err
+                             f"{', '.join(s + '://' for s in known)}; a store scheme comes with "
+                             f"its plugin (e.g. pip install plugdist-{scheme})")
         store, rank, world_size = handler(url, rank=rank, world_size=world_size, timeout=timeout)
         owned = True
     store.set_timeout(timeout)

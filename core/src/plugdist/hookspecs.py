@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from .debug_level import DebugLevel
     from .process_group import ProcessGroup
-    from .store import Store
+    from .store.api import Store
 
 PROJECT = "plugdist"
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -22,16 +22,18 @@ import pluggy
 from . import debug_level, hookspecs
 from .errors import DistError
 
-__all__ = ["Registry", "registry", "PluginInfo", "GROUPS", "Backend", "PluginNotFoundError"]
+__all__ = ["Registry", "registry", "PluginInfo", "GROUPS", "Backend", "PluginNotFoundError",
+           "BACKENDS", "STORES"]
 
 BACKENDS = "plugdist.backends"
+STORES = "plugdist.stores"
 RENDEZVOUS = "plugdist.rendezvous"
 REDUCERS = "plugdist.reducers"
 COMM_HOOKS = "plugdist.comm_hooks"
 PLUGINS = "plugdist.plugins"
-GROUPS = (BACKENDS, RENDEZVOUS, REDUCERS, COMM_HOOKS, PLUGINS)
+GROUPS = (BACKENDS, STORES, RENDEZVOUS, REDUCERS, COMM_HOOKS, PLUGINS)
 
-_KIND = {BACKENDS: "backend", RENDEZVOUS: "rendezvous scheme", REDUCERS: "reducer",
+_KIND = {BACKENDS: "backend", STORES: "store", RENDEZVOUS: "rendezvous scheme", REDUCERS: "reducer",
          COMM_HOOKS: "comm hook", PLUGINS: "plugin"}
 
 
@@ -112,7 +114,7 @@ class Registry:
                 f"{self._errors[key]}\nreinstall it or fix the error above (working ones: "
                 f"{available or 'none'})")
         hint = ("; to get it, install the distribution that provides it "
-                f"(e.g. pip install plugdist-{name})") if group == BACKENDS else ""
+                f"(e.g. pip install plugdist-{name})") if group in (BACKENDS, STORES) else ""
         raise PluginNotFoundError(f"no {_KIND[group]} named {name!r} (entry-point group {group}); "
                                   f"installed: {available or 'none'}{hint}")
 

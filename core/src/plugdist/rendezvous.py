@@ -15,11 +15,11 @@ from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
 from .errors import DistError
-from .store import FileStore, PrefixStore, Store, TCPStore, TorchStoreAdapter
+from .store import PrefixStore, Store, TCPStore, TorchStoreAdapter, open_store
 
 __all__ = ["env_rendezvous_handler", "tcp_rendezvous_handler", "file_rendezvous_handler",
-           "RendezvousError", "RendezvousHandler", "slurm_first_host", "adopt_launcher_env",
-           "join_store"]
+           "store_rendezvous_handler", "RendezvousError", "RendezvousHandler",
+           "slurm_first_host", "adopt_launcher_env", "join_store"]
 
 RendezvousHandler = Callable[..., tuple[Store, int, int]]
 
@@ -98,15 +98,21 @@ def _tcp_store(host: str, port: int, rank: int, world_size: int, timeout: timede
 def _agent_store(world_size: int, timeout: timedelta) -> Store | None:
     """The store of the launcher that started this process, as a client, or None.
 
-    plugdist-run announces its own (a plugdist TCPStore) in ``PLUGDIST_AGENT_STORE``; torchrun
+    plugdist-run announces its own in ``PLUGDIST_AGENT_STORE``: HOST:PORT of a plugdist
+    TCPStore, or a store URL (``--rdzv-backend etcd``: ``etcd://...``) opened by
+    :func:`~plugdist.store.open_store`; torchrun
     sets ``TORCHELASTIC_USE_AGENT_STORE=True`` and serves a torch TCPStore at MASTER_ADDR:
     MASTER_PORT, reached through torch's client. Keys go under a prefix per round (per restart
     under torchrun), so a restarted world never reads the previous attempt's keys.
     """
     env = os.environ
     if env.get("PLUGDIST_AGENT_STORE"):
-        host, _, port = env["PLUGDIST_AGENT_STORE"].rpartition(":")
-        store: Store = TCPStore(host, int(port), None, is_master=False, timeout=timeout)
+        announced = env["PLUGDIST_AGENT_STORE"]
+        if "://" in announced:
+            store: Store = open_store(announced, timeout)
+        else:
+            host, _, port = announced.rpartition(":")
+            store = TCPStore(host, int(port), None, is_master=False, timeout=timeout)
         round_ = env.get("PLUGDIST_RDZV_ROUND", "0")
         return _OwningPrefixStore(f"plugdist/worker/round_{round_}", store)
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR") \
@@ -228,43 +234,51 @@ def _job_port() -> int:
     return 20000 + zlib.crc32(job.encode()) % 20000
 
 
+def store_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
+                             timeout: timedelta = timedelta(minutes=30)
+                             ) -> tuple[Store, int, int]:
+    """Any store URL (``tcp://``, ``file://``, ``etcd://``, a third party's scheme): rank and
+    world size from the arguments, the URL query (``?rank=R&world_size=N``) or RANK and
+    WORLD_SIZE in the environment; the store from :func:`~plugdist.store.open_store`."""
+    rank = _query_int(url, "rank", rank)
+    world_size = _query_int(url, "world_size", world_size)
+    if rank < 0 and "RANK" in os.environ:
+        rank = _parse_int("RANK", os.environ["RANK"])
+    if world_size < 0 and "WORLD_SIZE" in os.environ:
+        world_size = _parse_int("WORLD_SIZE", os.environ["WORLD_SIZE"])
+    if rank < 0 or world_size < 0:
+        scheme = urlparse(url).scheme
+        raise RendezvousError(f"init_method {url!r}: {scheme}:// needs rank= and world_size= (as "
+                              f"arguments of init_process_group, in the URL query, or RANK and "
+                              f"WORLD_SIZE in the environment)")
+    _check(rank, world_size, url)
+    return open_store(url, timeout, rank=rank, world_size=world_size), rank, world_size
+
+
 def tcp_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
                            timeout: timedelta = timedelta(minutes=30)) -> tuple[Store, int, int]:
     """``tcp://host:port[?rank=R&world_size=N]``: rank 0 serves the store on host:port."""
     parsed = urlparse(url)
     if not parsed.hostname or parsed.port is None:
         raise RendezvousError(f"init_method {url!r} must look like tcp://HOST:PORT")
-    rank = _query_int(url, "rank", rank)
-    world_size = _query_int(url, "world_size", world_size)
-    if rank < 0 or world_size < 0:
-        raise RendezvousError(f"init_method {url!r}: tcp:// needs rank= and world_size= (as "
-                              f"arguments of init_process_group or in the URL query)")
-    _check(rank, world_size, url)
-    return _tcp_store(parsed.hostname, parsed.port, rank, world_size, timeout), rank, world_size
+    return store_rendezvous_handler(url, rank, world_size, timeout)
 
 
 def file_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
                             timeout: timedelta = timedelta(minutes=30)) -> tuple[Store, int, int]:
     """``file:///path``: a FileStore on a file every rank can reach (shared file system)."""
     parsed = urlparse(url)
-    path = parsed.path if not parsed.netloc else f"//{parsed.netloc}{parsed.path}"
-    if not path:
+    if not (parsed.path or parsed.netloc):
         raise RendezvousError(f"init_method {url!r} must look like file:///absolute/path")
-    rank = _query_int(url, "rank", rank)
-    world_size = _query_int(url, "world_size", world_size)
-    if rank < 0 or world_size < 0:
-        raise RendezvousError(f"init_method {url!r}: file:// needs rank= and world_size=")
-    _check(rank, world_size, url)
-    store = FileStore(path, world_size)
-    store.set_timeout(timeout)
-    return store, rank, world_size
+    return store_rendezvous_handler(url, rank, world_size, timeout)
 
 
 def join_store(url: str | None, timeout: timedelta) -> Store:
     """The running world's store, for a process that joins it (``init_process_group(join=True)``):
     the launcher's store under plugdist-run, else a client of the store at ``tcp://HOST:PORT``
     or ``env://`` (MASTER_ADDR, MASTER_PORT; RANK and WORLD_SIZE are not needed: the members
-    assign them), or the file of ``file://PATH``. Blocks until the store is reachable."""
+    assign them), or any store URL (``file:///PATH``, ``etcd://...``). Blocks until the store
+    is reachable."""
     url = url or "env://"
     parsed = urlparse(url)
     if parsed.scheme == "env":
@@ -276,11 +290,6 @@ def join_store(url: str | None, timeout: timedelta) -> Store:
             raise RendezvousError("init_process_group(join=True) with env:// needs MASTER_ADDR "
                                   "and MASTER_PORT: the address of the running world's store")
         return TCPStore(host, int(port_text), None, is_master=False, timeout=timeout)
-    if parsed.scheme == "tcp":
-        if not parsed.hostname or not parsed.port:
-            raise RendezvousError(f"init_method {url!r} needs tcp://HOST:PORT")
-        return TCPStore(parsed.hostname, parsed.port, None, is_master=False, timeout=timeout)
-    if parsed.scheme == "file":
-        return FileStore(parsed.path, -1, timeout=timeout)
-    raise RendezvousError(f"init_process_group(join=True): init_method {url!r} is not one a "
-                          f"joiner can use; use env://, tcp://HOST:PORT or file://PATH")
+    # any store URL (tcp://HOST:PORT, file:///PATH, etcd://...): a client of it; rank -1 hosts
+    # nothing
+    return open_store(url, timeout)

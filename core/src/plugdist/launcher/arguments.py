@@ -73,9 +73,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str], list[str]]:
              f"{DEFAULT_MASTER_PORT} on several)")
     opt("--standalone", action="store_true",
         help="one node: a private store on 127.0.0.1 at a free port and a random run id")
-    opt("--rdzv-backend", default="static", metavar="static|c10d",
+    opt("--rdzv-backend", default="static", metavar="static|c10d|STORE",
         help="static: fixed --nnodes and node 0 at --master-addr; c10d: nodes meet at "
-             "--rdzv-endpoint, ranks assigned there (default static)")
+             "--rdzv-endpoint, ranks assigned there; an installed store scheme (etcd with "
+             "plugdist-etcd): as c10d, through that store at --rdzv-endpoint, which is then "
+             "the workers' store too (default static)")
     opt("--rdzv-endpoint", default="", metavar="HOST:PORT",
         help="c10d: where the rendezvous store is; the first launcher that can bind it serves it")
     opt("--rdzv-id", "--run-id", default=None, metavar="ID",
@@ -253,10 +255,17 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
 def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     if ns.rdzv_backend not in ("static", "c10d"):
-        raise ValueError(f"--rdzv-backend {ns.rdzv_backend!r}: plugdist-run's rendezvous "
-                         "backends are static and c10d (torchrun's etcd and etcd-v2 are not "
-                         "offered); c10d takes the same --rdzv-endpoint and needs no etcd "
-                         "server")
+        from ..registry import STORES, registry
+        schemes = registry.names(STORES)
+        if ns.rdzv_backend not in schemes:
+            raise ValueError(f"--rdzv-backend {ns.rdzv_backend!r}: plugdist-run's rendezvous "
+                             f"backends are static, c10d and every installed store scheme "
+                             f"({', '.join(schemes)}); torchrun's etcd-v2 is not offered: "
+                             f"pip install plugdist-etcd for --rdzv-backend etcd (v3 API), or "
+                             f"use c10d, which needs no server")
+        if not ns.rdzv_endpoint:
+            raise ValueError(f"--rdzv-backend {ns.rdzv_backend} needs --rdzv-endpoint (the "
+                             f"store's address, e.g. HOST:PORT,HOST:PORT for etcd)")
     backend, endpoint = ns.rdzv_backend, ns.rdzv_endpoint
     master_addr, master_port, node_rank = ns.master_addr, ns.master_port, ns.node_rank
     if ns.standalone:
@@ -276,7 +285,7 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
             node_rank = 0   # torchrun's default; two nodes claiming 0 fail at rendezvous
         if max_nodes > 1 and master_port is None:
             master_port = DEFAULT_MASTER_PORT
-    elif endpoint:
+    elif endpoint and backend == "c10d":
         host, sep, port = endpoint.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
             raise ValueError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT")

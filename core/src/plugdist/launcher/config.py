@@ -193,8 +193,9 @@ class LaunchConfig:
                              f"{self.max_nodes}, got {self.node_rank}")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError(f"--master-port must be in [1, 65535], got {self.master_port}")
-        if self.rdzv_backend not in ("static", "c10d"):
-            raise ValueError(f"--rdzv-backend must be static or c10d, got {self.rdzv_backend!r}")
+        if self.rdzv_backend not in ("static", "c10d") and not self.rdzv_endpoint:
+            raise ValueError(f"--rdzv-backend {self.rdzv_backend} (a store scheme) needs "
+                             f"--rdzv-endpoint")
         if self.rdzv_backend == "static" and self.min_nodes != self.max_nodes:
             raise ValueError(f"--nnodes {self.min_nodes}:{self.max_nodes} needs "
                              f"--rdzv-backend c10d (the static backend has a fixed node count)")

@@ -76,7 +76,7 @@ class Assignment:
     restart_count: int
     master_addr: str
     master_port: int
-    agent_store: str            # host:port of the launchers' store, for the workers
+    agent_store: str            # host:port of the launchers' store, or its URL, for the workers
     hosts: tuple[str, ...]      # host name of each node rank
 
     def host_of(self, node_rank: int) -> str:
@@ -134,6 +134,7 @@ class StoreRendezvous:
         self._seen: dict[int, tuple[int, float]] = {}
         self._last_joiner_check = 0.0
         self._left: set[int] = set()
+        self.store_url = ""   # set when a store plugin serves the rendezvous
         self.store = self._open_store()
         self.prefix = f"plugdist/rdzv/{cfg.run_id}/"
         if cfg.local_addr:
@@ -148,6 +149,8 @@ class StoreRendezvous:
         from ..store import TCPStore  # deferred: plugdist.store costs ~0.1 s to import
         cfg = self.cfg
         timeout = self.opts.read_timeout
+        if cfg.rdzv_backend not in ("static", "c10d"):
+            return self._open_store_url()
         if cfg.rdzv_backend == "c10d":
             host, port = _split_endpoint(cfg.rdzv_endpoint)
             serve = port == 0 or _can_bind(host, port)
@@ -208,6 +211,27 @@ class StoreRendezvous:
         self.store_port = port
         return store
 
+    def _open_store_url(self) -> Any:
+        """``--rdzv-backend SCHEME``: the store that the scheme's plugin opens at
+        ``SCHEME://ENDPOINT/plugdist/RUN_ID``; no launcher hosts it."""
+        from ..store import open_store
+        cfg = self.cfg
+        self.store_url = f"{cfg.rdzv_backend}://{cfg.rdzv_endpoint}/plugdist/{cfg.run_id}"
+        self.store_host, self.store_port = cfg.rdzv_endpoint, 0
+        deadline = time.monotonic() + self.opts.join_timeout.total_seconds()
+        while True:
+            self._check_interrupted()
+            left = deadline - time.monotonic()
+            try:
+                store = open_store(self.store_url, timedelta(seconds=max(min(left, 2.0), 0.01)))
+                store.set_timeout(self.opts.read_timeout)
+                return store
+            except DistNetworkError as exc:
+                if time.monotonic() >= deadline:
+                    raise RendezvousError(
+                        f"could not reach the {cfg.rdzv_backend} store at {cfg.rdzv_endpoint} "
+                        f"within {self.opts.join_timeout.total_seconds():.0f}s ({exc})") from exc
+
     def _check_interrupted(self) -> None:
         if self._interrupted():
             raise RendezvousInterrupted("interrupted by a signal while waiting for the other "
@@ -215,6 +239,8 @@ class StoreRendezvous:
 
     @property
     def endpoint(self) -> str:
+        if self.store_url:
+            return self.store_host
         return f"{self.store_host}:{self.store_port}"
 
     def _k(self, rnd: int, key: str) -> str:
@@ -334,8 +360,9 @@ class StoreRendezvous:
         self._op(store.wait, [master_key], self.opts.read_timeout)
         master_addr, master_port = _split_endpoint(self._op(store.get, master_key).decode())
         hosts = tuple(nodes[i]["host"] for i in order)
-        agent_store = self.endpoint if self.store_host not in ("", "0.0.0.0") else \
-            f"127.0.0.1:{self.store_port}"
+        agent_store = self.store_url or (
+            self.endpoint if self.store_host not in ("", "0.0.0.0") else
+            f"127.0.0.1:{self.store_port}")
         a = Assignment(round=rnd, node_rank=node_rank, nnodes=count, rank_offset=offset,
                        local_world_size=self.cfg.nproc_per_node, world_size=world,
                        restart_count=restart_count, master_addr=master_addr,

@@ -1,4 +1,5 @@
-"""Key-value stores: the interface and the four implementations shipped with the core."""
+"""Key-value stores: the interface, the four implementations shipped with the core, and
+``open_store(url)`` for any store installed through the ``plugdist.stores`` entry points."""
 
 from ..errors import QueueEmptyError
 from ._tcp_server import TCPStoreLimits
@@ -8,6 +9,8 @@ from .hash_store import HashStore
 from .prefix_store import PrefixStore
 from .tcp_store import TOKEN_ENV, TCPStore
 from .torch_store import TorchStoreAdapter
+from .urls import open_store, store_schemes
 
 __all__ = ["Store", "TCPStore", "FileStore", "HashStore", "PrefixStore", "DEFAULT_STORE_TIMEOUT",
-           "TCPStoreLimits", "QueueEmptyError", "TOKEN_ENV", "TorchStoreAdapter"]
+           "TCPStoreLimits", "QueueEmptyError", "TOKEN_ENV", "TorchStoreAdapter", "open_store",
+           "store_schemes"]

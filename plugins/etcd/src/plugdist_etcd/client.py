@@ -1,0 +1,257 @@
+"""A small etcd v3 client over etcd's JSON gateway (``/v3/...`` on every client port), on urllib3.
+
+One :class:`EtcdClient` talks to several endpoints of one cluster: it sticks to the one that
+answered last and, when a request fails in a way that says "not this member now" (connection
+refused or reset, etcd's Unavailable, a member without a leader), moves to the next, until the
+request's deadline. Whether the failed attempt was applied is unknown then: callers make their
+writes safe to repeat (see :mod:`plugdist_etcd.store`). Credentials (password, auth token) never
+appear in a message, a repr or a log event.
+
+Thread-safe: urllib3's pools are, and the rest is guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import urllib3
+from plugdist.errors import DistNetworkError, DistStoreError
+from plugdist.log import get_logger
+
+__all__ = ["EtcdClient", "EtcdError", "EtcdUnavailableError", "TLSConfig", "b64", "unb64",
+           "prefix_end"]
+
+# An attempt on one member waits this long for an answer (twice as long after _SHORT_TRIES timed
+# out: a cluster that is merely slow still gets its time). Short, because a request a member
+# forwarded to a leader that just died is never answered, while the same request sent again
+# once a new leader is elected (1-2 s with etcd's defaults) is; repeating is safe (see
+# plugdist_etcd.store).
+_ATTEMPT_READ = 0.25
+_SHORT_TRIES = 8
+_BYTES_PER_S = 50e6  # a large value gets time to travel and be written on top of that
+_CONNECT = 1.0
+_RETRYABLE_CODES = {4, 14}  # DeadlineExceeded ("request timed out"), Unavailable (no leader, ...)
+_AUTH_CODES = {16}          # Unauthenticated
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def unb64(text: str | None) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The range end that selects every key starting with ``prefix``."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\x00"
+
+
+class EtcdError(DistStoreError):
+    """etcd refused a request (its gRPC code and message are kept)."""
+
+    def __init__(self, message: str, code: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EtcdUnavailableError(DistStoreError, DistNetworkError):
+    """No endpoint of the cluster answered before the request's deadline."""
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """TLS as etcd clients take it: a CA bundle, and a client certificate and key for etcd's
+    ``--client-cert-auth``."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+
+@dataclass
+class _Attempt:
+    errors: list[str] = field(default_factory=list)
+
+
+class EtcdClient:
+    """Requests to the cluster at ``endpoints`` (``http://host:port`` or ``https://...``)."""
+
+    def __init__(self, endpoints: list[str], *, user: str | None = None,
+                 password: str | None = None, tls: TLSConfig | None = None,
+                 pool_size: int = 8) -> None:
+        if not endpoints:
+            raise ValueError("an etcd client needs at least one endpoint")
+        self.endpoints = list(endpoints)
+        self._user = user
+        self._password = password
+        self._token: str | None = None
+        self._lock = threading.Lock()
+        self._current = 0
+        kw: dict[str, Any] = {}
+        if tls is not None:
+            kw = {"cert_reqs": "CERT_REQUIRED" if tls.ca_file else "CERT_NONE",
+                  "ca_certs": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file}
+        self._pool = urllib3.PoolManager(num_pools=max(4, len(endpoints)), maxsize=pool_size,
+                                         retries=False, **kw)
+
+    def __repr__(self) -> str:
+        auth = f", user={self._user!r}" if self._user else ""
+        return f"EtcdClient({','.join(self.endpoints)}{auth})"
+
+    def describe(self) -> str:
+        """The endpoints, for error messages (never credentials)."""
+        return ",".join(self.endpoints)
+
+    def close(self) -> None:
+        self._pool.clear()
+
+    # -- unary requests ---------------------------------------------------------------------
+    def call(self, path: str, body: dict[str, Any], deadline: float, what: str, *,
+             auth: bool = True) -> dict[str, Any]:
+        """POST ``body`` to ``/v3/<path>``, failing over between endpoints until ``deadline``
+        (a ``time.monotonic()`` value). Raises :class:`EtcdError` for a refusal by etcd and
+        :class:`EtcdUnavailableError` when no endpoint answered in time."""
+        payload = json.dumps(body).encode()
+        attempt = _Attempt()
+        tried = timed_out = 0
+        while True:
+            index = self._current
+            endpoint = self.endpoints[index]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._unavailable(what, attempt)
+            read = (_ATTEMPT_READ + len(payload) / _BYTES_PER_S) * 2 ** max(
+                timed_out - _SHORT_TRIES, 0)
+            try:
+                resp = self._pool.request(
+                    "POST", f"{endpoint}/v3/{path}", body=payload, headers=self._headers(auth),
+                    timeout=urllib3.Timeout(connect=min(_CONNECT, left), read=min(read, left)))
+            except urllib3.exceptions.HTTPError as err:
+                timed_out += isinstance(err, urllib3.exceptions.ReadTimeoutError)
+                attempt.errors.append(f"{endpoint}: {type(err).__name__}: {err}")
+            else:
+                data = _json(resp.data)
+                if resp.status == 200:
+                    self._current = index
+                    return data
+                code = int(data.get("code", 0))
+                message = str(data.get("message") or data.get("error") or resp.status)
+                if code in _AUTH_CODES or "invalid auth token" in message:
+                    if self._user and auth:
+                        self._authenticate(deadline)
+                        continue
+                if code == 8:  # ResourceExhausted: larger than the server takes
+                    message += ("; etcd takes requests up to its --max-request-bytes (1.5 MiB "
+                                "by default): raise it on every member, or store less per key")
+                if code not in _RETRYABLE_CODES and "leader" not in message:
+                    raise EtcdError(f"etcd at {endpoint} refused {what}: {message} (code {code})",
+                                    code)
+                attempt.errors.append(f"{endpoint}: {message}")
+            with self._lock:
+                if self._current == index:
+                    self._current = (index + 1) % len(self.endpoints)
+            # endpoints never carry credentials (parse_etcd_url keeps them apart)
+            get_logger(store="etcd").info("etcd_endpoint_failed", op=what, endpoint=endpoint,
+                                          error=attempt.errors[-1][-200:])
+            tried += 1
+            if tried % len(self.endpoints) == 0:  # every member failed once: let etcd settle
+                time.sleep(min(0.05 * (tried // len(self.endpoints)), 0.25,
+                               max(deadline - time.monotonic(), 0)))
+
+    def _unavailable(self, what: str, attempt: _Attempt) -> EtcdUnavailableError:
+        last = "; ".join(attempt.errors[-len(self.endpoints):]) or "no attempt in time"
+        return EtcdUnavailableError(
+            f"etcd store: {what} failed: no etcd endpoint of {self.describe()} answered in time "
+            f"(last errors: {last}); check that the etcd cluster is running and reachable, or "
+            f"raise the store timeout")
+
+    def _headers(self, auth: bool = True) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if not auth:
+            return headers
+        if self._user and self._token is None:
+            self._authenticate(time.monotonic() + 10)
+        if self._token:
+            headers["Authorization"] = self._token
+        return headers
+
+    def _authenticate(self, deadline: float) -> None:
+        self._token = None
+        try:
+            data = self.call("auth/authenticate", {"name": self._user, "password": self._password},
+                             deadline, "authenticate", auth=False)
+        except EtcdError as err:
+            raise EtcdError(f"etcd refused the user {self._user!r} on {self.describe()}: "
+                            f"{str(err).split(': ', 2)[-1]}", err.code) from None
+        self._token = str(data.get("token", ""))
+
+    # -- watches ------------------------------------------------------------------------------
+    def watch(self, creates: list[dict[str, Any]], deadline: float) -> Iterator[dict[str, Any]]:
+        """Open one watch stream with several watchers; yields each response's ``result``
+        until the stream ends (a member went away: the caller re-checks and watches again) or
+        ``deadline`` passes (returns quietly). Raises EtcdUnavailableError only when no
+        endpoint accepts the stream."""
+        body = b"".join(json.dumps({"create_request": c}).encode() for c in creates)
+        attempt = _Attempt()
+        while True:
+            index = self._current
+            endpoint = self.endpoints[index]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                resp = self._pool.request(
+                    "POST", f"{endpoint}/v3/watch", body=body, headers=self._headers(),
+                    preload_content=False,
+                    timeout=urllib3.Timeout(connect=min(_CONNECT, left), read=left))
+            except urllib3.exceptions.HTTPError as err:
+                attempt.errors.append(f"{endpoint}: {type(err).__name__}: {err}")
+                with self._lock:
+                    if self._current == index:
+                        self._current = (index + 1) % len(self.endpoints)
+                if len(attempt.errors) % len(self.endpoints) == 0:
+                    time.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
+                if len(attempt.errors) >= 3 * len(self.endpoints) and \
+                        time.monotonic() >= deadline:
+                    raise self._unavailable("watch", attempt) from None
+                continue
+            break
+        try:
+            buf = b""
+            for chunk in resp.stream(65536, decode_content=False):
+                buf += chunk
+                while b"\n" in buf:
+                    line, _, buf = buf.partition(b"\n")
+                    if line.strip():
+                        msg = _json(line)
+                        if "error" in msg and "result" not in msg:
+                            return  # e.g. a compacted revision: the caller re-checks
+                        yield msg.get("result", {})
+        except (urllib3.exceptions.HTTPError, OSError):
+            return  # timed out, or the member went away
+        finally:
+            try:
+                resp.close()
+            except OSError:
+                pass
+
+
+def _json(raw: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(raw or b"{}")
+    except ValueError:
+        return {"error": raw[:200].decode(errors="replace"), "code": 14}
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,93 @@
+"""etcd leases kept alive by this process: the job lease that every key of a store is put with,
+so an etcd that outlives the job does not keep its keys.
+
+A :class:`Lease` is one lease and the thread that renews it (every third of its TTL). The same
+class is what a per-rank liveness lease would use: put ``<prefix>alive/<rank>`` with the rank's
+own short lease, and a watch on ``<prefix>alive/`` sees the DELETE when the process dies and
+stops renewing it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .client import EtcdClient, EtcdError
+
+__all__ = ["Lease", "acquire_shared", "release_shared"]
+
+
+class Lease:
+    """The lease ``lease_id`` (granted here when None) with a renewing thread. ``lost`` turns
+    true when etcd says the lease is gone (it expired: no renewal reached etcd for a TTL)."""
+
+    def __init__(self, client: EtcdClient, ttl: float, lease_id: int | None = None) -> None:
+        self.client = client
+        self.ttl = max(int(ttl), 1)
+        if lease_id is None:
+            data = client.call("lease/grant", {"TTL": self.ttl}, time.monotonic() + 30,
+                               "lease grant")
+            lease_id = int(data["ID"])
+        self.id = lease_id
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Lease:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._renew, name=f"etcd-lease-{self.id:x}",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def _renew(self) -> None:
+        period = self.ttl / 3
+        while not self._stop.wait(period):
+            try:
+                data = self.client.call("lease/keepalive", {"ID": str(self.id)},
+                                        time.monotonic() + period, "lease keepalive")
+            except EtcdError:
+                continue  # the cluster is down for now; the next beat tries again
+            if int(data.get("result", {}).get("TTL", 0) or 0) <= 0:
+                self.lost = True
+                return
+
+    def stop(self) -> None:
+        """Stop renewing (the lease then expires after its TTL)."""
+        self._stop.set()
+
+    def revoke(self) -> None:
+        """Stop renewing and end the lease now: etcd deletes every key put with it."""
+        self.stop()
+        try:
+            self.client.call("lease/revoke", {"ID": str(self.id)}, time.monotonic() + 5,
+                             "lease revoke")
+        except EtcdError:
+            pass
+
+
+_SHARED: dict[tuple[tuple[str, ...], int], tuple[Lease, int]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def acquire_shared(client: EtcdClient, ttl: float, lease_id: int) -> Lease:
+    """One renewing :class:`Lease` per (cluster, lease) in this process, however many store
+    handles use it; pair with :func:`release_shared`."""
+    key = (tuple(client.endpoints), lease_id)
+    with _SHARED_LOCK:
+        lease, users = _SHARED.get(key, (None, 0))
+        if lease is None:
+            lease = Lease(client, ttl, lease_id).start()
+        _SHARED[key] = (lease, users + 1)
+        return lease
+
+
+def release_shared(lease: Lease) -> None:
+    key = (tuple(lease.client.endpoints), lease.id)
+    with _SHARED_LOCK:
+        _, users = _SHARED.get(key, (lease, 1))
+        if users <= 1:
+            _SHARED.pop(key, None)
+            lease.stop()
+        else:
+            _SHARED[key] = (lease, users - 1)

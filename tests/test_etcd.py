@@ -1,0 +1,288 @@
+"""plugdist-etcd against real etcd servers started by the tests: a 3-member cluster on loopback
+whose leader is SIGKILLed, a minority member killed and restarted, every member killed, while
+real processes use the store; a gloo job whose store is etcd survives the leader's death.
+
+The store conformance tests (every Store op) run on etcd in tests/test_stores.py; the launcher
+with --rdzv-backend etcd in tests/test_launcher.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.pool import ThreadPool
+
+import pytest
+
+pytest.importorskip("plugdist_etcd")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import plugdist  # noqa: E402
+from _store_workers import result, spawn, wait_ready  # noqa: E402
+from plugdist.errors import DistStoreError  # noqa: E402
+from plugdist_etcd import EtcdStore, EtcdUnavailableError, parse_etcd_url  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _heal(cluster) -> None:  # type: ignore[no-untyped-def]
+    for i in range(cluster.size):
+        if cluster.procs[i] is None:
+            cluster.restart(i)
+    cluster.wait_healthy(60)
+
+
+def _churn(cluster, during: Callable[[], None], nproc: int = 3) -> list[dict]:  # type: ignore[no-untyped-def]
+    """``nproc`` processes add and set in a loop while ``during()`` hurts the cluster; checks
+    that every add counted exactly once and every set is there. Returns each process's report."""
+    url = cluster.url(f"churn/{os.urandom(6).hex()}")
+    s = plugdist.open_store(url, timedelta(seconds=30))
+    procs = [spawn("churn", spec={"kind": "url", "url": url, "timeout": 30}, me=i, go="go",
+                   stop="stop") for i in range(nproc)]
+    try:
+        for p in procs:
+            wait_ready(p)
+        s.set("go", "1")
+        time.sleep(0.7)
+        during()
+        time.sleep(1.0)
+        s.set("stop", "1")
+        outs = [result(p, 90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        _heal(cluster)
+    assert [o["errors"] for o in outs] == [[]] * nproc
+    adds = sorted(v for o in outs for v in o["adds"])
+    assert len(adds) > 10 * nproc
+    assert adds == list(range(1, len(adds) + 1)), "an add was lost or applied twice"
+    assert s.get("counter") == str(len(adds)).encode()
+    for i, o in enumerate(outs):
+        got = s.multi_get([f"w{i}/{n}" for n in range(o["sets"])])
+        assert len(got) == o["sets"]  # no key lost
+    s.close()
+    return outs
+
+
+@pytest.mark.timeout(180)
+def test_leader_sigkill_loses_nothing_and_stalls_briefly(etcd3) -> None:  # type: ignore[no-untyped-def]
+    killed: list[float] = []
+
+    def kill_leader() -> None:
+        killed.append(time.time())
+        etcd3.kill(etcd3.leader())
+
+    outs = _churn(etcd3, kill_leader)
+    stalls = [o["longest"] for o in outs]
+    print(f"longest op per process across the leader's SIGKILL: {stalls}")
+    # etcd elects a new leader in about a second (its defaults); a stall of several seconds
+    # would mean the client waited out a dead member instead of moving on
+    assert max(stalls) < 5.0, stalls
+
+
+@pytest.mark.timeout(180)
+def test_minority_member_killed_and_restarted_goes_unnoticed(etcd3) -> None:  # type: ignore[no-untyped-def]
+    def bounce_follower() -> None:
+        follower = (etcd3.leader() + 1) % etcd3.size
+        etcd3.kill(follower)
+        time.sleep(0.5)
+        etcd3.restart(follower)
+
+    outs = _churn(etcd3, bounce_follower)
+    stalls = [o["longest"] for o in outs]
+    print(f"longest op per process across a follower's restart: {stalls}")
+    assert max(stalls) < 3.0, stalls
+
+
+@pytest.mark.timeout(180)
+def test_every_member_down_fails_each_pending_op_in_time(etcd3) -> None:  # type: ignore[no-untyped-def]
+    limit = 2.0
+    s = EtcdStore(etcd3.endpoints, f"down/{os.urandom(6).hex()}", timedelta(seconds=limit))
+    s.set("kept", "1")
+    s.set("text", "a")
+    ops = {"set": lambda: s.set("x", "1"), "get": lambda: s.get("never"),
+           "add": lambda: s.add("n", 1), "wait": lambda: s.wait(["never"]),
+           "compare_set": lambda: s.compare_set("text", "a", "b"),
+           "num_keys": s.num_keys, "queue_pop": lambda: s.queue_pop("q"),
+           "append": lambda: s.append("text", "z")}
+    outcome: dict[str, tuple[BaseException | None, float]] = {}
+
+    def run(name: str, fn: Callable[[], object]) -> None:
+        t0 = time.monotonic()
+        try:
+            fn()
+            outcome[name] = (None, time.monotonic() - t0)
+        except BaseException as err:  # noqa: BLE001
+            outcome[name] = (err, time.monotonic() - t0)
+
+    try:
+        threads = [threading.Thread(target=run, args=(n, f)) for n, f in ops.items()
+                   if n in ("get", "wait", "queue_pop")]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # the blocking ones are parked in watches now
+        for i in range(etcd3.size):
+            etcd3.kill(i)
+        threads += [threading.Thread(target=run, args=(n, f)) for n, f in ops.items()
+                    if n not in ("get", "wait", "queue_pop")]
+        for t in threads[3:]:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        _heal(etcd3)
+    for name, (err, took) in outcome.items():
+        assert isinstance(err, EtcdUnavailableError) and isinstance(err, DistStoreError), \
+            (name, err)
+        assert all(e in str(err) for e in etcd3.endpoints), str(err)
+        assert "no etcd endpoint" in str(err)
+        assert took < limit + 2.0, (name, took)
+    assert s.get("kept") == b"1"  # the data survived; the store works again
+    s.close()
+
+
+@pytest.mark.timeout(240)
+def test_gloo_job_survives_the_leader_sigkill(etcd3) -> None:  # type: ignore[no-untyped-def]
+    url = etcd3.url(f"job/{os.urandom(6).hex()}")
+    ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "_etcd_job.py"), url, str(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        for p in ranks:
+            wait_ready(p)
+        time.sleep(1.0)
+        etcd3.kill(etcd3.leader())
+        time.sleep(2.0)
+        plugdist.open_store(url, timedelta(seconds=30)).set("stop", "1")
+        outs = [result(p, 120) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+        _heal(etcd3)
+    assert outs[0]["steps"] == outs[1]["steps"] > 1
+    assert [o["bad"] for o in outs] == [0, 0]
+    s = plugdist.open_store(url, timedelta(seconds=30))
+    assert s.get("steps") == str(2 * outs[0]["steps"]).encode()
+    s.close()
+
+
+def test_url_parsing_keeps_credentials_out_of_reprs(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    u = parse_etcd_url("etcd://alice:s3cret@h1:2379,h2/jobs/j1?ttl=5")
+    assert u.endpoints == ("http://h1:2379", "http://h2:2379") and u.prefix == "jobs/j1"
+    assert u.user == "alice" and u.password == "s3cret" and u.ttl == 5
+    assert "s3cret" not in repr(u)
+    monkeypatch.setenv("ETCDCTL_USER", "bob:pw")
+    monkeypatch.setenv("ETCDCTL_CACERT", "/ca.pem")
+    u = parse_etcd_url("etcd://h1:1")
+    assert (u.user, u.password, u.prefix) == ("bob", "pw", "plugdist")
+    assert u.tls is not None and u.tls.ca_file == "/ca.pem" and u.endpoints == ("https://h1:1",)
+
+
+@pytest.mark.timeout(60)
+def test_user_and_password_auth(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """etcd with authentication on (its own member: enabling auth is cluster-wide): the store
+    logs in with the URL's user, and a wrong password is refused without being shown."""
+    from plugdist_etcd import EtcdClient
+    from plugdist_etcd.testing import EtcdCluster
+    with EtcdCluster(1, str(tmp_path)) as cluster:
+        admin = EtcdClient([f"http://{cluster.endpoints[0]}"])
+        deadline = time.monotonic() + 10
+        admin.call("auth/user/add", {"name": "root", "password": "rootpw"}, deadline, "setup")
+        admin.call("auth/user/grant", {"user": "root", "role": "root"}, deadline, "setup")
+        admin.call("auth/enable", {}, deadline, "setup")
+        s = plugdist.open_store(f"etcd://root:rootpw@{cluster.endpoints[0]}/auth",
+                                timedelta(seconds=10))
+        s.set("k", "v")
+        assert s.add("n", 2) == 2 and s.get("k") == b"v"
+        assert "rootpw" not in repr(s)
+        s.close()
+        with pytest.raises(DistStoreError) as info:
+            plugdist.open_store(f"etcd://root:wrong@{cluster.endpoints[0]}/auth",
+                                timedelta(seconds=5)).set("k", "v")
+        assert "wrong" not in str(info.value) and "root" in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_add_under_contention_counts_each_once(etcd1) -> None:  # type: ignore[no-untyped-def]
+    """Many handles adding to one counter at once take the contention-free path (increments as
+    keys, summed in the same transaction, folded later): each result is distinct and dense, and
+    get, set, compare_set and append see the counter's sum."""
+    url = etcd1.url(f"contend/{os.urandom(6).hex()}")
+    nthreads, times = 24, 15
+    seen: list[int] = []
+    lock = threading.Lock()
+    start = threading.Barrier(nthreads)
+
+    def adder() -> None:
+        s = plugdist.open_store(url, timedelta(seconds=60))
+        start.wait()
+        got = [s.add("counter", 1) for _ in range(times)]
+        with lock:
+            seen.extend(got)
+        s.close()
+
+    threads = [threading.Thread(target=adder) for _ in range(nthreads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    total = nthreads * times
+    assert sorted(seen) == list(range(1, total + 1))
+    s = plugdist.open_store(url, timedelta(seconds=10))
+    assert s.get("counter") == str(total).encode()
+    assert s.num_keys() == 1
+    assert s.compare_set("counter", str(total), "1000") == b"1000"
+    assert s.add("counter", 5) == 1005
+    # increments pending again, then set() replaces the whole counter
+    with ThreadPool(8) as pool:
+        pool.map(lambda _: plugdist.open_store(url, timedelta(seconds=30)).add("c2", 2), range(8))
+    assert s.get("c2") == b"16"
+    s.set("c2", "text")
+    assert s.get("c2") == b"text"
+    with pytest.raises(DistStoreError, match="not an integer"):
+        s.add("c2", 1)
+    assert s.get("c2") == b"text"
+    s.append("c2", "!")
+    assert s.get("c2") == b"text!"
+    s.close()
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+@pytest.mark.timeout(90)
+def test_tls_with_client_certificates(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """etcd serving https and asking for a client certificate (--client-cert-auth): the store
+    connects with the URL's CA, certificate and key; without a certificate it is refused."""
+    import shutil
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make certificates with")
+    from plugdist_etcd.testing import EtcdCluster
+    d = str(tmp_path)
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
+             "-keyout", f"{d}/ca.key", "-out", f"{d}/ca.pem")
+    with open(f"{d}/san.cnf", "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,"
+                "clientAuth\n")
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                 "-keyout", f"{d}/{name}.key", "-out", f"{d}/{name}.csr")
+        _openssl("x509", "-req", "-in", f"{d}/{name}.csr", "-CA", f"{d}/ca.pem", "-CAkey",
+                 f"{d}/ca.key", "-CAcreateserial", "-days", "1", "-extfile", f"{d}/san.cnf",
+                 "-out", f"{d}/{name}.pem")
+    cluster = EtcdCluster(1, f"{d}/data", client_tls=(f"{d}/server.pem", f"{d}/server.key",
+                                                       f"{d}/ca.pem"))
+    with cluster:
+        url = cluster.url("tls", cacert=f"{d}/ca.pem", cert=f"{d}/client.pem",
+                          key=f"{d}/client.key")
+        assert url.startswith("etcds://")
+        s = plugdist.open_store(url, timedelta(seconds=10))
+        s.set("k", "v")
+        assert s.get("k") == b"v" and s.add("n", 3) == 3
+        s.close()
+        with pytest.raises(DistStoreError, match="no etcd endpoint"):
+            plugdist.open_store(cluster.url("tls", cacert=f"{d}/ca.pem"), timedelta(seconds=2))
