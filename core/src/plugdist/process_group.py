@@ -42,9 +42,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import composition
+from . import composition, observe
 from .capabilities import ALL_REDUCE_OPS, Capabilities
 from .errors import DistTimeoutError, op_timeout, where
+from .log import lifecycle
 from .reduce_op import ReduceOp, check_reduce_op
 from .work import Work, completed_work
 
@@ -193,6 +194,8 @@ class ProcessGroup:
         worded as ``Work.wait``'s."""
         if seconds is None:
             seconds = self.timeout.total_seconds()
+        lifecycle("op_timeout", group=self.group_name, group_rank=self._rank,
+                  backend=self.backend_name, level="warning", op=op, timeout_s=seconds)
         return op_timeout(self.where(op), seconds)
 
     def __repr__(self) -> str:
@@ -311,6 +314,16 @@ class ProcessGroup:
         validating and planning as always, with a native op handed to the backend's
         ``native_blocking`` on this thread; the public op's Work."""
         lean = self._lean.get(op)
+        if lean is None and op not in self._blocking_ops:
+            getattr(self, op)(*args).wait()  # the public op, observed there
+        elif observe.active():
+            observe.run(self, op, args, lambda: self._run_blocking_unobserved(op, lean, args),
+                        started=True)
+        else:
+            self._run_blocking_unobserved(op, lean, args)
+
+    def _run_blocking_unobserved(self, op: str, lean: Callable[..., bool] | None,
+                                   args: tuple[Any, ...]) -> None:
         if lean is not None and lean(self, *args):
             return
         if op not in self._blocking_ops:
@@ -454,7 +467,20 @@ class ProcessGroup:
     def _run(self, op: str, sample: torch.Tensor, **kwargs: Any) -> Work:
         return self._dispatch(op, _device_type(sample), kwargs)
 
-    def _dispatch(self, op: str, device: str, kwargs: dict[str, Any]) -> Work:
+    def _dispatch(self, op: str, device: str, kwargs: dict[str, Any],
+                  gathering: bool = False) -> Work:
+        """Issue a validated op: the one path of every public op, observed here (profiler
+        event, flight-recorder entry: :mod:`plugdist.observe`) when someone watches."""
+        if observe.active():
+            return observe.run(
+                self, op, kwargs,
+                lambda: self._dispatch_unobserved(op, device, kwargs, gathering), started=True)
+        return self._dispatch_unobserved(op, device, kwargs, gathering)
+
+    def _dispatch_unobserved(self, op: str, device: str, kwargs: dict[str, Any],
+                             gathering: bool) -> Work:
+        if gathering:
+            return composition.reduce_by_gathering(self, self.capabilities(), op, device, kwargs)
         call = _waiting.call
         if call is not None and call[0] is self and call[1] == op:
             _waiting.call = None  # for this dispatch only, not the ops a composition issues
@@ -483,7 +509,7 @@ class ProcessGroup:
                 return result
 
             return work.then(divide)
-        return composition.reduce_by_gathering(self, caps, op_name, device, kwargs)
+        return self._dispatch(op_name, device, kwargs, gathering=True)
 
     # -- validation --------------------------------------------------------------------------
     def _check_tensor(self, op: str, tensor: Any, name: str = "tensor") -> None:

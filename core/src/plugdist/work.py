@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .errors import DistBackendError, DistError, DistTimeoutError, op_timeout, where
+from .log import lifecycle
 
 __all__ = ["Work", "completed_work", "failed_work"]
 
@@ -60,7 +61,10 @@ class Work:
 
     def set_exception(self, exc: BaseException) -> None:
         """Mark the op failed. Call once, from any thread."""
-        self._future.set_exception(self._with_context(exc))
+        err = self._with_context(exc)
+        lifecycle("op_failed", group=self.group, group_rank=self.rank, backend=self.backend,
+                  level="warning", op=self.op, error=str(err))
+        self._future.set_exception(err)
 
     # -- the user-facing contract ------------------------------------------------------------
     def wait(self, timeout: timedelta | float | None = None) -> bool:
@@ -85,6 +89,8 @@ class Work:
 
     def timeout_error(self, seconds: float | None) -> DistTimeoutError:
         """The error ``wait`` raises when the op is not done after ``seconds``."""
+        lifecycle("op_timeout", group=self.group, group_rank=self.rank, backend=self.backend,
+                  level="warning", op=self.op, timeout_s=seconds)
         return op_timeout(self._where(), seconds)
 
     def _seconds(self, timeout: timedelta | float | None) -> float | None:

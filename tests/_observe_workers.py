@@ -1,0 +1,160 @@
+"""Rank functions for tests/test_observe.py (module level, so run_world can import them).
+
+Each returns plain data (event names and shapes, dump paths, flags) that the test checks for every
+rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import plugdist as dist
+import torch
+from plugdist import ReduceOp
+
+PREFIX = "plugdist:"
+
+
+def _events(prof: Any) -> list[tuple[str, list[Any], list[Any]]]:
+    return [(e.name, [list(s) for s in e.input_shapes], list(e.input_dtypes))
+            for e in prof.events() if e.name.startswith(PREFIX)]
+
+
+def _every_op(rank: int, ws: int) -> list[str]:
+    """Every public op once through the frontend (sync), plus async ones; returns the op names
+    issued, in order."""
+    issued: list[str] = []
+
+    def did(op: str) -> None:
+        issued.append(op)
+
+    t = torch.ones(4, 2)
+    dist.all_reduce(t)
+    did("all_reduce")
+    dist.all_reduce(t, op=ReduceOp.AVG)
+    did("all_reduce")
+    dist.broadcast(t, src=0)
+    did("broadcast")
+    dist.reduce(t, dst=0)
+    did("reduce")
+    dist.all_gather([torch.empty(4, 2) for _ in range(ws)], t)
+    did("all_gather")
+    dist.all_gather_into_tensor(torch.empty(4 * ws, 2), t)
+    did("all_gather_into_tensor")
+    dist.gather(t, [torch.empty(4, 2) for _ in range(ws)] if rank == 0 else None, dst=0)
+    did("gather")
+    dist.scatter(t, [torch.ones(4, 2) for _ in range(ws)] if rank == 0 else None, src=0)
+    did("scatter")
+    dist.reduce_scatter(torch.empty(4, 2), [torch.ones(4, 2) for _ in range(ws)])
+    did("reduce_scatter")
+    dist.reduce_scatter_tensor(torch.empty(4, 2), torch.ones(4 * ws, 2))
+    did("reduce_scatter_tensor")
+    dist.all_to_all([torch.empty(3) for _ in range(ws)], [torch.ones(3) for _ in range(ws)])
+    did("all_to_all")
+    dist.all_to_all_single(torch.empty(2 * ws, 2), torch.ones(2 * ws, 2))
+    did("all_to_all_single")
+    dist.barrier()
+    did("barrier")
+    if rank == 0:
+        dist.send(torch.ones(5), dst=1)
+        did("send")
+    elif rank == 1:
+        dist.recv(torch.empty(5), src=0)
+        did("recv")
+    work = dist.all_reduce(torch.ones(6), async_op=True)
+    assert work is not None
+    work.wait()
+    did("all_reduce")
+    return issued
+
+
+def profiled_ops(rank: int, ws: int) -> dict[str, Any]:
+    """Every op under torch.profiler: the plugdist events seen, and what was issued."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        issued = _every_op(rank, ws)
+    bridged: list[tuple[str, list[Any], list[Any]]] = []
+    import torch.distributed as tdist
+
+    if tdist.is_initialized():
+        with torch.profiler.profile(record_shapes=True) as prof2:
+            x = torch.ones(3, 5)
+            tdist.all_reduce(x)
+            tdist.broadcast(x, src=0)
+            tdist.all_reduce(x, async_op=True).wait()
+        bridged = _events(prof2)
+    return {"events": _events(prof), "issued": issued, "bridged": bridged,
+            "backend": dist.get_backend()}
+
+
+def async_span(rank: int, ws: int) -> dict[str, Any]:
+    """An async op whose peer arrives late: its event spans issue to completion."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        if rank == 1:
+            time.sleep(0.3)
+        work = dist.all_reduce(torch.ones(8), async_op=True)
+        assert work is not None
+        work.wait()
+    spans = [e.time_range.elapsed_us() for e in prof.events()
+             if e.name.startswith(PREFIX) and "all_reduce" in e.name]
+    return {"spans_us": spans}
+
+
+# -- flight recorder ----------------------------------------------------------------------------
+def _warm(n: int) -> None:
+    t = torch.ones(16)
+    for _ in range(n):
+        dist.all_reduce(t)
+
+
+def hang(rank: int, ws: int, culprit: int, wait_s: float) -> dict[str, Any]:
+    """Every rank runs 3 all_reduces; then all but ``culprit`` run a 4th, which hangs until the
+    group's timeout; ``culprit`` waits until its peers asked it to dump. Returns the error each
+    rank saw and whether its dump file exists."""
+    _warm(3)
+    dist.broadcast(torch.ones(4), src=0)
+    err = None
+    if rank != culprit:
+        try:
+            dist.all_reduce(torch.ones(16))
+        except dist.DistError as e:
+            err = type(e).__name__
+    path = _dump_file(rank)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not os.path.exists(path):
+        time.sleep(0.1)
+    return {"error": err, "dumped": os.path.exists(path)}
+
+
+def mismatch(rank: int, ws: int, culprit: int, wait_s: float) -> dict[str, Any]:
+    """Every rank runs 3 all_reduces, then one whose size differs on ``culprit``."""
+    _warm(3)
+    err = None
+    try:
+        dist.all_reduce(torch.ones(32 if rank == culprit else 16))
+    except dist.DistError as e:
+        err = type(e).__name__
+    path = _dump_file(rank)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not os.path.exists(path):
+        time.sleep(0.1)
+    return {"error": err, "dumped": os.path.exists(path)}
+
+
+def clean(rank: int, ws: int) -> dict[str, Any]:
+    """A healthy run, dumped on request at the end."""
+    _warm(4)
+    dist.broadcast(torch.ones(4), src=0)
+    if ws > 1:
+        if rank == 0:
+            dist.send(torch.ones(3), dst=1)
+        elif rank == 1:
+            dist.recv(torch.empty(3), src=0)
+    dist.barrier()
+    path = dist.dump_flight_recorder()
+    return {"path": None if path is None else str(path)}
+
+
+def _dump_file(rank: int) -> str:
+    return f"{os.environ['TORCH_FR_DUMP_TEMP_FILE']}{rank}"
