@@ -7,6 +7,7 @@ rank.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -63,6 +64,8 @@ def _every_op(rank: int, ws: int) -> list[str]:
     elif rank == 1:
         dist.recv(torch.empty(5), src=0)
         did("recv")
+    if rank == 1:
+        time.sleep(0.3)  # rank 0's async all_reduce waits for it: its event must span that
     work = dist.all_reduce(torch.ones(6), async_op=True)
     assert work is not None
     work.wait()
@@ -84,21 +87,9 @@ def profiled_ops(rank: int, ws: int) -> dict[str, Any]:
             tdist.broadcast(x, src=0)
             tdist.all_reduce(x, async_op=True).wait()
         bridged = _events(prof2)
+    last = [e for e in prof.events() if e.name.startswith(PREFIX)][-1]
     return {"events": _events(prof), "issued": issued, "bridged": bridged,
-            "backend": dist.get_backend()}
-
-
-def async_span(rank: int, ws: int) -> dict[str, Any]:
-    """An async op whose peer arrives late: its event spans issue to completion."""
-    with torch.profiler.profile(record_shapes=True) as prof:
-        if rank == 1:
-            time.sleep(0.3)
-        work = dist.all_reduce(torch.ones(8), async_op=True)
-        assert work is not None
-        work.wait()
-    spans = [e.time_range.elapsed_us() for e in prof.events()
-             if e.name.startswith(PREFIX) and "all_reduce" in e.name]
-    return {"spans_us": spans}
+            "late_span_us": last.time_range.elapsed_us()}
 
 
 # -- flight recorder ----------------------------------------------------------------------------
@@ -128,13 +119,17 @@ def hang(rank: int, ws: int, culprit: int, wait_s: float) -> dict[str, Any]:
 
 
 def mismatch(rank: int, ws: int, culprit: int, wait_s: float) -> dict[str, Any]:
-    """Every rank runs 3 all_reduces, then one whose size differs on ``culprit``."""
+    """Every rank runs 3 all_reduces, then one whose size differs on ``culprit``. An error (the
+    DETAIL check's) dumps by itself; MPI runs the op regardless: then dump on request."""
     _warm(3)
     err = None
     try:
         dist.all_reduce(torch.ones(32 if rank == culprit else 16))
     except dist.DistError as e:
         err = type(e).__name__
+    if err is None:
+        dist.barrier()
+        dist.dump_flight_recorder()
     path = _dump_file(rank)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and not os.path.exists(path):
@@ -143,17 +138,19 @@ def mismatch(rank: int, ws: int, culprit: int, wait_s: float) -> dict[str, Any]:
 
 
 def clean(rank: int, ws: int) -> dict[str, Any]:
-    """A healthy run, dumped on request at the end."""
+    """A healthy run, dumped on a signal, then on request at the end."""
+    path = _dump_file(rank)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not os.path.exists(path):
+        time.sleep(0.05)
+    signal_dump = os.path.exists(path)
+    os.remove(path)
     _warm(4)
     dist.broadcast(torch.ones(4), src=0)
-    if ws > 1:
-        if rank == 0:
-            dist.send(torch.ones(3), dst=1)
-        elif rank == 1:
-            dist.recv(torch.empty(3), src=0)
     dist.barrier()
-    path = dist.dump_flight_recorder()
-    return {"path": None if path is None else str(path)}
+    written = dist.dump_flight_recorder()
+    return {"path": None if written is None else str(written), "signal_dump": signal_dump}
 
 
 def _dump_file(rank: int) -> str:

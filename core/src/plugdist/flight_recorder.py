@@ -227,7 +227,7 @@ class FlightRecorder:
         else:
             g.collectives += 1
         frames: list[tuple[Any, int]] = []
-        f: Any = sys._getframe(3)  # the caller of the public op (observe -> process_group -> caller)
+        f: Any = sys._getframe(3)  # the public op's caller (past observe, process_group)
         while f is not None and len(frames) < _FRAMES:
             frames.append((f.f_code, f.f_lineno))
             f = f.f_back
