@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import timedelta
 from typing import Any
 
 import plugdist as dist
@@ -93,22 +94,24 @@ def profiled_ops(rank: int, ws: int) -> dict[str, Any]:
 
 
 # -- flight recorder ----------------------------------------------------------------------------
-def _warm(n: int) -> None:
+def _warm(n: int, group: Any = None) -> None:
     t = torch.ones(16)
     for _ in range(n):
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
 
 
-def hang(rank: int, ws: int, culprit: int, wait_s: float) -> dict[str, Any]:
-    """Every rank runs 3 all_reduces; then all but ``culprit`` run a 4th, which hangs until the
-    group's timeout; ``culprit`` waits until its peers asked it to dump. Returns the error each
-    rank saw and whether its dump file exists."""
-    _warm(3)
-    dist.broadcast(torch.ones(4), src=0)
+def hang(rank: int, ws: int, culprit: int, wait_s: float, timeout_s: float) -> dict[str, Any]:
+    """On a group of every rank (timeout ``timeout_s``), every rank runs 3 all_reduces and a
+    broadcast; then all but ``culprit`` run one more all_reduce, which hangs until the group's
+    timeout; ``culprit`` waits until its peers asked it to dump. Returns the error each rank saw
+    and whether its dump file exists."""
+    group = dist.new_group(timeout=timedelta(seconds=timeout_s))
+    _warm(3, group)
+    dist.broadcast(torch.ones(4), src=0, group=group)
     err = None
     if rank != culprit:
         try:
-            dist.all_reduce(torch.ones(16))
+            dist.all_reduce(torch.ones(16), group=group)
         except dist.DistError as e:
             err = type(e).__name__
     path = _dump_file(rank)

@@ -25,11 +25,12 @@ from plugdist.testing.pytest_plugin import available_backends
 
 BACKENDS = [b for b in ("gloo", "mpi", "toy") if b in available_backends()]
 FR_BACKENDS = [b for b in ("gloo", "mpi") if b in available_backends()]
-GROUP_TIMEOUT = 2.0
+HANG_TIMEOUT = 2.0  # the hanging group's; the world's stays long enough for a loaded machine
 
 
 def _fr_env(tmp_path: Path, detail: bool = False) -> dict[str, str]:
-    env = {"TORCH_FR_BUFFER_SIZE": "200", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "rank_"),
+    env = {"TORCH_FR_BUFFER_SIZE": "200",
+           "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr" / "rank_"),
            "PLUGDIST_FR_POLL_S": "0.2"}
     if detail:
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
@@ -76,16 +77,16 @@ def test_fr_trace_names_the_rank_that_skipped_a_collective(backend: str, ws: int
                                                            tmp_path: Path) -> None:
     culprit = ws - 1
     results = run_world(w.hang, ws, backend=backend, env=_fr_env(tmp_path), timeout=100,
-                        group_timeout=GROUP_TIMEOUT, args=(culprit, 30.0))
+                        args=(culprit, 30.0, HANG_TIMEOUT))
     for rank, res in enumerate(results):
         assert res["dumped"], rank  # the culprit too: asked through the store
         assert (res["error"] is None) == (rank == culprit), (rank, res)
-    report = fr_trace(tmp_path)
+    report = fr_trace(tmp_path / "fr")
     assert "Not all ranks joining collective, sequence number: 5" in report, report
     assert f"missing ranks: {{{culprit}}}" in report, report
     prefix = "gloo"  # mpi is not among the analyzer's prefixes (see plugdist.flight_recorder)
     assert f"collective: {prefix}:all_reduce" in report, report
-    assert f"group info: 0:plugdist:{backend}" in report, report
+    assert f"group info: 1:plugdist:{backend}" in report, report
     assert "collective state: started" in report, report
 
 
@@ -98,11 +99,11 @@ def test_fr_trace_names_the_rank_with_other_sizes(backend: str, ws: int, tmp_pat
     culprit = ws - 1
     detail = backend == "gloo"
     results = run_world(w.mismatch, ws, backend=backend, env=_fr_env(tmp_path, detail),
-                        timeout=100, group_timeout=GROUP_TIMEOUT, args=(culprit, 30.0))
+                        timeout=100, args=(culprit, 30.0))
     for rank, res in enumerate(results):
         assert res["dumped"], rank
         assert res["error"] == ("CollectiveMismatchError" if detail else None), (rank, res)
-    report = fr_trace(tmp_path)
+    report = fr_trace(tmp_path / "fr")
     assert "Collective sequence number: 4 has errors" in report, report
     assert "SIZE_OR_SYNTAX_MISMATCH" in report, report
     named = set(map(int, re.findall(r"Culprit rank (\d+)", report)))
@@ -118,12 +119,12 @@ def test_fr_trace_finds_nothing_in_a_healthy_run(backend: str, tmp_path: Path) -
     ws = 3
     results = run_world(w.clean, ws, backend=backend, env=_fr_env(tmp_path), timeout=100)
     for rank, res in enumerate(results):
-        assert res["path"] == str(tmp_path / f"rank_{rank}")
+        assert res["path"] == str(tmp_path / "fr" / f"rank_{rank}")
         assert res["signal_dump"], rank  # SIGUSR1 dumped too
-    report = fr_trace(tmp_path)
+    report = fr_trace(tmp_path / "fr")
     for bad in ("Not all ranks", "has errors", "mismatch", "Culprit", "cannot decide"):
         assert bad not in report, report
-    dump = pickle.loads((tmp_path / "rank_1").read_bytes())
+    dump = pickle.loads((tmp_path / "fr" / "rank_1").read_bytes())
     assert dump["version"] == "2.10"
     assert dump["pg_config"]["0"] == {"name": "0", "desc": f"plugdist:{backend}",
                                       "backend": backend, "ranks": "[0, 1, 2]"}

@@ -50,7 +50,7 @@ _IO: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "recv": ((), ("tensor",)),
 }
 _PEER = {"send": "dst", "recv": "src"}
-_params: dict[str, tuple[str, ...]] = {}
+_params: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
 
 
 def active() -> bool:
@@ -78,11 +78,17 @@ def run(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
     if outer is not None:
         recorder.started(outer)
         return issue()
-    kw = args if isinstance(args, dict) else _named(pg, op, args)
     ins, outs = _IO.get(op, ((), ()))
-    inputs = _tensors(kw, ins)
-    outputs = _tensors(kw, outs)
-    entry = recorder.record(pg, op, _specs(inputs), _specs(outputs), kw.get(_PEER.get(op, "")))
+    if isinstance(args, dict):
+        inputs = [args.get(n) for n in ins]
+        outputs = [args.get(n) for n in outs]
+        peer = args.get(_PEER.get(op, ""))
+    else:
+        at = _positions(pg, op)
+        inputs = [args[i] for i in at[0] if i < len(args)]
+        outputs = [args[i] for i in at[1] if i < len(args)]
+        peer = args[at[2]] if at[2] < len(args) else None
+    entry = recorder.record(pg, op, _specs(inputs), _specs(outputs), peer)
     rf = None
     if _profiler._is_profiler_enabled:
         rf = _RecordFunctionFast(f"plugdist:{pg.backend_name}:{op}", _flat(inputs, outputs))
@@ -120,30 +126,25 @@ def _error(fut: torch.futures.Future) -> BaseException | None:
     return None
 
 
-def _named(pg: Any, op: str, args: tuple[Any, ...]) -> dict[str, Any]:
-    names = _params.get(op)
-    if names is None:  # every group spells a public op's parameters as ProcessGroup does
-        names = _params[op] = tuple(inspect.signature(getattr(type(pg), op)).parameters)[1:]
-    return dict(zip(names, args, strict=False))
-
-
-def _tensors(kw: dict[str, Any], names: tuple[str, ...]) -> list[Any]:
-    out: list[Any] = []
-    for name in names:
-        value = kw.get(name)
-        if isinstance(value, torch.Tensor):
-            out.append(value)
-        elif isinstance(value, (list, tuple)) and value:
-            out.append(list(value))
-    return out
+def _positions(pg: Any, op: str) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """Where the public op's inputs, outputs and peer sit among its positional arguments."""
+    at = _params.get(op)
+    if at is None:  # every group spells a public op's parameters as ProcessGroup does
+        names = tuple(inspect.signature(getattr(type(pg), op)).parameters)[1:]
+        ins, outs = _IO.get(op, ((), ()))
+        peer = _PEER.get(op)
+        at = _params[op] = (tuple(names.index(n) for n in ins),
+                            tuple(names.index(n) for n in outs),
+                            names.index(peer) if peer else len(names) + 1)
+    return at
 
 
 def _flat(inputs: list[Any], outputs: list[Any]) -> list[torch.Tensor]:
     """Every tensor of the op once, inputs first (an in-place op's tensor is both)."""
     flat: list[torch.Tensor] = []
     for v in (*inputs, *outputs):
-        for t in (v if isinstance(v, list) else (v,)):
-            if not any(t is seen for seen in flat):
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor) and not any(t is seen for seen in flat):
                 flat.append(t)
     return flat
 
@@ -155,6 +156,6 @@ def _specs(values: list[Any]) -> list[tuple[Any, Any]]:
     for v in values:
         if isinstance(v, torch.Tensor):
             specs.append((v.shape, v.dtype))
-        elif v and isinstance(v[0], torch.Tensor):
+        elif isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor):
             specs.append(((sum(t.numel() for t in v),), v[0].dtype))
     return specs

@@ -1,0 +1,116 @@
+"""What observability costs: a small synchronous all_reduce loop over MPI, same run, same ranks.
+
+Modes, run alternately in chunks (every rank runs the same chunk at the same time):
+
+* ``mpi4py``      raw ``Allreduce`` on the same buffer (the floor);
+* ``no hook``     plugdist's blocking path with the observe check skipped (what plugdist cost
+                  before observability);
+* ``off``         ``dist.all_reduce``: nobody watches, the hook is one check;
+* ``recording``   ``dist.all_reduce`` with the flight recorder on (TORCH_FR_BUFFER_SIZE);
+* ``profiling``   ``dist.all_reduce`` under ``torch.profiler.profile(record_shapes=True)``.
+
+Prints µs per op (median over chunks) on rank 0 and the ratios to ``no hook``: the goals are
+``off`` within 2% and ``recording`` within 5%.
+
+    .venv/bin/python benchmarks/observability_bench.py            # starts mpiexec -n 2 itself
+    .venv/bin/python benchmarks/observability_bench.py --iters 2000 --rounds 15 --numel 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MODES = ("mpi4py", "no hook", "off", "recording", "profiling")
+
+
+def _under_mpi() -> bool:
+    return any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=2000, help="ops per chunk")
+    parser.add_argument("--rounds", type=int, default=11, help="chunks per mode")
+    parser.add_argument("--numel", type=int, default=2, help="float32 elements per all_reduce")
+    args = parser.parse_args()
+    if not _under_mpi():
+        from plugdist.testing.harness import mpiexec_path
+
+        env = {**os.environ, "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", "2000"),
+               "PLUGDIST_TORCH_WORLD": "0", "OMP_NUM_THREADS": "1"}
+        sys.exit(subprocess.call([mpiexec_path(), "-n", str(args.nproc), sys.executable,
+                                  *sys.argv], env=env))
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    import plugdist as dist
+    import torch
+    from plugdist.flight_recorder import recorder
+    from plugdist.reduce_op import ReduceOp
+
+    dist.init_process_group("mpi")
+    pg = dist.group.WORLD
+    rank = dist.get_rank()
+    comm = pg._comm  # the MPI plugin's communicator: the raw baseline on the same ranks
+    from mpi4py import MPI
+
+    t = torch.ones(args.numel)
+    buf = t.numpy()
+    lean = pg._lean.get("all_reduce")
+    call = ("all_reduce", t, ReduceOp.SUM)
+
+    def loop(mode: str) -> float:
+        n = args.iters
+        recorder.on = mode == "recording"
+        comm.Barrier()
+        start = time.perf_counter()
+        if mode == "mpi4py":
+            for _ in range(n):
+                comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+        elif mode == "no hook":
+            for _ in range(n):
+                pg._run_blocking_unobserved(call[0], lean, call[1:])
+        elif mode == "profiling":
+            with torch.profiler.profile(record_shapes=True):
+                start = time.perf_counter()
+                for _ in range(n):
+                    dist.all_reduce(t)
+                elapsed = time.perf_counter() - start
+            recorder.on = False
+            return elapsed / n * 1e6
+        else:
+            for _ in range(n):
+                dist.all_reduce(t)
+        elapsed = time.perf_counter() - start
+        recorder.on = False
+        return elapsed / n * 1e6
+
+    for mode in MODES:  # warm up every path
+        loop(mode)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for _ in range(args.rounds):
+        for mode in MODES:
+            times[mode].append(loop(mode))
+    if rank == 0:
+        med = {m: statistics.median(v) for m, v in times.items()}
+        load = os.getloadavg()[0]
+        print(f"all_reduce of {args.numel} float32, {args.nproc} ranks over MPI, "
+              f"{args.iters} ops x {args.rounds} chunks per mode (load average {load:.2f})")
+        print(f"{'mode':<12}{'us/op':>10}{'vs no hook':>12}")
+        for m in MODES:
+            print(f"{m:<12}{med[m]:>10.2f}{med[m] / med['no hook']:>12.3f}")
+        print(f"observe check, nobody watching: {100 * (med['off'] / med['no hook'] - 1):+.1f}% "
+              f"(goal < 2%); flight recorder on: "
+              f"{100 * (med['recording'] / med['no hook'] - 1):+.1f}% (goal < 5%)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
