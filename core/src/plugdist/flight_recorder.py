@@ -328,8 +328,8 @@ class FlightRecorder:
     def _answer_requests(self, g: _Group) -> None:
         if g.store is None:
             return
-        try:
-            asked = g.store.add(REQUEST_KEY, 0)
+        try:  # check first: polling must not create the key
+            asked = int(g.store.get(REQUEST_KEY)) if g.store.check([REQUEST_KEY]) else 0
         except Exception:  # noqa: BLE001 - a store going away at shutdown
             return
         if asked > g.requests_seen:
