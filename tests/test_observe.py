@@ -15,13 +15,18 @@ import pickle
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import _observe_workers as w
 import pytest
+import torch
+from plugdist import GroupOptions, ProcessGroup, ReduceOp, Work, dump_flight_recorder
+from plugdist.flight_recorder import recorder
 from plugdist.testing import run_world
 from plugdist.testing.pytest_plugin import available_backends
+from plugdist.work import completed_work
 
 BACKENDS = [b for b in ("gloo", "mpi", "toy") if b in available_backends()]
 FR_BACKENDS = [b for b in ("gloo", "mpi") if b in available_backends()]
@@ -158,3 +163,62 @@ def test_lifecycle_events_are_json_lines(tmp_path: Path) -> None:
     destroyed = [e for e in events if e["event"] == "group_destroyed"]
     assert {e["group"] for e in destroyed} == {"0", "1"}, events
     assert all(e["level"] == "info" and "timestamp" in e for e in built + destroyed)
+
+
+# -- the recorder's entries, in-process ----------------------------------------------------------
+class _Echo(ProcessGroup):
+    """One rank, ops done at once: enough to read the entries the core records."""
+
+    backend_name = "echo"
+
+    def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        return completed_work([tensor])
+
+    def native_all_gather_into_tensor(self, *, output: torch.Tensor,
+                                      tensor: torch.Tensor) -> Work:
+        output.copy_(tensor)
+        return completed_work([output])
+
+
+class _Nccl(_Echo):
+    backend_name = "nccl"
+
+
+@pytest.fixture
+def recording(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "10")
+    monkeypatch.setenv("PLUGDIST_FR_DUMP_SIGNAL", "OFF")
+    recorder.reset()
+    yield
+    recorder.reset()
+
+
+def test_entries_speak_torchs_terms(recording: None, tmp_path: Path) -> None:
+    echo = _Echo(0, 1, GroupOptions(group_name="e", global_ranks=(0,)))
+    nccl = _Nccl(0, 1, GroupOptions(group_name="n", global_ranks=(0,)))
+    for pg in (echo, nccl):
+        recorder.add_group(pg, None, (0,), 0)
+    t = torch.ones(3, dtype=torch.float64)
+    echo.run_blocking("all_reduce", t, ReduceOp.SUM)
+    echo.all_gather_into_tensor(torch.empty(3, dtype=torch.float64), t).wait()
+    nccl.all_reduce(t).wait()
+    dump = pickle.loads(Path(dump_flight_recorder(tmp_path / "d")).read_bytes())
+    entries = [(e["profiling_name"], e["process_group"], e["collective_seq_id"], e["state"],
+                e["input_sizes"], e["output_dtypes"], e["backend"]) for e in dump["entries"]]
+    assert entries == [
+        ("gloo:all_reduce", ("e", "plugdist:echo"), 1, "completed", [[3]], ["float64"], "echo"),
+        ("gloo:_all_gather_base", ("e", "plugdist:echo"), 2, "completed", [[3]], ["float64"],
+         "echo"),
+        ("nccl:all_reduce", ("n", "plugdist:nccl"), 1, "completed", [[3]], ["float64"],
+         "nccl")]
+    assert dump["pg_status"]["e"] == {"last_enqueued_collective": 2,
+                                      "last_started_collective": 2,
+                                      "last_completed_collective": 2}
+
+
+def test_nothing_is_recorded_when_nobody_watches(tmp_path: Path) -> None:
+    recorder.reset()
+    pg = _Echo(0, 1, GroupOptions(group_name="quiet", global_ranks=(0,)))
+    pg.run_blocking("all_reduce", torch.ones(2), ReduceOp.SUM)
+    assert not recorder.on
+    assert pickle.loads(Path(dump_flight_recorder(tmp_path / "d")).read_bytes())["entries"] == []

@@ -11,7 +11,8 @@ Switches (read when a group is built): ``TORCH_FR_BUFFER_SIZE`` (entries kept; 0
 or ``TORCH_DISTRIBUTED_DEBUG``/``PLUGDIST_DEBUG`` ``DETAIL`` (2000 entries unless the buffer size
 says otherwise). ``TORCH_FR_DUMP_TEMP_FILE`` (default ``/tmp/nccl_trace_rank_``, torch's) is the
 dump path prefix. ``PLUGDIST_FR_DUMP_SIGNAL`` (default ``SIGUSR1``; ``OFF``: none) dumps on a
-signal.
+signal. ``PLUGDIST_FR_STACK_DEPTH`` (default 4; 0: none) is how many caller frames each entry
+keeps.
 
 Dumps happen on request (:func:`dump_flight_recorder`), on that signal, and when an op of a
 recorded group fails with a ``DistError`` (a timeout, a dead rank, a DETAIL mismatch) or stays
@@ -65,7 +66,8 @@ _FALLBACK_PREFIX = "gloo"
 # plugdist's op names that torch's analyzer spells otherwise
 _TORCH_OPS = {"all_gather_into_tensor": "_all_gather_base",
               "reduce_scatter_tensor": "_reduce_scatter_base"}
-_FRAMES = 8  # caller frames kept per entry (references only; formatted at dump time)
+DEPTH_ENV = "PLUGDIST_FR_STACK_DEPTH"
+DEFAULT_DEPTH = 4  # caller frames kept per entry: each costs a frame object per op
 
 
 def dump_path(rank: int) -> Path:
@@ -90,7 +92,7 @@ class Entry:
 
     __slots__ = ("record_id", "group", "op", "collective_seq_id", "p2p_seq_id", "peer",
                  "inputs", "outputs", "state", "time_created_ns", "time_started_ns",
-                 "time_completed_ns", "error", "frames", "thread", "deadline_ns")
+                 "time_completed_ns", "error", "frames", "thread")
 
     def __init__(self, record_id: int, group: _Group, op: str, coll: int, p2p: int,
                  peer: int | None, inputs: list[Any], outputs: list[Any],
@@ -110,7 +112,6 @@ class Entry:
         self.error: str | None = None
         self.frames = frames
         self.thread = threading.get_ident()
-        self.deadline_ns = self.time_created_ns + group.timeout_ns
 
     def to_dict(self) -> dict[str, Any]:
         g = self.group
@@ -181,6 +182,7 @@ class FlightRecorder:
         self._lock = threading.RLock()  # re-entrant: a signal's dump may interrupt record()
         self._groups: dict[str, _Group] = {}
         self.global_rank: int | None = None
+        self.depth = DEFAULT_DEPTH
         self._watcher: threading.Thread | None = None
         self._stop = threading.Event()
         self._dumped_for: set[int] = set()  # record ids of overdue entries already dumped for
@@ -190,7 +192,10 @@ class FlightRecorder:
                   global_rank: int) -> None:
         """Record ``pg`` (called when it is built); turns recording on if the settings ask."""
         capacity = _capacity()
+        depth = os.environ.get(DEPTH_ENV, "").strip()
         with self._lock:
+            if depth.isdigit():
+                self.depth = int(depth)
             if capacity and capacity != self.capacity:
                 self._ring = deque(self._ring, maxlen=capacity)
                 self.capacity = capacity
@@ -227,8 +232,9 @@ class FlightRecorder:
         else:
             g.collectives += 1
         frames: list[tuple[Any, int]] = []
-        f: Any = sys._getframe(3)  # the public op's caller (past observe, process_group)
-        while f is not None and len(frames) < _FRAMES:
+        depth = self.depth
+        f: Any = sys._getframe(3) if depth else None  # past observe and process_group
+        while f is not None and len(frames) < depth:
             frames.append((f.f_code, f.f_lineno))
             f = f.f_back
         entry = Entry(next(self._ids), g, op, g.collectives, g.p2p, peer, inputs, outputs,
@@ -339,7 +345,8 @@ class FlightRecorder:
     def _check_overdue(self) -> None:
         now = time.time_ns()
         late = [e for e in list(self._ring)
-                if e.state != "completed" and e.error is None and e.deadline_ns < now
+                if e.state != "completed" and e.error is None
+                and e.time_created_ns + e.group.timeout_ns < now
                 and e.record_id not in self._dumped_for]
         if late:
             first = late[0]
@@ -348,8 +355,11 @@ class FlightRecorder:
                                               f"{first.group.name!r} past its timeout")
 
     def stop(self) -> None:
-        """Stop the watcher (tests; destroy_process_group of the last group)."""
+        """Stop the watcher and wait (briefly) for it to end."""
         self._stop.set()
+        watcher = self._watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(timeout=5)
 
     def reset(self) -> None:
         """Forget every entry and group and turn recording off (tests)."""
