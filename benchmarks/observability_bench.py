@@ -3,8 +3,8 @@
 Modes, run alternately in chunks (every rank runs the same chunk at the same time):
 
 * ``mpi4py``      raw ``Allreduce`` on the same buffer (the floor);
-* ``no hook``     plugdist's blocking path with the observe check skipped (what plugdist cost
-                  before observability);
+* ``no hook``     plugdist's blocking path as it was before observability: the backend's lean
+                  route, looked up and called, with no observe check;
 * ``off``         ``dist.all_reduce``: nobody watches, the hook is one check;
 * ``recording``   ``dist.all_reduce`` with the flight recorder on (TORCH_FR_BUFFER_SIZE);
 * ``profiling``   ``dist.all_reduce`` under ``torch.profiler.profile(record_shapes=True)``.
@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> None:
 
     t = torch.ones(args.numel)
     buf = t.numpy()
-    lean = pg._lean.get("all_reduce")
-    call = ("all_reduce", t, ReduceOp.SUM)
+    lean_routes = pg._lean
+    total = ReduceOp.SUM
 
     def loop(mode: str) -> float:
         n = args.iters
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> None:
                 comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
         elif mode == "no hook":
             for _ in range(n):
-                pg._run_blocking_unobserved(call[0], lean, call[1:])
+                lean_routes.get("all_reduce")(pg, t, total)
         elif mode == "profiling":
             with torch.profiler.profile(record_shapes=True):
                 start = time.perf_counter()

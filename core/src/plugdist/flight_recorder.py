@@ -233,7 +233,7 @@ class FlightRecorder:
             g.collectives += 1
         frames: list[tuple[Any, int]] = []
         depth = self.depth
-        f: Any = sys._getframe(3) if depth else None  # past observe and process_group
+        f: Any = sys._getframe(4) if depth else None  # past observe and process_group
         while f is not None and len(frames) < depth:
             frames.append((f.f_code, f.f_lineno))
             f = f.f_back

@@ -30,7 +30,7 @@ from torch.autograd import profiler as _profiler
 
 from .flight_recorder import Entry, recorder
 
-__all__ = ["active", "run"]
+__all__ = ["active", "run", "blocking"]
 
 # op -> (input parameters, output parameters) of its public method
 _IO: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -78,6 +78,45 @@ def run(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
     if outer is not None:
         recorder.started(outer)
         return issue()
+    entry, rf = _begin(pg, op, args, started)
+    _current.entry = entry
+    try:
+        result = issue()
+    except BaseException as err:
+        _finish(entry, rf, err)
+        raise
+    finally:
+        _current.entry = None
+    if result is None:
+        _finish(entry, rf, None)
+    elif result.is_completed():
+        _finish(entry, rf, result.exception())
+    else:
+        result.get_future().add_done_callback(lambda fut: _finish(entry, rf, _error(fut)))
+    return result
+
+
+def blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool] | None,
+             rest: Callable[[str, tuple[Any, ...]], None]) -> None:
+    """``ProcessGroup.run_blocking`` observed: ``lean(pg, *args)`` (the backend's lean route,
+    True once done), else ``rest(op, args)``, as one observed op done when this returns."""
+    entry, rf = _begin(pg, op, args, True)
+    try:
+        if lean is None or not lean(pg, *args):
+            _current.entry = entry  # only here: the lean route dispatches nothing
+            try:
+                rest(op, args)
+            finally:
+                _current.entry = None
+    except BaseException as err:
+        _finish(entry, rf, err)
+        raise
+    _finish(entry, rf, None)
+
+
+def _begin(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
+           started: bool) -> tuple[Entry, Any]:
+    """The op's entry and (when a profiler runs) its entered profiler event."""
     ins, outs = _IO.get(op, ((), ()))
     if isinstance(args, dict):
         inputs = [args.get(n) for n in ins]
@@ -95,21 +134,7 @@ def run(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
         rf.__enter__()
     if started:
         recorder.started(entry)
-    _current.entry = entry
-    try:
-        result = issue()
-    except BaseException as err:
-        _finish(entry, rf, err)
-        raise
-    finally:
-        _current.entry = None
-    if result is None:
-        _finish(entry, rf, None)
-    elif result.is_completed():
-        _finish(entry, rf, result.exception())
-    else:
-        result.get_future().add_done_callback(lambda fut: _finish(entry, rf, _error(fut)))
-    return result
+    return entry, rf
 
 
 def _finish(entry: Entry, rf: Any, error: BaseException | None) -> None:

@@ -314,18 +314,16 @@ class ProcessGroup:
         validating and planning as always, with a native op handed to the backend's
         ``native_blocking`` on this thread; the public op's Work."""
         lean = self._lean.get(op)
-        if lean is None and op not in self._blocking_ops:
-            getattr(self, op)(*args).wait()  # the public op, observed there
-        elif observe.active():
-            observe.run(self, op, args, lambda: self._run_blocking_unobserved(op, lean, args),
-                        started=True)
+        if not observe.active():
+            if lean is None or not lean(self, *args):
+                self._run_blocking_rest(op, args)
+        elif lean is None and op not in self._blocking_ops:
+            getattr(self, op)(*args).wait()  # a wrapper's public op, observed there
         else:
-            self._run_blocking_unobserved(op, lean, args)
+            observe.blocking(self, op, args, lean, self._run_blocking_rest)
 
-    def _run_blocking_unobserved(self, op: str, lean: Callable[..., bool] | None,
-                                   args: tuple[Any, ...]) -> None:
-        if lean is not None and lean(self, *args):
-            return
+    def _run_blocking_rest(self, op: str, args: tuple[Any, ...]) -> None:
+        """run_blocking past the lean route."""
         if op not in self._blocking_ops:
             getattr(self, op)(*args).wait()
             return
