@@ -93,6 +93,7 @@ def test_fr_trace_names_the_rank_that_skipped_a_collective(backend: str, ws: int
     assert f"collective: {prefix}:all_reduce" in report, report
     assert f"group info: 1:plugdist:{backend}" in report, report
     assert "collective state: started" in report, report
+    assert re.search(r"\nhang at .*_observe_workers.py", report), report  # the waiting thread's
 
 
 @pytest.mark.timeout(120)
@@ -122,7 +123,8 @@ def test_fr_trace_names_the_rank_with_other_sizes(backend: str, ws: int, tmp_pat
 @pytest.mark.parametrize("backend", FR_BACKENDS)
 def test_fr_trace_finds_nothing_in_a_healthy_run(backend: str, tmp_path: Path) -> None:
     ws = 3
-    results = run_world(w.clean, ws, backend=backend, env=_fr_env(tmp_path), timeout=100)
+    env = {**_fr_env(tmp_path), "PLUGDIST_FR_STACK_DEPTH": "4"}
+    results = run_world(w.clean, ws, backend=backend, env=env, timeout=100)
     for rank, res in enumerate(results):
         assert res["path"] == str(tmp_path / "fr" / f"rank_{rank}")
         assert res["signal_dump"], rank  # SIGUSR1 dumped too

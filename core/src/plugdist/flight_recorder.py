@@ -11,8 +11,9 @@ Switches (read when a group is built): ``TORCH_FR_BUFFER_SIZE`` (entries kept; 0
 or ``TORCH_DISTRIBUTED_DEBUG``/``PLUGDIST_DEBUG`` ``DETAIL`` (2000 entries unless the buffer size
 says otherwise). ``TORCH_FR_DUMP_TEMP_FILE`` (default ``/tmp/nccl_trace_rank_``, torch's) is the
 dump path prefix. ``PLUGDIST_FR_DUMP_SIGNAL`` (default ``SIGUSR1``; ``OFF``: none) dumps on a
-signal. ``PLUGDIST_FR_STACK_DEPTH`` (default 4; 0: none) is how many caller frames each entry
-keeps.
+signal. ``PLUGDIST_FR_STACK_DEPTH`` (default 0) is how many caller frames each entry keeps; an
+entry without frames that is still in flight at a dump gets its thread's stack at that moment
+(where a hung op waits), at no cost per op.
 
 Dumps happen on request (:func:`dump_flight_recorder`), on that signal, and when an op of a
 recorded group fails with a ``DistError`` (a timeout, a dead rank, a DETAIL mismatch) or stays
@@ -59,6 +60,7 @@ POLL_ENV = "PLUGDIST_FR_POLL_S"
 DEFAULT_CAPACITY = 2000
 DEFAULT_DUMP_FILE = "/tmp/nccl_trace_rank_"
 REQUEST_KEY = "flight_recorder/dump"
+_OWN_FILES = frozenset({__file__, __file__.replace("flight_recorder.py", "observe.py")})
 
 # prefixes torch's analyzer accepts (fr_trace's Op); any other backend is recorded as gloo
 _KNOWN_PREFIXES = frozenset({"nccl", "ncclx", "xccl", "gloo", "rccl", "rcclx", "mccl", "hccl"})
@@ -67,7 +69,8 @@ _FALLBACK_PREFIX = "gloo"
 _TORCH_OPS = {"all_gather_into_tensor": "_all_gather_base",
               "reduce_scatter_tensor": "_reduce_scatter_base"}
 DEPTH_ENV = "PLUGDIST_FR_STACK_DEPTH"
-DEFAULT_DEPTH = 4  # caller frames kept per entry: each costs a frame object per op
+DEFAULT_DEPTH = 0  # caller frames kept per entry: each costs a frame object per op
+LIVE_DEPTH = 16  # frames of an op still in flight, read from its thread when dumping
 
 
 def dump_path(rank: int) -> Path:
@@ -113,8 +116,13 @@ class Entry:
         self.frames = frames
         self.thread = threading.get_ident()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, live: dict[int, Any]) -> dict[str, Any]:
+        """The entry in torch's terms; ``live`` (thread id -> current frame) gives an op still
+        in flight its thread's stack, when it kept none of its own."""
         g = self.group
+        frames = self.frames
+        if not frames and self.state != "completed" and self.thread in live:
+            frames = _stack(live[self.thread], LIVE_DEPTH)
         is_p2p = self.op in ("send", "recv")
         op = _TORCH_OPS.get(self.op, self.op)
         if self.op == "send":
@@ -137,10 +145,20 @@ class Entry:
             "timeout_ms": g.timeout_ns // 1_000_000, "is_p2p": is_p2p,
             "duration_ms": None if done is None or started is None else (done - started) / 1e6,
             "frames": [{"name": code.co_name, "filename": code.co_filename, "line": line}
-                       for code, line in self.frames],
+                       for code, line in frames],
             "thread_id": str(self.thread), "thread_name": "", "backend": g.backend,
             "error": self.error,
         }
+
+
+def _stack(f: Any, depth: int) -> list[tuple[Any, int]]:
+    """Up to ``depth`` frames from ``f`` outwards, skipping the recorder's own."""
+    frames: list[tuple[Any, int]] = []
+    while f is not None and len(frames) < depth:
+        if f.f_code.co_filename not in _OWN_FILES:
+            frames.append((f.f_code, f.f_lineno))
+        f = f.f_back
+    return frames
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -231,12 +249,8 @@ class FlightRecorder:
             g.p2p += 1
         else:
             g.collectives += 1
-        frames: list[tuple[Any, int]] = []
         depth = self.depth
-        f: Any = sys._getframe(4) if depth else None  # past observe and process_group
-        while f is not None and len(frames) < depth:
-            frames.append((f.f_code, f.f_lineno))
-            f = f.f_back
+        frames = _stack(sys._getframe(1), depth) if depth else []
         entry = Entry(next(self._ids), g, op, g.collectives, g.p2p, peer, inputs, outputs,
                       frames)
         if self.on:
@@ -270,6 +284,7 @@ class FlightRecorder:
         with self._lock:
             entries = list(self._ring) if self.on else []
             groups = list(self._groups.values())
+        live = sys._current_frames()
         return {
             "version": VERSION, "comm_lib_version": "",
             "pg_config": {g.name: {"name": g.name, "desc": g.desc, "backend": g.backend,
@@ -278,7 +293,7 @@ class FlightRecorder:
                                    "last_started_collective": g.last_started,
                                    "last_completed_collective": g.last_completed}
                           for g in groups},
-            "entries": [e.to_dict() for e in entries],
+            "entries": [e.to_dict(live) for e in entries],
         }
 
     def dump(self, reason: str, path: str | os.PathLike[str] | None = None) -> Path | None:
