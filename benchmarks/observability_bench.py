@@ -9,6 +9,9 @@ Modes, run alternately in chunks (every rank runs the same chunk at the same tim
 * ``recording``   ``dist.all_reduce`` with the flight recorder on (TORCH_FR_BUFFER_SIZE);
 * ``profiling``   ``dist.all_reduce`` under ``torch.profiler.profile(record_shapes=True)``.
 
+Then, on rank 0 alone, the same three plugdist modes on an in-process one-rank group whose lean
+route does nothing: the CPU each mode costs per op, without the network's noise.
+
 Prints µs per op on rank 0 — the best chunk (the one least disturbed by other load; the ratios
 use it) and the median chunk — and the ratios to ``no hook``: the goals are ``off`` within 2% and
 ``recording`` within 5%.
@@ -111,7 +114,60 @@ def run(args: argparse.Namespace) -> None:
         print(f"observe check, nobody watching: "
               f"{100 * (best['off'] / best['no hook'] - 1):+.1f}% (goal < 2%); flight recorder "
               f"on: {100 * (best['recording'] / best['no hook'] - 1):+.1f}% (goal < 5%)")
+        local(args)
+    comm.Barrier()
     dist.destroy_process_group()
+
+
+def local(args: argparse.Namespace) -> None:
+    """The CPU cost per op of each mode, on a group whose op does nothing."""
+    import torch
+    from plugdist import GroupOptions, ProcessGroup
+    from plugdist.flight_recorder import recorder
+    from plugdist.reduce_op import ReduceOp
+
+    class Nothing(ProcessGroup):
+        backend_name = "nothing"
+
+        def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> None:
+            raise NotImplementedError
+
+        def native_blocking(self, op: str, kwargs: dict) -> None:
+            return None
+
+        def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> None:
+            return None
+
+    pg = Nothing(0, 2, GroupOptions(group_name="local", global_ranks=(0, 1)))
+    recorder.add_group(pg, None, (0, 1), 0)
+    t = torch.ones(args.numel)
+    routes = pg._lean
+    total = ReduceOp.SUM
+    n = args.iters * 4
+
+    def loop(mode: str) -> float:
+        recorder.on = mode == "recording"
+        start = time.perf_counter()
+        if mode == "no hook":
+            for _ in range(n):
+                routes.get("all_reduce")(pg, t, total)
+        else:
+            for _ in range(n):
+                pg.run_blocking("all_reduce", t, total)
+        elapsed = time.perf_counter() - start
+        recorder.on = False
+        return elapsed / n * 1e6
+
+    modes = ("no hook", "off", "recording")
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(args.rounds):
+        for m in modes:
+            times[m].append(loop(m))
+    best = {m: min(v) for m, v in times.items()}
+    print("in-process, an op that does nothing: best us/op " + ", ".join(
+        f"{m} {best[m]:.2f}" for m in modes)
+        + f"; the check costs {1000 * (best['off'] - best['no hook']):.0f} ns, recording "
+          f"{1000 * (best['recording'] - best['no hook']):.0f} ns")
 
 
 if __name__ == "__main__":

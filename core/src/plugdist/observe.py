@@ -158,9 +158,9 @@ def _positions(pg: Any, op: str) -> tuple[tuple[int, ...], tuple[int, ...], int]
         names = tuple(inspect.signature(getattr(type(pg), op)).parameters)[1:]
         ins, outs = _IO.get(op, ((), ()))
         peer = _PEER.get(op)
-        at = _params[op] = (tuple(names.index(n) for n in ins),
-                            tuple(names.index(n) for n in outs),
-                            names.index(peer) if peer else len(names) + 1)
+        at = _params[op] = (tuple(names.index(n) for n in ins if n in names),
+                            tuple(names.index(n) for n in outs if n in names),
+                            names.index(peer) if peer in names else len(names) + 1)
     return at
 
 
