@@ -60,6 +60,7 @@ POLL_ENV = "PLUGDIST_FR_POLL_S"
 DEFAULT_CAPACITY = 2000
 DEFAULT_DUMP_FILE = "/tmp/nccl_trace_rank_"
 REQUEST_KEY = "flight_recorder/dump"
+_NO_FRAMES: list[tuple[Any, int]] = []  # shared, never mutated
 _OWN_FILES = frozenset({__file__, __file__.replace("flight_recorder.py", "observe.py")})
 
 # prefixes torch's analyzer accepts (fr_trace's Op); any other backend is recorded as gloo
@@ -250,16 +251,18 @@ class FlightRecorder:
         else:
             g.collectives += 1
         depth = self.depth
-        frames = _stack(sys._getframe(1), depth) if depth else []
+        frames = _stack(sys._getframe(1), depth) if depth else _NO_FRAMES
         entry = Entry(next(self._ids), g, op, g.collectives, g.p2p, peer, inputs, outputs,
                       frames)
         if self.on:
             self._ring.append(entry)
         return entry
 
-    def started(self, entry: Entry) -> None:
+    def started(self, entry: Entry, now: bool = False) -> None:
+        """Mark ``entry`` handed to the backend; ``now``: at its creation (one clock read less:
+        this machine's clock costs ~0.2 us a read)."""
         if entry.time_started_ns is None:
-            entry.time_started_ns = time.time_ns()
+            entry.time_started_ns = entry.time_created_ns if now else time.time_ns()
             entry.state = "started"
             if entry.op != "send" and entry.op != "recv":
                 entry.group.last_started = entry.collective_seq_id

@@ -133,7 +133,7 @@ def _begin(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
         rf = _RecordFunctionFast(f"plugdist:{pg.backend_name}:{op}", _flat(inputs, outputs))
         rf.__enter__()
     if started:
-        recorder.started(entry)
+        recorder.started(entry, now=True)
     return entry, rf
 
 
