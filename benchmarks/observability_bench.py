@@ -3,8 +3,8 @@
 Modes, run alternately in chunks (every rank runs the same chunk at the same time):
 
 * ``mpi4py``      raw ``Allreduce`` on the same buffer (the floor);
-* ``no hook``     plugdist's blocking path as it was before observability: the backend's lean
-                  route, looked up and called, with no observe check;
+* ``no hook``     ``run_blocking`` as it was before observability (:func:`before`): the
+                  backend's lean route, looked up and called, with no observe check;
 * ``off``         ``dist.all_reduce``: nobody watches, the hook is one check;
 * ``recording``   ``dist.all_reduce`` with the flight recorder on (TORCH_FR_BUFFER_SIZE);
 * ``profiling``   ``dist.all_reduce`` under ``torch.profiler.profile(record_shapes=True)``.
@@ -28,8 +28,16 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 MODES = ("mpi4py", "no hook", "off", "recording", "profiling")
+
+
+def before(pg: Any, op: str, *args: Any) -> None:
+    """``ProcessGroup.run_blocking`` as it was before observability."""
+    lean = pg._lean.get(op)
+    if lean is None or not lean(pg, *args):
+        pg._run_blocking_rest(op, args)
 
 
 def _under_mpi() -> bool:
@@ -67,7 +75,6 @@ def run(args: argparse.Namespace) -> None:
 
     t = torch.ones(args.numel)
     buf = t.numpy()
-    lean_routes = pg._lean
     total = ReduceOp.SUM
 
     def loop(mode: str) -> float:
@@ -80,7 +87,7 @@ def run(args: argparse.Namespace) -> None:
                 comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
         elif mode == "no hook":
             for _ in range(n):
-                lean_routes.get("all_reduce")(pg, t, total)
+                before(pg, "all_reduce", t, total)
         elif mode == "profiling":
             with torch.profiler.profile(record_shapes=True):
                 start = time.perf_counter()
@@ -141,7 +148,6 @@ def local(args: argparse.Namespace) -> None:
     pg = Nothing(0, 2, GroupOptions(group_name="local", global_ranks=(0, 1)))
     recorder.add_group(pg, None, (0, 1), 0)
     t = torch.ones(args.numel)
-    routes = pg._lean
     total = ReduceOp.SUM
     n = args.iters * 4
 
@@ -150,7 +156,7 @@ def local(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         if mode == "no hook":
             for _ in range(n):
-                routes.get("all_reduce")(pg, t, total)
+                before(pg, "all_reduce", t, total)
         else:
             for _ in range(n):
                 pg.run_blocking("all_reduce", t, total)
