@@ -47,6 +47,7 @@ from .errors import (
     DistTimeoutError,
     QueueEmptyError,
 )
+from .flight_recorder import dump_flight_recorder
 from .groups import (
     GroupMember,
     get_backend,
@@ -109,7 +110,8 @@ __all__ = [
     "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object",
     "all_gather_single", "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single",
     "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list",
-    "destroy_process_group", "gather", "gather_object", "get_backend", "get_debug_level",
+    "destroy_process_group", "dump_flight_recorder", "gather", "gather_object", "get_backend",
+    "get_debug_level",
     "get_default_backend_for_device", "get_global_rank", "get_group_rank", "get_node_local_rank",
     "get_process_group_ranks", "get_rank", "get_world_size", "group", "init_process_group",
     "irecv", "is_available", "is_backend_available", "is_gloo_available", "is_initialized",

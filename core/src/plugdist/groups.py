@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
+from . import flight_recorder, log
 from . import membership as _membership
 from .debug_level import DebugLevel, get_debug_level
 from .errors import DistError, DistTimeoutError, timed_out, where
@@ -287,9 +288,25 @@ def build_group(backend: str, store: Store, global_ranks: tuple[int, ...], group
         raise
     if record is not None:
         record(pg)
+    _announce(pg, store, global_ranks, me)
     registry.plugins().hook.plugdist_group_created(group=pg, global_ranks=global_ranks,
                                                    backend=backend)
     return pg
+
+
+def _announce(pg: ProcessGroup, store: Store, global_ranks: tuple[int, ...], me: int) -> None:
+    """The built group to the flight recorder and the lifecycle log."""
+    flight_recorder.recorder.add_group(pg, PrefixStore("observe", store), global_ranks, me)
+    log.set_global_rank(me)
+    log.lifecycle("group_built", group=pg.group_name, group_rank=pg.rank(),
+                  backend=pg.backend_name, size=pg.size(), global_ranks=list(global_ranks),
+                  timeout_s=pg.timeout.total_seconds())
+
+
+def _retire(pg: ProcessGroup) -> None:
+    flight_recorder.recorder.remove_group(pg)
+    log.lifecycle("group_destroyed", group=pg.group_name, group_rank=pg.rank(),
+                  backend=pg.backend_name)
 
 
 def _warn_if_detail_unserved(level: DebugLevel) -> None:
@@ -354,6 +371,7 @@ def destroy(group: ProcessGroup | None = None) -> None:
         for pg in reversed(world.members()):
             hook.plugdist_group_destroyed(group=pg)
             pg.shutdown()
+            _retire(pg)
         _leave()
         _close_store()
         world.reset()
@@ -361,6 +379,7 @@ def destroy(group: ProcessGroup | None = None) -> None:
     world.info(group)
     hook.plugdist_group_destroyed(group=group)
     group.shutdown()
+    _retire(group)
     world.remove(group)
 
 

@@ -3,7 +3,11 @@
 ``get_logger(**bound)`` returns a structlog logger. Nothing is printed below WARNING unless
 ``PLUGDIST_LOG_LEVEL`` (DEBUG/INFO/WARNING/ERROR) or a plugin (plugdist-debug, at debug level
 INFO and above, through ``set_log_level``) asks for more. Events go to stderr so they never mix
-with a training script's stdout.
+with a training script's stdout: ``key=value`` pairs, or one JSON object a line with
+``PLUGDIST_LOG_FORMAT=json``.
+
+:func:`lifecycle` emits the lifecycle events (group built, destroyed; op timed out or failed),
+each with the global ``rank``, ``group``, ``group_rank`` and ``backend``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from typing import Any
 
 import structlog
 
-__all__ = ["get_logger", "set_log_level"]
+__all__ = ["get_logger", "set_log_level", "lifecycle", "set_global_rank", "FORMAT_ENV"]
+
+FORMAT_ENV = "PLUGDIST_LOG_FORMAT"
 
 _configured = False
 _lock = threading.Lock()
@@ -29,6 +35,8 @@ def _configure(level: int) -> None:
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(default=str)
+            if os.environ.get(FORMAT_ENV, "").strip().lower() == "json" else
             structlog.processors.KeyValueRenderer(
                 key_order=["timestamp", "level", "event", "rank", "group"], drop_missing=True),
         ],
@@ -59,3 +67,24 @@ def get_logger(**bound: Any) -> Any:
                                        logging.WARNING))
                 _configured = True
     return structlog.get_logger("plugdist").bind(**bound)
+
+
+_global_rank: int | None = None
+
+
+def set_global_rank(rank: int) -> None:
+    """This process's rank in the world, for :func:`lifecycle` events."""
+    global _global_rank
+    _global_rank = rank
+
+
+def lifecycle(event: str, *, group: str, group_rank: int, backend: str,
+              level: str = "info", **fields: Any) -> None:
+    """One lifecycle event (``group_built``, ``group_destroyed``, ``op_timeout``, ``op_failed``,
+    ...) with rank (global, when known), group, group rank and backend. Never raises."""
+    try:
+        log = get_logger(rank=_global_rank if _global_rank is not None else group_rank,
+                         group=group)
+        getattr(log, level)(event, group_rank=group_rank, backend=backend, **fields)
+    except Exception:  # noqa: BLE001, S110 - a log line must not break the op it reports
+        pass

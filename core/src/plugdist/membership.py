@@ -36,7 +36,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from .errors import DistError, DistRankFailureError, DistTimeoutError, timed_out
-from .log import get_logger
+from .log import get_logger, lifecycle
 from .store import PrefixStore, Store
 
 if TYPE_CHECKING:
@@ -267,8 +267,9 @@ class Membership:
                                         f"by the others: {fresh[self.uid]}; it is no longer in "
                                         f"the world")
         if fresh:
-            self._log.warning("rank_failure", failed=sorted(fresh), epoch=self.epoch,
-                              ranks=self.failed_ranks(fresh))
+            lifecycle("rank_failure", group="world", group_rank=self.rank, backend="",
+                      level="warning", epoch=self.epoch, failed_ranks=self.failed_ranks(fresh),
+                      how={u: fresh[u] for u in sorted(fresh)})
             self._abort_affected()
 
     def _beat_and_check(self, store: Store) -> None:

@@ -41,11 +41,14 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
+from torch.autograd import profiler as _torch_profiler
 
-from . import composition, sparse
+from . import composition, observe, sparse
 from .abort import AbortSignal
 from .capabilities import ALL_REDUCE_OPS, Capabilities
 from .errors import DistTimeoutError, op_timeout, where
+from .flight_recorder import recorder as _recorder
+from .log import lifecycle
 from .reduce_op import ReduceOp, check_reduce_op
 from .work import Work, completed_work
 
@@ -218,6 +221,8 @@ class ProcessGroup:
         worded as ``Work.wait``'s."""
         if seconds is None:
             seconds = self.timeout.total_seconds()
+        lifecycle("op_timeout", group=self.group_name, group_rank=self._rank,
+                  backend=self.backend_name, level="warning", op=op, timeout_s=seconds)
         return op_timeout(self.where(op), seconds)
 
     def __repr__(self) -> str:
@@ -340,8 +345,16 @@ class ProcessGroup:
         if self.abort_signal.reason is not None:
             raise self.abort_signal.error(self.where(op))
         lean = self._lean.get(op)
-        if lean is not None and lean(self, *args):
-            return
+        if not (_torch_profiler._is_profiler_enabled or _recorder.on):  # observe.active(), inlined
+            if lean is None or not lean(self, *args):
+                self._run_blocking_rest(op, args)
+        elif lean is None and op not in self._blocking_ops:
+            getattr(self, op)(*args).wait()  # a wrapper's public op, observed there
+        else:
+            observe.blocking(self, op, args, lean, self._run_blocking_rest)
+
+    def _run_blocking_rest(self, op: str, args: tuple[Any, ...]) -> None:
+        """run_blocking past the lean route."""
         if op not in self._blocking_ops:
             getattr(self, op)(*args).wait()
             return
@@ -497,9 +510,23 @@ class ProcessGroup:
     def _run(self, op: str, sample: torch.Tensor, **kwargs: Any) -> Work:
         return self._dispatch(op, _device_type(sample), kwargs)
 
-    def _dispatch(self, op: str, device: str, kwargs: dict[str, Any]) -> Work:
+    def _dispatch(self, op: str, device: str, kwargs: dict[str, Any],
+                  gathering: bool = False) -> Work:
+        """Issue a validated op: the one path of every public op, observed here (profiler
+        event, flight-recorder entry: :mod:`plugdist.observe`) when someone watches. An
+        aborted group refuses it (plugdist.abort)."""
         if self.abort_signal.reason is not None:
             raise self.abort_signal.error(self.where(op))
+        if observe.active():
+            return observe.run(
+                self, op, kwargs,
+                lambda: self._dispatch_unobserved(op, device, kwargs, gathering), started=True)
+        return self._dispatch_unobserved(op, device, kwargs, gathering)
+
+    def _dispatch_unobserved(self, op: str, device: str, kwargs: dict[str, Any],
+                             gathering: bool) -> Work:
+        if gathering:
+            return composition.reduce_by_gathering(self, self.capabilities(), op, device, kwargs)
         call = _waiting.call
         if call is not None and call[0] is self and call[1] == op:
             _waiting.call = None  # for this dispatch only, not the ops a composition issues
@@ -528,7 +555,7 @@ class ProcessGroup:
                 return result
 
             return work.then(divide)
-        return composition.reduce_by_gathering(self, caps, op_name, device, kwargs)
+        return self._dispatch(op_name, device, kwargs, gathering=True)
 
     # -- validation --------------------------------------------------------------------------
     def _check_tensor(self, op: str, tensor: Any, name: str = "tensor") -> None:

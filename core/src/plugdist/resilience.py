@@ -21,7 +21,7 @@ from typing import Any
 
 from . import groups
 from .errors import DistError
-from .log import get_logger
+from .log import get_logger, lifecycle
 from .membership import Decision, Membership, request_join
 from .process_group import GroupOptions, ProcessGroup
 from .registry import BACKENDS, Backend, registry
@@ -158,9 +158,9 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
         from . import torch_bridge
 
         torch_bridge.swap_group(world.torch_default, pg)
-    get_logger(rank=world.rank, group=name).info(
-        why, epoch=decision.epoch, world_size=world.size, backend=world.backend,
-        joined=decision.joined)
+    lifecycle("group_shrunk" if why == "shrink_group" else "group_grown", group=name,
+              group_rank=world.rank, backend=world.backend, epoch=decision.epoch,
+              world_size=world.size, joined=decision.joined)
 
 
 def _native_shrink(old: ProcessGroup, keep: list[int], decision: Decision,

@@ -16,6 +16,7 @@ import torch
 
 from .abort import AbortSignal, wait_sliced
 from .errors import DistBackendError, DistError, DistTimeoutError, op_timeout, where
+from .log import lifecycle
 
 __all__ = ["Work", "completed_work", "failed_work"]
 
@@ -84,11 +85,13 @@ class Work:
     def set_exception(self, exc: BaseException) -> None:
         """Mark the op failed. Call once, from any thread. A transport error on a group whose
         member has failed becomes that failure (``DistRankFailureError``)."""
-        exc = self._with_context(exc)
+        err = self._with_context(exc)
         if self.abort is not None:
-            exc = self.abort.explain(exc, self._where())
+            err = self.abort.explain(err, self._where())
+        lifecycle("op_failed", group=self.group, group_rank=self.rank, backend=self.backend,
+                  level="warning", op=self.op, error=str(err))
         try:
-            self._future.set_exception(exc)
+            self._future.set_exception(err)
         except RuntimeError:
             if self.abort is None or not self.abort.fired:
                 raise
@@ -122,6 +125,8 @@ class Work:
 
     def timeout_error(self, seconds: float | None) -> DistTimeoutError:
         """The error ``wait`` raises when the op is not done after ``seconds``."""
+        lifecycle("op_timeout", group=self.group, group_rank=self.rank, backend=self.backend,
+                  level="warning", op=self.op, timeout_s=seconds)
         return op_timeout(self._where(), seconds)
 
     def _seconds(self, timeout: timedelta | float | None) -> float | None:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from plugdist import ProcessGroup, Store, Work
+from plugdist import ProcessGroup, Store, Work, observe
 from plugdist.process_group import OPS, Capabilities
 from plugdist.reduce_op import ReduceOp
 
@@ -110,10 +110,19 @@ class DebugProcessGroup(ProcessGroup):
         return f"<DebugProcessGroup wrapping {self._inner!r}>"
 
     # -- the check -------------------------------------------------------------------------------
-    def _collective(self, op: str, run: Callable[[], Work], tensors: Sequence[TensorSpec] = (),
-                    *, reduce_op: ReduceOp | None = None, root: int | None = None,
-                    sends: tuple[int, ...] | None = None,
-                    recvs: tuple[int, ...] | None = None) -> Work:
+    def _collective(self, op: str, args: tuple[Any, ...], run: Callable[[], Work],
+                    tensors: Sequence[TensorSpec] = (), **check: Any) -> Work:
+        """The op, checked first; one observed op of the core (profiler event, flight-recorder
+        entry), marked started only when the wrapped group gets it."""
+        if observe.active():
+            return observe.run(self, op, args, lambda: self._checked(op, run, tensors, **check),
+                               started=False)
+        return self._checked(op, run, tensors, **check)
+
+    def _checked(self, op: str, run: Callable[[], Work], tensors: Sequence[TensorSpec] = (),
+                 *, reduce_op: ReduceOp | None = None, root: int | None = None,
+                 sends: tuple[int, ...] | None = None,
+                 recvs: tuple[int, ...] | None = None) -> Work:
         with self._lock:
             seq = self._seq
             self._seq += 1
@@ -167,6 +176,14 @@ class DebugProcessGroup(ProcessGroup):
         return work
 
     def _p2p(self, op: str, run: Callable[[], Work], tensor: Any, peer: int | None) -> Work:
+        if observe.active():
+            args = {"tensor": tensor, "dst" if op == "send" else "src": peer}
+            return observe.run(self, op, args, lambda: self._recorded_p2p(op, run, tensor, peer),
+                               started=False)
+        return self._recorded_p2p(op, run, tensor, peer)
+
+    def _recorded_p2p(self, op: str, run: Callable[[], Work], tensor: Any,
+                      peer: int | None) -> Work:
         with self._p2p_lock:
             self._p2p_seq += 1
             fp = {"tensors": [spec_of("tensor", tensor).to_json()]}
@@ -175,51 +192,61 @@ class DebugProcessGroup(ProcessGroup):
 
     # -- public ops: check, then the wrapped group's own op ------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Work:
-        return self._collective("broadcast", lambda: self._inner.broadcast(tensor, src),
-                                [spec_of("tensor", tensor)], root=src)
+        return self._collective(
+            "broadcast", (tensor, src), lambda: self._inner.broadcast(tensor, src),
+            [spec_of("tensor", tensor)], root=src)
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
-        return self._collective("all_reduce", lambda: self._inner.all_reduce(tensor, op),
-                                [spec_of("tensor", tensor)], reduce_op=op)
+        return self._collective(
+            "all_reduce", (tensor, op), lambda: self._inner.all_reduce(tensor, op),
+            [spec_of("tensor", tensor)], reduce_op=op)
 
     def reduce(self, tensor: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM) -> Work:
-        return self._collective("reduce", lambda: self._inner.reduce(tensor, dst, op),
-                                [spec_of("tensor", tensor)], reduce_op=op, root=dst)
+        return self._collective(
+            "reduce", (tensor, dst, op), lambda: self._inner.reduce(tensor, dst, op),
+            [spec_of("tensor", tensor)], reduce_op=op, root=dst)
 
     def all_gather(self, output_tensors: Sequence[torch.Tensor], tensor: torch.Tensor) -> Work:
         specs = [spec_of("tensor", tensor)]
         specs += [spec_of(f"output_tensors[{i}]", t) for i, t in enumerate(output_tensors)]
-        return self._collective("all_gather",
+        return self._collective("all_gather", (output_tensors, tensor),
                                 lambda: self._inner.all_gather(output_tensors, tensor), specs)
 
     def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
         return self._collective(
-            "all_gather_into_tensor", lambda: self._inner.all_gather_into_tensor(output, tensor),
+            "all_gather_into_tensor", (output, tensor),
+            lambda: self._inner.all_gather_into_tensor(output, tensor),
             [spec_of("tensor", tensor), spec_of("output", output)])
 
     def gather(self, tensor: torch.Tensor, gather_list: Sequence[torch.Tensor] | None = None,
                dst: int = 0) -> Work:
         # gather_list exists on dst only: not part of what every rank must agree on
-        return self._collective("gather", lambda: self._inner.gather(tensor, gather_list, dst),
-                                [spec_of("tensor", tensor)], root=dst)
+        return self._collective(
+            "gather", (tensor, gather_list, dst),
+            lambda: self._inner.gather(tensor, gather_list, dst),
+            [spec_of("tensor", tensor)], root=dst)
 
     def scatter(self, tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = None,
                 src: int = 0) -> Work:
-        return self._collective("scatter", lambda: self._inner.scatter(tensor, scatter_list, src),
-                                [spec_of("tensor", tensor)], root=src)
+        return self._collective(
+            "scatter", (tensor, scatter_list, src),
+            lambda: self._inner.scatter(tensor, scatter_list, src),
+            [spec_of("tensor", tensor)], root=src)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: Sequence[torch.Tensor],
                        op: ReduceOp = ReduceOp.SUM) -> Work:
         specs = [spec_of("output", output)]
         specs += [spec_of(f"input_list[{i}]", t) for i, t in enumerate(input_list)]
         return self._collective(
-            "reduce_scatter", lambda: self._inner.reduce_scatter(output, input_list, op), specs,
+            "reduce_scatter", (output, input_list, op),
+            lambda: self._inner.reduce_scatter(output, input_list, op), specs,
             reduce_op=op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
                               op: ReduceOp = ReduceOp.SUM) -> Work:
         return self._collective(
-            "reduce_scatter_tensor", lambda: self._inner.reduce_scatter_tensor(output, input, op),
+            "reduce_scatter_tensor", (output, input, op),
+            lambda: self._inner.reduce_scatter_tensor(output, input, op),
             [spec_of("output", output), spec_of("input", input)], reduce_op=op)
 
     def all_to_all(self, output_tensors: Sequence[torch.Tensor],
@@ -231,7 +258,8 @@ class DebugProcessGroup(ProcessGroup):
                   for i, s in enumerate(spec_of("", t) for t in output_tensors)]
         paired = len(input_tensors) == len(output_tensors) == self._size
         return self._collective(
-            "all_to_all", lambda: self._inner.all_to_all(output_tensors, input_tensors), specs,
+            "all_to_all", (output_tensors, input_tensors),
+            lambda: self._inner.all_to_all(output_tensors, input_tensors), specs,
             sends=tuple(_numel(t) for t in input_tensors) if paired else None,
             recvs=tuple(_numel(t) for t in output_tensors) if paired else None)
 
@@ -242,7 +270,7 @@ class DebugProcessGroup(ProcessGroup):
         rows_match = (isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor)
                       and output.shape[1:] == input.shape[1:])
         return self._collective(
-            "all_to_all_single",
+            "all_to_all_single", (output, input, output_split_sizes, input_split_sizes),
             lambda: self._inner.all_to_all_single(output, input, output_split_sizes,
                                                   input_split_sizes),
             [spec_of("output", output, rows_vary=True), spec_of("input", input, rows_vary=True)],
@@ -250,7 +278,7 @@ class DebugProcessGroup(ProcessGroup):
             recvs=_row_counts(output, output_split_sizes, self._size) if rows_match else None)
 
     def barrier(self) -> Work:
-        return self._collective("barrier", self._inner.barrier)
+        return self._collective("barrier", (), self._inner.barrier)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         return self._p2p("send", lambda: self._inner.send(tensor, dst, tag), tensor, dst)

@@ -1,0 +1,180 @@
+"""What observability costs: a small synchronous all_reduce loop over MPI, same run, same ranks.
+
+Modes, run alternately in chunks (every rank runs the same chunk at the same time):
+
+* ``mpi4py``      raw ``Allreduce`` on the same buffer (the floor);
+* ``no hook``     ``run_blocking`` as it was before observability (:func:`before`): the
+                  backend's lean route, looked up and called, with no observe check;
+* ``off``         ``dist.all_reduce``: nobody watches, the hook is one check;
+* ``recording``   ``dist.all_reduce`` with the flight recorder on (TORCH_FR_BUFFER_SIZE);
+* ``profiling``   ``dist.all_reduce`` under ``torch.profiler.profile(record_shapes=True)``.
+
+Then, on rank 0 alone, the same three plugdist modes on an in-process one-rank group whose lean
+route does nothing: the CPU each mode costs per op, without the network's noise.
+
+Prints µs per op on rank 0 — the best chunk (the one least disturbed by other load; the ratios
+use it) and the median chunk — and the ratios to ``no hook``: the goals are ``off`` within 2% and
+``recording`` within 5%.
+
+    .venv/bin/python benchmarks/observability_bench.py            # starts mpiexec -n 2 itself
+    .venv/bin/python benchmarks/observability_bench.py --iters 2000 --rounds 15 --numel 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+MODES = ("mpi4py", "no hook", "off", "recording", "profiling")
+
+
+def before(pg: Any, op: str, *args: Any) -> None:
+    """``ProcessGroup.run_blocking`` as it was before observability."""
+    lean = pg._lean.get(op)
+    if lean is None or not lean(pg, *args):
+        pg._run_blocking_rest(op, args)
+
+
+def _under_mpi() -> bool:
+    return any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=500, help="ops per chunk")
+    parser.add_argument("--rounds", type=int, default=31, help="chunks per mode")
+    parser.add_argument("--numel", type=int, default=2, help="float32 elements per all_reduce")
+    args = parser.parse_args()
+    if not _under_mpi():
+        from plugdist.testing.harness import mpiexec_path
+
+        env = {**os.environ, "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", "2000"),
+               "PLUGDIST_TORCH_WORLD": "0", "OMP_NUM_THREADS": "1"}
+        sys.exit(subprocess.call([mpiexec_path(), "-n", str(args.nproc), sys.executable,
+                                  *sys.argv], env=env))
+    run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    import plugdist as dist
+    import torch
+    from plugdist.flight_recorder import recorder
+    from plugdist.reduce_op import ReduceOp
+
+    dist.init_process_group("mpi")
+    pg = dist.group.WORLD
+    rank = dist.get_rank()
+    comm = pg._comm  # the MPI plugin's communicator: the raw baseline on the same ranks
+    from mpi4py import MPI
+
+    t = torch.ones(args.numel)
+    buf = t.numpy()
+    total = ReduceOp.SUM
+
+    def loop(mode: str) -> float:
+        n = args.iters
+        recorder.on = mode == "recording"
+        comm.Barrier()
+        start = time.perf_counter()
+        if mode == "mpi4py":
+            for _ in range(n):
+                comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
+        elif mode == "no hook":
+            for _ in range(n):
+                before(pg, "all_reduce", t, total)
+        elif mode == "profiling":
+            with torch.profiler.profile(record_shapes=True):
+                start = time.perf_counter()
+                for _ in range(n):
+                    dist.all_reduce(t)
+                elapsed = time.perf_counter() - start
+            recorder.on = False
+            return elapsed / n * 1e6
+        else:
+            for _ in range(n):
+                dist.all_reduce(t)
+        elapsed = time.perf_counter() - start
+        recorder.on = False
+        return elapsed / n * 1e6
+
+    for mode in MODES:  # warm up every path
+        loop(mode)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for _ in range(args.rounds):
+        for mode in MODES:
+            times[mode].append(loop(mode))
+    if rank == 0:
+        best = {m: min(v) for m, v in times.items()}
+        med = {m: statistics.median(v) for m, v in times.items()}
+        load = os.getloadavg()[0]
+        print(f"all_reduce of {args.numel} float32, {args.nproc} ranks over MPI, "
+              f"{args.iters} ops x {args.rounds} chunks per mode (load average {load:.2f})")
+        print(f"{'mode':<12}{'best us/op':>12}{'median':>10}{'best vs no hook':>17}")
+        for m in MODES:
+            print(f"{m:<12}{best[m]:>12.2f}{med[m]:>10.2f}{best[m] / best['no hook']:>17.3f}")
+        print(f"observe check, nobody watching: "
+              f"{100 * (best['off'] / best['no hook'] - 1):+.1f}% (goal < 2%); flight recorder "
+              f"on: {100 * (best['recording'] / best['no hook'] - 1):+.1f}% (goal < 5%)")
+        local(args)
+    comm.Barrier()
+    dist.destroy_process_group()
+
+
+def local(args: argparse.Namespace) -> None:
+    """The CPU cost per op of each mode, on a group whose op does nothing."""
+    import torch
+    from plugdist import GroupOptions, ProcessGroup
+    from plugdist.flight_recorder import recorder
+    from plugdist.reduce_op import ReduceOp
+
+    class Nothing(ProcessGroup):
+        backend_name = "nothing"
+
+        def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> None:
+            raise NotImplementedError
+
+        def native_blocking(self, op: str, kwargs: dict) -> None:
+            return None
+
+        def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> None:
+            return None
+
+    pg = Nothing(0, 2, GroupOptions(group_name="local", global_ranks=(0, 1)))
+    recorder.add_group(pg, None, (0, 1), 0)
+    t = torch.ones(args.numel)
+    total = ReduceOp.SUM
+    n = args.iters * 4
+
+    def loop(mode: str) -> float:
+        recorder.on = mode == "recording"
+        start = time.perf_counter()
+        if mode == "no hook":
+            for _ in range(n):
+                before(pg, "all_reduce", t, total)
+        else:
+            for _ in range(n):
+                pg.run_blocking("all_reduce", t, total)
+        elapsed = time.perf_counter() - start
+        recorder.on = False
+        return elapsed / n * 1e6
+
+    modes = ("no hook", "off", "recording")
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(args.rounds):
+        for m in modes:
+            times[m].append(loop(m))
+    best = {m: min(v) for m, v in times.items()}
+    print("in-process, an op that does nothing: best us/op " + ", ".join(
+        f"{m} {best[m]:.2f}" for m in modes)
+        + f"; the check costs {1000 * (best['off'] - best['no hook']):.0f} ns, recording "
+          f"{1000 * (best['recording'] - best['no hook']):.0f} ns")
+
+
+if __name__ == "__main__":
+    main()
