@@ -257,3 +257,29 @@ def test_mpi_backend_under_plugdist_run_is_refused_not_split(tmp_path: Path) -> 
     assert "MPI sees 1 process(es) in COMM_WORLD, but WORLD_SIZE=2" in res.stderr
     assert "mpiexec -n 2 python script.py" in res.stderr
     assert not list(tmp_path.glob("rank*.json"))
+
+
+@pytest.mark.timeout(200)
+def test_replace_failed_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
+    """2 hosts x 2 workers of examples/resilient_train.py under --replace-failed; the second
+    host's first worker SIGKILLs itself: that host's launcher starts a replacement, which joins
+    the running world across the hosts; the run ends with one set of parameters everywhere."""
+    _gloo()
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "resilient_train.py")
+    argv = [*LAUNCHER, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{hosts.addr[0]}:29402", "--rdzv-id", "ft", "--replace-failed",
+            "--max-restarts", "1", "--monitor-interval", "0.05", example, "--steps", "80",
+            "--hidden", "32", "--step-time", "0.1", "--kill-rank", "2", "--kill-at-step", "5"]
+    procs = [hosts.popen(h, argv) for h in (0, 1)]
+    results = _finish(procs, 180)
+    for p, (_out, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    lines = [json.loads(x[x.index("{"):]) for out, _ in results for x in out.splitlines()
+             if "{" in x]
+    steps = [x for x in lines if "step" in x and "final" not in x]
+    assert [x["step"] for x in steps] == list(range(80))
+    sizes = [x["world_size"] for x in steps]
+    assert sizes[0] == 4 and 3 in sizes and sizes[-1] == 4, sizes
+    finals = [x for x in lines if x.get("final")]
+    assert len(finals) == 4 and len({f["params_sha1"] for f in finals}) == 1, finals
+    assert "starting a replacement" in results[1][1], results[1][1][-3000:]

@@ -46,7 +46,7 @@ from .errors import DistError
 from .log import get_logger
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .store.api import Store
 
 
 __all__ = ["FlightRecorder", "Entry", "recorder", "dump_flight_recorder", "dump_path",

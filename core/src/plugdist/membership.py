@@ -56,6 +56,7 @@ CURRENT = "plugdist/epoch/current"
 CLOSED = "plugdist/closed"  # set when every member of the last epoch left
 _JOIN = "plugdist/join"
 _POLL = 0.05  # seconds between looks at the store while agreeing
+_STORE_GRACE = 10.0  # seconds a guarded wait rides out a store that does not answer
 
 
 def enabled() -> bool:
@@ -486,21 +487,31 @@ class GuardedPrefixStore(PrefixStore):
     def _until_present(self, keys: list[str], timeout: timedelta | None) -> None:
         limit = (timeout if timeout is not None else self.timeout).total_seconds()
         deadline = time.monotonic() + limit
+        unavailable_since: float | None = None
         while True:
             left = deadline - time.monotonic()
             try:
                 self.underlying_store.wait(keys, timedelta(seconds=max(0.0, min(0.2, left))))
                 return
             except DistTimeoutError:
-                m = self._membership
-                dead = [u for u in self._uids if u in m.failed]
-                if dead:
-                    raise DistRankFailureError(f"[rank {m.rank}] {m.describe(dead)}",
-                                               m.failed_ranks(dead)) from None
-                if m.excluded_reason is not None:
-                    raise m._excluded_error() from None
+                unavailable_since = None
                 if time.monotonic() >= deadline:
                     raise
+            except DistError:
+                # a replicated store (etcd) electing a leader answers no one for a moment; a
+                # store that stays away is an error after _STORE_GRACE
+                now = time.monotonic()
+                unavailable_since = unavailable_since or now
+                if now - unavailable_since > _STORE_GRACE or now >= deadline:
+                    raise
+                time.sleep(0.05)
+            m = self._membership
+            dead = [u for u in self._uids if u in m.failed]
+            if dead:
+                raise DistRankFailureError(f"[rank {m.rank}] {m.describe(dead)}",
+                                           m.failed_ranks(dead))
+            if m.excluded_reason is not None:
+                raise m._excluded_error()
 
     def get(self, key: str) -> bytes:
         self._until_present(self._ks([key]), None)

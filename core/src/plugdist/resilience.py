@@ -97,18 +97,7 @@ def shrink_group(ranks_to_exclude: Sequence[int] | None = None, group: Any = Non
         exclude = m.uids_of(ranks_to_exclude)
     for g in world.members():
         g.abort(f"shrink_group was called on rank {world.rank}: the group is being replaced")
-    for attempt in range(_ATTEMPTS):
-        decision = m.agree_shrink(exclude, limit)
-        try:
-            _enter(m, decision, limit, "shrink_group")
-            break
-        except DistError as err:
-            failed_now = [u for u in decision.members if u in m.failed]
-            if not failed_now or attempt == _ATTEMPTS - 1:
-                raise
-            get_logger(rank=world.rank).warning("shrink_retry", epoch=decision.epoch,
-                                                failed=failed_now, error=str(err))
-            exclude = None
+    _enter_until_built(m, m.agree_shrink(exclude, limit), limit, "shrink_group")
     return handle if handle is not None else world.default
 
 
@@ -123,8 +112,26 @@ def grow_group(group: Any = None, timeout: timedelta | None = None) -> Any:
     decision = m.agree_grow(limit)
     if decision is None:
         return handle if handle is not None else pg
-    _enter(m, decision, limit, "grow_group")
+    _enter_until_built(m, decision, limit, "grow_group")
     return handle if handle is not None else world.default
+
+
+def _enter_until_built(m: Membership, decision: Decision, timeout: timedelta,
+                       why: str) -> None:
+    """Enter ``decision``'s epoch; when a member of it fails before its group is built, the
+    survivors of it (every one of them comes here too, joiners included) agree again, without
+    it, up to ``_ATTEMPTS`` times. Raises the last error otherwise."""
+    for attempt in range(_ATTEMPTS):
+        try:
+            _enter(m, decision, timeout, why)
+            return
+        except DistError as err:
+            failed_now = [u for u in decision.members if u in m.failed]
+            if not failed_now or attempt == _ATTEMPTS - 1:
+                raise
+            get_logger(rank=world.rank).warning("rebuild_retry", epoch=decision.epoch,
+                                                failed=failed_now, error=str(err))
+        decision, why = m.agree_shrink(None, timeout), "shrink_group"
 
 
 def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> None:
@@ -190,16 +197,16 @@ def join_world(backend: str, store: Store, timeout: timedelta, pg_options: Any) 
     world.epoch, world.rank, world.size = decision.epoch, m.rank, len(decision.members)
     groups.start_membership(m, started=True)
     try:
-        pg = groups._build_group(name, tuple(range(world.size)), f"e{decision.epoch}", timeout,
-                                 pg_options)
+        _enter_until_built(m, decision, timeout, "grow_group")
     except BaseException:
         groups._stop_membership()
         world.reset()
         raise
-    world.default = pg
-    world.joined_epoch = decision.epoch
+    pg = world.default
+    assert pg is not None
+    world.joined_epoch = world.epoch
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(world.rank), str(world.size)
-    get_logger(rank=world.rank).info("joined", epoch=decision.epoch, world_size=world.size,
-                                     members=json.dumps(decision.members))
+    get_logger(rank=world.rank).info("joined", epoch=world.epoch, world_size=world.size,
+                                     members=json.dumps(m.members))
     return pg
 

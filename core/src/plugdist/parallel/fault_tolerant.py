@@ -235,10 +235,11 @@ class ResilientTraining:
         from .. import resilience
 
         self._grow_due = False
-        before = world.size
+        before = world.epoch
         resilience.grow_group(group=self._torch_group, timeout=self.timeout)
-        if world.size == before:
+        if world.epoch == before:
             return
+        self._check_size()  # a member may have failed while the joiners were admitted
         self._log.info("resilient_training_grown", step=self.step, world_size=world.size)
         try:  # meanwhile the joiners' model constructors run the same collectives
             self._rebind(grown=True)
