@@ -214,3 +214,33 @@ def test_store_will_runs_when_the_holder_is_killed_and_not_when_cancelled() -> N
         assert not master.check(["old/a"]) and master.check(["kept"])
     finally:
         master.close()
+
+
+_MPI_SHRINK = """
+import plugdist as dist
+dist.init_process_group("mpi")
+try:
+    dist.shrink_group(ranks_to_exclude=[1])
+    print("no error")
+except dist.DistError as err:
+    print("refused:", err)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_mpi_refuses_shrink_with_a_clear_error(tmp_path: Path) -> None:
+    """Under mpiexec (MPICH from pip) a dead rank takes every rank down with it, and no process
+    can join MPI_COMM_WORLD: shrink_group says so instead of trying."""
+    mpiexec = Path(sys.executable).with_name("mpiexec")
+    if not mpiexec.exists():
+        pytest.skip("mpiexec is not installed (pip install mpich)")
+    script = tmp_path / "shrink.py"
+    script.write_text(_MPI_SHRINK)
+    done = subprocess.run([str(mpiexec), "-n", "2", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=80,
+                          env=dict(os.environ, PLUGDIST_TORCH_WORLD="0"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [x for x in done.stdout.splitlines() if x.startswith("refused:")]
+    assert len(lines) == 2, done.stdout
+    assert all("mpiexec" in x and "backend 'mpi'" in x and "gloo" in x for x in lines), lines
