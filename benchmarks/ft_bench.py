@@ -50,33 +50,33 @@ def launch(label: str, steps: int, kill_at: int, *, extra: list[str], env: dict[
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     killed = [x["time"] for x in lines if "killed" in x]
     back = None
-    if killed:
+    if killed:  # the first step committed by 4 ranks after the world lost one (or restarted)
         after = [x for x in steps_seen if x["time"] > killed[0]]
-        lowered = any(x["world_size"] < 4 for x in after)
-        full_again = [x["time"] for x in after if x["world_size"] == 4]
-        if lowered and full_again:
-            first_low = next(i for i, x in enumerate(after) if x["world_size"] < 4)
-            back_times = [x["time"] for x in after[first_low:] if x["world_size"] == 4]
-            back = back_times[0] - killed[0] if back_times else None
+        low = next((i for i, x in enumerate(after) if x["world_size"] < 4), 0)
+        back_times = [x["time"] for x in after[low:] if x["world_size"] == 4]
+        back = back_times[0] - killed[0] if back_times else None
     return {"wall": wall, "pause": max(gaps) if gaps else 0.0,
             "redone": len(steps_seen) - len({x["step"] for x in steps_seen}),
             "back": back if back is not None else float("nan")}
 
 
-def recovery(steps: int, kill_at: int) -> None:
+def recovery(steps: int, kill_at: int, step_time: float) -> None:
+    extra_args = ["--step-time", str(step_time)]
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "ckpt.pt")
         runs = {
             "(a) restart + checkpoint/50": launch(
                 "a", steps, kill_at, extra=["--max-restarts", "1"],
                 env={"PLUGDIST_RESILIENCE": "0"},
-                script=["--mode", "restart", "--checkpoint", ckpt, "--checkpoint-every", "50"]),
+                script=["--mode", "restart", "--checkpoint", ckpt, "--checkpoint-every", "50",
+                        *extra_args]),
             "(b) --replace-failed": launch(
                 "b", steps, kill_at, extra=["--replace-failed", "--max-restarts", "1"], env={},
-                script=[]),
-            "(c) no failure": launch("c", steps, -1, extra=[], env={}, script=[]),
+                script=extra_args),
+            "(c) no failure": launch("c", steps, -1, extra=[], env={}, script=extra_args),
         }
-    print(f"\n# recovery: 4 workers over gloo, {steps} steps, rank 2 SIGKILLed at step {kill_at}")
+    print(f"\n# recovery: 4 workers over gloo, {steps} steps (+{step_time} s of compute each), "
+          f"rank 2 SIGKILLed at step {kill_at}")
     print(f"{'run':<30} {'wall s':>7} {'longest pause s':>16} {'steps redone':>13} "
           f"{'kill -> 4 ranks again s':>24}")
     for name, r in runs.items():
@@ -154,12 +154,14 @@ def main() -> None:
     ap.add_argument("--parts", default="recovery,vote")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--kill-at", type=int, default=170)
+    ap.add_argument("--step-time", type=float, default=0.02,
+                    help="extra seconds per step standing in for compute (default 0.02)")
     ap.add_argument("--vote-steps", type=int, default=20)
     ap.add_argument("--vote-blocks", type=int, default=5)
     args = ap.parse_args()
     parts = args.parts.split(",")
     if "recovery" in parts:
-        recovery(args.steps, args.kill_at)
+        recovery(args.steps, args.kill_at, args.step_time)
     if "vote" in parts:
         vote(args.vote_steps, args.vote_blocks)
 

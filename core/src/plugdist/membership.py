@@ -143,6 +143,8 @@ class Membership:
         # process started looking); a joiner cares only about deaths from now on
         self._seen_deaths = 0 if self.admitted else self.store.add(DEATHS, 0)
         self.store.add(f"{_HB}/{self.uid}", 1)
+        for counter in (f"{_JOIN}/count", f"{_JOIN}/done"):  # read together (multi_get)
+            self.store.add(counter, 0)
         self._thread = threading.Thread(target=self._run, name=f"plugdist-membership-{self.uid}",
                                         daemon=True)
         self._thread.start()

@@ -190,8 +190,8 @@ class ResilientTraining:
         if finished and world.rank == 0:
             store = world.store
             assert store is not None
-            waiting = float(store.add("plugdist/join/count", 0)
-                            - store.add("plugdist/join/done", 0))
+            count, done = store.multi_get(["plugdist/join/count", "plugdist/join/done"])
+            waiting = float(int(count) - int(done))
         agreed, extra = self._decide(f"plugdist/ft/{world.epoch}/step/{self.step}", finished,
                                      waiting)
         if world.rank == 0 and self.step >= 2:
