@@ -216,12 +216,10 @@ class GlooProcessGroup(ProcessGroup):
         Gloo's own timeout, and Gloo's shutdown and destructor join its threads, so they would
         block that long (and a destructor still pending at exit aborts the process). So the
         group is left to the process: ``_ABANDONED`` keeps it (and the store Gloo uses) and is
-        never emptied. One per failure, a few sockets and threads each."""
+        never emptied. One per failure, a few sockets and threads each. (Gloo's own ``abort``
+        is not called: with ops in flight it can end the process with an uncaught
+        ``gloo::IoException`` from a Gloo thread.)"""
         pg, self._pg = self._pg, None
-        try:
-            pg.abort()
-        except Exception as exc:  # noqa: BLE001 - best effort, the group is going anyway
-            self._log.debug("gloo abort failed", error=str(exc))
         self._waiters.close(timeout=0.0)
         _ABANDONED.append((pg, self._bridge))
         self._bridge = None
