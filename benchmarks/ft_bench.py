@@ -134,7 +134,8 @@ def vote(steps: int, blocks: int) -> None:
     cmd = [sys.executable, "-m", "plugdist_run", "--nproc-per-node", "2", __file__,
            "--vote-worker", str(steps), str(blocks)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                          env=dict(os.environ, PLUGDIST_TORCH_WORLD="0"))
+                          env=dict(os.environ, PLUGDIST_TORCH_WORLD="0",
+                                   PLUGDIST_RESILIENCE="1"))
     found = [json.loads(x[x.index("{"):]) for x in done.stdout.splitlines() if "{" in x]
     if not found:
         raise RuntimeError(f"the vote run failed:\n{done.stderr[-3000:]}")

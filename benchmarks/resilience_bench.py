@@ -43,7 +43,8 @@ def recovery_once(world: int, backend: str) -> dict[str, float]:
     tmp = Path(tempfile.mkdtemp(prefix="resilience-bench-"))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                WORLD_SIZE=str(world), BACKEND=backend, VICTIMS=str(world // 2),
-               GROW_TO=str(world), RESULT_DIR=str(tmp), PLUGDIST_TORCH_WORLD="0")
+               GROW_TO=str(world), RESULT_DIR=str(tmp), PLUGDIST_TORCH_WORLD="0",
+               PLUGDIST_RESILIENCE="1")
     procs = [subprocess.Popen([sys.executable, str(WORKER), "kill_shrink_grow"],
                               env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL) for r in range(world)]

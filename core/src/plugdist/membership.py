@@ -60,8 +60,10 @@ _STORE_GRACE = 10.0  # seconds a guarded wait rides out a store that does not an
 
 
 def enabled() -> bool:
-    """Whether worlds get a membership (on unless ``PLUGDIST_RESILIENCE=0``)."""
-    return os.environ.get(RESILIENCE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether worlds get a membership: ``PLUGDIST_RESILIENCE=1`` (``plugdist-run
+    --replace-failed`` sets it for its workers). Off by default in this version: see
+    docs/resilience.md."""
+    return os.environ.get(RESILIENCE_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _env_seconds(name: str, default: float) -> float:
