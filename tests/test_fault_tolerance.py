@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.resilience  # make test-resilience (see pyproject.toml's markers)
+
 ROOT = Path(__file__).resolve().parents[1]
 FT_WORKER = str(ROOT / "tests" / "launcher_scripts" / "ft_worker.py")
 LAUNCHER = [sys.executable, "-m", "plugdist_run"]

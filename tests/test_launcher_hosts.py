@@ -259,6 +259,7 @@ def test_mpi_backend_under_plugdist_run_is_refused_not_split(tmp_path: Path) -> 
     assert not list(tmp_path.glob("rank*.json"))
 
 
+@pytest.mark.resilience
 @pytest.mark.timeout(200)
 def test_replace_failed_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
     """2 hosts x 2 workers of examples/resilient_train.py under --replace-failed; the second
