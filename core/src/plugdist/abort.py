@@ -15,6 +15,7 @@ Thread-safe.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -101,8 +102,6 @@ def wait_sliced(wait_once: Callable[[float | None], bool], seconds: float | None
     """Call ``wait_once(s)`` (block up to ``s`` seconds, True once done) until it returns True
     (then True), ``seconds`` passed (None: no limit; then False), or ``signal`` fired (then
     the caller checks the signal). Without a monitored signal: one call for the whole time."""
-    import time
-
     if signal is None or not signal.monitored:
         return wait_once(seconds)
     deadline = None if seconds is None else time.monotonic() + seconds

@@ -120,7 +120,6 @@ class Membership:
         self._lock = threading.RLock()
         self._groups: list[tuple[weakref.ref[ProcessGroup], tuple[str, ...]]] = []
         self._seen_deaths = 0
-        self._beats = 0
         self._last_beat: dict[str, tuple[bytes, float]] = {}
         self._grow_seq = 0
         self._will: Any = None
@@ -278,7 +277,6 @@ class Membership:
             self._abort_affected()
 
     def _beat_and_check(self, store: Store) -> None:
-        self._beats += 1
         store.add(f"{_HB}/{self.uid}", 1)
         with self._lock:
             others = [u for u in self.members if u != self.uid and u not in self.failed]
@@ -393,9 +391,9 @@ class Membership:
             store.compare_set(decided, b"", json.dumps({"joiners": joiners, "done": done}))
         record = json.loads(store.get(decided))
         joiners = [(int(n), uid) for n, uid in record["joiners"]]
-        if record["done"] > store.add(f"{_JOIN}/done", 0):
-            store.compare_set(f"{_JOIN}/done", str(store.add(f"{_JOIN}/done", 0)),
-                              str(record["done"]))
+        done_now = store.add(f"{_JOIN}/done", 0)
+        if record["done"] > done_now:  # the same value from every member: one write wins
+            store.compare_set(f"{_JOIN}/done", str(done_now), str(record["done"]))
         if not joiners:
             return None
         members = self.members + [uid for _, uid in joiners]

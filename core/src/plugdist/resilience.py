@@ -142,7 +142,7 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
     native = None
     if why == "shrink_group" and old_default is not None:
         keep = [m.rank_of(u) for u in decision.members]
-        native = _native_shrink(old_default, keep, decision, timeout)
+        native = _native_shrink(old_default, keep, decision)
     for g in reversed(world.members()):
         hook.plugdist_group_destroyed(group=g)
         g.shutdown()
@@ -171,8 +171,8 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
               world_size=world.size, joined=decision.joined)
 
 
-def _native_shrink(old: ProcessGroup, keep: list[int], decision: Decision,
-                   timeout: timedelta) -> ProcessGroup | None:
+def _native_shrink(old: ProcessGroup, keep: list[int],
+                   decision: Decision) -> ProcessGroup | None:
     """The backend's own shrink of ``old`` (None: build a fresh group instead)."""
     options = GroupOptions(group_name=f"e{decision.epoch}", timeout=old.timeout,
                            global_ranks=tuple(range(len(decision.members))),
