@@ -17,7 +17,7 @@ when it reaches step S; replacements never do), ``--ddp torch`` (torch's own DDP
 steps), ``--step-time S`` (sleep S seconds per step, standing in for real compute),
 ``--mode restart --checkpoint FILE --checkpoint-every K`` (the classic way, for
 comparison: no step commit; save every K steps, and after the launcher restarts every worker
-resume from the last checkpoint; resilient groups stay off in that mode).
+resume from the last checkpoint).
 """
 
 from __future__ import annotations
@@ -105,8 +105,6 @@ def main() -> None:
     args = ap.parse_args()
 
     joining = os.environ.get("PLUGDIST_JOIN") == "1"
-    if args.mode == "resilient":
-        os.environ.setdefault("PLUGDIST_RESILIENCE", "1")  # resilient groups (docs/resilience.md)
     # torch's DDP needs torch's default group: plugdist builds it over its own world
     dist.init_process_group(args.backend, timeout=timedelta(seconds=60),
                             torch_world=True if args.ddp == "torch" else None)

@@ -171,10 +171,6 @@ def test_excluded_rank_that_is_alive_gets_a_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.resilience
-@pytest.mark.skip(reason="open bug: under a loaded full run, rank 0 sometimes crashes (SIGSEGV, "
-                         "once an uncaught gloo::IoException) right after the failure in this "
-                         "scenario; torch DDP's survival is covered by test_fault_tolerance's "
-                         "torch case, which passes")
 @pytest.mark.timeout(150)
 def test_torch_ddp_keeps_training_on_the_same_torch_group(tmp_path: Path) -> None:
     """torch's own DDP over plugdist_gloo: rank 2 is killed, the survivors shrink and keep

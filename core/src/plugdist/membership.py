@@ -56,14 +56,14 @@ CURRENT = "plugdist/epoch/current"
 CLOSED = "plugdist/closed"  # set when every member of the last epoch left
 _JOIN = "plugdist/join"
 _POLL = 0.05  # seconds between looks at the store while agreeing
+_WAKE = 0.2  # longest wait on the death log at a time: how soon ``stop`` is heeded
 _STORE_GRACE = 10.0  # seconds a guarded wait rides out a store that does not answer
 
 
 def enabled() -> bool:
-    """Whether worlds get a membership: ``PLUGDIST_RESILIENCE=1`` (``plugdist-run
-    --replace-failed`` sets it for its workers). Off by default in this version: see
-    docs/resilience.md."""
-    return os.environ.get(RESILIENCE_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    """Whether worlds get a membership: on unless ``PLUGDIST_RESILIENCE=0`` (see
+    docs/resilience.md for what it costs and changes)."""
+    return os.environ.get(RESILIENCE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -112,8 +112,11 @@ class Membership:
         self.uid = uid
         self.members: list[str] = list(members)
         self.epoch = epoch
-        self.interval = interval or _env_seconds(INTERVAL_ENV, 0.1)
         self.hang_timeout = hang_timeout or _env_seconds(HANG_TIMEOUT_ENV, 10.0)
+        # deaths wake the monitor at once (the death log is waited on); the interval paces only
+        # heartbeats, ten per hang timeout
+        self.interval = interval or _env_seconds(INTERVAL_ENV,
+                                                 min(1.0, max(0.05, self.hang_timeout / 10)))
         self.failed: dict[str, str] = {}  # uid -> why
         self.excluded_reason: str | None = None  # set when this process is out of the world
         self.admitted = uid in self.members  # a joiner is not, until the members admit it
@@ -227,17 +230,22 @@ class Membership:
         store = self._monitor_store
         assert store is not None
         unreachable_since: float | None = None
+        next_beat = 0.0
         while not self._stop.is_set():
             try:
                 try:
                     store.wait([f"{DEATHS}/{self._seen_deaths + 1}"],
-                               timedelta(seconds=self.interval))
+                               timedelta(seconds=min(self.interval, _WAKE)))
+                    died = True
                 except DistTimeoutError:
-                    pass
+                    died = False
                 if self._stop.is_set():
                     return
-                self._read_deaths(store)
-                self._beat_and_check(store)
+                if died:
+                    self._read_deaths(store)
+                if time.monotonic() >= next_beat:
+                    self._beat_and_check(store)
+                    next_beat = time.monotonic() + self.interval
                 unreachable_since = None
             except DistError as err:
                 now = time.monotonic()
@@ -256,9 +264,13 @@ class Membership:
             self._seen_deaths += 1
             record = json.loads(store.get(f"{DEATHS}/{self._seen_deaths}"))
             cause = record.get("cause", "died")
-            news[record["uid"]] = ("died (its process exited or was killed: the store saw its "
-                                   "connection drop)" if cause == "died" else
-                                   f"hung (no heartbeat for {record.get('after', '?')} s)")
+            if cause == "died":
+                why = "died (its process exited or was killed: the store saw its connection drop)"
+            elif cause == "excluded":
+                why = f"was excluded from the world by shrink_group at epoch {record['epoch']}"
+            else:
+                why = f"hung (no heartbeat for {record.get('after', '?')} s)"
+            news[record["uid"]] = why
         if news:
             self._learn(news)
 
@@ -267,9 +279,12 @@ class Membership:
             fresh = {u: why for u, why in news.items() if u not in self.failed}
             self.failed.update(fresh)
             if self.uid in fresh and self.excluded_reason is None:
-                self.excluded_reason = (f"this process (member {self.uid}) was declared failed "
-                                        f"by the others: {fresh[self.uid]}; it is no longer in "
-                                        f"the world")
+                why = fresh[self.uid]
+                if not why.startswith("was excluded"):
+                    why = f"was declared failed by the others: {why}"
+                self.excluded_reason = (f"this process (member {self.uid}) {why}; it is no "
+                                        f"longer in the world (a process can come back only "
+                                        f"as a new one, with join=True)")
         if fresh:
             lifecycle("rank_failure", group="world", group_rank=self.rank, backend="",
                       level="warning", epoch=self.epoch, failed_ranks=self.failed_ranks(fresh),
@@ -296,13 +311,15 @@ class Membership:
             self._check_still_member(store, int(current))
 
     def _declare_hung(self, store: Store, uid: str, silent: float) -> None:
-        """Write ``uid`` into the death log, once across every member that notices."""
+        self._record_death(store, uid, {"cause": "hung", "after": round(silent, 1)})
+
+    def _record_death(self, store: Store, uid: str, record: dict[str, Any]) -> None:
+        """Write ``uid`` into the death log, once across every member that does so."""
         claim = f"plugdist/live/declared/{uid}"
         if store.compare_set(claim, b"", self.uid.encode()) != self.uid.encode():
             return
         n = store.add(DEATHS, 1)
-        store.set(f"{DEATHS}/{n}", json.dumps({"uid": uid, "cause": "hung",
-                                              "after": round(silent, 1)}))
+        store.set(f"{DEATHS}/{n}", json.dumps({"uid": uid, **record}))
 
     def _check_still_member(self, store: Store, current: int) -> None:
         try:
@@ -360,6 +377,10 @@ class Membership:
                 break
             time.sleep(_POLL)
         members = json.loads(store.get(decided))["members"]
+        with self._lock:
+            left_alive = [u for u in self.members if u not in members and u not in self.failed]
+        for uid in left_alive:  # told through the death log, so they learn it at once
+            self._record_death(store, uid, {"cause": "excluded", "epoch": e + 1})
         if self.uid not in members:
             with self._lock:
                 self.excluded_reason = (f"this process was excluded from the world by "
