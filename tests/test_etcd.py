@@ -8,6 +8,7 @@ with --rdzv-backend etcd in tests/test_launcher.py."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -169,10 +170,61 @@ def test_gloo_job_survives_the_leader_sigkill(etcd3) -> None:  # type: ignore[no
     s.close()
 
 
+_WILL_HOLDER = r"""
+import os, signal, sys
+from datetime import timedelta
+import plugdist
+url, name, how = sys.argv[1:4]
+store = plugdist.open_store(url, timedelta(seconds=20))
+will = store.hold_will("deaths", name)
+if how == "cancel":
+    will.cancel()
+    store.close()
+    print("cancelled", flush=True)
+else:
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_will_runs_once_when_its_holder_is_killed_and_not_when_cancelled(etcd1) -> None:  # type: ignore[no-untyped-def]
+    """Three holders here watch (each process holding a will executes the orphaned ones); a
+    holder that cancels leaves no entry, a SIGKILLed one exactly one, within the lease's
+    liveness timeout."""
+    url = etcd1.url(f"will/{os.urandom(6).hex()}")
+    stores = [plugdist.open_store(url, timedelta(seconds=20)) for _ in range(3)]
+    wills = [s.hold_will("deaths", f"watcher{i}") for i, s in enumerate(stores)]
+    try:
+        assert all(2.0 <= w.liveness_timeout <= 3.0 for w in wills), wills
+        done = subprocess.run([sys.executable, "-c", _WILL_HOLDER, url, "polite", "cancel"],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0 and "cancelled" in done.stdout, done.stderr
+        killed = subprocess.run([sys.executable, "-c", _WILL_HOLDER, url, "victim", "kill"],
+                                capture_output=True, text=True, timeout=30)
+        died = time.monotonic()
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        stores[0].wait(["deaths/1"], timedelta(seconds=10))
+        took = time.monotonic() - died
+        assert took < wills[0].liveness_timeout + 1.0, took
+        time.sleep(1.5)  # a second execution, or the cancelled will's, would be in by now
+        assert stores[1].get("deaths") == b"1", "one will ran, once"
+        assert stores[2].get("deaths/1") == b"victim"
+        assert not stores[0].check(["deaths/2"])
+        print(f"the killed holder's will ran {took:.2f}s after its death")
+        wills[0].cancel()  # the other two would run it if it were still there
+        time.sleep(wills[0].liveness_timeout + 0.5)
+        assert stores[1].get("deaths") == b"1", "a cancelled will ran"
+    finally:
+        for w in wills:
+            w.cancel()
+        for s in stores:
+            s.close()
+
+
 def test_url_parsing_keeps_credentials_out_of_reprs(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    u = parse_etcd_url("etcd://alice:s3cret@h1:2379,h2/jobs/j1?ttl=5")
+    u = parse_etcd_url("etcd://alice:s3cret@h1:2379,h2/jobs/j1?ttl=5&live_ttl=4")
     assert u.endpoints == ("http://h1:2379", "http://h2:2379") and u.prefix == "jobs/j1"
-    assert u.user == "alice" and u.password == "s3cret" and u.ttl == 5
+    assert u.user == "alice" and u.password == "s3cret" and u.ttl == 5 and u.live_ttl == 4
     assert "s3cret" not in repr(u)
     monkeypatch.setenv("ETCDCTL_USER", "bob:pw")
     monkeypatch.setenv("ETCDCTL_CACERT", "/ca.pem")
