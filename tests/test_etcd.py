@@ -221,6 +221,79 @@ def test_will_runs_once_when_its_holder_is_killed_and_not_when_cancelled(etcd1) 
             s.close()
 
 
+def _heartbeat_keys(url: str) -> list[bytes]:
+    """Keys of the job at ``url`` that belong to membership's heartbeats."""
+    from plugdist_etcd import EtcdClient
+    from plugdist_etcd.client import b64, prefix_end, unb64
+    u = parse_etcd_url(url)
+    client = EtcdClient(list(u.endpoints))
+    p = f"/{u.prefix}/".encode()
+    data = client.call("kv/range", {"key": b64(p), "range_end": b64(prefix_end(p)),
+                                    "keys_only": True}, time.monotonic() + 10, "test")
+    client.close()
+    return [k for k in (unb64(kv["key"]) for kv in data.get("kvs", [])) if b"live/hb" in k]
+
+
+_RESILIENT_PAIR = r"""
+import sys, time
+import plugdist as dist, torch
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+t = torch.ones(2)
+dist.all_reduce(t)
+time.sleep(1.0)  # the monitor's loop runs about ten times
+dist.all_reduce(t)
+print("SUM", t.tolist(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_no_heartbeats_where_etcd_serves_liveness(etcd1) -> None:  # type: ignore[no-untyped-def]
+    """With resilient groups on an etcd store, the ranks' liveness is their wills' leases: no
+    heartbeat key is ever written."""
+    url = etcd1.url(f"nohb/{os.urandom(6).hex()}")
+    env = dict(os.environ, PLUGDIST_RESILIENCE="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _RESILIENT_PAIR, url, str(r)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and "SUM [4.0, 4.0]" in out, err[-2000:]
+    assert _heartbeat_keys(url) == []
+    # the job's keys stay (its lease outlives it by ttl): membership did run here
+    s = plugdist.open_store(url, timedelta(seconds=10))
+    assert s.check(["plugdist/epoch/current"])
+    s.close()
+
+
+@pytest.mark.resilience
+@pytest.mark.timeout(150)
+def test_resilient_gloo_world_on_etcd_names_a_sigkilled_rank_and_shrinks(etcd1, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """4 gloo ranks whose store is etcd; rank 2 SIGKILLs itself mid-loop: every survivor gets
+    DistRankFailureError naming rank 2 within the will lease's TTL + 1 s, shrinks to 3 ranks
+    and runs every collective correctly; no heartbeat key was written."""
+    from test_resilience import run_scenario, survivors
+    url = etcd1.url(f"resilient/{os.urandom(6).hex()}")
+    found = run_scenario(tmp_path, "kill_shrink_grow", 4, "gloo", victims="2",
+                         extra_env={"INIT_METHOD": url})
+    alive = survivors(found)
+    assert sorted(r["old_rank"] for r in alive) == [0, 1, 3]
+    print("kill to error per survivor:", [round(r["detect_s"], 2) for r in alive])
+    for r in alive:
+        assert r["error_type"] == "DistRankFailureError", r
+        assert r["error_ranks"] == [2] and r["failed_known"] == [2], r
+        assert "rank 2 died" in r["error"] and "shrink_group" in r["error"], r["error"]
+        # the lease's TTL (2 s) + etcd's expiry check (0.5 s) + 1 s
+        assert r["detect_s"] < 3.5, f"rank {r['old_rank']} named it after {r['detect_s']}s"
+        assert r["size"] == 3 and r["bad"] == [], r
+    assert sorted(r["rank"] for r in alive) == [0, 1, 2]
+    assert _heartbeat_keys(url) == []
+
+
 def test_url_parsing_keeps_credentials_out_of_reprs(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     u = parse_etcd_url("etcd://alice:s3cret@h1:2379,h2/jobs/j1?ttl=5&live_ttl=4")
     assert u.endpoints == ("http://h1:2379", "http://h2:2379") and u.prefix == "jobs/j1"
