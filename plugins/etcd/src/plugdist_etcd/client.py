@@ -1,6 +1,8 @@
 """A small etcd v3 client over etcd's JSON gateway (``/v3/...`` on every client port), on urllib3.
 
-One :class:`EtcdClient` talks to several endpoints of one cluster: it sticks to the one that
+One :class:`EtcdClient` talks to several endpoints of one cluster: it prefers the leader (learned
+in the background, once per process and cluster: a write or a linearizable read sent to a
+follower costs that follower a forwarding hop to the leader), sticks to the endpoint that
 answered last and, when a request fails in a way that says "not this member now" (connection
 refused or reset, etcd's Unavailable, a member without a leader), moves to the next, until the
 request's deadline. Whether the failed attempt was applied is unknown then: callers make their
@@ -19,10 +21,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import urllib3
 from plugdist.errors import DistNetworkError, DistStoreError
 from plugdist.log import get_logger
+
+from .http import Endpoint, HTTPFailure, ssl_context
 
 __all__ = ["EtcdClient", "EtcdError", "EtcdUnavailableError", "TLSConfig", "b64", "unb64",
            "prefix_end"]
@@ -38,6 +43,7 @@ _BYTES_PER_S = 50e6  # a large value gets time to travel and be written on top o
 _CONNECT = 1.0
 _RETRYABLE_CODES = {4, 14}  # DeadlineExceeded ("request timed out"), Unavailable (no leader, ...)
 _AUTH_CODES = {16}          # Unauthenticated
+_LEADER_RECHECK = 1.0       # seconds between two looks for the leader, while it is not known
 
 
 def b64(data: bytes) -> str:
@@ -81,6 +87,61 @@ class TLSConfig:
     key_file: str | None = None
 
 
+class _LeaderHint:
+    """Which of a cluster's endpoints leads, as last learned; one per process and endpoint
+    list, shared by its clients. Learned on a daemon thread (two round trips), never on the
+    caller's: until then, and while a failover makes it unknown, clients use any member."""
+
+    def __init__(self) -> None:
+        self.index: int | None = None
+        self._asked = -_LEADER_RECHECK
+        self._busy = False
+        self._lock = threading.Lock()
+
+    def forget(self, index: int) -> None:
+        """The endpoint ``index`` failed a request: it may not lead any more."""
+        if self.index == index:
+            self.index = None
+
+    def learn(self, client: EtcdClient) -> None:
+        """Start looking for the leader, unless a look is under way or was made lately."""
+        now = time.monotonic()
+        with self._lock:
+            if self._busy or now - self._asked < _LEADER_RECHECK:
+                return
+            self._busy, self._asked = True, now
+        threading.Thread(target=self._look, args=(client,), name="etcd-leader",
+                         daemon=True).start()
+
+    def _look(self, client: EtcdClient) -> None:
+        try:
+            deadline = time.monotonic() + 2.0
+            status = client.call("maintenance/status", {}, deadline, "status", route=False)
+            leader = str(status.get("leader") or "0")
+            if leader == "0":
+                return  # an election is on: look again later
+            members = client.call("cluster/member/list", {}, deadline, "member list",
+                                  route=False).get("members", [])
+            urls = {_netloc(u) for m in members if str(m.get("ID")) == leader
+                    for u in m.get("clientURLs", [])}
+            for i, endpoint in enumerate(client.endpoints):
+                if _netloc(endpoint) in urls:
+                    self.index = i
+        except DistStoreError:
+            pass  # e.g. not allowed to list members: any member will do
+        finally:
+            with self._lock:
+                self._busy = False
+
+
+def _netloc(url: str) -> str:
+    return urlsplit(url).netloc.lower()
+
+
+_HINTS: dict[tuple[str, ...], _LeaderHint] = {}
+_HINTS_LOCK = threading.Lock()
+
+
 @dataclass
 class _Attempt:
     errors: list[str] = field(default_factory=list)
@@ -100,10 +161,16 @@ class EtcdClient:
         self._token: str | None = None
         self._lock = threading.Lock()
         self._current = 0
+        with _HINTS_LOCK:
+            self._leader = _HINTS.setdefault(tuple(self.endpoints), _LeaderHint())
         kw: dict[str, Any] = {}
+        context = None
         if tls is not None:
             kw = {"cert_reqs": "CERT_REQUIRED" if tls.ca_file else "CERT_NONE",
                   "ca_certs": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file}
+            context = ssl_context(tls.ca_file, tls.cert_file, tls.key_file)
+        # unary requests on lean keep-alive connections; the (few, streaming) watches on urllib3
+        self._http = [Endpoint(e, context, keep=pool_size) for e in self.endpoints]
         self._pool = urllib3.PoolManager(num_pools=max(4, len(endpoints)), maxsize=pool_size,
                                          retries=False, **kw)
 
@@ -116,14 +183,23 @@ class EtcdClient:
         return ",".join(self.endpoints)
 
     def close(self) -> None:
+        for endpoint in self._http:
+            endpoint.close()
         self._pool.clear()
 
     # -- unary requests ---------------------------------------------------------------------
     def call(self, path: str, body: dict[str, Any], deadline: float, what: str, *,
-             auth: bool = True) -> dict[str, Any]:
+             auth: bool = True, route: bool = True) -> dict[str, Any]:
         """POST ``body`` to ``/v3/<path>``, failing over between endpoints until ``deadline``
         (a ``time.monotonic()`` value). Raises :class:`EtcdError` for a refusal by etcd and
-        :class:`EtcdUnavailableError` when no endpoint answered in time."""
+        :class:`EtcdUnavailableError` when no endpoint answered in time. ``route``: start at
+        the leader when it is known (and have it looked for when not)."""
+        if route and len(self.endpoints) > 1:
+            leader = self._leader.index
+            if leader is None:
+                self._leader.learn(self)
+            else:
+                self._current = leader
         payload = json.dumps(body).encode()
         attempt = _Attempt()
         tried = timed_out = 0
@@ -136,19 +212,19 @@ class EtcdClient:
             read = (_ATTEMPT_READ + len(payload) / _BYTES_PER_S) * 2 ** max(
                 timed_out - _SHORT_TRIES, 0)
             try:
-                resp = self._pool.request(
-                    "POST", f"{endpoint}/v3/{path}", body=payload, headers=self._headers(auth),
-                    timeout=urllib3.Timeout(connect=min(_CONNECT, left), read=min(read, left)))
-            except urllib3.exceptions.HTTPError as err:
-                timed_out += isinstance(err, urllib3.exceptions.ReadTimeoutError)
-                attempt.errors.append(f"{endpoint}: {type(err).__name__}: {err}")
+                status, raw = self._http[index].post(f"/v3/{path}", payload,
+                                                     self._headers(auth), min(_CONNECT, left),
+                                                     min(read, left))
+            except HTTPFailure as err:
+                timed_out += err.timeout
+                attempt.errors.append(f"{endpoint}: {err}")
             else:
-                data = _json(resp.data)
-                if resp.status == 200:
+                data = _json(raw)
+                if status == 200:
                     self._current = index
                     return data
                 code = int(data.get("code", 0))
-                message = str(data.get("message") or data.get("error") or resp.status)
+                message = str(data.get("message") or data.get("error") or status)
                 if code in _AUTH_CODES or "invalid auth token" in message:
                     if self._user and auth:
                         self._authenticate(deadline)
@@ -160,6 +236,7 @@ class EtcdClient:
                     raise EtcdError(f"etcd at {endpoint} refused {what}: {message} (code {code})",
                                     code)
                 attempt.errors.append(f"{endpoint}: {message}")
+            self._leader.forget(index)
             with self._lock:
                 if self._current == index:
                     self._current = (index + 1) % len(self.endpoints)
