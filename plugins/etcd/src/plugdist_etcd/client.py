@@ -44,6 +44,10 @@ _CONNECT = 1.0
 _RETRYABLE_CODES = {4, 14}  # DeadlineExceeded ("request timed out"), Unavailable (no leader, ...)
 _AUTH_CODES = {16}          # Unauthenticated
 _LEADER_RECHECK = 1.0       # seconds between two looks for the leader, while it is not known
+# after a request timed out: how long to poll the members' status for a leader (etcd elects one
+# in 1-2 s with its defaults), and how often
+_FIND_LEADER = 3.0
+_FIND_EVERY = 0.03
 
 
 def b64(data: bytes) -> str:
@@ -97,6 +101,8 @@ class _LeaderHint:
         self._asked = -_LEADER_RECHECK
         self._busy = False
         self._lock = threading.Lock()
+        self._find_lock = threading.Lock()
+        self._found_at = -1.0
 
     def forget(self, index: int) -> None:
         """The endpoint ``index`` failed a request: it may not lead any more."""
@@ -132,6 +138,26 @@ class _LeaderHint:
         finally:
             with self._lock:
                 self._busy = False
+
+
+    def find(self, client: EtcdClient, deadline: float) -> int | None:
+        """After a request timed out (a member whose leader died holds it without an answer
+        until a new leader is elected): poll every member's status, which each answers on its
+        own, until one says it leads; its index, or None after ``_FIND_LEADER`` seconds or at
+        ``deadline``. One poller per process: other callers wait for its answer."""
+        with self._find_lock:
+            if self.index is not None and time.monotonic() - self._found_at < 0.5:
+                return self.index  # another caller just found it
+            end = min(deadline, time.monotonic() + _FIND_LEADER)
+            while time.monotonic() < end:
+                for i in range(len(client.endpoints)):
+                    data = client._status(i)
+                    me = str(data.get("header", {}).get("member_id") or "")
+                    if me and str(data.get("leader") or "") == me:
+                        self.index, self._found_at = i, time.monotonic()
+                        return i
+                time.sleep(_FIND_EVERY)
+            return None
 
 
 def _netloc(url: str) -> str:
@@ -218,6 +244,11 @@ class EtcdClient:
             except HTTPFailure as err:
                 timed_out += err.timeout
                 attempt.errors.append(f"{endpoint}: {err}")
+                if err.timeout and route and len(self.endpoints) > 1:
+                    found = self._leader.find(self, deadline)
+                    if found is not None and found != index:
+                        self._current = found
+                        continue
             else:
                 data = _json(raw)
                 if status == 200:
@@ -247,6 +278,16 @@ class EtcdClient:
             if tried % len(self.endpoints) == 0:  # every member failed once: let etcd settle
                 time.sleep(min(0.05 * (tried // len(self.endpoints)), 0.25,
                                max(deadline - time.monotonic(), 0)))
+
+    def _status(self, index: int) -> dict[str, Any]:
+        """Member ``index``'s own status (no consensus needed), or {} if it does not answer
+        within 0.1 s."""
+        try:
+            status, raw = self._http[index].post("/v3/maintenance/status", b"{}",
+                                                 self._headers(), 0.1, 0.1)
+        except (HTTPFailure, DistStoreError):
+            return {}
+        return _json(raw) if status == 200 else {}
 
     def _unavailable(self, what: str, attempt: _Attempt) -> EtcdUnavailableError:
         last = "; ".join(attempt.errors[-len(self.endpoints):]) or "no attempt in time"
