@@ -13,7 +13,7 @@ import time
 
 from .client import EtcdClient, EtcdError
 
-__all__ = ["Lease", "acquire_shared", "release_shared"]
+__all__ = ["Lease", "acquire_shared", "release_shared", "renewed_here"]
 
 
 class Lease:
@@ -75,6 +75,14 @@ class Lease:
 
 _SHARED: dict[tuple[tuple[str, ...], int], tuple[Lease, int]] = {}
 _SHARED_LOCK = threading.Lock()
+
+
+def renewed_here(client: EtcdClient, lease_id: int) -> bool:
+    """Whether this process already renews ``lease_id`` on ``client``'s cluster (and etcd has
+    not said it is gone): then it exists, and a new handle needs no request to learn that."""
+    with _SHARED_LOCK:
+        lease, _ = _SHARED.get((tuple(client.endpoints), lease_id), (None, 0))
+        return lease is not None and not lease.lost
 
 
 def acquire_shared(client: EtcdClient, ttl: float, lease_id: int) -> Lease:

@@ -44,7 +44,7 @@ from plugdist.store import DEFAULT_STORE_TIMEOUT, Store
 from plugdist.store.api import to_bytes, to_seconds
 
 from .client import EtcdClient, EtcdError, TLSConfig, b64, prefix_end, unb64
-from .lease import Lease, acquire_shared, release_shared
+from .lease import Lease, acquire_shared, release_shared, renewed_here
 
 if TYPE_CHECKING:
     from .will import EtcdWill
@@ -201,9 +201,12 @@ class EtcdStore(Store):
     def _job_lease(self) -> Lease:
         """The job's lease, one per prefix: its id is derived from the prefix, so every process
         asks etcd for the same one in one request (the first creates it, the others are told it
-        exists), with no record to agree on and no lease granted in vain."""
+        exists), with no record to agree on and no lease granted in vain; none at all when
+        this process renews it already (another handle on the same prefix)."""
         lease_id = int.from_bytes(hashlib.blake2b(self._p, digest_size=8).digest(), "big")
         lease_id = (lease_id & ((1 << 62) - 1)) | 1   # positive int64, never 0 (etcd's "pick")
+        if renewed_here(self._client, lease_id):
+            return acquire_shared(self._client, self.ttl, lease_id)
         try:
             self._call("lease/grant", {"TTL": max(int(self.ttl), 1), "ID": str(lease_id)},
                        "open")
