@@ -310,7 +310,8 @@ class EtcdClient:
         self._token = None
         try:
             data = self.call("auth/authenticate", {"name": self._user, "password": self._password},
-                             deadline, "authenticate", auth=False)
+                             deadline, "authenticate", auth=False,
+                             route=False)  # find() may be asking: never back into it
         except EtcdError as err:
             raise EtcdError(f"etcd refused the user {self._user!r} on {self.describe()}: "
                             f"{str(err).split(': ', 2)[-1]}", err.code) from None
