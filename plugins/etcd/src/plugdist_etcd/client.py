@@ -1,4 +1,5 @@
-"""A small etcd v3 client over etcd's JSON gateway (``/v3/...`` on every client port), on urllib3.
+"""A small etcd v3 client over etcd's JSON gateway (``/v3/...`` on every client port), on the
+keep-alive HTTP/1.1 connections of :mod:`plugdist_etcd.http`.
 
 One :class:`EtcdClient` talks to several endpoints of one cluster: it prefers the leader (learned
 in the background, once per process and cluster: a write or a linearizable read sent to a
@@ -9,7 +10,7 @@ request's deadline. Whether the failed attempt was applied is unknown then: call
 writes safe to repeat (see :mod:`plugdist_etcd.store`). Credentials (password, auth token) never
 appear in a message, a repr or a log event.
 
-Thread-safe: urllib3's pools are, and the rest is guarded by a lock.
+Thread-safe: each connection serves one request at a time, and the rest is guarded by locks.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import urllib3
 from plugdist.errors import DistNetworkError, DistStoreError
 from plugdist.log import get_logger
 
@@ -189,16 +189,10 @@ class EtcdClient:
         self._current = 0
         with _HINTS_LOCK:
             self._leader = _HINTS.setdefault(tuple(self.endpoints), _LeaderHint())
-        kw: dict[str, Any] = {}
         context = None
         if tls is not None:
-            kw = {"cert_reqs": "CERT_REQUIRED" if tls.ca_file else "CERT_NONE",
-                  "ca_certs": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file}
             context = ssl_context(tls.ca_file, tls.cert_file, tls.key_file)
-        # unary requests on lean keep-alive connections; the (few, streaming) watches on urllib3
         self._http = [Endpoint(e, context, keep=pool_size) for e in self.endpoints]
-        self._pool = urllib3.PoolManager(num_pools=max(4, len(endpoints)), maxsize=pool_size,
-                                         retries=False, **kw)
 
     def __repr__(self) -> str:
         auth = f", user={self._user!r}" if self._user else ""
@@ -211,7 +205,6 @@ class EtcdClient:
     def close(self) -> None:
         for endpoint in self._http:
             endpoint.close()
-        self._pool.clear()
 
     # -- unary requests ---------------------------------------------------------------------
     def call(self, path: str, body: dict[str, Any], deadline: float, what: str, *,
@@ -332,12 +325,12 @@ class EtcdClient:
             if left <= 0:
                 return
             try:
-                resp = self._pool.request(
-                    "POST", f"{endpoint}/v3/watch", body=body, headers=self._headers(),
-                    preload_content=False,
-                    timeout=urllib3.Timeout(connect=min(_CONNECT, left), read=left))
-            except urllib3.exceptions.HTTPError as err:
-                attempt.errors.append(f"{endpoint}: {type(err).__name__}: {err}")
+                lines = self._http[index].stream("/v3/watch", body, self._headers(),
+                                                 min(_CONNECT, left), deadline)
+            except HTTPFailure as err:
+                if err.timeout:
+                    return  # the deadline passed before the stream started
+                attempt.errors.append(f"{endpoint}: {err}")
                 with self._lock:
                     if self._current == index:
                         self._current = (index + 1) % len(self.endpoints)
@@ -349,23 +342,14 @@ class EtcdClient:
                 continue
             break
         try:
-            buf = b""
-            for chunk in resp.stream(65536, decode_content=False):
-                buf += chunk
-                while b"\n" in buf:
-                    line, _, buf = buf.partition(b"\n")
-                    if line.strip():
-                        msg = _json(line)
-                        if "error" in msg and "result" not in msg:
-                            return  # e.g. a compacted revision: the caller re-checks
-                        yield msg.get("result", {})
-        except (urllib3.exceptions.HTTPError, OSError):
-            return  # timed out, or the member went away
+            for line in lines:  # ends at the deadline, or when the member goes away
+                if line.strip():
+                    msg = _json(line)
+                    if "error" in msg and "result" not in msg:
+                        return  # e.g. a compacted revision: the caller re-checks
+                    yield msg.get("result", {})
         finally:
-            try:
-                resp.close()
-            except OSError:
-                pass
+            lines.close()  # the caller stopped reading: close the stream's connection now
 
 
 def _json(raw: bytes) -> dict[str, Any]:
