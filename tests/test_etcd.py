@@ -272,21 +272,24 @@ def test_no_heartbeats_where_etcd_serves_liveness(etcd1) -> None:  # type: ignor
 
 @pytest.mark.resilience
 @pytest.mark.timeout(150)
-def test_resilient_gloo_world_on_etcd_names_a_sigkilled_rank_and_shrinks(etcd1, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """4 gloo ranks whose store is etcd; rank 2 SIGKILLs itself mid-loop: every survivor gets
-    DistRankFailureError naming rank 2 within the will lease's TTL + 1 s, shrinks to 3 ranks
-    and runs every collective correctly; no heartbeat key was written."""
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_resilient_gloo_world_on_etcd_names_a_failed_rank_and_shrinks(etcd1, tmp_path, how) -> None:  # type: ignore[no-untyped-def]
+    """4 gloo ranks whose store is etcd; rank 2 SIGKILLs itself mid-loop (or SIGSTOPs: alive,
+    connections open, silent): every survivor gets DistRankFailureError naming rank 2 within
+    the will lease's TTL + 1 s, shrinks to 3 ranks and runs every collective correctly; no
+    heartbeat key was written (the lease covers the hang too)."""
     from test_resilience import run_scenario, survivors
     url = etcd1.url(f"resilient/{os.urandom(6).hex()}")
-    found = run_scenario(tmp_path, "kill_shrink_grow", 4, "gloo", victims="2",
-                         extra_env={"INIT_METHOD": url})
+    env = {"INIT_METHOD": url, **({"HANG": "1"} if how == "SIGSTOP" else {})}
+    found = run_scenario(tmp_path, "kill_shrink_grow", 4, "gloo", victims="2", extra_env=env)
     alive = survivors(found)
     assert sorted(r["old_rank"] for r in alive) == [0, 1, 3]
-    print("kill to error per survivor:", [round(r["detect_s"], 2) for r in alive])
+    print(f"{how}: to the error per survivor:", [round(r["detect_s"], 2) for r in alive])
     for r in alive:
         assert r["error_type"] == "DistRankFailureError", r
         assert r["error_ranks"] == [2] and r["failed_known"] == [2], r
         assert "rank 2 died" in r["error"] and "shrink_group" in r["error"], r["error"]
+        assert "stopped running" in r["error"], r["error"]
         # the lease's TTL (2 s) + etcd's expiry check (0.5 s) + 1 s
         assert r["detect_s"] < 3.5, f"rank {r['old_rank']} named it after {r['detect_s']}s"
         assert r["size"] == 3 and r["bad"] == [], r
