@@ -145,7 +145,9 @@ class _LeaderHint:
         until a new leader is elected): poll every member's status, which each answers on its
         own, until one says it leads; its index, or None after ``_FIND_LEADER`` seconds or at
         ``deadline``. One poller per process: other callers wait for its answer."""
-        with self._find_lock:
+        if not self._find_lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
+            return self.index
+        try:
             if self.index is not None and time.monotonic() - self._found_at < 0.5:
                 return self.index  # another caller just found it
             end = min(deadline, time.monotonic() + _FIND_LEADER)
@@ -158,6 +160,8 @@ class _LeaderHint:
                         return i
                 time.sleep(_FIND_EVERY)
             return None
+        finally:
+            self._find_lock.release()
 
 
 def _netloc(url: str) -> str:
