@@ -139,7 +139,6 @@ class _LeaderHint:
             with self._lock:
                 self._busy = False
 
-
     def find(self, client: EtcdClient, deadline: float) -> int | None:
         """After a request timed out (a member whose leader died holds it without an answer
         until a new leader is elected): poll every member's status, which each answers on its
