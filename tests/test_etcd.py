@@ -221,6 +221,25 @@ def test_will_runs_once_when_its_holder_is_killed_and_not_when_cancelled(etcd1) 
             s.close()
 
 
+@pytest.mark.timeout(120)
+def test_wills_outlive_the_etcd_leaders_death(etcd3) -> None:  # type: ignore[no-untyped-def]
+    """No renewal reaches etcd while it elects a new leader (1-2 s, near the wills' 2 s TTL);
+    the new leader extends every lease, so no live holder is taken for dead."""
+    url = etcd3.url(f"willfail/{os.urandom(6).hex()}")
+    stores = [plugdist.open_store(url, timedelta(seconds=30)) for _ in range(3)]
+    wills = [s.hold_will("deaths", f"holder{i}") for i, s in enumerate(stores)]
+    try:
+        etcd3.kill(etcd3.leader())
+        time.sleep(wills[0].liveness_timeout + 3.0)
+        assert not stores[0].check(["deaths/1"]), stores[0].get("deaths/1")
+    finally:
+        for w in wills:
+            w.cancel()
+        for s in stores:
+            s.close()
+        _heal(etcd3)
+
+
 def _heartbeat_keys(url: str) -> list[bytes]:
     """Keys of the job at ``url`` that belong to membership's heartbeats."""
     from plugdist_etcd import EtcdClient

@@ -11,7 +11,9 @@ from __future__ import annotations
 import threading
 import time
 
-from .client import EtcdClient, EtcdError
+from plugdist.errors import DistStoreError
+
+from .client import EtcdClient
 
 __all__ = ["Lease", "acquire_shared", "release_shared", "renewed_here"]
 
@@ -53,8 +55,8 @@ class Lease:
             try:
                 data = self.client.call("lease/keepalive", {"ID": str(self.id)},
                                         time.monotonic() + period, "lease keepalive")
-            except EtcdError:
-                continue  # the cluster is down for now; the next beat tries again
+            except DistStoreError:  # a refusal, or no member answered (EtcdUnavailableError)
+                continue  # the cluster is down or electing for now; the next beat tries again
             if int(data.get("result", {}).get("TTL", 0) or 0) <= 0:
                 self.lost = True
                 return
@@ -69,8 +71,8 @@ class Lease:
         try:
             self.client.call("lease/revoke", {"ID": str(self.id)}, time.monotonic() + 5,
                              "lease revoke")
-        except EtcdError:
-            pass
+        except DistStoreError:
+            pass  # unreachable: the lease expires by itself
 
 
 _SHARED: dict[tuple[tuple[str, ...], int], tuple[Lease, int]] = {}

@@ -82,7 +82,9 @@ class EtcdWill:
             self._store._withdraw_will(self.id)
         except DistError as err:
             self._log.warning("will_not_withdrawn", key=self.key, error=str(err)[-200:])
-        self._lease.revoke()
+            self._lease.stop()  # etcd is out of reach: do not wait for it a second time
+        else:
+            self._lease.revoke()
         # the watcher ends with its current watch (daemon: it never keeps the process alive)
         self._store.close()
 
