@@ -15,7 +15,8 @@ Liveness, off the hot path, on one monitor thread per process:
 * **Hang**: every member bumps a heartbeat counter each ``interval``; a member whose counter
   has not moved for ``hang_timeout`` is declared failed by the first member to notice, in the
   same death log. Not where the store's liveness sees a stalled process too (the will's
-  ``liveness_timeout``, e.g. an etcd lease the process stops renewing): then no heartbeats.
+  ``liveness_timeout``, e.g. an etcd lease the process stops renewing): then no heartbeats,
+  and the monitor looks at the store every half second instead of each ``interval``.
 
 When the monitor learns of a failure it aborts (``ProcessGroup.abort``) every group it watches
 that holds the failed member, so blocked ops are released with ``DistRankFailureError`` at once.
@@ -58,6 +59,10 @@ CLOSED = "plugdist/closed"  # set when every member of the last epoch left
 _JOIN = "plugdist/join"
 _POLL = 0.05  # seconds between looks at the store while agreeing
 _STORE_GRACE = 10.0  # seconds a guarded wait rides out a store that does not answer
+# seconds between the monitor's looks where the store serves liveness: with no heartbeats to
+# write or read, it only re-reads the epoch record (a death wakes its wait at once anyway);
+# short enough that stop()'s one-second join still finds the monitor done
+_QUIET_INTERVAL = 0.5
 
 
 def enabled() -> bool:
@@ -236,11 +241,12 @@ class Membership:
         store = self._monitor_store
         assert store is not None
         unreachable_since: float | None = None
+        every = self.interval if self.store_liveness is None else max(self.interval,
+                                                                      _QUIET_INTERVAL)
         while not self._stop.is_set():
             try:
                 try:
-                    store.wait([f"{DEATHS}/{self._seen_deaths + 1}"],
-                               timedelta(seconds=self.interval))
+                    store.wait([f"{DEATHS}/{self._seen_deaths + 1}"], timedelta(seconds=every))
                     news = True
                 except DistTimeoutError:
                     news = False  # every entry of the log is written with or before its count
