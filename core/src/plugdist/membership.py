@@ -14,7 +14,9 @@ Liveness, off the hot path, on one monitor thread per process:
   cannot (a FileStore) rely on heartbeats alone.
 * **Hang**: every member bumps a heartbeat counter each ``interval``; a member whose counter
   has not moved for ``hang_timeout`` is declared failed by the first member to notice, in the
-  same death log.
+  same death log. Not where the store's liveness sees a stalled process too (the will's
+  ``liveness_timeout``, e.g. an etcd lease the process stops renewing): then no heartbeats,
+  and the monitor looks at the store every half second instead of each ``interval``.
 
 When the monitor learns of a failure it aborts (``ProcessGroup.abort``) every group it watches
 that holds the failed member, so blocked ops are released with ``DistRankFailureError`` at once.
@@ -58,6 +60,10 @@ _JOIN = "plugdist/join"
 _POLL = 0.05  # seconds between looks at the store while agreeing
 _WAKE = 0.2  # longest wait on the death log at a time: how soon ``stop`` is heeded
 _STORE_GRACE = 10.0  # seconds a guarded wait rides out a store that does not answer
+# seconds between the monitor's looks where the store serves liveness: with no heartbeats to
+# write or read, it only re-reads the epoch record (a death wakes its wait at once anyway);
+# short enough that stop()'s one-second join still finds the monitor done
+_QUIET_INTERVAL = 0.5
 
 
 def enabled() -> bool:
@@ -126,6 +132,9 @@ class Membership:
         self._last_beat: dict[str, tuple[bytes, float]] = {}
         self._grow_seq = 0
         self._will: Any = None
+        # seconds within which the store's will notices a dead or stalled process; None: it
+        # notices deaths only, and heartbeats catch hangs
+        self.store_liveness: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._monitor_store: Store | None = None
@@ -139,6 +148,7 @@ class Membership:
                                                                    "cause": "died"}))
         except NotImplementedError:
             self._will = None  # heartbeats alone
+        self.store_liveness = getattr(self._will, "liveness_timeout", None)
         try:
             self._monitor_store = self.store.clone()
         except NotImplementedError:
@@ -146,7 +156,8 @@ class Membership:
         # a member of the first epoch reads the whole log (a peer may have died before this
         # process started looking); a joiner cares only about deaths from now on
         self._seen_deaths = 0 if self.admitted else self.store.add(DEATHS, 0)
-        self.store.add(f"{_HB}/{self.uid}", 1)
+        if self.store_liveness is None:
+            self.store.add(f"{_HB}/{self.uid}", 1)
         for counter in (f"{_JOIN}/count", f"{_JOIN}/done"):  # read together (multi_get)
             self.store.add(counter, 0)
         self._thread = threading.Thread(target=self._run, name=f"plugdist-membership-{self.uid}",
@@ -194,6 +205,9 @@ class Membership:
     def watch(self, pg: ProcessGroup, uids: Sequence[str]) -> None:
         """Abort ``pg`` as soon as one of ``uids`` (its members, in group-rank order) fails."""
         pg.abort_signal.monitored = True
+        if self.store_liveness is not None:  # a transport error waits for the store to confirm
+            pg.abort_signal.confirm_grace = max(pg.abort_signal.confirm_grace,
+                                                self.store_liveness + 1.0)
         with self._lock:
             self._groups = [(r, u) for r, u in self._groups if r() is not None]
             self._groups.append((weakref.ref(pg), tuple(uids)))
@@ -231,21 +245,25 @@ class Membership:
         assert store is not None
         unreachable_since: float | None = None
         next_beat = 0.0
+        # where the store's liveness covers hangs there are no heartbeats: the periodic look
+        # only re-reads the epoch record, so it comes less often
+        quiet = self.store_liveness is not None
+        every = max(self.interval, _QUIET_INTERVAL) if quiet else self.interval
+        wake = min(every, _QUIET_INTERVAL if quiet else _WAKE)
         while not self._stop.is_set():
             try:
                 try:
-                    store.wait([f"{DEATHS}/{self._seen_deaths + 1}"],
-                               timedelta(seconds=min(self.interval, _WAKE)))
+                    store.wait([f"{DEATHS}/{self._seen_deaths + 1}"], timedelta(seconds=wake))
                     died = True
                 except DistTimeoutError:
-                    died = False
+                    died = False  # every entry of the log is written with or before its count
                 if self._stop.is_set():
                     return
                 if died:
                     self._read_deaths(store)
                 if time.monotonic() >= next_beat:
                     self._beat_and_check(store)
-                    next_beat = time.monotonic() + self.interval
+                    next_beat = time.monotonic() + every
                 unreachable_since = None
             except DistError as err:
                 now = time.monotonic()
@@ -265,7 +283,7 @@ class Membership:
             record = json.loads(store.get(f"{DEATHS}/{self._seen_deaths}"))
             cause = record.get("cause", "died")
             if cause == "died":
-                why = "died (its process exited or was killed: the store saw its connection drop)"
+                why = self._death_cause()
             elif cause == "excluded":
                 why = f"was excluded from the world by shrink_group at epoch {record['epoch']}"
             else:
@@ -273,6 +291,12 @@ class Membership:
             news[record["uid"]] = why
         if news:
             self._learn(news)
+
+    def _death_cause(self) -> str:
+        if self.store_liveness is None:
+            return "died (its process exited or was killed: the store saw its connection drop)"
+        return (f"died (its process exited, was killed, or stopped running for about "
+                f"{self.store_liveness:.3g} s: the store's liveness for it expired)")
 
     def _learn(self, news: dict[str, str]) -> None:
         with self._lock:
@@ -292,10 +316,13 @@ class Membership:
             self._abort_affected()
 
     def _beat_and_check(self, store: Store) -> None:
-        store.add(f"{_HB}/{self.uid}", 1)
         with self._lock:
             others = [u for u in self.members if u != self.uid and u not in self.failed]
             epoch = self.epoch
+        if self.store_liveness is None:
+            store.add(f"{_HB}/{self.uid}", 1)
+        else:
+            others = []  # the store's liveness covers hangs: nothing to beat or watch
         keys = [f"{_HB}/{u}" for u in others] + [CURRENT]
         if not store.check(keys):
             return
