@@ -36,7 +36,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from plugdist.errors import DistStoreError, DistTimeoutError, QueueEmptyError
 from plugdist.log import get_logger
@@ -45,9 +45,7 @@ from plugdist.store.api import to_bytes, to_seconds
 
 from .client import EtcdClient, EtcdError, TLSConfig, b64, prefix_end, unb64
 from .lease import Lease, acquire_shared, release_shared, renewed_here
-
-if TYPE_CHECKING:
-    from .will import EtcdWill
+from .will import EtcdWill
 
 __all__ = ["EtcdStore"]
 
@@ -655,8 +653,6 @@ class EtcdStore(Store):
         processes holding wills on this prefix see it and execute the will, exactly once
         between them. The returned will's ``liveness_timeout`` says how soon. Blocks for a few
         round trips; starts two daemon threads (renewal and watch)."""
-        from .will import EtcdWill  # the will module builds on this one
-
         self._vkey(key)
         return EtcdWill(self, key, to_bytes(value))
 

@@ -17,18 +17,34 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
+from datetime import timedelta
+from typing import Protocol
 
 from plugdist.errors import DistError
 from plugdist.log import get_logger
 
-from .client import b64, prefix_end, unb64
+from .client import EtcdClient, b64, prefix_end, unb64
 from .lease import Lease
 
-if TYPE_CHECKING:
-    from .store import EtcdStore
-
 __all__ = ["EtcdWill"]
+
+
+class _WillStore(Protocol):
+    """What a will needs of ``EtcdStore`` (named here so this module need not import it: the
+    store module builds on this one)."""
+
+    _client: EtcdClient
+    _p: bytes
+    live_ttl: float
+
+    @property
+    def timeout(self) -> timedelta: ...
+    def clone(self) -> _WillStore: ...
+    def close(self) -> None: ...
+    def _put_will(self, wid: bytes, key: str, value: bytes, lease: int) -> None: ...
+    def _withdraw_will(self, wid: bytes) -> None: ...
+    def _orphaned_wills(self) -> tuple[list[bytes], int]: ...
+    def _execute_will(self, wid: bytes) -> bool: ...
 
 _WATCH_SPAN = 5.0    # seconds one watch stays open before the watcher sweeps and watches again
 _EXPIRY_CHECK = 0.5  # etcd looks for expired leases this often
@@ -44,7 +60,7 @@ class EtcdWill:
     ``cancel()`` withdraws it (a clean exit); idempotent, blocks for up to two round trips.
     """
 
-    def __init__(self, store: EtcdStore, key: str, value: bytes) -> None:
+    def __init__(self, store: _WillStore, key: str, value: bytes) -> None:
         # a handle of its own: the will outlives whatever the caller does with its store
         self._store = store.clone()
         self.key = key
