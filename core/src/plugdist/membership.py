@@ -255,10 +255,7 @@ class Membership:
         while self._seen_deaths < total:
             self._seen_deaths += 1
             record = json.loads(store.get(f"{DEATHS}/{self._seen_deaths}"))
-            cause = record.get("cause", "died")
-            news[record["uid"]] = ("died (its process exited or was killed: the store saw its "
-                                   "connection drop)" if cause == "died" else
-                                   f"hung (no heartbeat for {record.get('after', '?')} s)")
+            news[record["uid"]] = _how(record)
         if news:
             self._learn(news)
 
@@ -296,13 +293,34 @@ class Membership:
             self._check_still_member(store, int(current))
 
     def _declare_hung(self, store: Store, uid: str, silent: float) -> None:
-        """Write ``uid`` into the death log, once across every member that notices."""
+        self._declare(store, uid, {"cause": "hung", "after": round(silent, 1)})
+
+    def _declare(self, store: Store, uid: str, record: dict[str, Any]) -> None:
+        """Write ``uid`` into the death log, once across every member that declares it."""
         claim = f"plugdist/live/declared/{uid}"
         if store.compare_set(claim, b"", self.uid.encode()) != self.uid.encode():
             return
         n = store.add(DEATHS, 1)
-        store.set(f"{DEATHS}/{n}", json.dumps({"uid": uid, "cause": "hung",
-                                              "after": round(silent, 1)}))
+        store.set(f"{DEATHS}/{n}", json.dumps({"uid": uid, **record}))
+
+    def report(self, ranks: Iterable[int], how: str) -> None:
+        """A backend's transport saw these current-epoch ranks fail (an MPI error, a closed
+        connection): act on it here at once (abort the groups holding them) and write it into
+        the death log for the other members. ``how`` says what the transport saw. Ranks already
+        known to have failed, or outside the current epoch, are ignored. Never raises for a
+        store that does not answer (the local view is updated all the same)."""
+        with self._lock:
+            fresh = [self.members[r] for r in ranks
+                     if 0 <= r < len(self.members) and self.members[r] not in self.failed
+                     and self.members[r] != self.uid]
+        if not fresh:
+            return
+        self._learn({u: _how({"cause": "reported", "how": how}) for u in fresh})
+        for u in fresh:
+            try:
+                self._declare(self.store, u, {"cause": "reported", "how": how})
+            except DistError as err:  # the store's host may be what died
+                self._log.warning("membership_report_unwritten", uid=u, error=str(err))
 
     def _check_still_member(self, store: Store, current: int) -> None:
         try:
@@ -417,6 +435,16 @@ class Membership:
             store.compare_set(CURRENT, str(current), str(decision.epoch))
         self._log = get_logger(rank=self.rank)
         _forget_epoch(store, decision.epoch - 2)
+
+
+def _how(record: dict[str, Any]) -> str:
+    """How a member failed, from its death-log record."""
+    cause = record.get("cause", "died")
+    if cause == "died":
+        return "died (its process exited or was killed: the store saw its connection drop)"
+    if cause == "hung":
+        return f"hung (no heartbeat for {record.get('after', '?')} s)"
+    return f"failed ({record.get('how', 'reported by a backend')})"
 
 
 def _forget_epoch(store: Store, epoch: int) -> None:
