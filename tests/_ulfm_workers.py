@@ -2,7 +2,8 @@
 ``mpiexec --with-ft ulfm -n N python _ulfm_workers.py SCENARIO`` (tests/test_ulfm.py).
 
 The environment gives RESULT_DIR (each survivor writes ``RESULT_DIR/survivor-<rank>.json``
-with what it saw), VICTIM (the rank that SIGKILLs itself), and PLUGDIST_RESILIENCE=1.
+with what it saw), VICTIMS (the ranks that SIGKILL themselves, e.g. "2" or "1,4") and
+PLUGDIST_RESILIENCE.
 """
 
 from __future__ import annotations
@@ -35,13 +36,17 @@ def _store() -> Any:
     return world.store
 
 
-def _loop_until_failure(victim: int, kill_at: int) -> tuple[int, BaseException, float]:
-    """Mixed collectives until one fails; ``victim`` SIGKILLs itself at step ``kill_at``.
-    Returns (step, the error, when it was raised)."""
+def _victims() -> list[int]:
+    return [int(v) for v in os.environ["VICTIMS"].split(",")]
+
+
+def _loop_until_failure(victims: list[int], kill_at: int) -> tuple[int, BaseException, float]:
+    """Mixed collectives until one fails; the ``victims`` SIGKILL themselves at step
+    ``kill_at``. Returns (step, the error, when it was raised)."""
     rank = dist.get_rank()
     for step in range(100_000):
-        if step == kill_at and rank == victim:
-            _store().set(f"test/killed/{victim}", repr(time.time()))
+        if step == kill_at and rank in victims:
+            _store().set(f"test/killed/{rank}", repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         try:
             t = torch.ones(4)
@@ -65,12 +70,12 @@ def _loop_until_failure(victim: int, kill_at: int) -> tuple[int, BaseException, 
 def kill_shrink() -> None:
     """The victim dies mid-loop; every survivor names it, shrinks, checks every collective on
     the survivors' group, and sees grow_group refused with its reason."""
-    victim = int(os.environ.get("VICTIM", "2"))
+    victims = _victims()
     dist.init_process_group("mpi", timeout=TIMEOUT)
     rank = dist.get_rank()
     bad = check_collectives("start")
-    step, err, seen = _loop_until_failure(victim, kill_at=int(os.environ.get("KILL_AT", "20")))
-    killed = float(_store().get(f"test/killed/{victim}"))
+    step, err, seen = _loop_until_failure(victims, kill_at=int(os.environ.get("KILL_AT", "20")))
+    killed = max(float(_store().get(f"test/killed/{v}")) for v in victims)
     failed_known = dist.get_failed_ranks()
     shrink_start = time.time()
     dist.shrink_group(timeout=TIMEOUT)
@@ -101,5 +106,36 @@ def kill_shrink() -> None:
     dist.destroy_process_group()
 
 
+def mpi_only() -> None:
+    """Resilient groups off: the error the survivors get comes from MPI (ULFM) alone."""
+    dist.init_process_group("mpi", timeout=TIMEOUT)
+    rank = dist.get_rank()
+    step, err, seen = _loop_until_failure(_victims(), kill_at=10)
+    try:
+        dist.shrink_group(timeout=TIMEOUT)
+        shrink = "no error"
+    except dist.DistError as refusal:
+        shrink = str(refusal)
+    _write(f"survivor-{rank}", {
+        "role": "survivor", "old_rank": rank, "error_type": type(err).__name__,
+        "error": str(err), "error_ranks": list(getattr(err, "ranks", ())), "shrink": shrink})
+    dist.destroy_process_group()
+
+
+def refusals() -> None:
+    """No failure: what shrink_group and grow_group say on this MPI."""
+    dist.init_process_group("mpi", timeout=TIMEOUT)
+    out = {}
+    for name, call in (("shrink", lambda: dist.shrink_group(ranks_to_exclude=[1])),
+                       ("grow", lambda: dist.grow_group())):
+        try:
+            call()
+            out[name] = "no error"
+        except dist.DistError as err:
+            out[name] = str(err)
+    _write(f"rank-{dist.get_rank()}", {"role": "refused", **out})
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    {"kill_shrink": kill_shrink}[sys.argv[1]]()
+    {"kill_shrink": kill_shrink, "mpi_only": mpi_only, "refusals": refusals}[sys.argv[1]]()

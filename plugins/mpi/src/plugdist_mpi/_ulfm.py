@@ -34,7 +34,8 @@ def refusal(MPI: Any) -> str:
 
 
 def _check(MPI: Any) -> str:
-    library = " ".join(MPI.Get_library_version().strip().split()[:4])
+    first = (MPI.Get_library_version().strip().splitlines() or ["an unknown MPI"])[0]
+    library = " ".join(first.split(",")[0].split())  # "MPICH Version: 5.0.2", "Open MPI v5.0.11"
     if not library.startswith("Open MPI"):
         return (f"an MPI group's members are fixed here: the MPI library is {library}, whose "
                 f"mpiexec ends every rank when one dies (MPICH's mpiexec does, even with "
