@@ -124,6 +124,16 @@ class MPIProcessGroup(ProcessGroup):
         _arrive(store, here, rank, size, self.timeout, members)
         self._adopt(lambda: _create_comm(MPI, members, self.group_name), members)
 
+    @classmethod
+    def _over(cls, base: Any, rank: int, size: int, options: GroupOptions) -> MPIProcessGroup:
+        """A group over all of ``base`` (a communicator every member holds), on a duplicate of
+        it; collective over ``base``."""
+        group = cls.__new__(cls)
+        ProcessGroup.__init__(group, rank, size, options)
+        MPI = group._prepare()
+        group._adopt(lambda: _dup(MPI, base), tuple(options.global_ranks))
+        return group
+
     def _prepare(self) -> Any:
         """What every group sets up before it has a communicator; returns mpi4py's MPI."""
         MPI = load()
@@ -161,12 +171,13 @@ class MPIProcessGroup(ProcessGroup):
 
     @classmethod
     def rendezvous(cls, timeout: timedelta) -> tuple[Store, int, int]:
-        """Rank and world size from ``MPI.COMM_WORLD``, and a TCPStore served by rank 0.
+        """Rank and world size from ``MPI.COMM_WORLD`` (once a shrink under ULFM replaced it:
+        the survivors' world), and a TCPStore served by rank 0.
 
         A ``WORLD_SIZE`` in the environment (from another launcher) that disagrees with MPI's
         is an error: N processes that are each a world of one would train apart, silently.
 
-        Collective over COMM_WORLD, blocking: rank 0 starts the store and broadcasts its address
+        Collective over that world, blocking: rank 0 starts the store and broadcasts its address
         (``PLUGDIST_MPI_STORE_HOST`` overrides the host name it announces); the others connect
         (127.0.0.1 when they run on rank 0's host), bounded by ``timeout``.
         """
@@ -174,7 +185,7 @@ class MPIProcessGroup(ProcessGroup):
         if not ok:
             raise DistBackendError(f"[backend 'mpi', op rendezvous] MPI is not usable: {reason}")
         MPI = load()
-        comm = MPI.COMM_WORLD
+        comm = _world_comm(MPI)  # the survivors', after a shrink
         rank, size = comm.Get_rank(), comm.Get_size()
         here = where(rank=rank, backend="mpi", op="rendezvous")
         launched = os.environ.get("WORLD_SIZE", "")
@@ -365,6 +376,8 @@ class MPIProcessGroup(ProcessGroup):
                 base = engine.call(lambda: _shrink_in_order(MPI, comm, key, len(keep)))
             except _SurvivorsDiffer as differ:
                 raise self._survivors_differ(here, differ.size, len(keep)) from None
+            except MPI.Exception as exc:  # another member died meanwhile: the core agrees again
+                raise self._translate("shrink_group", exc) from exc
         else:
             world_ranks = [members[r] for r in keep]
             try:
@@ -376,10 +389,10 @@ class MPIProcessGroup(ProcessGroup):
                     f"{exc.Get_error_string().strip()}. With MPI, ranks_to_exclude may name live "
                     f"ranks only while no rank has failed; after a failure call shrink_group() "
                     f"without it") from exc
-        group = MPIProcessGroup.__new__(MPIProcessGroup)
-        ProcessGroup.__init__(group, key, len(keep), options)
-        group._prepare()
-        group._adopt(lambda: _dup(MPI, base), tuple(options.global_ranks))
+        try:
+            group = MPIProcessGroup._over(base, key, len(keep), options)
+        except MPI.Exception as exc:
+            raise self._translate("shrink_group", exc) from exc
         old, _base.comm = _base.comm, base
         if old is not None:
             try:
