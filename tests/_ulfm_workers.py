@@ -106,6 +106,31 @@ def kill_shrink() -> None:
     dist.destroy_process_group()
 
 
+def die_after_agreeing() -> None:
+    """Rank 3 dies mid-loop; rank 2 takes part in the survivors' agreement, then dies before
+    the new group is built: MPI's shrink finds fewer survivors than agreed, and the others
+    agree again without it."""
+    from plugdist import resilience
+    from plugdist.world import world
+
+    dist.init_process_group("mpi", timeout=TIMEOUT)
+    rank = dist.get_rank()
+    _loop_until_failure([3], kill_at=10)
+    if rank == 2:
+        def die_on_entry(*_args: Any, **_kwargs: Any) -> None:
+            _store().set("test/killed/2", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        resilience._enter = die_on_entry  # type: ignore[assignment]
+    dist.shrink_group(timeout=TIMEOUT)
+    bad = check_collectives("shrunk")
+    _write(f"survivor-{rank}", {"role": "survivor", "old_rank": rank, "rank": dist.get_rank(),
+                                "size": dist.get_world_size(), "bad": bad,
+                                "epoch": world.epoch})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def mpi_only() -> None:
     """Resilient groups off: the error the survivors get comes from MPI (ULFM) alone."""
     dist.init_process_group("mpi", timeout=TIMEOUT)
@@ -138,4 +163,5 @@ def refusals() -> None:
 
 
 if __name__ == "__main__":
-    {"kill_shrink": kill_shrink, "mpi_only": mpi_only, "refusals": refusals}[sys.argv[1]]()
+    {"kill_shrink": kill_shrink, "mpi_only": mpi_only, "refusals": refusals,
+     "die_after_agreeing": die_after_agreeing}[sys.argv[1]]()

@@ -123,6 +123,21 @@ def test_two_ranks_killed_in_a_world_of_six(tmp_path: Path) -> None:
 @needs_ulfm
 @pytest.mark.resilience
 @pytest.mark.timeout(150)
+def test_rank_dies_after_the_survivors_agreed(tmp_path: Path) -> None:
+    """Rank 3 dies; rank 2 dies after agreeing, before the new group is built: MPI's shrink
+    finds 2 survivors where 3 were agreed on, and the two agree again (same epoch, a second
+    round) and go on."""
+    done, found = mpiexec(tmp_path, "die_after_agreeing", 4, env={"VICTIMS": "3"})
+    alive = [r for r in found.values() if r["role"] == "survivor"]
+    assert sorted(r["old_rank"] for r in alive) == [0, 1], _tail(done)
+    for r in alive:
+        assert r["size"] == 2 and r["bad"] == [] and r["epoch"] == 1, r
+    assert done.returncode == 0, _tail(done)
+
+
+@needs_ulfm
+@pytest.mark.resilience
+@pytest.mark.timeout(150)
 def test_mpi_alone_names_the_dead_rank(tmp_path: Path) -> None:
     """Resilient groups off (no store liveness): ULFM's own error still names the dead rank,
     as DistRankFailureError, and nobody hangs; shrink_group says it needs resilient groups."""

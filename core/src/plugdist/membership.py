@@ -339,15 +339,18 @@ class Membership:
     def _excluded_error(self) -> DistError:
         return DistRankFailureError(f"[member {self.uid}] {self.excluded_reason}")
 
-    def agree_shrink(self, exclude: Sequence[str] | None, timeout: timedelta) -> Decision:
+    def agree_shrink(self, exclude: Sequence[str] | None, timeout: timedelta,
+                     retry: int = 0) -> Decision:
         """Collective of the survivors of the current epoch: the members of the next one.
 
         ``exclude`` None: every member that is not known to have failed must call this; the
         next epoch holds those that did (a member failing meanwhile is left out). Given: the
         members minus ``exclude``, without waiting for anyone. The first decision written wins,
-        so all survivors read the same one. Blocks up to ``timeout``; raises DistTimeoutError
-        naming the members that neither arrived nor failed, or DistRankFailureError when this
-        process is excluded."""
+        so all survivors read the same one. ``retry`` > 0: agree again within the same epoch
+        (a backend's native shrink failed before the epoch was entered; every survivor passes
+        the same ``retry``). Blocks up to ``timeout``; raises DistTimeoutError naming the members
+        that neither arrived nor failed, or DistRankFailureError when this process is
+        excluded."""
         if self.excluded_reason is not None:
             raise self._excluded_error()
         store, e = self.store, self.epoch
@@ -355,7 +358,7 @@ class Membership:
             raise DistRankFailureError(f"[rank {self.rank}] shrink_group: this rank is in "
                                        f"ranks_to_exclude; only the ranks that stay call it")
         store.set(_epoch_key(e, f"shrink/arrived/{self.uid}"), b"1")
-        decided = _epoch_key(e, "next")
+        decided = _epoch_key(e, "next" if retry == 0 else f"next/{retry}")
         limit = timeout.total_seconds()
         deadline = time.monotonic() + limit
         while not store.check([decided]):

@@ -137,7 +137,9 @@ def _enter_until_built(m: Membership, decision: Decision, timeout: timedelta,
     """Enter ``decision``'s epoch; when a member of it fails before its group is built, the
     survivors of it (every one of them comes here too, joiners included) agree again, without
     it, up to ``_ATTEMPTS`` times. Raises the last error otherwise."""
+    rounds = 0  # agreements within the epoch this process is still in
     for attempt in range(_ATTEMPTS):
+        epoch = m.epoch
         try:
             _enter(m, decision, timeout, why)
             return
@@ -147,7 +149,9 @@ def _enter_until_built(m: Membership, decision: Decision, timeout: timedelta,
                 raise
             get_logger(rank=world.rank).warning("rebuild_retry", epoch=decision.epoch,
                                                 failed=failed_now, error=str(err))
-        decision, why = m.agree_shrink(None, timeout), "shrink_group"
+        # a native shrink fails before the epoch is entered: agree again within it
+        rounds = rounds + 1 if m.epoch == epoch else 0
+        decision, why = m.agree_shrink(None, timeout, rounds), "shrink_group"
 
 
 def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> None:

@@ -375,7 +375,7 @@ class MPIProcessGroup(ProcessGroup):
             try:
                 base = engine.call(lambda: _shrink_in_order(MPI, comm, key, len(keep)))
             except _SurvivorsDiffer as differ:
-                raise self._survivors_differ(here, differ.size, len(keep)) from None
+                raise self._survivors_differ(here, differ.size, keep) from None
             except MPI.Exception as exc:  # another member died meanwhile: the core agrees again
                 raise self._translate("shrink_group", exc) from exc
         else:
@@ -417,20 +417,31 @@ class MPIProcessGroup(ProcessGroup):
                 return known
             time.sleep(0.01)
 
-    def _survivors_differ(self, here: str, mpi_size: int, agreed: int) -> DistError:
-        """MPI's shrink found ``mpi_size`` survivors where the store agreed on ``agreed``."""
-        comm = self._comm
-        failed = engine.call(lambda: _ulfm.failed_in(comm)) if comm is not None else []
-        if mpi_size < agreed and failed:
-            from plugdist.resilience import report_failed_ranks
+    def _survivors_differ(self, here: str, mpi_size: int, keep: list[int]) -> DistError:
+        """MPI's shrink found ``mpi_size`` survivors where the store agreed on ``keep``.
+        Fewer: a member of ``keep`` died after the agreement; once membership knows it (MPI's
+        view is reported to it; the store's will tells it too), the core agrees again."""
+        if mpi_size < len(keep):
+            comm = self._comm
+            if comm is not None:
+                from plugdist.resilience import report_failed_ranks
 
-            report_failed_ranks(failed, "MPI found it dead while shrinking")
-            return DistRankFailureError(f"{here} ranks {failed} failed while the survivors "
-                                        f"were shrinking the group", tuple(failed))
+                mpi_failed = engine.call(lambda: _ulfm.failed_in(comm))
+                report_failed_ranks([r for r in mpi_failed if r in keep],
+                                    "MPI found it dead while the survivors shrank the group")
+            deadline = time.monotonic() + 1.0
+            dead = sorted(self._known_failed(set(), wait=0) & set(keep))
+            while not dead and time.monotonic() < deadline:
+                time.sleep(0.01)
+                dead = sorted(self._known_failed(set(), wait=0) & set(keep))
+            return DistRankFailureError(
+                f"{here} MPI found {mpi_size} survivors where {len(keep)} were agreed on: ranks "
+                f"{dead or '(not yet named)'} failed meanwhile", tuple(dead))
         return DistBackendError(
-            f"{here} MPI counts {mpi_size} live processes but the survivors agreed on {agreed}: "
-            f"a rank declared failed for not answering (a hung process) is alive to MPI, and "
-            f"MPI cannot leave out a live process that does not take part; end that process")
+            f"{here} MPI counts {mpi_size} live processes but the survivors agreed on "
+            f"{len(keep)}: a rank declared failed for not answering (a hung process) is alive "
+            f"to MPI, and MPI cannot leave out a live process that does not take part; end "
+            f"that process")
 
     def _reduce_spec(self, op_name: str, op: ReduceOp, dtype: torch.dtype) -> dtypes.ReduceSpec:
         spec = dtypes.cached_spec(op, dtype)
