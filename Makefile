@@ -44,8 +44,8 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest
 
-# the SIGKILL scenarios of resilient groups and fault-tolerant training: kept out of `make test`
-# while a crash under load is open (docs/resilience.md)
+# only the SIGKILL scenarios of resilient groups and fault-tolerant training (make test runs them
+# too)
 test-resilience: $(STAMP)
 	$(PY) -m pytest -m resilience
 

@@ -264,20 +264,27 @@ def _etcd_store(impl: str, cluster: Any, prefix: str, timeout: float = 60.0) -> 
     return TorchEtcdStore(client, f"/{prefix}", timedelta(seconds=timeout))
 
 
-def _etcd_latency(impl: str, cluster: Any, iters: int) -> dict[str, float]:
-    s = _etcd_store(impl, cluster, f"lat-{impl}-{os.getpid()}")
-    s.set("w", b"1")
-    out = {}
-    for op, fn in (("set", lambda: s.set("k", b"x" * 64)), ("get", lambda: s.get("k")),
-                   ("add", lambda: s.add("n", 1)), ("wait", lambda: s.wait(["w"]))):
-        fn()
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        out[op] = statistics.median(times) * 1e6
-    return out
+def _etcd_latency(impls: list[str], cluster: Any, iters: int,
+                  rounds: int = 6) -> dict[str, dict[str, float]]:
+    """Median microseconds per op and store. The stores take turns (``rounds`` blocks of
+    ``iters / rounds`` ops each, per op), so a change in the machine's load falls on both."""
+    stores = {impl: _etcd_store(impl, cluster, f"lat-{impl}-{os.getpid()}") for impl in impls}
+    times: dict[str, dict[str, list[float]]] = {impl: {} for impl in impls}
+    for s in stores.values():
+        s.set("w", b"1")
+    for op in ("set", "get", "add", "wait"):
+        for _ in range(rounds):
+            for impl, s in stores.items():
+                fn = {"set": lambda s=s: s.set("k", b"x" * 64), "get": lambda s=s: s.get("k"),
+                      "add": lambda s=s: s.add("n", 1), "wait": lambda s=s: s.wait(["w"])}[op]
+                fn()
+                got = times[impl].setdefault(op, [])
+                for _ in range(max(iters // rounds, 1)):
+                    t0 = time.perf_counter()
+                    fn()
+                    got.append(time.perf_counter() - t0)
+    return {impl: {op: statistics.median(t) * 1e6 for op, t in ops.items()}
+            for impl, ops in times.items()}
 
 
 def _etcd_rendezvous(impl: str, cluster: Any, clients: int) -> float | str:
@@ -355,10 +362,11 @@ def etcd_main(a: argparse.Namespace) -> None:
     with EtcdCluster(3, extra_args=("--enable-v2=true",)) as cluster:
         print(f"# 3-member etcd cluster on loopback {cluster.endpoints} (etcd 3.5, defaults: "
               f"heartbeat 100 ms, election 1000 ms)")
-        print(f"\nlatency, median of {a.etcd_iters} (us)")
+        print(f"\nlatency, median of {a.etcd_iters} (us; the stores take turns, 6 blocks "
+              f"each per op)")
         print(f"{'op':6}" + "".join(f"{i:>16}" for i in impls) + ("   ours/torch" if
                                                                    len(impls) > 1 else ""))
-        lat = {impl: _etcd_latency(impl, cluster, a.etcd_iters) for impl in impls}
+        lat = _etcd_latency(impls, cluster, a.etcd_iters)
         for op in ("set", "get", "add", "wait"):
             row = f"{op:6}" + "".join(f"{lat[i][op]:16.0f}" for i in impls)
             if len(impls) > 1:

@@ -17,7 +17,7 @@ when it reaches step S; replacements never do), ``--ddp torch`` (torch's own DDP
 steps), ``--step-time S`` (sleep S seconds per step, standing in for real compute),
 ``--mode restart --checkpoint FILE --checkpoint-every K`` (the classic way, for
 comparison: no step commit; save every K steps, and after the launcher restarts every worker
-resume from the last checkpoint; resilient groups stay off in that mode).
+resume from the last checkpoint).
 """
 
 from __future__ import annotations
@@ -52,10 +52,15 @@ def params_sha1(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def build_model(kind: str, features: int, hidden: int) -> nn.Module:
+def build_net(features: int, hidden: int) -> nn.Module:
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
-                        nn.ReLU(), nn.Linear(hidden, 1))
+    return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
+                         nn.ReLU(), nn.Linear(hidden, 1))
+
+
+def wrap(kind: str, net: nn.Module) -> nn.Module:
+    """``net`` in DDP (its parameters stay the same objects, so an optimizer built on them
+    before still holds them)."""
     if kind == "torch":
         import torch.distributed as tdist
         from plugdist.parallel import resilient_allreduce_hook
@@ -105,14 +110,15 @@ def main() -> None:
     args = ap.parse_args()
 
     joining = os.environ.get("PLUGDIST_JOIN") == "1"
-    if args.mode == "resilient":
-        os.environ.setdefault("PLUGDIST_RESILIENCE", "1")  # resilient groups (docs/resilience.md)
+    # What needs no group comes first: from a joiner's init_process_group on, the members wait
+    # for it (and a process's first optimizer alone takes seconds: it imports torch's compiler)
+    x, y = make_data()
+    net = build_net(x.shape[1], args.hidden)
+    optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     # torch's DDP needs torch's default group: plugdist builds it over its own world
     dist.init_process_group(args.backend, timeout=timedelta(seconds=60),
                             torch_world=True if args.ddp == "torch" else None)
-    x, y = make_data()
-    model = build_model(args.ddp, x.shape[1], args.hidden)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    model = wrap(args.ddp, net)
     sampler = ElasticSampler(len(x), args.batch_size, seed=1)
     training: Any = (ResilientTraining(model, optimizer, sampler=sampler,
                                        min_world_size=args.min_world_size)

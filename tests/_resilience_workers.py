@@ -1,8 +1,9 @@
 """What each process of the resilience tests runs: ``python _resilience_workers.py SCENARIO``.
 
-The environment gives MASTER_ADDR/MASTER_PORT, RANK/WORLD_SIZE (or PLUGDIST_JOIN=1 for a
-joiner), BACKEND and RESULT_DIR; each process writes ``RESULT_DIR/<name>.json`` with what it
-saw, and the test checks every file. Victims SIGKILL themselves (a real kill, no exception).
+The environment gives MASTER_ADDR/MASTER_PORT (or a store URL in INIT_METHOD), RANK/WORLD_SIZE
+(or PLUGDIST_JOIN=1 for a joiner), BACKEND and RESULT_DIR; each process writes
+``RESULT_DIR/<name>.json`` with what it saw, and the test checks every file. Victims SIGKILL
+themselves (a real kill, no exception).
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def kill_shrink_grow() -> None:
                                          "init_s": admitted - t0})
         final_barrier()
         return
-    dist.init_process_group(backend, timeout=TIMEOUT)
+    # INIT_METHOD: a store URL (etcd://...) instead of env://
+    dist.init_process_group(backend, init_method=os.environ.get("INIT_METHOD"), timeout=TIMEOUT)
     rank = dist.get_rank()
     bad = check_collectives("start")
     step, err = _until_failure(victims, kill_at=3)

@@ -8,6 +8,7 @@ with --rdzv-backend etcd in tests/test_launcher.py."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -169,10 +170,156 @@ def test_gloo_job_survives_the_leader_sigkill(etcd3) -> None:  # type: ignore[no
     s.close()
 
 
+_WILL_HOLDER = r"""
+import os, signal, sys
+from datetime import timedelta
+import plugdist
+url, name, how = sys.argv[1:4]
+store = plugdist.open_store(url, timedelta(seconds=20))
+will = store.hold_will("deaths", name)
+if how == "cancel":
+    will.cancel()
+    store.close()
+    print("cancelled", flush=True)
+else:
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_will_runs_once_when_its_holder_is_killed_and_not_when_cancelled(etcd1) -> None:  # type: ignore[no-untyped-def]
+    """Three holders here watch (each process holding a will executes the orphaned ones); a
+    holder that cancels leaves no entry, a SIGKILLed one exactly one, within the lease's
+    liveness timeout."""
+    url = etcd1.url(f"will/{os.urandom(6).hex()}")
+    stores = [plugdist.open_store(url, timedelta(seconds=20)) for _ in range(3)]
+    wills = [s.hold_will("deaths", f"watcher{i}") for i, s in enumerate(stores)]
+    try:
+        assert all(2.0 <= w.liveness_timeout <= 3.0 for w in wills), wills
+        done = subprocess.run([sys.executable, "-c", _WILL_HOLDER, url, "polite", "cancel"],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0 and "cancelled" in done.stdout, done.stderr
+        killed = subprocess.run([sys.executable, "-c", _WILL_HOLDER, url, "victim", "kill"],
+                                capture_output=True, text=True, timeout=30)
+        died = time.monotonic()
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        stores[0].wait(["deaths/1"], timedelta(seconds=10))
+        took = time.monotonic() - died
+        assert took < wills[0].liveness_timeout + 1.0, took
+        time.sleep(1.5)  # a second execution, or the cancelled will's, would be in by now
+        assert stores[1].get("deaths") == b"1", "one will ran, once"
+        assert stores[2].get("deaths/1") == b"victim"
+        assert not stores[0].check(["deaths/2"])
+        print(f"the killed holder's will ran {took:.2f}s after its death")
+        wills[0].cancel()  # the other two would run it if it were still there
+        time.sleep(wills[0].liveness_timeout + 0.5)
+        assert stores[1].get("deaths") == b"1", "a cancelled will ran"
+    finally:
+        for w in wills:
+            w.cancel()
+        for s in stores:
+            s.close()
+
+
+@pytest.mark.timeout(120)
+def test_wills_outlive_the_etcd_leaders_death(etcd3) -> None:  # type: ignore[no-untyped-def]
+    """No renewal reaches etcd while it elects a new leader (1-2 s, near the wills' 2 s TTL);
+    the new leader extends every lease, so no live holder is taken for dead."""
+    url = etcd3.url(f"willfail/{os.urandom(6).hex()}")
+    stores = [plugdist.open_store(url, timedelta(seconds=30)) for _ in range(3)]
+    wills = [s.hold_will("deaths", f"holder{i}") for i, s in enumerate(stores)]
+    try:
+        etcd3.kill(etcd3.leader())
+        time.sleep(wills[0].liveness_timeout + 3.0)
+        assert not stores[0].check(["deaths/1"]), stores[0].get("deaths/1")
+    finally:
+        for w in wills:
+            w.cancel()
+        for s in stores:
+            s.close()
+        _heal(etcd3)
+
+
+def _heartbeat_keys(url: str) -> list[bytes]:
+    """Keys of the job at ``url`` that belong to membership's heartbeats."""
+    from plugdist_etcd import EtcdClient
+    from plugdist_etcd.client import b64, prefix_end, unb64
+    u = parse_etcd_url(url)
+    client = EtcdClient(list(u.endpoints))
+    p = f"/{u.prefix}/".encode()
+    data = client.call("kv/range", {"key": b64(p), "range_end": b64(prefix_end(p)),
+                                    "keys_only": True}, time.monotonic() + 10, "test")
+    client.close()
+    return [k for k in (unb64(kv["key"]) for kv in data.get("kvs", [])) if b"live/hb" in k]
+
+
+_RESILIENT_PAIR = r"""
+import sys, time
+import plugdist as dist, torch
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+t = torch.ones(2)
+dist.all_reduce(t)
+time.sleep(1.0)  # the monitor's loop runs about ten times
+dist.all_reduce(t)
+print("SUM", t.tolist(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_no_heartbeats_where_etcd_serves_liveness(etcd1) -> None:  # type: ignore[no-untyped-def]
+    """With resilient groups on an etcd store, the ranks' liveness is their wills' leases: no
+    heartbeat key is ever written."""
+    url = etcd1.url(f"nohb/{os.urandom(6).hex()}")
+    env = dict(os.environ, PLUGDIST_RESILIENCE="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _RESILIENT_PAIR, url, str(r)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and "SUM [4.0, 4.0]" in out, err[-2000:]
+    assert _heartbeat_keys(url) == []
+    # the job's keys stay (its lease outlives it by ttl): membership did run here
+    s = plugdist.open_store(url, timedelta(seconds=10))
+    assert s.check(["plugdist/epoch/current"])
+    s.close()
+
+
+@pytest.mark.resilience
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_resilient_gloo_world_on_etcd_names_a_failed_rank_and_shrinks(etcd1, tmp_path, how) -> None:  # type: ignore[no-untyped-def]
+    """4 gloo ranks whose store is etcd; rank 2 SIGKILLs itself mid-loop (or SIGSTOPs: alive,
+    connections open, silent): every survivor gets DistRankFailureError naming rank 2 within
+    the will lease's TTL + 1 s, shrinks to 3 ranks and runs every collective correctly; no
+    heartbeat key was written (the lease covers the hang too)."""
+    from test_resilience import run_scenario, survivors
+    url = etcd1.url(f"resilient/{os.urandom(6).hex()}")
+    env = {"INIT_METHOD": url, **({"HANG": "1"} if how == "SIGSTOP" else {})}
+    found = run_scenario(tmp_path, "kill_shrink_grow", 4, "gloo", victims="2", extra_env=env)
+    alive = survivors(found)
+    assert sorted(r["old_rank"] for r in alive) == [0, 1, 3]
+    print(f"{how}: to the error per survivor:", [round(r["detect_s"], 2) for r in alive])
+    for r in alive:
+        assert r["error_type"] == "DistRankFailureError", r
+        assert r["error_ranks"] == [2] and r["failed_known"] == [2], r
+        assert "rank 2 died" in r["error"] and "shrink_group" in r["error"], r["error"]
+        assert "stopped running" in r["error"], r["error"]
+        # the lease's TTL (2 s) + etcd's expiry check (0.5 s) + 1 s
+        assert r["detect_s"] < 3.5, f"rank {r['old_rank']} named it after {r['detect_s']}s"
+        assert r["size"] == 3 and r["bad"] == [], r
+    assert sorted(r["rank"] for r in alive) == [0, 1, 2]
+    assert _heartbeat_keys(url) == []
+
+
 def test_url_parsing_keeps_credentials_out_of_reprs(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    u = parse_etcd_url("etcd://alice:s3cret@h1:2379,h2/jobs/j1?ttl=5")
+    u = parse_etcd_url("etcd://alice:s3cret@h1:2379,h2/jobs/j1?ttl=5&live_ttl=4")
     assert u.endpoints == ("http://h1:2379", "http://h2:2379") and u.prefix == "jobs/j1"
-    assert u.user == "alice" and u.password == "s3cret" and u.ttl == 5
+    assert u.user == "alice" and u.password == "s3cret" and u.ttl == 5 and u.live_ttl == 4
     assert "s3cret" not in repr(u)
     monkeypatch.setenv("ETCDCTL_USER", "bob:pw")
     monkeypatch.setenv("ETCDCTL_CACERT", "/ca.pem")

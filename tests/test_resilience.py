@@ -171,10 +171,6 @@ def test_excluded_rank_that_is_alive_gets_a_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.resilience
-@pytest.mark.skip(reason="open bug: under a loaded full run, rank 0 sometimes crashes (SIGSEGV, "
-                         "once an uncaught gloo::IoException) right after the failure in this "
-                         "scenario; torch DDP's survival is covered by test_fault_tolerance's "
-                         "torch case, which passes")
 @pytest.mark.timeout(150)
 def test_torch_ddp_keeps_training_on_the_same_torch_group(tmp_path: Path) -> None:
     """torch's own DDP over plugdist_gloo: rank 2 is killed, the survivors shrink and keep
@@ -226,6 +222,54 @@ def test_store_will_runs_when_the_holder_is_killed_and_not_when_cancelled() -> N
         assert not master.check(["old/a"]) and master.check(["kept"])
     finally:
         master.close()
+
+
+class _StoreWithLiveness:
+    """A will whose store says it also sees stalled processes (as an etcd lease does)."""
+
+    def __init__(self, liveness: float | None) -> None:
+        self.liveness_timeout = liveness
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("liveness", [None, 2.5])
+def test_membership_beats_only_where_the_stores_will_does_not_cover_hangs(liveness) -> None:  # type: ignore[no-untyped-def]
+    """The core's contract for a store that serves liveness (Store.hold_will's
+    liveness_timeout): membership writes no heartbeat and gives a transport error that long (+1
+    s) to be confirmed; a will without it (TCPStore's) keeps heartbeats and the 1 s grace."""
+    from plugdist import HashStore
+    from plugdist.abort import AbortSignal
+    from plugdist.membership import Membership
+
+    will = _StoreWithLiveness(liveness)
+
+    class Store(HashStore):
+        def hold_will(self, key: str, value: bytes | str) -> _StoreWithLiveness:
+            return will
+
+    class Group:
+        abort_signal = AbortSignal()
+
+    store = Store()
+    store.set("plugdist/epoch/current", "0")
+    store.add("plugdist/live/hb/1", 1)  # peer 1 beat once, then went silent
+    m = Membership(store, "0", ["0", "1"], interval=0.05, hang_timeout=0.1)
+    m.start()
+    try:
+        m.watch(Group(), ["0", "1"])  # type: ignore[arg-type]
+        time.sleep(0.5)  # the monitor loops a few times
+        beats = store.check(["plugdist/live/hb/0"])
+        assert beats == (liveness is None)
+        assert Group.abort_signal.confirm_grace == (1.0 if liveness is None else liveness + 1.0)
+        # a silent peer hangs for heartbeats; where the store watches liveness, its will runs
+        assert ("1" in m.failed) == (liveness is None), m.failed
+    finally:
+        m.stop()
+    assert will.cancelled
 
 
 _MPI_SHRINK = """

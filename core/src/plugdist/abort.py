@@ -26,20 +26,24 @@ __all__ = ["AbortSignal", "SLICE", "wait_sliced"]
 
 SLICE = 0.05  # seconds: how often a blocked wait looks at its group's signal
 # how long a transport error waits for membership to name the failed rank before it is raised
-# as it is: a killed process's store connection drops at once, so this is plenty
+# as it is: a killed process's TCPStore connection drops at once, so this is plenty (a store
+# that notices deaths later says so: Store.hold_will's liveness_timeout)
 _CONFIRM_GRACE = 1.0
 
 
 class AbortSignal:
     """Fired once, with the reason, when the group is aborted. ``monitored`` says whether a
-    membership watches the group (only then is a transport error worth a second look)."""
+    membership watches the group (only then is a transport error worth a second look);
+    ``confirm_grace`` how long such an error waits for the membership to name the failure
+    (membership raises it where its store takes longer to notice a death)."""
 
-    __slots__ = ("reason", "ranks", "monitored", "_event", "_futures", "_lock")
+    __slots__ = ("reason", "ranks", "monitored", "confirm_grace", "_event", "_futures", "_lock")
 
     def __init__(self) -> None:
         self.reason: str | None = None
         self.ranks: tuple[int, ...] = ()
         self.monitored = False
+        self.confirm_grace = _CONFIRM_GRACE
         self._event = threading.Event()
         # Works whose future someone holds (DDP, comm hooks, ``then``): fired, they fail too
         self._futures: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -86,11 +90,11 @@ class AbortSignal:
         return self._event.wait(seconds)
 
     def explain(self, exc: BaseException, here: str) -> BaseException:
-        """For an op's error ``exc``: the rank-failure error when the group is (or within a
-        second becomes) aborted for a failure, else ``exc`` itself."""
+        """For an op's error ``exc``: the rank-failure error when the group is (or within
+        ``confirm_grace`` seconds becomes) aborted for a failure, else ``exc`` itself."""
         if isinstance(exc, DistRankFailureError) or not self.monitored:
             return exc
-        if self.reason is None and not self._event.wait(_CONFIRM_GRACE):
+        if self.reason is None and not self._event.wait(self.confirm_grace):
             return exc
         err = self.error(here)
         err.__cause__ = exc

@@ -14,7 +14,9 @@ Liveness, off the hot path, on one monitor thread per process:
   cannot (a FileStore) rely on heartbeats alone.
 * **Hang**: every member bumps a heartbeat counter each ``interval``; a member whose counter
   has not moved for ``hang_timeout`` is declared failed by the first member to notice, in the
-  same death log.
+  same death log. Not where the store's liveness sees a stalled process too (the will's
+  ``liveness_timeout``, e.g. an etcd lease the process stops renewing): then no heartbeats,
+  and the monitor looks at the store every half second instead of each ``interval``.
 
 When the monitor learns of a failure it aborts (``ProcessGroup.abort``) every group it watches
 that holds the failed member, so blocked ops are released with ``DistRankFailureError`` at once.
@@ -56,14 +58,18 @@ CURRENT = "plugdist/epoch/current"
 CLOSED = "plugdist/closed"  # set when every member of the last epoch left
 _JOIN = "plugdist/join"
 _POLL = 0.05  # seconds between looks at the store while agreeing
+_WAKE = 0.2  # longest wait on the death log at a time: how soon ``stop`` is heeded
 _STORE_GRACE = 10.0  # seconds a guarded wait rides out a store that does not answer
+# seconds between the monitor's looks where the store serves liveness: with no heartbeats to
+# write or read, it only re-reads the epoch record (a death wakes its wait at once anyway);
+# short enough that stop()'s one-second join still finds the monitor done
+_QUIET_INTERVAL = 0.5
 
 
 def enabled() -> bool:
-    """Whether worlds get a membership: ``PLUGDIST_RESILIENCE=1`` (``plugdist-run
-    --replace-failed`` sets it for its workers). Off by default in this version: see
-    docs/resilience.md."""
-    return os.environ.get(RESILIENCE_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    """Whether worlds get a membership: on unless ``PLUGDIST_RESILIENCE=0`` (see
+    docs/resilience.md for what it costs and changes)."""
+    return os.environ.get(RESILIENCE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -112,8 +118,11 @@ class Membership:
         self.uid = uid
         self.members: list[str] = list(members)
         self.epoch = epoch
-        self.interval = interval or _env_seconds(INTERVAL_ENV, 0.1)
         self.hang_timeout = hang_timeout or _env_seconds(HANG_TIMEOUT_ENV, 10.0)
+        # deaths wake the monitor at once (the death log is waited on); the interval paces only
+        # heartbeats, ten per hang timeout
+        self.interval = interval or _env_seconds(INTERVAL_ENV,
+                                                 min(1.0, max(0.05, self.hang_timeout / 10)))
         self.failed: dict[str, str] = {}  # uid -> why
         self.excluded_reason: str | None = None  # set when this process is out of the world
         self.admitted = uid in self.members  # a joiner is not, until the members admit it
@@ -123,6 +132,9 @@ class Membership:
         self._last_beat: dict[str, tuple[bytes, float]] = {}
         self._grow_seq = 0
         self._will: Any = None
+        # seconds within which the store's will notices a dead or stalled process; None: it
+        # notices deaths only, and heartbeats catch hangs
+        self.store_liveness: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._monitor_store: Store | None = None
@@ -136,6 +148,7 @@ class Membership:
                                                                    "cause": "died"}))
         except NotImplementedError:
             self._will = None  # heartbeats alone
+        self.store_liveness = getattr(self._will, "liveness_timeout", None)
         try:
             self._monitor_store = self.store.clone()
         except NotImplementedError:
@@ -143,7 +156,8 @@ class Membership:
         # a member of the first epoch reads the whole log (a peer may have died before this
         # process started looking); a joiner cares only about deaths from now on
         self._seen_deaths = 0 if self.admitted else self.store.add(DEATHS, 0)
-        self.store.add(f"{_HB}/{self.uid}", 1)
+        if self.store_liveness is None:
+            self.store.add(f"{_HB}/{self.uid}", 1)
         for counter in (f"{_JOIN}/count", f"{_JOIN}/done"):  # read together (multi_get)
             self.store.add(counter, 0)
         self._thread = threading.Thread(target=self._run, name=f"plugdist-membership-{self.uid}",
@@ -191,6 +205,9 @@ class Membership:
     def watch(self, pg: ProcessGroup, uids: Sequence[str]) -> None:
         """Abort ``pg`` as soon as one of ``uids`` (its members, in group-rank order) fails."""
         pg.abort_signal.monitored = True
+        if self.store_liveness is not None:  # a transport error waits for the store to confirm
+            pg.abort_signal.confirm_grace = max(pg.abort_signal.confirm_grace,
+                                                self.store_liveness + 1.0)
         with self._lock:
             self._groups = [(r, u) for r, u in self._groups if r() is not None]
             self._groups.append((weakref.ref(pg), tuple(uids)))
@@ -227,17 +244,26 @@ class Membership:
         store = self._monitor_store
         assert store is not None
         unreachable_since: float | None = None
+        next_beat = 0.0
+        # where the store's liveness covers hangs there are no heartbeats: the periodic look
+        # only re-reads the epoch record, so it comes less often
+        quiet = self.store_liveness is not None
+        every = max(self.interval, _QUIET_INTERVAL) if quiet else self.interval
+        wake = min(every, _QUIET_INTERVAL if quiet else _WAKE)
         while not self._stop.is_set():
             try:
                 try:
-                    store.wait([f"{DEATHS}/{self._seen_deaths + 1}"],
-                               timedelta(seconds=self.interval))
+                    store.wait([f"{DEATHS}/{self._seen_deaths + 1}"], timedelta(seconds=wake))
+                    died = True
                 except DistTimeoutError:
-                    pass
+                    died = False  # every entry of the log is written with or before its count
                 if self._stop.is_set():
                     return
-                self._read_deaths(store)
-                self._beat_and_check(store)
+                if died:
+                    self._read_deaths(store)
+                if time.monotonic() >= next_beat:
+                    self._beat_and_check(store)
+                    next_beat = time.monotonic() + every
                 unreachable_since = None
             except DistError as err:
                 now = time.monotonic()
@@ -255,18 +281,35 @@ class Membership:
         while self._seen_deaths < total:
             self._seen_deaths += 1
             record = json.loads(store.get(f"{DEATHS}/{self._seen_deaths}"))
-            news[record["uid"]] = _how(record)
+            news[record["uid"]] = self._how(record)
         if news:
             self._learn(news)
+
+    def _how(self, record: dict[str, Any]) -> str:
+        """How a member failed, from its death-log record."""
+        cause = record.get("cause", "died")
+        if cause == "died" and self.store_liveness is None:
+            return "died (its process exited or was killed: the store saw its connection drop)"
+        if cause == "died":
+            return (f"died (its process exited, was killed, or stopped running for about "
+                    f"{self.store_liveness:.3g} s: the store's liveness for it expired)")
+        if cause == "excluded":
+            return f"was excluded from the world by shrink_group at epoch {record['epoch']}"
+        if cause == "hung":
+            return f"hung (no heartbeat for {record.get('after', '?')} s)"
+        return f"failed ({record.get('how', 'reported by a backend')})"
 
     def _learn(self, news: dict[str, str]) -> None:
         with self._lock:
             fresh = {u: why for u, why in news.items() if u not in self.failed}
             self.failed.update(fresh)
             if self.uid in fresh and self.excluded_reason is None:
-                self.excluded_reason = (f"this process (member {self.uid}) was declared failed "
-                                        f"by the others: {fresh[self.uid]}; it is no longer in "
-                                        f"the world")
+                why = fresh[self.uid]
+                if not why.startswith("was excluded"):
+                    why = f"was declared failed by the others: {why}"
+                self.excluded_reason = (f"this process (member {self.uid}) {why}; it is no "
+                                        f"longer in the world (a process can come back only "
+                                        f"as a new one, with join=True)")
         if fresh:
             lifecycle("rank_failure", group="world", group_rank=self.rank, backend="",
                       level="warning", epoch=self.epoch, failed_ranks=self.failed_ranks(fresh),
@@ -274,10 +317,13 @@ class Membership:
             self._abort_affected()
 
     def _beat_and_check(self, store: Store) -> None:
-        store.add(f"{_HB}/{self.uid}", 1)
         with self._lock:
             others = [u for u in self.members if u != self.uid and u not in self.failed]
             epoch = self.epoch
+        if self.store_liveness is None:
+            store.add(f"{_HB}/{self.uid}", 1)
+        else:
+            others = []  # the store's liveness covers hangs: nothing to beat or watch
         keys = [f"{_HB}/{u}" for u in others] + [CURRENT]
         if not store.check(keys):
             return
@@ -315,7 +361,7 @@ class Membership:
                      and self.members[r] != self.uid]
         if not fresh:
             return
-        self._learn({u: _how({"cause": "reported", "how": how}) for u in fresh})
+        self._learn({u: self._how({"cause": "reported", "how": how}) for u in fresh})
         for u in fresh:
             try:
                 self._declare(self.store, u, {"cause": "reported", "how": how})
@@ -381,6 +427,10 @@ class Membership:
                 break
             time.sleep(_POLL)
         members = json.loads(store.get(decided))["members"]
+        with self._lock:
+            left_alive = [u for u in self.members if u not in members and u not in self.failed]
+        for uid in left_alive:  # told through the death log, so they learn it at once
+            self._declare(store, uid, {"cause": "excluded", "epoch": e + 1})
         if self.uid not in members:
             with self._lock:
                 self.excluded_reason = (f"this process was excluded from the world by "
@@ -438,16 +488,6 @@ class Membership:
             store.compare_set(CURRENT, str(current), str(decision.epoch))
         self._log = get_logger(rank=self.rank)
         _forget_epoch(store, decision.epoch - 2)
-
-
-def _how(record: dict[str, Any]) -> str:
-    """How a member failed, from its death-log record."""
-    cause = record.get("cause", "died")
-    if cause == "died":
-        return "died (its process exited or was killed: the store saw its connection drop)"
-    if cause == "hung":
-        return f"hung (no heartbeat for {record.get('after', '?')} s)"
-    return f"failed ({record.get('how', 'reported by a backend')})"
 
 
 def _forget_epoch(store: Store, epoch: int) -> None:

@@ -158,7 +158,14 @@ class Store:
         process died, or lost the store: ``value`` is appended to the numbered log ``key`` (the
         counter ``key`` becomes n, the value lands at ``f"{key}/{n}"``). A store that cannot
         notice a client's death raises NotImplementedError; membership then relies on
-        heartbeats alone."""
+        heartbeats alone.
+
+        The returned object has ``cancel()`` (idempotent) and may have ``liveness_timeout``
+        (seconds, or None/absent): set by a store whose liveness also notices a process that
+        stops running without dying (a stopped or stalled process stops renewing, as etcd's
+        leases work), and that executes the will at most that long after the process died or
+        stalled. Membership then writes no heartbeats of its own and allows that long for a
+        failure to be confirmed."""
         raise self._not_implemented("hold_will")
 
     def clone(self) -> Store:

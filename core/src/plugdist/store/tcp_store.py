@@ -565,6 +565,10 @@ class Will:
     """A will left with a TCPStore server (see ``TCPStore.hold_will``). ``cancel`` withdraws
     it and closes its connection; idempotent."""
 
+    # the server sees a dropped connection at once, but not a process that stalls with its
+    # connection open: membership keeps its heartbeats for hangs (Store.hold_will)
+    liveness_timeout: float | None = None
+
     def __init__(self, store: TCPStore, conn: _Connection) -> None:
         self._store = store
         self._conn: _Connection | None = conn

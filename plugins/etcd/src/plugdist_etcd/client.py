@@ -1,13 +1,16 @@
-"""A small etcd v3 client over etcd's JSON gateway (``/v3/...`` on every client port), on urllib3.
+"""A small etcd v3 client over etcd's JSON gateway (``/v3/...`` on every client port), on the
+keep-alive HTTP/1.1 connections of :mod:`plugdist_etcd.http`.
 
-One :class:`EtcdClient` talks to several endpoints of one cluster: it sticks to the one that
+One :class:`EtcdClient` talks to several endpoints of one cluster: it prefers the leader (learned
+in the background, once per process and cluster: a write or a linearizable read sent to a
+follower costs that follower a forwarding hop to the leader), sticks to the endpoint that
 answered last and, when a request fails in a way that says "not this member now" (connection
 refused or reset, etcd's Unavailable, a member without a leader), moves to the next, until the
 request's deadline. Whether the failed attempt was applied is unknown then: callers make their
 writes safe to repeat (see :mod:`plugdist_etcd.store`). Credentials (password, auth token) never
 appear in a message, a repr or a log event.
 
-Thread-safe: urllib3's pools are, and the rest is guarded by a lock.
+Thread-safe: each connection serves one request at a time, and the rest is guarded by locks.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
-import urllib3
 from plugdist.errors import DistNetworkError, DistStoreError
 from plugdist.log import get_logger
+
+from .http import Endpoint, HTTPFailure, ssl_context
 
 __all__ = ["EtcdClient", "EtcdError", "EtcdUnavailableError", "TLSConfig", "b64", "unb64",
            "prefix_end"]
@@ -38,6 +43,11 @@ _BYTES_PER_S = 50e6  # a large value gets time to travel and be written on top o
 _CONNECT = 1.0
 _RETRYABLE_CODES = {4, 14}  # DeadlineExceeded ("request timed out"), Unavailable (no leader, ...)
 _AUTH_CODES = {16}          # Unauthenticated
+_LEADER_RECHECK = 1.0       # seconds between two looks for the leader, while it is not known
+# after a request timed out: how long to poll the members' status for a leader (etcd elects one
+# in 1-2 s with its defaults), and how often
+_FIND_LEADER = 3.0
+_FIND_EVERY = 0.03
 
 
 def b64(data: bytes) -> str:
@@ -81,6 +91,86 @@ class TLSConfig:
     key_file: str | None = None
 
 
+class _LeaderHint:
+    """Which of a cluster's endpoints leads, as last learned; one per process and endpoint
+    list, shared by its clients. Learned on a daemon thread (two round trips), never on the
+    caller's: until then, and while a failover makes it unknown, clients use any member."""
+
+    def __init__(self) -> None:
+        self.index: int | None = None
+        self._asked = -_LEADER_RECHECK
+        self._busy = False
+        self._lock = threading.Lock()
+        self._find_lock = threading.Lock()
+        self._found_at = -1.0
+
+    def forget(self, index: int) -> None:
+        """The endpoint ``index`` failed a request: it may not lead any more."""
+        if self.index == index:
+            self.index = None
+
+    def learn(self, client: EtcdClient) -> None:
+        """Start looking for the leader, unless a look is under way or was made lately."""
+        now = time.monotonic()
+        with self._lock:
+            if self._busy or now - self._asked < _LEADER_RECHECK:
+                return
+            self._busy, self._asked = True, now
+        threading.Thread(target=self._look, args=(client,), name="etcd-leader",
+                         daemon=True).start()
+
+    def _look(self, client: EtcdClient) -> None:
+        try:
+            deadline = time.monotonic() + 2.0
+            status = client.call("maintenance/status", {}, deadline, "status", route=False)
+            leader = str(status.get("leader") or "0")
+            if leader == "0":
+                return  # an election is on: look again later
+            members = client.call("cluster/member/list", {}, deadline, "member list",
+                                  route=False).get("members", [])
+            urls = {_netloc(u) for m in members if str(m.get("ID")) == leader
+                    for u in m.get("clientURLs", [])}
+            for i, endpoint in enumerate(client.endpoints):
+                if _netloc(endpoint) in urls:
+                    self.index = i
+        except DistStoreError:
+            pass  # e.g. not allowed to list members: any member will do
+        finally:
+            with self._lock:
+                self._busy = False
+
+    def find(self, client: EtcdClient, deadline: float) -> int | None:
+        """After a request timed out (a member whose leader died holds it without an answer
+        until a new leader is elected): poll every member's status, which each answers on its
+        own, until one says it leads; its index, or None after ``_FIND_LEADER`` seconds or at
+        ``deadline``. One poller per process: other callers wait for its answer."""
+        if not self._find_lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
+            return self.index
+        try:
+            if self.index is not None and time.monotonic() - self._found_at < 0.5:
+                return self.index  # another caller just found it
+            end = min(deadline, time.monotonic() + _FIND_LEADER)
+            while time.monotonic() < end:
+                for i in range(len(client.endpoints)):
+                    data = client._status(i)
+                    me = str(data.get("header", {}).get("member_id") or "")
+                    if me and str(data.get("leader") or "") == me:
+                        self.index, self._found_at = i, time.monotonic()
+                        return i
+                time.sleep(_FIND_EVERY)
+            return None
+        finally:
+            self._find_lock.release()
+
+
+def _netloc(url: str) -> str:
+    return urlsplit(url).netloc.lower()
+
+
+_HINTS: dict[tuple[str, ...], _LeaderHint] = {}
+_HINTS_LOCK = threading.Lock()
+
+
 @dataclass
 class _Attempt:
     errors: list[str] = field(default_factory=list)
@@ -100,12 +190,12 @@ class EtcdClient:
         self._token: str | None = None
         self._lock = threading.Lock()
         self._current = 0
-        kw: dict[str, Any] = {}
+        with _HINTS_LOCK:
+            self._leader = _HINTS.setdefault(tuple(self.endpoints), _LeaderHint())
+        context = None
         if tls is not None:
-            kw = {"cert_reqs": "CERT_REQUIRED" if tls.ca_file else "CERT_NONE",
-                  "ca_certs": tls.ca_file, "cert_file": tls.cert_file, "key_file": tls.key_file}
-        self._pool = urllib3.PoolManager(num_pools=max(4, len(endpoints)), maxsize=pool_size,
-                                         retries=False, **kw)
+            context = ssl_context(tls.ca_file, tls.cert_file, tls.key_file)
+        self._http = [Endpoint(e, context, keep=pool_size) for e in self.endpoints]
 
     def __repr__(self) -> str:
         auth = f", user={self._user!r}" if self._user else ""
@@ -116,14 +206,22 @@ class EtcdClient:
         return ",".join(self.endpoints)
 
     def close(self) -> None:
-        self._pool.clear()
+        for endpoint in self._http:
+            endpoint.close()
 
     # -- unary requests ---------------------------------------------------------------------
     def call(self, path: str, body: dict[str, Any], deadline: float, what: str, *,
-             auth: bool = True) -> dict[str, Any]:
+             auth: bool = True, route: bool = True) -> dict[str, Any]:
         """POST ``body`` to ``/v3/<path>``, failing over between endpoints until ``deadline``
         (a ``time.monotonic()`` value). Raises :class:`EtcdError` for a refusal by etcd and
-        :class:`EtcdUnavailableError` when no endpoint answered in time."""
+        :class:`EtcdUnavailableError` when no endpoint answered in time. ``route``: start at
+        the leader when it is known (and have it looked for when not)."""
+        if route and len(self.endpoints) > 1:
+            leader = self._leader.index
+            if leader is None:
+                self._leader.learn(self)
+            else:
+                self._current = leader
         payload = json.dumps(body).encode()
         attempt = _Attempt()
         tried = timed_out = 0
@@ -136,19 +234,24 @@ class EtcdClient:
             read = (_ATTEMPT_READ + len(payload) / _BYTES_PER_S) * 2 ** max(
                 timed_out - _SHORT_TRIES, 0)
             try:
-                resp = self._pool.request(
-                    "POST", f"{endpoint}/v3/{path}", body=payload, headers=self._headers(auth),
-                    timeout=urllib3.Timeout(connect=min(_CONNECT, left), read=min(read, left)))
-            except urllib3.exceptions.HTTPError as err:
-                timed_out += isinstance(err, urllib3.exceptions.ReadTimeoutError)
-                attempt.errors.append(f"{endpoint}: {type(err).__name__}: {err}")
+                status, raw = self._http[index].post(f"/v3/{path}", payload,
+                                                     self._headers(auth), min(_CONNECT, left),
+                                                     min(read, left))
+            except HTTPFailure as err:
+                timed_out += err.timeout
+                attempt.errors.append(f"{endpoint}: {err}")
+                if err.timeout and route and len(self.endpoints) > 1:
+                    found = self._leader.find(self, deadline)
+                    if found is not None and found != index:
+                        self._current = found
+                        continue
             else:
-                data = _json(resp.data)
-                if resp.status == 200:
+                data = _json(raw)
+                if status == 200:
                     self._current = index
                     return data
                 code = int(data.get("code", 0))
-                message = str(data.get("message") or data.get("error") or resp.status)
+                message = str(data.get("message") or data.get("error") or status)
                 if code in _AUTH_CODES or "invalid auth token" in message:
                     if self._user and auth:
                         self._authenticate(deadline)
@@ -160,6 +263,7 @@ class EtcdClient:
                     raise EtcdError(f"etcd at {endpoint} refused {what}: {message} (code {code})",
                                     code)
                 attempt.errors.append(f"{endpoint}: {message}")
+            self._leader.forget(index)
             with self._lock:
                 if self._current == index:
                     self._current = (index + 1) % len(self.endpoints)
@@ -170,6 +274,16 @@ class EtcdClient:
             if tried % len(self.endpoints) == 0:  # every member failed once: let etcd settle
                 time.sleep(min(0.05 * (tried // len(self.endpoints)), 0.25,
                                max(deadline - time.monotonic(), 0)))
+
+    def _status(self, index: int) -> dict[str, Any]:
+        """Member ``index``'s own status (no consensus needed), or {} if it does not answer
+        within 0.1 s."""
+        try:
+            status, raw = self._http[index].post("/v3/maintenance/status", b"{}",
+                                                 self._headers(), 0.1, 0.1)
+        except (HTTPFailure, DistStoreError):
+            return {}
+        return _json(raw) if status == 200 else {}
 
     def _unavailable(self, what: str, attempt: _Attempt) -> EtcdUnavailableError:
         last = "; ".join(attempt.errors[-len(self.endpoints):]) or "no attempt in time"
@@ -192,7 +306,8 @@ class EtcdClient:
         self._token = None
         try:
             data = self.call("auth/authenticate", {"name": self._user, "password": self._password},
-                             deadline, "authenticate", auth=False)
+                             deadline, "authenticate", auth=False,
+                             route=False)  # find() may be asking: never back into it
         except EtcdError as err:
             raise EtcdError(f"etcd refused the user {self._user!r} on {self.describe()}: "
                             f"{str(err).split(': ', 2)[-1]}", err.code) from None
@@ -213,12 +328,12 @@ class EtcdClient:
             if left <= 0:
                 return
             try:
-                resp = self._pool.request(
-                    "POST", f"{endpoint}/v3/watch", body=body, headers=self._headers(),
-                    preload_content=False,
-                    timeout=urllib3.Timeout(connect=min(_CONNECT, left), read=left))
-            except urllib3.exceptions.HTTPError as err:
-                attempt.errors.append(f"{endpoint}: {type(err).__name__}: {err}")
+                lines = self._http[index].stream("/v3/watch", body, self._headers(),
+                                                 min(_CONNECT, left), deadline)
+            except HTTPFailure as err:
+                if err.timeout:
+                    return  # the deadline passed before the stream started
+                attempt.errors.append(f"{endpoint}: {err}")
                 with self._lock:
                     if self._current == index:
                         self._current = (index + 1) % len(self.endpoints)
@@ -230,23 +345,14 @@ class EtcdClient:
                 continue
             break
         try:
-            buf = b""
-            for chunk in resp.stream(65536, decode_content=False):
-                buf += chunk
-                while b"\n" in buf:
-                    line, _, buf = buf.partition(b"\n")
-                    if line.strip():
-                        msg = _json(line)
-                        if "error" in msg and "result" not in msg:
-                            return  # e.g. a compacted revision: the caller re-checks
-                        yield msg.get("result", {})
-        except (urllib3.exceptions.HTTPError, OSError):
-            return  # timed out, or the member went away
+            for line in lines:  # ends at the deadline, or when the member goes away
+                if line.strip():
+                    msg = _json(line)
+                    if "error" in msg and "result" not in msg:
+                        return  # e.g. a compacted revision: the caller re-checks
+                    yield msg.get("result", {})
         finally:
-            try:
-                resp.close()
-            except OSError:
-                pass
+            lines.close()  # the caller stopped reading: close the stream's connection now
 
 
 def _json(raw: bytes) -> dict[str, Any]:

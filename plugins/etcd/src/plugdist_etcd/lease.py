@@ -1,10 +1,9 @@
 """etcd leases kept alive by this process: the job lease that every key of a store is put with,
 so an etcd that outlives the job does not keep its keys.
 
-A :class:`Lease` is one lease and the thread that renews it (every third of its TTL). The same
-class is what a per-rank liveness lease would use: put ``<prefix>alive/<rank>`` with the rank's
-own short lease, and a watch on ``<prefix>alive/`` sees the DELETE when the process dies and
-stops renewing it.
+A :class:`Lease` is one lease and the thread that renews it (every third of its TTL, or a
+``period`` of the caller's). The wills of :mod:`plugdist_etcd.will` use one short lease each:
+their liveness key goes when the process dies and stops renewing it.
 """
 
 from __future__ import annotations
@@ -12,23 +11,33 @@ from __future__ import annotations
 import threading
 import time
 
-from .client import EtcdClient, EtcdError
+from plugdist.errors import DistStoreError
 
-__all__ = ["Lease", "acquire_shared", "release_shared"]
+from .client import EtcdClient
+
+__all__ = ["Lease", "acquire_shared", "release_shared", "renewed_here"]
 
 
 class Lease:
     """The lease ``lease_id`` (granted here when None) with a renewing thread. ``lost`` turns
-    true when etcd says the lease is gone (it expired: no renewal reached etcd for a TTL)."""
+    true when etcd says the lease is gone (it expired: no renewal reached etcd for a TTL).
 
-    def __init__(self, client: EtcdClient, ttl: float, lease_id: int | None = None) -> None:
+    ``ttl`` is what etcd granted when granted here: etcd raises a TTL below its minimum (1.5
+    election timeouts, rounded up: 2 s with its defaults) to that minimum. ``period``: seconds
+    between renewals (default a third of the TTL). Granting blocks for one round trip (up to
+    ``grant_timeout`` seconds)."""
+
+    def __init__(self, client: EtcdClient, ttl: float, lease_id: int | None = None, *,
+                 period: float | None = None, grant_timeout: float = 30) -> None:
         self.client = client
         self.ttl = max(int(ttl), 1)
         if lease_id is None:
-            data = client.call("lease/grant", {"TTL": self.ttl}, time.monotonic() + 30,
-                               "lease grant")
+            data = client.call("lease/grant", {"TTL": self.ttl},
+                               time.monotonic() + grant_timeout, "lease grant")
             lease_id = int(data["ID"])
+            self.ttl = int(data.get("TTL") or self.ttl)
         self.id = lease_id
+        self.period = period if period is not None else self.ttl / 3
         self.lost = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -41,13 +50,13 @@ class Lease:
         return self
 
     def _renew(self) -> None:
-        period = self.ttl / 3
+        period = self.period
         while not self._stop.wait(period):
             try:
                 data = self.client.call("lease/keepalive", {"ID": str(self.id)},
                                         time.monotonic() + period, "lease keepalive")
-            except EtcdError:
-                continue  # the cluster is down for now; the next beat tries again
+            except DistStoreError:  # a refusal, or no member answered (EtcdUnavailableError)
+                continue  # the cluster is down or electing for now; the next beat tries again
             if int(data.get("result", {}).get("TTL", 0) or 0) <= 0:
                 self.lost = True
                 return
@@ -62,12 +71,20 @@ class Lease:
         try:
             self.client.call("lease/revoke", {"ID": str(self.id)}, time.monotonic() + 5,
                              "lease revoke")
-        except EtcdError:
-            pass
+        except DistStoreError:
+            pass  # unreachable: the lease expires by itself
 
 
 _SHARED: dict[tuple[tuple[str, ...], int], tuple[Lease, int]] = {}
 _SHARED_LOCK = threading.Lock()
+
+
+def renewed_here(client: EtcdClient, lease_id: int) -> bool:
+    """Whether this process already renews ``lease_id`` on ``client``'s cluster (and etcd has
+    not said it is gone): then it exists, and a new handle needs no request to learn that."""
+    with _SHARED_LOCK:
+        lease, _ = _SHARED.get((tuple(client.endpoints), lease_id), (None, 0))
+        return lease is not None and not lease.lost
 
 
 def acquire_shared(client: EtcdClient, ttl: float, lease_id: int) -> Lease:

@@ -3,7 +3,9 @@
 Layout under the job's prefix ``P`` (``/<prefix>/``): ``P k/<key>`` values; ``P a/<n>:<key>/<id>``
 pending increments of a counter; ``P q/<n>:<key>/<id>`` queue items (``n`` = the key's length in
 bytes, so one key's entries are never a prefix of another's); ``P m/<handle>/<slot>`` each
-handle's last-write markers. Every key is put with the job's lease (see ``_job_lease``).
+handle's last-write markers; ``P w/<id>`` and ``P l/<id>`` the wills (see
+:mod:`plugdist_etcd.will`). Every key is put with the job's lease (see ``_job_lease``), but a
+will's liveness key, which has its holder's own short lease.
 
 Round trips: set, get, check, num_keys, delete_key, compare_set, multi_get/multi_set, queue_push,
 queue_len: one each. ``add`` uncontended: one transaction guarded by the revision of the counter
@@ -27,26 +29,35 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plugdist.errors import DistStoreError, DistTimeoutError, QueueEmptyError
+from plugdist.log import get_logger
 from plugdist.store import DEFAULT_STORE_TIMEOUT, Store
 from plugdist.store.api import to_bytes, to_seconds
 
 from .client import EtcdClient, EtcdError, TLSConfig, b64, prefix_end, unb64
-from .lease import Lease, acquire_shared, release_shared
+from .lease import Lease, acquire_shared, release_shared, renewed_here
+
+if TYPE_CHECKING:
+    from .will import EtcdWill
 
 __all__ = ["EtcdStore"]
 
 _TXN_OPS = 64      # etcd refuses a transaction of more than 128 operations (its default)
 _SEEN_MAX = 4096   # revisions remembered for add/append guards
 _FOLD_AT = 16      # an add that sees a multiple of this many pending increments folds them
+# seconds: a will's liveness lease. etcd grants no less than 1.5 election timeouts rounded up
+# (2 s with its defaults: heartbeat 100 ms, election 1000 ms) and revokes expired leases every
+# 0.5 s, so with the defaults a dead holder's will runs 2-2.5 s after its last renewal
+DEFAULT_LIVE_TTL = 2.0
 
 
 def _put(key: bytes, value: bytes, lease: int) -> dict[str, Any]:
@@ -92,10 +103,13 @@ class EtcdStore(Store):
     each process renews while it has a handle open: the keys go ``ttl`` seconds after the last
     process of the job; ``ttl=0`` keeps them until :meth:`delete_all`. ``user``/``password``:
     etcd's authentication; ``tls``: CA and client certificate (with ``https`` endpoints).
+    ``live_ttl``: seconds of the lease behind each will (:meth:`hold_will`): a holder that
+    stops renewing it for that long (it died, or stopped running) has its will executed.
     """
 
     def __init__(self, endpoints: str | Sequence[str], prefix: str = "plugdist",
                  timeout: timedelta = DEFAULT_STORE_TIMEOUT, *, ttl: float = 60,
+                 live_ttl: float = DEFAULT_LIVE_TTL,
                  user: str | None = None, password: str | None = None,
                  tls: TLSConfig | None = None, _lease: Lease | None = None) -> None:
         super().__init__(timeout)
@@ -105,6 +119,10 @@ class EtcdStore(Store):
         self.endpoints = [e if "://" in e else f"{scheme}://{e}" for e in endpoints]
         self.prefix = prefix.strip("/")
         self.ttl = ttl
+        if live_ttl <= 0:
+            raise ValueError(f"etcd store: live_ttl={live_ttl!r} must be a positive number of "
+                             f"seconds")
+        self.live_ttl = live_ttl
         self._config = dict(user=user, password=password, tls=tls)
         self._client = EtcdClient(self.endpoints, user=user, password=password, tls=tls,
                                   pool_size=16)
@@ -183,9 +201,12 @@ class EtcdStore(Store):
     def _job_lease(self) -> Lease:
         """The job's lease, one per prefix: its id is derived from the prefix, so every process
         asks etcd for the same one in one request (the first creates it, the others are told it
-        exists), with no record to agree on and no lease granted in vain."""
+        exists), with no record to agree on and no lease granted in vain; none at all when
+        this process renews it already (another handle on the same prefix)."""
         lease_id = int.from_bytes(hashlib.blake2b(self._p, digest_size=8).digest(), "big")
         lease_id = (lease_id & ((1 << 62) - 1)) | 1   # positive int64, never 0 (etcd's "pick")
+        if renewed_here(self._client, lease_id):
+            return acquire_shared(self._client, self.ttl, lease_id)
         try:
             self._call("lease/grant", {"TTL": max(int(self.ttl), 1), "ID": str(lease_id)},
                        "open")
@@ -623,7 +644,95 @@ class EtcdStore(Store):
 
     def clone(self) -> EtcdStore:
         return EtcdStore(self.endpoints, self.prefix, self.timeout, ttl=self.ttl,
-                         _lease=self._lease, **self._config)  # type: ignore[arg-type]
+                         live_ttl=self.live_ttl, _lease=self._lease,
+                         **self._config)  # type: ignore[arg-type]
+
+    # -- liveness ------------------------------------------------------------------------------
+    def hold_will(self, key: str, value: bytes | str) -> EtcdWill:
+        """Leave a will (see :meth:`plugdist.store.Store.hold_will`) backed by an etcd lease of
+        ``live_ttl`` seconds that a thread of this process renews: once the process dies (or
+        stops running) for that long, etcd deletes the will's liveness key, and the other
+        processes holding wills on this prefix see it and execute the will, exactly once
+        between them. The returned will's ``liveness_timeout`` says how soon. Blocks for a few
+        round trips; starts two daemon threads (renewal and watch)."""
+        from .will import EtcdWill  # the will module builds on this one
+
+        self._vkey(key)
+        return EtcdWill(self, key, to_bytes(value))
+
+    def _will_keys(self, wid: bytes) -> tuple[bytes, bytes]:
+        """The record and the liveness key of will ``wid``."""
+        return self._p + b"w/" + wid, self._p + b"l/" + wid
+
+    def _put_will(self, wid: bytes, key: str, value: bytes, lease: int) -> None:
+        record, live = self._will_keys(wid)
+        body = json.dumps({"key": key, "value": b64(value)}).encode()
+        self._txn([], [_put(record, body, self._lease_id), _put(live, body, lease)], [],
+                  f"hold_will({key!r})")
+
+    def _withdraw_will(self, wid: bytes) -> None:
+        record, live = self._will_keys(wid)
+        self._txn([], [_delete(record), _delete(live)], [], "cancel will",
+                  time.monotonic() + min(5.0, to_seconds(self.timeout)))
+
+    def _orphaned_wills(self) -> tuple[list[bytes], int]:
+        """The wills whose liveness key is gone (their holder died; not yet executed), and the
+        revision this was read at. One round trip."""
+        rec, live = self._p + b"w/", self._p + b"l/"
+        data = self._txn([], [_range(rec, prefix_end(rec), keys_only=True),
+                              _range(live, prefix_end(live), keys_only=True)], [], "will sweep")
+        responses = data.get("responses", [])
+        held = {unb64(kv.get("key"))[len(live):] for kv in _kvs(responses[1])}
+        wills = [unb64(kv.get("key"))[len(rec):] for kv in _kvs(responses[0])]
+        return [w for w in wills if w not in held], _revision(data)
+
+    def _execute_will(self, wid: bytes) -> bool:
+        """Run will ``wid`` if its liveness key is gone and nobody ran it yet: append its value
+        to its numbered log (the counter ``key`` becomes n, the value goes to ``key/n``) and
+        delete its record, in one transaction guarded by the record, the absence of the
+        liveness key and the counter's revision, so however many processes try at once (and
+        however often a lost reply makes one repeat), it runs once. True if this call ran it."""
+        record, live = self._will_keys(wid)
+        what = "execute will"
+        deadline = self._deadline()
+        while True:
+            data = self._txn([], [_range(record), _range(live, count_only=True)], [], what,
+                             deadline)
+            responses = data.get("responses", [])
+            found = _kvs(responses[0])
+            if not found or _count(responses[1]):
+                return False  # ran (or withdrawn) already, or its holder is alive
+            will = json.loads(unb64(found[0].get("value")))
+            key, entry = str(will["key"]), unb64(will["value"])
+            vkey, d = self._vkey(key), self._dkey(key)
+            data = self._txn([], [_range(vkey), _range(d, prefix_end(d))], [], what, deadline)
+            responses = data.get("responses", [])
+            value, deltas = _kvs(responses[0]), _kvs(responses[1])
+            if deltas:  # the counter was add()ed to under contention: make it plain first
+                self._fold(vkey, value, deltas, what, deadline, force=True)
+                continue
+            try:
+                n = int(unb64(value[0].get("value")) or b"0") + 1 if value else 1
+            except ValueError:  # a counter some process overwrote with set(): as TCPStore does
+                get_logger(store="etcd").warning("will_not_run", key=key,
+                                                 reason="the log's counter is not an integer")
+                self._txn([], [_delete(record)], [], what, deadline)
+                return False
+            counter = ({"key": b64(vkey), "target": "MOD",
+                        "mod_revision": value[0]["mod_revision"]} if value else
+                       {"key": b64(vkey), "target": "CREATE", "create_revision": "0"})
+            guard = [{"key": b64(record), "target": "MOD",
+                      "mod_revision": found[0]["mod_revision"]},
+                     {"key": b64(live), "target": "CREATE", "create_revision": "0"}, counter,
+                     {"key": b64(d), "range_end": b64(prefix_end(d)), "target": "CREATE",
+                      "create_revision": "0"}]
+            done = self._txn(guard, [_put(vkey, str(n).encode(), self._lease_id),
+                                     _put(self._vkey(f"{key}/{n}"), entry, self._lease_id),
+                                     _delete(record)], [], what, deadline)
+            if done.get("succeeded"):
+                with self._lock:
+                    self._seen.pop(vkey, None)
+                return True
 
     def delete_all(self) -> int:
         """Delete every key of the job's prefix (the end of a job); returns how many."""

@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from plugdist.store import DEFAULT_STORE_TIMEOUT
 
 from .client import TLSConfig
-from .store import EtcdStore
+from .store import DEFAULT_LIVE_TTL, EtcdStore
 
 __all__ = ["EtcdURL", "parse_etcd_url", "etcd_store_factory"]
 
@@ -27,13 +27,15 @@ class EtcdURL:
     endpoints: tuple[str, ...]
     prefix: str
     ttl: float
+    live_ttl: float
     user: str | None
     password: str | None
     tls: TLSConfig | None
 
     def __repr__(self) -> str:  # never the password
         return (f"EtcdURL(endpoints={self.endpoints!r}, prefix={self.prefix!r}, "
-                f"ttl={self.ttl}, user={self.user!r}, tls={self.tls is not None})")
+                f"ttl={self.ttl}, live_ttl={self.live_ttl}, user={self.user!r}, "
+                f"tls={self.tls is not None})")
 
 
 def parse_etcd_url(url: str) -> EtcdURL:
@@ -70,18 +72,26 @@ def parse_etcd_url(url: str) -> EtcdURL:
         if ":" not in host.rsplit("]", 1)[-1]:
             host += ":2379"
         endpoints.append(f"{scheme}://{host}")
-    try:
-        ttl = float(query.get("ttl", 60))
-    except ValueError:
-        raise ValueError(f"etcd store URL: ttl={query['ttl']!r} is not a number of "
-                         f"seconds") from None
+    ttl = _seconds(query, "ttl", 60)
+    live_ttl = _seconds(query, "live_ttl", DEFAULT_LIVE_TTL)
+    if live_ttl <= 0:
+        raise ValueError(f"etcd store URL: live_ttl={query['live_ttl']!r} must be positive")
     prefix = parts.path.strip("/") or "plugdist"
-    return EtcdURL(tuple(endpoints), prefix, ttl, user or None, password, tls)
+    return EtcdURL(tuple(endpoints), prefix, ttl, live_ttl, user or None, password, tls)
+
+
+def _seconds(query: dict[str, str], name: str, default: float) -> float:
+    try:
+        return float(query.get(name, default))
+    except ValueError:
+        raise ValueError(f"etcd store URL: {name}={query[name]!r} is not a number of "
+                         f"seconds") from None
 
 
 def etcd_store_factory(url: str, *, timeout: timedelta = DEFAULT_STORE_TIMEOUT,
                        **_: Any) -> EtcdStore:
     """The ``plugdist.stores`` entry point of the ``etcd`` and ``etcds`` schemes."""
     u = parse_etcd_url(url)
-    return EtcdStore(list(u.endpoints), u.prefix, timeout, ttl=u.ttl, user=u.user,
+    return EtcdStore(list(u.endpoints), u.prefix, timeout, ttl=u.ttl, live_ttl=u.live_ttl,
+                     user=u.user,
                      password=u.password, tls=u.tls)

@@ -30,6 +30,7 @@ from plugdist.store import Store
 from plugdist.store.for_torch import PlugdistStoreForTorch
 from plugdist.work import Work
 
+from .connections import shut_down_connections
 from .dtypes import Staged, effective_op, flat_bytes, movable, rows, stage_reduction
 from .options import GlooOptions, make_devices
 from .waiters import Waiters
@@ -73,6 +74,19 @@ def _peer_addresses(store: Store, size: int, devices: int) -> dict[int, list[byt
     return peers
 
 
+def _listens_at(blobs: list[bytes], host: str, port: int) -> bool:
+    """Whether ``host:port`` is one of the serialized Gloo listening addresses in ``blobs``."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        ip = socket.inet_pton(family, host)
+    except OSError:
+        return False
+    # a serialized sockaddr_in holds the port right before the address; sockaddr_in6 does not
+    needle = port.to_bytes(2, "big") + ip if family == socket.AF_INET else ip
+    port_bytes = port.to_bytes(2, "big")
+    return any(needle in b and port_bytes in b for b in blobs)
+
+
 def _rank_of_peer(message: str, peers: dict[int, list[bytes]]) -> int | None:
     """The rank whose Gloo listening address appears in ``message`` ("... peer
     [127.0.0.1]:4242 ..."), when exactly one rank matches. (A peer that connected to us shows
@@ -81,16 +95,7 @@ def _rank_of_peer(message: str, peers: dict[int, list[bytes]]) -> int | None:
     if m is None or not peers:
         return None
     host, port = m.group(1), int(m.group(2))
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        ip = socket.inet_pton(family, host)
-    except OSError:
-        return None
-    # a serialized sockaddr_in holds the port right before the address; sockaddr_in6 does not
-    needle = port.to_bytes(2, "big") + ip if family == socket.AF_INET else ip
-    port_bytes = port.to_bytes(2, "big")
-    found = {r for r, blobs in peers.items()
-             if any(needle in b and port_bytes in b for b in blobs)}
+    found = {r for r, blobs in peers.items() if _listens_at(blobs, host, port)}
     return found.pop() if len(found) == 1 else None
 
 
@@ -212,18 +217,36 @@ class GlooProcessGroup(ProcessGroup):
         self._log.debug("gloo group shut down")
 
     def _let_go(self) -> None:
-        """Release an aborted group without waiting. Its ops with a dead peer end only at
-        Gloo's own timeout, and Gloo's shutdown and destructor join its threads, so they would
-        block that long (and a destructor still pending at exit aborts the process). So the
-        group is left to the process: ``_ABANDONED`` keeps it (and the store Gloo uses) and is
-        never emptied. One per failure, a few sockets and threads each. (Gloo's own ``abort``
-        is not called: with ops in flight it can end the process with an uncaught
-        ``gloo::IoException`` from a Gloo thread.)"""
+        """Release an aborted group without waiting. Its connections are cut first, so nothing
+        of it stays in flight into this process's exit (see connections.py). Gloo's shutdown
+        and destructor would still join its threads, which may sit in an op's error path for a
+        while, so the group is left to the process: ``_ABANDONED`` keeps it (and the store Gloo
+        uses) and is never emptied; a few idle threads per failure."""
         pg, self._pg = self._pg, None
+        self._cut_connections()
         self._waiters.close(timeout=0.0)
         _ABANDONED.append((pg, self._bridge))
         self._bridge = None
         self._log.debug("aborted gloo group left to the process")
+
+    def native_abort(self) -> None:
+        """Fail Gloo's ops in flight at once (their waiters are already released by the core):
+        without this they would end only at Gloo's timeout. Non-blocking."""
+        if getattr(self, "_pg", None) is not None:
+            self._cut_connections()
+
+    def _cut_connections(self) -> None:
+        """End what the group still has in flight now, while this process is whole (see
+        connections.py): shut down its connections, the ones accepted on this rank's listening
+        address and the ones made to a peer's."""
+        mine = self._peers.get(self._rank, [])
+        others = [b for r, blobs in self._peers.items() if r != self._rank for b in blobs]
+
+        def ours(local: tuple[str, int], remote: tuple[str, int]) -> bool:
+            return _listens_at(mine, *local) or _listens_at(others, *remote)
+
+        cut = shut_down_connections(ours)
+        self._log.debug("aborted gloo group's connections shut down", connections=cut)
 
     # -- plumbing -------------------------------------------------------------------------------
     def _native(self, op: str) -> Any:

@@ -1,0 +1,120 @@
+"""Wills on etcd (``EtcdStore.hold_will``): liveness through one etcd lease per holder.
+
+A will is two keys under the job's prefix ``P``: its record ``P w/<id>`` (what to append to
+which log; the job's lease) and its liveness key ``P l/<id>``, put with a lease of the holder's
+own that a thread renews every quarter of its TTL. When the holder dies, or stops running (a
+SIGSTOP, a thread that holds the GIL), for a TTL, etcd revokes the lease and deletes the
+liveness key. Every process that holds a will on the prefix watches ``P l/`` for deletions and
+executes the orphaned will (:meth:`EtcdStore._execute_will`: one guarded transaction, so it runs
+once however many watchers race). A watcher also sweeps for orphans each time it (re)opens its
+watch, so a holder that died before the others were watching is not missed.
+
+Nobody runs the will of the last holder standing: there is no one left to read its log.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from plugdist.errors import DistError
+from plugdist.log import get_logger
+
+from .client import b64, prefix_end, unb64
+from .lease import Lease
+
+if TYPE_CHECKING:
+    from .store import EtcdStore
+
+__all__ = ["EtcdWill"]
+
+_WATCH_SPAN = 5.0    # seconds one watch stays open before the watcher sweeps and watches again
+_EXPIRY_CHECK = 0.5  # etcd looks for expired leases this often
+
+
+class EtcdWill:
+    """A will held with an etcd store (see :meth:`EtcdStore.hold_will`).
+
+    ``liveness_timeout``: at most this many seconds pass between the holder's last renewal
+    (its death, or the start of a stall) and the lease's expiry; the will then runs within a
+    round trip or two. Because a stalled holder stops renewing too, this covers hangs of the
+    whole process as well as deaths (``plugdist.membership`` then writes no heartbeats).
+    ``cancel()`` withdraws it (a clean exit); idempotent, blocks for up to two round trips.
+    """
+
+    def __init__(self, store: EtcdStore, key: str, value: bytes) -> None:
+        # a handle of its own: the will outlives whatever the caller does with its store
+        self._store = store.clone()
+        self.key = key
+        self.id = os.urandom(8).hex().encode()
+        client = self._store._client
+        deadline = min(10.0, store.timeout.total_seconds())
+        try:
+            self._lease = Lease(client, store.live_ttl, period=max(store.live_ttl / 4, 0.1),
+                                grant_timeout=deadline)
+            self._store._put_will(self.id, key, value, self._lease.id)
+        except BaseException:
+            self._store.close()
+            raise
+        self.liveness_timeout = float(self._lease.ttl) + _EXPIRY_CHECK
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._log = get_logger(store="etcd")
+        self._lease.start()
+        self._watcher = threading.Thread(target=self._watch, name=f"etcd-will-{self.id.decode()}",
+                                         daemon=True)
+        self._watcher.start()
+
+    def __repr__(self) -> str:
+        return (f"EtcdWill({self.key!r}, lease ttl={self._lease.ttl}s, "
+                f"{'cancelled' if self._stop.is_set() else 'held'})")
+
+    def cancel(self) -> None:
+        """Withdraw the will (its record and liveness key go in one transaction), then end the
+        lease. If etcd cannot be reached the will stays, and runs when the lease expires."""
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+        try:
+            self._store._withdraw_will(self.id)
+        except DistError as err:
+            self._log.warning("will_not_withdrawn", key=self.key, error=str(err)[-200:])
+            self._lease.stop()  # etcd is out of reach: do not wait for it a second time
+        else:
+            self._lease.revoke()
+        # the watcher ends with its current watch (daemon: it never keeps the process alive)
+        self._store.close()
+
+    # -- the watcher: runs the wills of holders that died ------------------------------------
+    def _watch(self) -> None:
+        store = self._store
+        live = store._p + b"l/"
+        while not self._stop.is_set():
+            try:
+                orphans, revision = store._orphaned_wills()
+                for wid in orphans:
+                    self._run(wid)
+                creates = [{"key": b64(live), "range_end": b64(prefix_end(live)),
+                            "start_revision": str(revision + 1), "filters": ["NOPUT"]}]
+                for result in store._client.watch(creates, time.monotonic() + _WATCH_SPAN):
+                    if self._stop.is_set():
+                        return
+                    for event in result.get("events", []):
+                        if event.get("type") == "DELETE":
+                            self._run(unb64(event.get("kv", {}).get("key"))[len(live):])
+                    if result.get("canceled"):
+                        break
+            except DistError as err:
+                if self._stop.is_set():
+                    return
+                self._log.info("will_watch_failed", error=str(err)[-200:])
+                self._stop.wait(0.2)
+
+    def _run(self, wid: bytes) -> None:
+        if self._stop.is_set():
+            return
+        if self._store._execute_will(wid):
+            self._log.info("will_executed", will=wid.decode(errors="replace"))
