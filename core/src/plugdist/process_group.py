@@ -125,6 +125,9 @@ class ProcessGroup:
     # non-empty: why this backend's groups cannot be rebuilt with other members (shrink_group
     # and grow_group refuse with it); empty: the core's default rebuild works
     rebuild_refusal: ClassVar[str] = ""
+    # non-empty: why this backend cannot admit new processes (grow_group and join=True refuse
+    # with it) even where it can shrink
+    grow_refusal: ClassVar[str] = ""
     _caps: Capabilities | None = None  # this group's capabilities, fixed at first use
     # set per class by __init_subclass__: which ops run_blocking may hand to native_blocking,
     # and the lean route (see _LEAN) of each op that has one here

@@ -28,7 +28,7 @@ from .registry import BACKENDS, Backend, registry
 from .store import Store
 from .world import world
 
-__all__ = ["shrink_group", "grow_group", "get_failed_ranks", "join_world"]
+__all__ = ["shrink_group", "grow_group", "get_failed_ranks", "join_world", "report_failed_ranks"]
 
 _ATTEMPTS = 3  # agreements tried when members keep failing while the new group is built
 
@@ -75,6 +75,17 @@ def get_failed_ranks(group: Any = None) -> list[int]:
     return [i for i, g in enumerate(info.global_ranks) if g in dead]
 
 
+def report_failed_ranks(ranks: Sequence[int], how: str) -> None:
+    """For backends whose transport sees a failure itself (an MPI error naming the failed
+    processes, a closed connection): ``ranks`` (global ranks of the current world) failed, as
+    ``how`` describes. Membership acts on it at once, as on a death the store saw: it aborts
+    every group holding them and tells the other members. A no-op when resilient groups are
+    off. Safe from any thread; does a few store round trips the first time a rank is named."""
+    m = world.membership
+    if m is not None:
+        m.report(ranks, how)
+
+
 def shrink_group(ranks_to_exclude: Sequence[int] | None = None, group: Any = None,
                  timeout: timedelta | None = None) -> Any:
     """Continue without failed ranks: a collective of the survivors of the default group.
@@ -109,6 +120,10 @@ def grow_group(group: Any = None, timeout: timedelta | None = None) -> Any:
     over the world: the same object, running over it). Blocks up to ``timeout``."""
     pg, handle = _resolve(group, "grow_group")
     m = _membership("grow_group")
+    refusal = getattr(pg, "grow_refusal", "")
+    if refusal:
+        raise DistError(f"{pg.where('grow_group')} grow_group is not available on this "
+                        f"backend: {refusal}")
     limit = timeout or world.info(pg).timeout
     decision = m.agree_grow(limit)
     if decision is None:
@@ -122,7 +137,9 @@ def _enter_until_built(m: Membership, decision: Decision, timeout: timedelta,
     """Enter ``decision``'s epoch; when a member of it fails before its group is built, the
     survivors of it (every one of them comes here too, joiners included) agree again, without
     it, up to ``_ATTEMPTS`` times. Raises the last error otherwise."""
+    rounds = 0  # agreements within the epoch this process is still in
     for attempt in range(_ATTEMPTS):
+        epoch = m.epoch
         try:
             _enter(m, decision, timeout, why)
             return
@@ -132,7 +149,9 @@ def _enter_until_built(m: Membership, decision: Decision, timeout: timedelta,
                 raise
             get_logger(rank=world.rank).warning("rebuild_retry", epoch=decision.epoch,
                                                 failed=failed_now, error=str(err))
-        decision, why = m.agree_shrink(None, timeout), "shrink_group"
+        # a native shrink fails before the epoch is entered: agree again within it
+        rounds = rounds + 1 if m.epoch == epoch else 0
+        decision, why = m.agree_shrink(None, timeout, rounds), "shrink_group"
 
 
 def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> None:
@@ -155,12 +174,11 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(world.rank), str(world.size)
     assert world.backend is not None
     name = f"e{decision.epoch}"
-    if native is not None:
-        pg = native
-    else:
-        info_timeout = timeout if old_default is None else old_default.timeout
-        pg = groups._build_group(world.backend, tuple(range(world.size)), name, info_timeout,
-                                 world.group_options)
+    info_timeout = timeout if old_default is None else old_default.timeout
+    # a natively shrunk group goes through the same steps as a fresh one (plugins wrap it,
+    # the world records it, membership watches it)
+    pg = groups._build_group(world.backend, tuple(range(world.size)), name, info_timeout,
+                             world.group_options, made=native)
     world.default = pg
     if world.torch_default is not None:
         from . import torch_bridge
@@ -189,7 +207,11 @@ def join_world(backend: str, store: Store, timeout: timedelta, pg_options: Any) 
         raise DistError("init_process_group was already called in this process; call "
                         "destroy_process_group() first to re-initialize")
     name = Backend(backend)
-    registry.load(BACKENDS, name)  # an unknown backend fails before the members wait for us
+    factory = registry.load(BACKENDS, name)  # an unknown backend fails before anyone waits
+    refusal = getattr(factory, "grow_refusal", "")
+    if refusal:
+        raise DistError(f"init_process_group(join=True): backend {backend!r} cannot admit a new "
+                        f"process into a running world: {refusal}")
     store.set_timeout(timeout)
     m, decision = request_join(store, timeout)
     world.reset()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from plugdist import ProcessGroup, Store, Work, observe
-from plugdist.process_group import OPS, Capabilities
+from plugdist.process_group import OPS, Capabilities, GroupOptions
 from plugdist.reduce_op import ReduceOp
 
 from .exchange import FingerprintExchange, GroupIdentity
@@ -58,6 +58,8 @@ class DebugProcessGroup(ProcessGroup):
     def __init__(self, inner: ProcessGroup, store: Store) -> None:
         super().__init__(inner.rank(), inner.size(), inner.options)
         self._inner = inner
+        # one abort signal for both: aborting this group releases the wrapped group's waits
+        self.abort_signal = inner.abort_signal
         global_ranks = tuple(inner.options.global_ranks) or tuple(range(inner.size()))
         self._ident = GroupIdentity(inner.group_name, inner.backend_name, inner.rank(),
                                     global_ranks)
@@ -93,8 +95,23 @@ class DebugProcessGroup(ProcessGroup):
     def supports_any_source(self) -> bool:  # type: ignore[override]
         return self._inner.supports_any_source
 
+    @property  # type: ignore[override]
+    def rebuild_refusal(self) -> str:  # type: ignore[override]
+        return self._inner.rebuild_refusal
+
+    @property  # type: ignore[override]
+    def grow_refusal(self) -> str:  # type: ignore[override]
+        return self._inner.grow_refusal
+
     def capabilities(self) -> Capabilities:
         return self._inner.capabilities()
+
+    # -- resilience: the wrapped group's mechanisms ---------------------------------------------
+    def native_abort(self) -> None:
+        self._inner.native_abort()  # the signal is shared (see __init__)
+
+    def native_shrink(self, keep: Sequence[int], options: GroupOptions) -> Any:
+        return self._inner.native_shrink(keep, options)  # the core wraps the result again
 
     def shutdown(self) -> None:
         recorders.remove(self.recorder)

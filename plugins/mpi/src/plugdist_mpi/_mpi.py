@@ -7,8 +7,9 @@ not initialized yet (mpi4py's own default, ``multiple``, otherwise). plugdist_mp
 thread, never at the same time (see :mod:`plugdist_mpi.engine`).
 
 When it initializes MPI itself, :func:`load` imports ``mpi4py.MPI`` without initializing, so
-that it can read which library that is and give MPICH 4+ the defaults of :data:`MPICH_DEFAULTS`
-(through the environment, which MPICH reads at ``MPI_Init``, for that call only; a variable
+that it can read which library that is and give MPICH 4+ the defaults of :data:`MPICH_DEFAULTS`,
+and Open MPI 5 under ULFM those of :data:`OPEN_MPI_FT_DEFAULTS`
+(through the environment, which MPI reads at ``MPI_Init``, for that call only; a variable
 already set wins; ``PLUGDIST_MPI_TUNE=0`` turns this off), then initializes MPI; mpi4py still
 finalizes it at exit. :data:`applied` records what was given.
 """
@@ -21,7 +22,8 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["load", "availability", "THREAD_LEVEL_ENV", "TUNE_ENV", "MPICH_DEFAULTS"]
+__all__ = ["load", "availability", "THREAD_LEVEL_ENV", "TUNE_ENV", "MPICH_DEFAULTS",
+           "OPEN_MPI_FT_DEFAULTS"]
 
 THREAD_LEVEL_ENV = "PLUGDIST_MPI_THREAD_LEVEL"
 TUNE_ENV = "PLUGDIST_MPI_TUNE"
@@ -31,6 +33,11 @@ TUNE_ENV = "PLUGDIST_MPI_TUNE"
 # than Gloo. The pipelined tree reduces in chunks (measured in the README). Valid from MPICH 4.0;
 # an unknown value would abort MPI_Init, hence the version check.
 MPICH_DEFAULTS = {"MPIR_CVAR_IREDUCE_INTRA_ALGORITHM": "tsp_tree"}
+# Open MPI 5 with ULFM on (mpiexec --with-ft ulfm sets OMPI_MCA_mpi_ft_enable): after a rank
+# died, the job-wide fence at the start of MPI_Finalize sometimes never completed (5.0.11: the
+# survivors slept in it for good in 1 run of 5); this skips that fence, as the survivors'
+# destroy_process_group already met on the store
+OPEN_MPI_FT_DEFAULTS = {"OMPI_MCA_async_mpi_finalize": "1"}
 
 _lock = threading.Lock()
 _module: Any = None
@@ -102,14 +109,21 @@ def load() -> Any:
 
 
 def _tune(library: str) -> dict[str, str]:
-    """Put into the environment, for MPI_Init to read, the defaults of MPICH_DEFAULTS that it
-    does not set, if ``library`` (MPI_Get_library_version's text) is MPICH 4+; returns them."""
+    """Put into the environment, for MPI_Init to read, the defaults that it does not set: those
+    of MPICH_DEFAULTS if ``library`` (MPI_Get_library_version's text) is MPICH 4+, those of
+    OPEN_MPI_FT_DEFAULTS if it is Open MPI 5+ with ULFM on; returns them."""
     if os.environ.get(TUNE_ENV, "1").strip().lower() in ("0", "no", "false", "off"):
         return {}
-    match = re.match(r"\s*MPICH Version:\s*(\d+)\.", library)
-    if match is None or int(match.group(1)) < 4:
+    mpich = re.match(r"\s*MPICH Version:\s*(\d+)\.", library)
+    open_mpi = re.match(r"\s*Open MPI v(\d+)\.", library)
+    if mpich is not None and int(mpich.group(1)) >= 4:
+        defaults = MPICH_DEFAULTS
+    elif open_mpi is not None and int(open_mpi.group(1)) >= 5 and \
+            os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip().lower() in ("1", "true"):
+        defaults = OPEN_MPI_FT_DEFAULTS
+    else:
         return {}
-    tuned = {name: value for name, value in MPICH_DEFAULTS.items() if name not in os.environ}
+    tuned = {name: value for name, value in defaults.items() if name not in os.environ}
     os.environ.update(tuned)
     return tuned
 

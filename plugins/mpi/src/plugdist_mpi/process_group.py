@@ -5,6 +5,12 @@ ranks (the world group too, so user traffic on ``MPI.COMM_WORLD`` never mixes wi
 Ops are issued and progressed by :mod:`plugdist_mpi.engine`; tensors are handed to MPI in place
 (:mod:`plugdist_mpi.dtypes`). The only staging copies: the input of ``reduce_scatter`` when its
 list is not already one contiguous run, and an input that overlaps its own output.
+
+Where the MPI has ULFM switched on (Open MPI 5 under ``mpiexec --with-ft ulfm``,
+:mod:`plugdist_mpi._ulfm`), a dead peer makes ops fail with ``DistRankFailureError`` naming it
+(MPI's ``MPI_ERR_PROC_FAILED``/``MPI_ERR_REVOKED``, reported to membership too), and
+``native_shrink`` builds the survivors' group with ``MPI_Comm_revoke`` + ``MPI_Comm_shrink``.
+Everywhere else ``rebuild_refusal`` says why the group's members are fixed.
 """
 
 from __future__ import annotations
@@ -12,21 +18,29 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar, NoReturn
 
 import torch
 from plugdist import ReduceOp
-from plugdist.errors import DistBackendError, DistError, DistTimeoutError, timed_out, where
+from plugdist.errors import (
+    DistBackendError,
+    DistError,
+    DistRankFailureError,
+    DistTimeoutError,
+    timed_out,
+    where,
+)
 from plugdist.log import get_logger
 from plugdist.process_group import GroupOptions, ProcessGroup
 from plugdist.store import Store, TCPStore
 from plugdist.work import Work
 from plugdist.world import world as _world
 
-from . import dtypes
+from . import _ulfm, dtypes
 from ._mpi import availability, load
 from .engine import MPIWork, engine
 
@@ -34,6 +48,32 @@ __all__ = ["MPIProcessGroup", "STORE_HOST_ENV"]
 
 STORE_HOST_ENV = "PLUGDIST_MPI_STORE_HOST"
 _CREATE_TAG_SPAN = 32768  # MPI guarantees tags 0..32767 on every communicator
+
+
+class _Base:
+    """The communicator whose ranks are plugdist's world ranks: ``MPI_COMM_WORLD`` until a
+    shrink makes it the survivors' (never used for traffic, never revoked). Groups are made
+    from it, and checked against it."""
+
+    comm: Any = None
+    ulfm_ready = False  # COMM_WORLD returns errors (set once, when ULFM is found on)
+
+
+_base = _Base()
+
+
+def _world_comm(MPI: Any) -> Any:
+    return MPI.COMM_WORLD if _base.comm is None else _base.comm
+
+
+def _setup_ulfm(MPI: Any) -> None:
+    """Decide, once MPI is loaded, whether groups can be rebuilt (``rebuild_refusal``); with
+    ULFM on, make MPI_COMM_WORLD return errors so that a dead peer never aborts the job."""
+    refusal = _ulfm.refusal(MPI)
+    MPIProcessGroup.rebuild_refusal = refusal
+    if not refusal and not _base.ulfm_ready:
+        engine.call(lambda: MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN))
+        _base.ulfm_ready = True
 
 
 class _Here(threading.local):
@@ -56,10 +96,15 @@ class MPIProcessGroup(ProcessGroup):
     """
 
     backend_name: ClassVar[str] = "mpi"
+    # replaced when the first group is built, from the MPI actually loaded (_setup_ulfm)
     rebuild_refusal: ClassVar[str] = (
         "an MPI group's members are fixed by mpiexec: MPICH's mpiexec ends every rank when one "
-        "dies, and a new process cannot join MPI_COMM_WORLD. Use gloo for resilient training "
-        "(see docs/resilience.md: MPI's ULFM, in Open MPI 5, is the path a later version takes)")
+        f"dies. Use gloo for resilient training, or Open MPI 5 started with `{_ulfm.LAUNCH}`")
+    grow_refusal: ClassVar[str] = (
+        "an MPI world cannot take in a process started on its own (init_process_group(join="
+        "True)): that would need MPI_Comm_connect/accept between two MPI jobs, or "
+        "MPI_Comm_spawn by the members, neither of which plugdist-mpi does; after "
+        "shrink_group an MPI world only gets smaller. Use gloo where processes must join")
     device_types: ClassVar[tuple[str, ...]] = ("cpu",)
     # AVG is left to the core (SUM, then a local divide)
     native_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset(ReduceOp) - {ReduceOp.AVG}
@@ -73,23 +118,50 @@ class MPIProcessGroup(ProcessGroup):
         ok, reason = availability()
         if not ok:
             raise DistBackendError(f"{here} MPI is not usable: {reason}")
+        MPI = self._prepare()
+        members = tuple(self.options.global_ranks) or tuple(range(size))
+        _check_identity(MPI, here, rank, size, members, _is_world(options, size))
+        _arrive(store, here, rank, size, self.timeout, members)
+        self._adopt(lambda: _create_comm(MPI, members, self.group_name), members)
+
+    @classmethod
+    def _over(cls, base: Any, rank: int, size: int, options: GroupOptions) -> MPIProcessGroup:
+        """A group over all of ``base`` (a communicator every member holds), on a duplicate of
+        it; collective over ``base``."""
+        group = cls.__new__(cls)
+        ProcessGroup.__init__(group, rank, size, options)
+        MPI = group._prepare()
+        group._adopt(lambda: _dup(MPI, base), tuple(options.global_ranks))
+        return group
+
+    def _prepare(self) -> Any:
+        """What every group sets up before it has a communicator; returns mpi4py's MPI."""
         MPI = load()
         self._MPI = MPI
         self._comm: Any = None
         self._fromaddress = dtypes.buffer_type(MPI).fromaddress
         self._here = _Here()
-        self._log = get_logger(rank=rank, group=self.group_name)
-        members = tuple(self.options.global_ranks) or tuple(range(size))
-        _check_identity(MPI, here, rank, size, members, _is_world(options, size))
-        _arrive(store, here, rank, size, self.timeout, members)
+        self._log = get_logger(rank=self._rank, group=self.group_name)
+        _setup_ulfm(MPI)
+        self._failure_classes = _ulfm.failure_classes(MPI) if not self.rebuild_refusal else \
+            frozenset()
+        return MPI
+
+    def _adopt(self, make: Callable[[], Any], members: Sequence[int]) -> None:
+        """Take the communicator ``make()`` creates (an MPI call, run under the MPI lock) as
+        this group's."""
+        MPI = self._MPI
         engine.attach()
         try:
-            self._comm = engine.call(lambda: _create_comm(MPI, members, self.group_name))
+            self._comm = engine.call(make)
         except BaseException:
             engine.detach(self, "group creation failed")
             raise
-        self._tag_ub = int(engine.call(lambda: self._comm.Get_attr(MPI.TAG_UB)))
-        self._log.debug("mpi group created", size=size, global_ranks=list(members))
+        # MPI attaches TAG_UB to MPI_COMM_WORLD; a communicator made by a shrink lacks it
+        tag_ub = engine.call(lambda: self._comm.Get_attr(MPI.TAG_UB)
+                             or MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
+        self._tag_ub = int(tag_ub)
+        self._log.debug("mpi group created", size=self._size, global_ranks=list(members))
 
     # -- plugin metadata ------------------------------------------------------------------------
     @classmethod
@@ -99,12 +171,13 @@ class MPIProcessGroup(ProcessGroup):
 
     @classmethod
     def rendezvous(cls, timeout: timedelta) -> tuple[Store, int, int]:
-        """Rank and world size from ``MPI.COMM_WORLD``, and a TCPStore served by rank 0.
+        """Rank and world size from ``MPI.COMM_WORLD`` (once a shrink under ULFM replaced it:
+        the survivors' world), and a TCPStore served by rank 0.
 
         A ``WORLD_SIZE`` in the environment (from another launcher) that disagrees with MPI's
         is an error: N processes that are each a world of one would train apart, silently.
 
-        Collective over COMM_WORLD, blocking: rank 0 starts the store and broadcasts its address
+        Collective over that world, blocking: rank 0 starts the store and broadcasts its address
         (``PLUGDIST_MPI_STORE_HOST`` overrides the host name it announces); the others connect
         (127.0.0.1 when they run on rank 0's host), bounded by ``timeout``.
         """
@@ -112,7 +185,7 @@ class MPIProcessGroup(ProcessGroup):
         if not ok:
             raise DistBackendError(f"[backend 'mpi', op rendezvous] MPI is not usable: {reason}")
         MPI = load()
-        comm = MPI.COMM_WORLD
+        comm = _world_comm(MPI)  # the survivors', after a shrink
         rank, size = comm.Get_rank(), comm.Get_size()
         here = where(rank=rank, backend="mpi", op="rendezvous")
         launched = os.environ.get("WORLD_SIZE", "")
@@ -224,6 +297,8 @@ class MPIProcessGroup(ProcessGroup):
         if isinstance(exc, MPI.Exception):
             cls = exc.Get_error_class()
             text = exc.Get_error_string().strip().splitlines()[0]
+            if cls in self._failure_classes:
+                return self._rank_failure(op, text, exc)
             hint = ""
             if cls == MPI.ERR_TRUNCATE:
                 hint = ("; the message was larger than the receiving tensor: make it as large "
@@ -234,6 +309,139 @@ class MPIProcessGroup(ProcessGroup):
             err = DistBackendError(f"{self.where(op)} failed: {type(exc).__name__}: {exc}")
         err.__cause__ = exc
         return err
+
+    def _rank_failure(self, op: str, text: str, exc: BaseException) -> DistRankFailureError:
+        """The error for an op that MPI (ULFM) failed because a member died: names the failed
+        global ranks, MPI's own knowledge first (reported to membership, so that both agree),
+        else membership's (another member saw the failure and revoked the communicator; the
+        store usually names the dead rank within milliseconds). The communicator is revoked,
+        so no member stays blocked in it."""
+        failed: list[int] = []
+        comm = self._comm
+        if comm is not None:
+            try:
+                failed = engine.call(lambda: _ulfm.failed_in(comm))
+                engine.call(lambda: comm.Is_revoked() or comm.Revoke())
+            except Exception as query:  # noqa: BLE001 - the error below is what matters
+                self._log.debug("ulfm query failed", error=str(query))
+        members = self.options.global_ranks or tuple(range(self._size))
+        ranks = tuple(members[r] for r in failed if r < len(members))
+        if ranks:
+            from plugdist.resilience import report_failed_ranks
+
+            report_failed_ranks(ranks, f"MPI reported it: {text}")
+        signal = self.abort_signal
+        if signal.monitored and (signal.fired or signal.wait(1.0)):
+            err = signal.error(self.where(op))
+        else:
+            who = (f"ranks {list(ranks)} failed" if ranks else
+                   "a member failed (another member revoked the communicator)")
+            err = DistRankFailureError(
+                f"{self.where(op)} failed: {who} (MPI: {text}); call plugdist.shrink_group() on "
+                f"every survivor to continue without the failed ranks", ranks)
+        err.__cause__ = exc
+        return err
+
+    def native_abort(self) -> None:
+        """With ULFM: revoke the communicator, so that every op in flight on it, here and on
+        the other members, fails at once instead of waiting for the dead peer."""
+        comm = self._comm
+        if comm is None or not self._failure_classes:
+            return
+        try:
+            engine.call(lambda: comm.Is_revoked() or comm.Revoke())
+        except Exception as err:  # noqa: BLE001 - aborting is best effort
+            self._log.debug("revoking the communicator failed", error=str(err))
+
+    def native_shrink(self, keep: Sequence[int], options: GroupOptions) -> Any:
+        """The survivors' group, through ULFM: the communicator is revoked, then
+        ``MPI_Comm_shrink`` (MPI's own agreement on who is alive) gives the survivors, ordered
+        as ``keep`` by a split. When ``keep`` leaves out ranks that are alive
+        (``ranks_to_exclude``), the group is created from the current MPI world over ``keep``
+        instead. The result becomes the MPI world that later groups are made from."""
+        if self.rebuild_refusal:  # the core refuses before calling this; kept for direct calls
+            raise DistBackendError(f"{self.where('shrink_group')} {self.rebuild_refusal}")
+        comm, MPI = self._comm, self._MPI
+        if comm is None:
+            raise DistBackendError(f"{self.where('shrink_group')} this group was shut down")
+        keep = list(keep)
+        gone = set(range(self._size)) - set(keep)
+        here = where(rank=self._rank, group=options.group_name, backend=self.backend_name,
+                     op="shrink_group")
+        engine.call(lambda: comm.Is_revoked() or comm.Revoke())
+        members = self.options.global_ranks or tuple(range(self._size))
+        key = keep.index(self._rank)
+        if gone <= self._known_failed(gone):
+            try:
+                base = engine.call(lambda: _shrink_in_order(MPI, comm, key, len(keep)))
+            except _SurvivorsDiffer as differ:
+                raise self._survivors_differ(here, differ.size, keep) from None
+            except MPI.Exception as exc:  # another member died meanwhile: the core agrees again
+                raise self._translate("shrink_group", exc) from exc
+        else:
+            world_ranks = [members[r] for r in keep]
+            try:
+                base = engine.call(lambda: _create_from(MPI, _world_comm(MPI), world_ranks,
+                                                        options.group_name))
+            except MPI.Exception as exc:
+                raise DistBackendError(
+                    f"{here} MPI could not make the group of ranks {world_ranks}: "
+                    f"{exc.Get_error_string().strip()}. With MPI, ranks_to_exclude may name live "
+                    f"ranks only while no rank has failed; after a failure call shrink_group() "
+                    f"without it") from exc
+        try:
+            group = MPIProcessGroup._over(base, key, len(keep), options)
+        except MPI.Exception as exc:
+            raise self._translate("shrink_group", exc) from exc
+        old, _base.comm = _base.comm, base
+        if old is not None:
+            try:
+                engine.call(old.Free)
+            except Exception:  # noqa: BLE001 - a world that held the dead: freeing is tidying
+                pass
+        return group
+
+    def _known_failed(self, ranks: set[int], wait: float = 1.0) -> set[int]:
+        """The group ranks known to have failed, by membership or MPI, waiting up to ``wait``
+        seconds for ``ranks`` to be among them (the survivors' agreement may name a death that
+        this process hears of a few milliseconds later)."""
+        import plugdist
+
+        comm = self._comm
+        deadline = time.monotonic() + wait
+        while True:
+            known = set(plugdist.get_failed_ranks())  # the default group's ranks
+            if comm is not None:
+                known |= set(engine.call(lambda: _ulfm.failed_in(comm)))
+            if ranks <= known or time.monotonic() > deadline:
+                return known
+            time.sleep(0.01)
+
+    def _survivors_differ(self, here: str, mpi_size: int, keep: list[int]) -> DistError:
+        """MPI's shrink found ``mpi_size`` survivors where the store agreed on ``keep``.
+        Fewer: a member of ``keep`` died after the agreement; once membership knows it (MPI's
+        view is reported to it; the store's will tells it too), the core agrees again."""
+        if mpi_size < len(keep):
+            comm = self._comm
+            if comm is not None:
+                from plugdist.resilience import report_failed_ranks
+
+                mpi_failed = engine.call(lambda: _ulfm.failed_in(comm))
+                report_failed_ranks([r for r in mpi_failed if r in keep],
+                                    "MPI found it dead while the survivors shrank the group")
+            deadline = time.monotonic() + 1.0
+            dead = sorted(self._known_failed(set(), wait=0) & set(keep))
+            while not dead and time.monotonic() < deadline:
+                time.sleep(0.01)
+                dead = sorted(self._known_failed(set(), wait=0) & set(keep))
+            return DistRankFailureError(
+                f"{here} MPI found {mpi_size} survivors where {len(keep)} were agreed on: ranks "
+                f"{dead or '(not yet named)'} failed meanwhile", tuple(dead))
+        return DistBackendError(
+            f"{here} MPI counts {mpi_size} live processes but the survivors agreed on "
+            f"{len(keep)}: a rank declared failed for not answering (a hung process) is alive "
+            f"to MPI, and MPI cannot leave out a live process that does not take part; end "
+            f"that process")
 
     def _reduce_spec(self, op_name: str, op: ReduceOp, dtype: torch.dtype) -> dtypes.ReduceSpec:
         spec = dtypes.cached_spec(op, dtype)
@@ -558,24 +766,25 @@ def _counts(splits: list[int], row: int) -> tuple[list[int], list[int]]:
 def _check_identity(MPI: Any, here: str, rank: int, size: int, members: tuple[int, ...],
                     is_world: bool) -> None:
     """Raise unless the core's view (group rank/size, members' global ranks) matches MPI's."""
-    world = MPI.COMM_WORLD
+    world = _world_comm(MPI)
     wrank, wsize = world.Get_rank(), world.Get_size()
+    name = "MPI.COMM_WORLD" if _base.comm is None else "the survivors' MPI world"
     fix = ("launch every rank with mpiexec -n N, and do not pass rank=/world_size= (or RANK/"
            "WORLD_SIZE) that disagree with MPI's")
     if len(members) != size or len(set(members)) != size:
         raise DistBackendError(f"{here} global_ranks {list(members)} do not describe a group of "
                                f"size {size}")
     if is_world and (rank, size) != (wrank, wsize):
-        raise DistBackendError(f"{here} MPI rank/size is {wrank}/{wsize} (MPI.COMM_WORLD) but the "
+        raise DistBackendError(f"{here} MPI rank/size is {wrank}/{wsize} ({name}) but the "
                                f"given rank/world_size is {rank}/{size}; {fix}")
     bad = [r for r in members if not 0 <= r < wsize]
     if bad:
-        raise DistBackendError(f"{here} global ranks {bad} do not exist: MPI.COMM_WORLD has "
+        raise DistBackendError(f"{here} global ranks {bad} do not exist: {name} has "
                                f"{wsize} processes; {fix}")
     if not 0 <= rank < size or members[rank] != wrank:
         mine = members[rank] if 0 <= rank < size else "none"
         raise DistBackendError(
-            f"{here} MPI rank/size is {wrank}/{wsize} (MPI.COMM_WORLD) but the given group "
+            f"{here} MPI rank/size is {wrank}/{wsize} ({name}) but the given group "
             f"rank/size is {rank}/{size} with global ranks {list(members)}, which makes this "
             f"process global rank {mine}; {fix}")
 
@@ -596,10 +805,14 @@ def _arrive(store: Store, here: str, rank: int, size: int, timeout: timedelta,
                                f"and creating the same groups in the same order?") from err
 
 
-def _create_comm(MPI: Any, members: tuple[int, ...], name: str) -> Any:
+def _create_comm(MPI: Any, members: Sequence[int], name: str) -> Any:
     """A communicator over ``members`` (global ranks, in group-rank order), made by the members
     only (MPI_Comm_create_group), with errors returned rather than aborting."""
-    world = MPI.COMM_WORLD
+    return _create_from(MPI, _world_comm(MPI), members, name)
+
+
+def _create_from(MPI: Any, world: Any, members: Sequence[int], name: str) -> Any:
+    """``_create_comm`` over the ranks of ``world``."""
     group = world.Get_group()
     try:
         sub = group.Incl(list(members))
@@ -612,3 +825,29 @@ def _create_comm(MPI: Any, members: tuple[int, ...], name: str) -> Any:
         sub.Free()
     comm.Set_errhandler(MPI.ERRORS_RETURN)
     return comm
+
+
+class _SurvivorsDiffer(Exception):
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
+
+
+def _shrink_in_order(MPI: Any, comm: Any, key: int, expected: int) -> Any:
+    """``MPI_Comm_shrink`` of ``comm`` (revoked), re-ranked so this process gets rank ``key``.
+    Raises _SurvivorsDiffer when MPI's survivors are not ``expected`` many."""
+    shrunk = comm.Shrink()
+    try:
+        if shrunk.Get_size() != expected:
+            raise _SurvivorsDiffer(shrunk.Get_size())
+        ordered = shrunk.Split(0, key)
+    finally:
+        shrunk.Free()
+    ordered.Set_errhandler(MPI.ERRORS_RETURN)
+    return ordered
+
+
+def _dup(MPI: Any, comm: Any) -> Any:
+    dup = comm.Dup()
+    dup.Set_errhandler(MPI.ERRORS_RETURN)
+    return dup
