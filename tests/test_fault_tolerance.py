@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_ulfm import mpiexec, needs_ulfm
 
 pytestmark = pytest.mark.resilience  # make test-resilience (see pyproject.toml's markers)
 
@@ -132,3 +133,23 @@ def test_falling_below_min_world_size_stops_with_a_clear_error(tmp_path: Path) -
     assert "BelowMinWorldSizeError" in err and "min_world_size=2" in err, err[-3000:]
     steps = [json.loads(x)["step"] for x in outs[0][0].splitlines() if '"step"' in x]
     assert steps == [0, 1, 2], "no step may commit once the world is too small"
+
+
+@needs_ulfm
+@pytest.mark.timeout(200)
+def test_torch_ddp_over_mpi_goes_on_after_a_killed_rank(tmp_path: Path) -> None:
+    """torch's DDP over plugdist_mpi, under Open MPI's mpiexec --with-ft ulfm: rank 2 is
+    SIGKILLed at step 10; the 3 others shrink (MPI's native shrink) and train on to the end
+    with identical parameters and the sample accounting intact. (MPI admits no replacement:
+    grow is refused there, so the world stays at 3.)"""
+    samples = tmp_path / "samples"
+    done, _ = mpiexec(tmp_path, "", 4, timeout=150, program=[
+        str(ROOT / "examples" / "resilient_train.py"), "--backend", "mpi", "--ddp", "torch",
+        "--steps", "40", "--hidden", "32", "--kill-rank", "2", "--kill-at-step", "10",
+        "--sample-log", str(samples)])
+    lines = [json.loads(x[x.index("{"):]) for x in done.stdout.splitlines()
+             if x.lstrip().startswith("{")]
+    records = [json.loads(x) for f in sorted(samples.glob("*.jsonl"))
+               for x in f.read_text().splitlines()]
+    sizes = check_run(done, lines, records, 40, 3)
+    assert sizes == [4] * 10 + [3] * 30, sizes

@@ -39,10 +39,11 @@ needs_ulfm = pytest.mark.skipif(
 
 
 def mpiexec(tmp_path: Path, scenario: str, n: int, *, ft: bool = True, timeout: float = 100.0,
-            env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str],
-                                                       dict[str, dict[str, Any]]]:
+            env: dict[str, str] | None = None, program: list[str] | None = None
+            ) -> tuple[subprocess.CompletedProcess[str], dict[str, dict[str, Any]]]:
     """Run ``scenario`` on ``n`` ranks under Open MPI's mpiexec (``--with-ft ulfm`` when
-    ``ft``); returns the run and each survivor's result by name."""
+    ``ft``); returns the run and each survivor's result by name. ``program``: a script and its
+    arguments to run instead of a scenario of the workers."""
     prefix = _prefix()
     results = tmp_path / "results"
     results.mkdir()
@@ -52,7 +53,8 @@ def mpiexec(tmp_path: Path, scenario: str, n: int, *, ft: bool = True, timeout: 
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(name, None)
     cmd = [str(prefix / "bin" / "mpiexec"), *(["--with-ft", "ulfm"] if ft else []),
-           "--oversubscribe", "--bind-to", "none", "-n", str(n), sys.executable, WORKER, scenario]
+           "--oversubscribe", "--bind-to", "none", "-n", str(n), sys.executable,
+           *(program or [WORKER, scenario])]
     if os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
     log = tmp_path / "mpiexec.log"

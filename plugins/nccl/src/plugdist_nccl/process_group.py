@@ -347,6 +347,14 @@ class NCCLProcessGroup(ProcessGroup):
         err.__cause__ = exc
         return err
 
+    def native_abort(self) -> None:
+        """Resilient groups aborted the group (a member failed): fail what is pending and abort
+        the communicator (``ncclCommAbort`` frees a kernel stuck waiting for the dead peer), on
+        a thread of its own, since the abort can take a while. Not yet run on a GPU here."""
+        err = self.abort_signal.error(self.where("abort"))
+        threading.Thread(target=self._abort, args=(err,), daemon=True,
+                         name=f"plugdist-nccl-abort-{self.group_name}").start()
+
     def _abort(self, exc: BaseException) -> None:
         """Mark the group broken, settle every pending Work (``exc`` for those the GPU did not
         finish), stop the watchdog, then abort the communicator. Any thread; never takes
