@@ -46,6 +46,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports that were free a moment ago."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def recovery_once_mpi(world: int) -> dict[str, float]:
     """One Open MPI world under ULFM: rank ``world // 2`` is SIGKILLed, the survivors shrink."""
     prefix = _ulfm_prefix()
@@ -132,7 +146,7 @@ def overhead_worker(iters: int, rounds: int) -> None:
         mode = "on" if i % 2 == 0 else "off"
         os.environ["PLUGDIST_RESILIENCE"] = "1" if mode == "on" else "0"
         if backend != "mpi":
-            os.environ["MASTER_PORT"] = str(int(os.environ["BASE_PORT"]) + i)
+            os.environ["MASTER_PORT"] = os.environ["PORTS"].split(",")[i]
         dist.init_process_group(backend, timeout=timedelta(seconds=60), torch_world=False)
         rank = dist.get_rank()
         t = torch.ones(2)
@@ -151,8 +165,11 @@ def overhead_worker(iters: int, rounds: int) -> None:
 
 def overhead(backend: str, iters: int, rounds: int) -> dict[str, float]:
     script = [sys.executable, __file__, "--overhead-worker", str(iters), str(rounds)]
+    # a port of its own per world, each free when picked (consecutive ports from one free
+    # port collide with the listeners the earlier worlds' Gloo groups took)
     env = dict(os.environ, BACKEND=backend, MASTER_ADDR="127.0.0.1",
-               BASE_PORT=str(_free_port() + 1), PLUGDIST_TORCH_WORLD="0")
+               PORTS=",".join(map(str, _free_ports(2 * rounds))),
+               PLUGDIST_TORCH_WORLD="0")
     if backend == "mpi":
         mpiexec = shutil.which("mpiexec") or str(Path(sys.executable).with_name("mpiexec"))
         out = subprocess.run([mpiexec, "-n", "2", *script], env=env, capture_output=True,

@@ -131,6 +131,8 @@ class Membership:
         self._seen_deaths = 0
         self._last_beat: dict[str, tuple[bytes, float]] = {}
         self._grow_seq = 0
+        # processes waiting to join, as of the monitor's last look (every ``interval``)
+        self.joiners_waiting = 0
         self._will: Any = None
         # seconds within which the store's will notices a dead or stalled process; None: it
         # notices deaths only, and heartbeats catch hangs
@@ -324,10 +326,11 @@ class Membership:
             store.add(f"{_HB}/{self.uid}", 1)
         else:
             others = []  # the store's liveness covers hangs: nothing to beat or watch
-        keys = [f"{_HB}/{u}" for u in others] + [CURRENT]
+        keys = [f"{_HB}/{u}" for u in others] + [CURRENT, f"{_JOIN}/count", f"{_JOIN}/done"]
         if not store.check(keys):
             return
-        *beats, current = store.multi_get(keys)
+        *beats, current, asked, admitted = store.multi_get(keys)
+        self.joiners_waiting = int(asked) - int(admitted)
         now = time.monotonic()
         for u, beat in zip(others, beats, strict=True):
             last = self._last_beat.get(u)

@@ -35,6 +35,8 @@ from ..world import world
 
 __all__ = ["ResilientTraining", "ElasticSampler", "BelowMinWorldSizeError"]
 
+_VOTE_BLOCK = 64  # the vote outcomes of this many steps are dropped from the store at once
+
 T = TypeVar("T")
 
 
@@ -186,18 +188,18 @@ class ResilientTraining:
             self._shrink()
 
     def _vote(self, finished: bool) -> tuple[bool, bool]:
-        """(commit?, someone waits to join?) for the current attempt of the step."""
+        """(commit?, someone waits to join?) for the current attempt of the step. Rank 0 adds
+        what membership's monitor last saw of joiners (no store round trip of its own), and
+        every 64 steps drops the outcomes of the steps before the last 64."""
         waiting = 0.0
         if finished and world.rank == 0:
-            store = world.store
-            assert store is not None
-            count, done = store.multi_get(["plugdist/join/count", "plugdist/join/done"])
-            waiting = float(int(count) - int(done))
-        agreed, extra = self._decide(f"plugdist/ft/{world.epoch}/step/{self.step}", finished,
-                                     waiting)
-        if world.rank == 0 and self.step >= 2:
-            world.store.delete_key(  # type: ignore[union-attr]
-                f"plugdist/ft/{world.epoch}/step/{self.step - 2}")
+            assert world.membership is not None  # checked at construction
+            waiting = float(world.membership.joiners_waiting)
+        block = self.step // _VOTE_BLOCK
+        agreed, extra = self._decide(f"plugdist/ft/{world.epoch}/step/{block}/{self.step}",
+                                     finished, waiting)
+        if world.rank == 0 and self.step % _VOTE_BLOCK == 0 and block >= 2:
+            _forget(f"plugdist/ft/{world.epoch}/step/{block - 2}/")
         return agreed, extra > 0
 
     def _decide(self, key: str, finished: bool, extra: float = 0.0) -> tuple[bool, float]:
@@ -228,6 +230,7 @@ class ResilientTraining:
         from .. import resilience
 
         resilience.shrink_group(group=self._torch_group, timeout=self.timeout)
+        self._forget_old_epoch()
         self._check_size()
         self._rebind(grown=False)
         self._log.warning("resilient_training_shrunk", step=self.step, world_size=world.size)
@@ -240,6 +243,7 @@ class ResilientTraining:
         resilience.grow_group(group=self._torch_group, timeout=self.timeout)
         if world.epoch == before:
             return
+        self._forget_old_epoch()
         self._check_size()  # a member may have failed while the joiners were admitted
         self._log.info("resilient_training_grown", step=self.step, world_size=world.size)
         try:  # meanwhile the joiners' model constructors run the same collectives
@@ -250,6 +254,11 @@ class ResilientTraining:
                 raise
             rebound = False
         self._transfer_state(sending=True, ready=rebound)
+
+    def _forget_old_epoch(self) -> None:
+        """Rank 0 drops the votes of the epoch before last (a member may still read the last)."""
+        if world.rank == 0 and world.epoch >= 2:
+            _forget(f"plugdist/ft/{world.epoch - 2}/")
 
     def _rebind(self, grown: bool) -> None:
         """Point the model at the new default group. After a grow, repeat what the joiners'
@@ -311,6 +320,14 @@ class ResilientTraining:
                 f"min_world_size={self.min_world_size}: stopping rather than training on too "
                 f"few. Start replacements (plugdist-run --replace-failed) or lower "
                 f"min_world_size")
+
+
+def _forget(prefix: str) -> None:
+    """Drop the store's keys under ``prefix`` where the store can (it keeps them otherwise)."""
+    try:
+        world.store.delete_prefix(prefix)  # type: ignore[union-attr]
+    except NotImplementedError:
+        pass
 
 
 def _is_plugdist_ddp(model: Any) -> bool:
