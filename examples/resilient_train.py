@@ -17,7 +17,7 @@ when it reaches step S; replacements never do), ``--ddp torch`` (torch's own DDP
 steps), ``--step-time S`` (sleep S seconds per step, standing in for real compute),
 ``--mode restart --checkpoint FILE --checkpoint-every K`` (the classic way, for
 comparison: no step commit; save every K steps, and after the launcher restarts every worker
-resume from the last checkpoint).
+resume from the last checkpoint; resilient groups stay off in that mode).
 """
 
 from __future__ import annotations
@@ -110,6 +110,8 @@ def main() -> None:
     args = ap.parse_args()
 
     joining = os.environ.get("PLUGDIST_JOIN") == "1"
+    if args.mode == "resilient":
+        os.environ.setdefault("PLUGDIST_RESILIENCE", "1")  # resilient groups (docs/resilience.md)
     # What needs no group comes first: from a joiner's init_process_group on, the members wait
     # for it (and a process's first optimizer alone takes seconds: it imports torch's compiler)
     x, y = make_data()

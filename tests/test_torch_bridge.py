@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -119,10 +120,29 @@ def _python(code: str, env: dict[str, str] | None = None) -> subprocess.Complete
                           env={**os.environ, **(env or {})}, timeout=120)
 
 
-def test_torch_env_rendezvous_uses_launcher_variables_only_without_rank() -> None:
+def _slurm_job_with_a_free_port(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A Slurm job id whose derived store port is free now: a fixed id's port can be some
+    other socket's (an ephemeral port of a connection still open in this test session)."""
+    from plugdist.rendezvous import _job_port
+
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    for job in range(7, 1000):
+        monkeypatch.setenv("SLURM_JOB_ID", str(job))
+        with socket.socket() as s:
+            try:
+                s.bind(("", _job_port()))
+            except OSError:
+                continue
+        return str(job)
+    raise AssertionError("no Slurm job id with a free derived port")
+
+
+def test_torch_env_rendezvous_uses_launcher_variables_only_without_rank(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's env:// (wrapped on ``import torch``): RANK set wins over a launcher's variables;
     neither gives torch's own error; a launcher's variables alone give rank, world and (one
     host) master."""
+    job = _slurm_job_with_a_free_port(monkeypatch)
     code = (
         "import importlib, os, torch, torch.distributed as d\n"
         "rdzv = importlib.import_module('torch.distributed.rendezvous')\n"
@@ -145,7 +165,7 @@ def test_torch_env_rendezvous_uses_launcher_variables_only_without_rank() -> Non
         "    'mpirun': dict(OMPI_COMM_WORLD_RANK='0', OMPI_COMM_WORLD_SIZE='1',\n"
         "                  OMPI_COMM_WORLD_LOCAL_RANK='0', OMPI_COMM_WORLD_LOCAL_SIZE='1'),\n"
         "    'srun': dict(SLURM_PROCID='0', SLURM_NTASKS='1', SLURM_LOCALID='0',\n"
-        "                 SLURM_NTASKS_PER_NODE='1', SLURM_JOB_ID='7')}\n"
+        f"                 SLURM_NTASKS_PER_NODE='1', SLURM_JOB_ID='{job}')}}\n"
         "for name, variables in launchers.items():\n"
         "    os.environ.update(variables)\n"
         "    d.init_process_group('gloo')\n"

@@ -67,9 +67,10 @@ _QUIET_INTERVAL = 0.5
 
 
 def enabled() -> bool:
-    """Whether worlds get a membership: on unless ``PLUGDIST_RESILIENCE=0`` (see
-    docs/resilience.md for what it costs and changes)."""
-    return os.environ.get(RESILIENCE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether worlds get a membership: with ``PLUGDIST_RESILIENCE=1`` (``plugdist-run
+    --replace-failed`` sets it for its workers). Off by default in this version: see
+    docs/resilience.md."""
+    return os.environ.get(RESILIENCE_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _env_seconds(name: str, default: float) -> float:

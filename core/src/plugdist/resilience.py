@@ -40,9 +40,9 @@ def _membership(what: str) -> Membership:
         raise DistError(f"{pg.where(what)} {what} is not available on this backend: {refusal}")
     m = world.membership
     if m is None:
-        raise DistError(f"{what} needs resilient groups, which are off in this process: they "
-                        f"are on unless PLUGDIST_RESILIENCE=0 is set before init_process_group, "
-                        f"in a world of more than one rank")
+        raise DistError(f"{what} needs resilient groups, which are off in this process: set "
+                        f"PLUGDIST_RESILIENCE=1 before init_process_group (plugdist-run "
+                        f"--replace-failed sets it), in a world of more than one rank")
     return m
 
 

@@ -257,6 +257,8 @@ class Agent:
             self.err.text(f"{PROG}: setting OMP_NUM_THREADS=1 for each worker (set it "
                           "yourself to choose another value)")
         base.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        if self.cfg.replace_failed:
+            base.setdefault("PLUGDIST_RESILIENCE", "1")  # the survivors must shrink, not die
         base.setdefault("PYTHONUNBUFFERED", "1")   # output is relayed line by line
         return base
 

@@ -144,8 +144,9 @@ class ResilientTraining:
         pg = world.require("ResilientTraining")
         if world.membership is None:
             raise DistError("ResilientTraining needs resilient groups, which are off in this "
-                            "process: they are on unless PLUGDIST_RESILIENCE=0 is set before "
-                            "init_process_group, in a world of more than one rank")
+                            "process: set PLUGDIST_RESILIENCE=1 before init_process_group "
+                            "(plugdist-run --replace-failed sets it), in a world of more than "
+                            "one rank")
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
         self._user_state, self._user_load = state_dict, load_state_dict
         self.min_world_size = min_world_size
