@@ -8,7 +8,6 @@ PLUGDIST_RESILIENCE.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -18,22 +17,9 @@ from typing import Any
 
 import plugdist as dist
 import torch
-from _resilience_workers import check_collectives
+from _resilience_workers import _store, _write, check_collectives
 
 TIMEOUT = timedelta(seconds=60)
-
-
-def _write(name: str, result: dict[str, Any]) -> None:
-    path = os.path.join(os.environ["RESULT_DIR"], f"{name}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(path + ".tmp", path)
-
-
-def _store() -> Any:
-    from plugdist.world import world
-
-    return world.store
 
 
 def _victims() -> list[int]:
@@ -67,6 +53,12 @@ def _loop_until_failure(victims: list[int], kill_at: int) -> tuple[int, BaseExce
     raise AssertionError("no failure seen")
 
 
+def _seen(rank: int, err: BaseException) -> dict[str, Any]:
+    """What every survivor reports of the error the failure gave it."""
+    return {"role": "survivor", "old_rank": rank, "error_type": type(err).__name__,
+            "error": str(err), "error_ranks": list(getattr(err, "ranks", ()))}
+
+
 def kill_shrink() -> None:
     """The victim dies mid-loop; every survivor names it, shrinks, checks every collective on
     the survivors' group, and sees grow_group refused with its reason."""
@@ -97,9 +89,7 @@ def kill_shrink() -> None:
     except dist.DistError as refusal:
         grow = str(refusal)
     _write(f"survivor-{rank}", {
-        "role": "survivor", "old_rank": rank, "step": step, "error_type": type(err).__name__,
-        "error": str(err), "error_ranks": list(getattr(err, "ranks", ())),
-        "failed_known": failed_known, "detect_s": seen - killed,
+        **_seen(rank, err), "step": step, "failed_known": failed_known, "detect_s": seen - killed,
         "shrink_s": first_op - shrink_start, "first_sum_ok": same_sum, "rank": dist.get_rank(),
         "size": dist.get_world_size(), "bad": bad, "grow": grow})
     dist.barrier()
@@ -141,9 +131,7 @@ def mpi_only() -> None:
         shrink = "no error"
     except dist.DistError as refusal:
         shrink = str(refusal)
-    _write(f"survivor-{rank}", {
-        "role": "survivor", "old_rank": rank, "error_type": type(err).__name__,
-        "error": str(err), "error_ranks": list(getattr(err, "ranks", ())), "shrink": shrink})
+    _write(f"survivor-{rank}", {**_seen(rank, err), "shrink": shrink})
     dist.destroy_process_group()
 
 

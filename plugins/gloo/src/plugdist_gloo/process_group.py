@@ -160,6 +160,7 @@ class GlooProcessGroup(ProcessGroup):
         self._c10d = tdist
         self._opts_cache: dict[tuple[Any, ...], Any] = {}
         self._peers: dict[int, list[bytes]] = {}
+        self._cut = False  # its connections were shut down (_cut_connections)
         self._waiters = Waiters(f"plugdist-gloo-{self.group_name}-r{rank}")
         # held for the group's life: C++ keeps only the base object, and a collected Python
         # subclass leaves its methods "not implemented"
@@ -238,7 +239,10 @@ class GlooProcessGroup(ProcessGroup):
     def _cut_connections(self) -> None:
         """End what the group still has in flight now, while this process is whole (see
         connections.py): shut down its connections, the ones accepted on this rank's listening
-        address and the ones made to a peer's."""
+        address and the ones made to a peer's. Once per group: abort and shutdown both ask."""
+        if self._cut:
+            return
+        self._cut = True
         mine = self._peers.get(self._rank, [])
         others = [b for r, blobs in self._peers.items() if r != self._rank for b in blobs]
 
