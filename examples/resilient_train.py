@@ -18,6 +18,11 @@ steps), ``--step-time S`` (sleep S seconds per step, standing in for real comput
 ``--mode restart --checkpoint FILE --checkpoint-every K`` (the classic way, for
 comparison: no step commit; save every K steps, and after the launcher restarts every worker
 resume from the last checkpoint; resilient groups stay off in that mode).
+
+``--steps-after-full N``: after ``--steps``, go on until the world has had its full size (the
+launch's ``WORLD_SIZE``) for the last N committed steps, so a run with failures ends only once
+its replacements have joined, however long they take to start (``--max-steps`` bounds it).
+Every rank decides this from the same committed world sizes, so all stop at the same step.
 """
 
 from __future__ import annotations
@@ -107,9 +112,17 @@ def main() -> None:
     ap.add_argument("--mode", choices=("resilient", "restart"), default="resilient")
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=50)
+    ap.add_argument("--steps-after-full", type=int, default=0,
+                    help="after --steps, train until the world had its full size (WORLD_SIZE "
+                         "at launch) for this many committed steps in a row")
+    ap.add_argument("--max-steps", type=int, default=0,
+                    help="stop here even if the world never returned to full size "
+                         "(default: 10 x --steps)")
     args = ap.parse_args()
 
     joining = os.environ.get("PLUGDIST_JOIN") == "1"
+    # the launch's world size, read before init_process_group: shrink and grow rewrite WORLD_SIZE
+    full_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args.mode == "resilient":
         os.environ.setdefault("PLUGDIST_RESILIENCE", "1")  # resilient groups (docs/resilience.md)
     # What needs no group comes first: from a joiner's init_process_group on, the members wait
@@ -150,12 +163,21 @@ def main() -> None:
             time.sleep(args.step_time)
         return float(loss.item())
 
-    while training.step < args.steps:
+    max_steps = args.max_steps or 10 * args.steps
+    full_streak = 0  # committed steps in a row at full size; the same on every rank
+
+    def done() -> bool:
+        if training.step < args.steps:
+            return False
+        return full_streak >= args.steps_after_full or training.step >= max_steps
+
+    while not done():
         if victim and training.step == args.kill_at_step:
             print(json.dumps({"killed": dist.get_rank(), "time": time.time()}), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         epoch = sampler.epoch
         loss = training.run_step(step)
+        full_streak = full_streak + 1 if dist.get_world_size() >= full_size else 0
         if samples_file is not None:
             samples_file.write(json.dumps({"step": training.step - 1, "epoch": epoch,
                                            "world_size": dist.get_world_size(),

@@ -234,7 +234,7 @@ class ResilientTraining:
         self._forget_old_epoch()
         self._check_size()
         self._rebind(grown=False)
-        self._log.warning("resilient_training_shrunk", step=self.step, world_size=world.size)
+        self._log.info("resilient_training_shrunk", step=self.step, world_size=world.size)
 
     def _grow(self) -> None:
         from .. import resilience
