@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .errors import DistError, DistRankFailureError, DistTimeoutError, timed_out
+from .errors import DistError, DistExcludedError, DistRankFailureError, DistTimeoutError, timed_out
 from .log import get_logger, lifecycle
 from .store import PrefixStore, Store
 
@@ -388,7 +388,7 @@ class Membership:
 
     # -- agreement ---------------------------------------------------------------------------
     def _excluded_error(self) -> DistError:
-        return DistRankFailureError(f"[member {self.uid}] {self.excluded_reason}")
+        return DistExcludedError(f"[member {self.uid}] {self.excluded_reason}")
 
     def agree_shrink(self, exclude: Sequence[str] | None, timeout: timedelta,
                      retry: int = 0) -> Decision:

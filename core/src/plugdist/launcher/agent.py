@@ -33,6 +33,7 @@ import threading
 import time
 from typing import IO, Any
 
+from ..errors import DistExcludedError
 from .config import LaunchConfig
 from .error_file import ERROR_FILE_VAR, read_error_file
 from .logs import Duplicate, Sink, plan_streams, pump
@@ -527,13 +528,15 @@ class Agent:
     def _survive(self, a: Assignment, base: dict[str, str], w: _Worker) -> bool:
         """Whether the run goes on past ``w``'s failure: replaced (``--replace-failed``, budget
         left) or, with resilient groups on, left behind by the others (a worker killed by a
-        signal while another of this node's workers still runs)."""
+        signal, or one that left because the others excluded it, while another of this node's
+        workers still runs)."""
         if self.cfg.replace_failed and self._budget_left(a) > 0:
             self._replace(a, base, w)
             return True
-        killed = w.returncode is not None and w.returncode < 0
+        lost = w.returncode is not None and (w.returncode < 0
+                                             or w.returncode == DistExcludedError.exit_code)
         others = any(o.poll() is None for o in self.workers if o is not w)
-        if not (killed and others and resilience_enabled(base)):
+        if not (lost and others and resilience_enabled(base)):
             return False
         self._keep_tmp = True
         w.failed = w.left_behind = True
