@@ -50,7 +50,8 @@ def test_every_distribution_declares_the_same_floor() -> None:
     assert set(floors.values()) == {"77.0.3"}, floors
 
 
-@pytest.mark.timeout(240)
+# 52-68 s here; 171 s, and once past 240 s, while other jobs loaded the machine
+@pytest.mark.timeout(400)
 def test_offline_editable_install_with_only_the_floor(tmp_path: Path) -> None:
     floor = _floor(ROOT / "core" / "pyproject.toml")
     wheel = _floor_wheel(floor, tmp_path / "wheels")
