@@ -6,7 +6,9 @@ injected at seeded random times, then invariants checked from every worker's rec
     python benchmarks/chaos.py --faults 12 --mean-interval 3 --json out.json   # make test's run
 
 The workers run examples/resilient_train.py (through benchmarks/chaos_worker.py) on one node.
-Faults, drawn from ``--kinds`` with the seed (exponential gaps of mean ``--mean-interval``):
+Faults, dealt from ``--kinds`` in seeded shuffles (so every kind comes up once per round of
+the catalogue), at exponential gaps of mean ``--mean-interval`` seconds; each waits until the
+world is full again (the previous fault's replacements joined):
 
 ==============  ===========================================================================
 kill            SIGKILL a member
@@ -308,12 +310,15 @@ def soak(args: argparse.Namespace) -> int:
         if not run.wait_members(args.nproc, 120):
             raise SystemExit(f"the world never started: see {run.dir}/launcher.err")
         injector = Injector(run, rng, args.hang_timeout)
+        deck: list[str] = []  # the kinds in seeded shuffles of the catalogue: each comes up
         for n in range(args.faults):
             time.sleep(rng.expovariate(1.0 / args.mean_interval))
             # a fault needs a full world to land on: wait for the last one's replacements
             if not run.wait_members(args.nproc, 120):
                 break
-            kind = rng.choice(kinds)
+            if not deck:
+                deck = rng.sample(kinds, len(kinds))
+            kind = deck.pop()
             at = time.time()
             if injector.inject(kind):
                 faults.append((at, kind))
