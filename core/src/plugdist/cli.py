@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import composition
+from .capabilities import Capabilities
 from .process_group import OPS, ProcessGroup
+from .reduce_op import ReduceOp
 from .registry import BACKENDS, GROUPS, registry
 
-__all__ = ["main", "backend_table"]
+__all__ = ["main", "backend_table", "reduction_lines"]
 
 DEVICES = ("cpu", "cuda")
+# the ops that reduce: a backend's reductions are native only where one of these is
+REDUCING_OPS = frozenset({"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"})
 _MARK = {"native": "native", "composed": "composed", "unsupported": "-"}
 
 
@@ -32,6 +36,32 @@ def backend_table(factory: Any) -> list[tuple[str, list[str]]]:
                 marks.append(_MARK[composition.plan(caps, op, dev)[0]])
         rows.append((op, marks))
     return rows
+
+
+def reduction_lines(caps: Capabilities) -> list[str]:
+    """How a backend reduces, as ``plugdist info`` says it: a reduction is native only where a
+    reducing op is; the rest are composed (named with how) or refused."""
+    native_ops = sorted({op for op, _dev in caps.native if op in REDUCING_OPS})
+    refused = caps.refused_reduce_ops
+    offered = [r for r in ReduceOp if r not in refused]
+    native = [r for r in offered if native_ops and r in caps.reduce_ops]
+    lines = [f"native reductions: {_names(native) or 'none'}"
+             + (f" (in {', '.join(native_ops)})" if native else "")]
+    by_divide = ReduceOp.AVG not in native and ReduceOp.SUM in native
+    by_gather = [r for r in offered if r not in native and not (by_divide and r is ReduceOp.AVG)]
+    composed = ["AVG as SUM, then a local divide"] if by_divide else []
+    if by_gather:
+        which = "all" if len(by_gather) == len(offered) else _names(by_gather)
+        composed.append(f"{which} as an all_gather, then a local reduce")
+    if composed:
+        lines.append(f"composed reductions: {'; '.join(composed)}")
+    if refused:
+        lines.append(f"refused reductions (an error, not composed): {_names(refused)}")
+    return lines
+
+
+def _names(reductions: Iterable[ReduceOp]) -> str:
+    return ", ".join(sorted(r.name for r in reductions))
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -64,13 +94,8 @@ def _info(args: argparse.Namespace) -> int:
         out.write(f"  {'op':<24}" + "".join(f"{d:<11}" for d in DEVICES) + "\n")
         for op, marks in rows:
             out.write(f"  {op:<24}" + "".join(f"{m:<11}" for m in marks) + "\n")
-        reds = ", ".join(sorted(r.name for r in caps.reduce_ops))
-        out.write(f"  native reductions: {reds} (others composed: AVG as SUM then divide, the "
-                  f"rest via all_gather)\n  receive from any source: "
-                  f"{'yes' if caps.any_source_recv else 'no'}\n")
-        if caps.refused_reduce_ops:
-            refused = ", ".join(sorted(r.name for r in caps.refused_reduce_ops))
-            out.write(f"  refused reductions (an error, not composed): {refused}\n")
+        out.write("".join(f"  {line}\n" for line in reduction_lines(caps)))
+        out.write(f"  receive from any source: {'yes' if caps.any_source_recv else 'no'}\n")
     return 0
 
 
