@@ -1,4 +1,5 @@
-"""The ``plugdist`` command line: ``plugdist info`` and subcommands that plugins add."""
+"""The ``plugdist`` command line: ``plugdist info``, ``plugdist new-backend`` and subcommands that
+plugins add."""
 
 from __future__ import annotations
 
@@ -99,12 +100,41 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _new_backend(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .scaffold import scaffold
+
+    name = args.name
+    directory = Path(args.dir or f"plugdist-{name.replace('_', '-')}")
+    try:
+        written = scaffold(name, directory)
+    except (ValueError, FileExistsError) as err:
+        sys.stderr.write(f"plugdist new-backend: {err}\n")
+        return 2
+    out = sys.stdout
+    out.write("".join(f"wrote {path}\n" for path in written))
+    if name in registry.names(BACKENDS):
+        out.write(f"note: a backend named {name!r} is installed already; installing this one "
+                  f"makes the name ambiguous (pick another name, or uninstall that one)\n")
+    out.write(f"\nnext:\n  pip install -e \"{directory}[testing]\"\n  plugdist info\n"
+              f"  pytest {directory}    # the conformance suite on backend {name!r}\n"
+              f"Every hook a backend may implement: plugdist's docs/backends.md.\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plugdist", description="plugdist command line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = sub.add_parser("info",
                           help="installed plugins, their versions, and what each backend does")
     info.set_defaults(func=_info)
+    new = sub.add_parser("new-backend",
+                         help="write a backend package (send/recv over TCP sockets) that passes "
+                              "the conformance suite as written")
+    new.add_argument("name", help="the backend's name (lowercase letters, digits, underscores)")
+    new.add_argument("--dir", help="where to write the package (default: ./plugdist-NAME)")
+    new.set_defaults(func=_new_backend)
     registry.plugins().hook.plugdist_add_cli_commands(subparsers=sub)
     return parser
 
