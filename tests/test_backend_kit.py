@@ -15,15 +15,63 @@ from pathlib import Path
 import pytest
 from plugdist.cli import main
 from plugdist.scaffold import package_files
+from plugdist.testing import free_port
 
 REPO = Path(__file__).parents[1]
 
 
-def _env(site: Path) -> dict[str, str]:
+def _env(site: Path | None = None) -> dict[str, str]:
+    if site is None:
+        return dict(os.environ)
     return {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
-@pytest.mark.timeout(240)
+# Each rank joins a world of 2; rank 1 sends one message (so connections and reader threads
+# exist), rank 0 receives it and then posts a receive nobody will match; both then leave the
+# script without destroy_process_group. The backend's threads must not hold the exit up, nor
+# crash it.
+_EXIT_WITHOUT_DESTROY = """
+import sys, torch, plugdist as dist
+backend, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+if rank == 1:
+    dist.send(torch.ones(4), dst=0, tag=1)
+else:
+    got = torch.zeros(4)
+    dist.recv(got, src=1, tag=1)
+    assert got.tolist() == [1.0] * 4, got
+    pending = dist.irecv(torch.zeros(4), src=1, tag=2)
+dist.barrier()
+print("leaving", rank, flush=True)
+"""
+
+
+def exits_without_destroy(backend: str, env: dict[str, str]) -> None:
+    """Both ranks of the script above exit at once, cleanly, on ``backend``."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _EXIT_WITHOUT_DESTROY, backend, str(r), port],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    for rank, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"{backend}: rank {rank} did not exit within 60 s of leaving its script "
+                        f"without destroy_process_group: a backend thread holds the exit up")
+        assert proc.returncode == 0, f"{backend} rank {rank}: exit {proc.returncode}\n{err}"
+        assert f"leaving {rank}" in out, (out, err)
+        assert "terminate called" not in err, err
+
+
+@pytest.mark.timeout(150)
+def test_the_example_backend_lets_a_program_exit_without_destroy() -> None:
+    exits_without_destroy("toy", _env())
+
+
+# about 80 s on an idle 2-core machine; the limits leave room for a machine shared with others
+@pytest.mark.timeout(600)
 def test_a_scaffolded_backend_installs_and_passes_the_conformance_suite(tmp_path: Path) -> None:
     package, site = tmp_path / "plugdist-kitcheck", tmp_path / "site"
     assert main(["new-backend", "kitcheck", "--dir", str(package)]) == 0
@@ -41,9 +89,10 @@ def test_a_scaffolded_backend_installs_and_passes_the_conformance_suite(tmp_path
     # the package's own test: the conformance suite at world sizes 1, 2, 3
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "--rootdir", str(package), str(package / "tests")], cwd=package,
-                         env=_env(site), capture_output=True, text=True, timeout=200)
+                         env=_env(site), capture_output=True, text=True, timeout=420)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "1 passed" in run.stdout, run.stdout[-2000:]
+    exits_without_destroy("kitcheck", _env(site))
 
 
 def test_the_scaffold_refuses_a_bad_name_and_a_used_folder(tmp_path: Path,

@@ -118,11 +118,26 @@ _FRAME = struct.Struct("!qq")  # tag, payload bytes
 _HELLO = struct.Struct("!q")   # the connecting rank
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    """``n`` bytes from ``sock``, or None once it closed."""
+_POLL_S = 0.2  # how often a blocked thread checks whether it should stop
+
+
+def _program_running() -> bool:
+    """False once the main thread finished: the program is exiting, perhaps without
+    destroy_process_group, and our threads must end or the interpreter waits on them."""
+    return threading.main_thread().is_alive()
+
+
+def _recv_exact(sock: socket.socket, n: int, running: Callable[[], bool]) -> bytes | None:
+    """``n`` bytes from ``sock`` (a socket with a timeout), or None once it closed or
+    ``running()`` turned false."""
     chunks, left = [], n
     while left:
-        chunk = sock.recv(min(left, 1 << 20))
+        try:
+            chunk = sock.recv(min(left, 1 << 20))
+        except TimeoutError:
+            if not running():
+                return None
+            continue
         if not chunk:
             return None
         chunks.append(chunk)
@@ -150,14 +165,19 @@ class ${cls}(ProcessGroup):
         self._in: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._listener = socket.create_server(("", 0))
-        self._listener.settimeout(0.2)  # accept wakes up to notice shutdown
+        self._listener.settimeout(_POLL_S)  # accept wakes up to notice shutdown
         host = os.environ.get("${host_env}") or socket.gethostname()
         store.set(f"addr/{rank}", f"{host}:{self._listener.getsockname()[1]}")
         self._start(self._accept_loop, "accept")
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
+        """Pure Python over TCP: usable wherever plugdist is."""
         return True, ""
+
+    def _running(self) -> bool:
+        """Whether our threads should keep going: not shut down, program not exiting."""
+        return not self._closed and _program_running()
 
     def _start(self, target: Callable[..., None], name: str, *args: object) -> None:
         thread = threading.Thread(target=target, args=args, name=f"${name}-{name}")
@@ -176,6 +196,7 @@ class ${cls}(ProcessGroup):
         return sock
 
     def native_send(self, *, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        """One frame on our connection to ``dst``; done once the bytes are with the kernel."""
         work = self.work("send")
         payload = tensor.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
         try:
@@ -191,6 +212,8 @@ class ${cls}(ProcessGroup):
 
     # -- receiving ---------------------------------------------------------------------------
     def native_recv(self, *, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
+        """The next frame from ``src`` with ``tag``: taken at once if it arrived, else completed
+        by the reader thread of ``src``'s connection when it does."""
         assert src is not None  # supports_any_source is False: the core refuses None first
         work = self.work("recv", source_rank=src)
         with self._lock:
@@ -217,14 +240,14 @@ class ${cls}(ProcessGroup):
         work.set_result([tensor])
 
     def _accept_loop(self) -> None:
-        while not self._closed:
+        while self._running():
             try:
                 sock, _addr = self._listener.accept()
             except TimeoutError:
                 continue
             except OSError:
                 return  # the listener was closed
-            sock.settimeout(None)
+            sock.settimeout(_POLL_S)  # reads wake up to notice shutdown
             with self._lock:
                 if self._closed:
                     sock.close()
@@ -234,18 +257,18 @@ class ${cls}(ProcessGroup):
 
     def _read_loop(self, sock: socket.socket) -> None:
         try:
-            hello = _recv_exact(sock, _HELLO.size)
+            hello = _recv_exact(sock, _HELLO.size, self._running)
             if hello is None:
                 return
             (src,) = _HELLO.unpack(hello)
             while True:
-                header = _recv_exact(sock, _FRAME.size)
+                header = _recv_exact(sock, _FRAME.size, self._running)
                 if header is None:
                     return
                 tag, nbytes = _FRAME.unpack(header)
-                payload = _recv_exact(sock, nbytes)
-                if payload is None:
-                    return
+                payload = _recv_exact(sock, nbytes, self._running)
+                if payload is None or not self._running():
+                    return  # closed, shut down, or the program is exiting: complete nothing
                 with self._lock:
                     waiting = self._waiting[(src, tag)]
                     if not waiting:
@@ -274,9 +297,13 @@ class ${cls}(ProcessGroup):
         return pending
 
     def native_abort(self) -> None:
-        self._close()  # the core has failed the pending Works already
+        """Close every socket at once, without joining (abort must not block); the core has
+        failed the pending Works already."""
+        self._close()
 
     def shutdown(self) -> None:
+        """Close every socket, fail the receives still waiting, and join every thread we
+        started (each notices within _POLL_S): none outlives the group."""
         for work in self._close():
             work.set_exception(DistError(f"{self.where('recv')} the group was shut down"))
         for thread in self._threads:

@@ -8,16 +8,17 @@ waits for that key, copies the bytes into its tensor and deletes the key. Number
 docs/backends.md states. Slow by design (two store round trips per message): it shows the
 contract, not a fast path.
 
-Threads: a send is one store ``set`` on the caller's thread; a receive runs on a pool thread
-that waits in short slices, so ``shutdown`` can stop it, fail what is still pending, and join
-every thread before the interpreter exits.
+Threads: a send is one store ``set`` on the caller's thread; a receive runs on a thread of its
+own that waits in short slices, so ``shutdown`` can stop it, fail what is still pending, and join
+every thread. A program that exits without ``destroy_process_group`` is not held up either: the
+slices also end once the main thread has finished (the interpreter joins plain threads only
+after that, which is why these are not a ThreadPoolExecutor's, joined before it).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from time import monotonic
 from typing import ClassVar
@@ -44,7 +45,7 @@ class ToyProcessGroup(ProcessGroup):
         self._sent: dict[tuple[int, int], int] = defaultdict(int)
         self._received: dict[tuple[int, int], int] = defaultdict(int)
         self._closed = threading.Event()
-        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="toy-recv")
+        self._receivers: set[threading.Thread] = set()  # receive threads still running
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -78,14 +79,21 @@ class ToyProcessGroup(ProcessGroup):
         assert src is not None  # supports_any_source is False: the core refuses src=None first
         key = self._key(src, self._rank, tag, self._next(self._received, src, tag))
         work = self.work("recv", source_rank=src)
-        self._pool.submit(self._receive, key, tensor, work)
+        thread = threading.Thread(target=self._receive, args=(key, tensor, work),
+                                  name=f"toy-recv-{key}")
+        with self._lock:
+            self._receivers.add(thread)
+        thread.start()
         return work
 
     def _receive(self, key: str, tensor: torch.Tensor, work: Work) -> None:
-        """On a pool thread: wait for ``key``, copy it into ``tensor``, complete ``work``."""
+        """On a thread of its own: wait for ``key``, copy it into ``tensor``, complete
+        ``work``."""
         try:
             deadline = monotonic() + self.timeout.total_seconds()
             while True:
+                if not threading.main_thread().is_alive():
+                    return  # the program is exiting: nobody can wait on the Work any more
                 if self._closed.is_set():
                     raise DistError(f"{self.where('recv')} the group was shut down")
                 try:
@@ -103,9 +111,15 @@ class ToyProcessGroup(ProcessGroup):
             work.set_exception(err)
         else:
             work.set_result([tensor])
+        finally:
+            with self._lock:
+                self._receivers.discard(threading.current_thread())
 
     def shutdown(self) -> None:
         """Stop the receive threads (each notices within one poll), failing every receive still
-        pending or queued, and join them: no thread of ours outlives the group."""
+        pending, and join them: no thread of ours outlives the group."""
         self._closed.set()
-        self._pool.shutdown(wait=True)
+        with self._lock:
+            running = list(self._receivers)
+        for thread in running:
+            thread.join()
