@@ -126,3 +126,20 @@ def test_the_conformance_suite_refuses_to_run_without_pytest_timeout(tmp_path: P
     assert run.returncode == 4, out[-3000:]
     assert "refuses to run without pytest-timeout" in out, out[-3000:]
     assert 'pip install "plugdist[testing]"' in out, out[-3000:]
+
+
+def test_the_conformance_suite_names_numpy_when_it_is_missing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    from types import SimpleNamespace
+
+    from plugdist.testing import conformance
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "numpy" else real(name, *a))
+    config = SimpleNamespace(pluginmanager=SimpleNamespace(hasplugin=lambda name: True))
+    [missing] = conformance.missing_requirements(config)
+    assert missing.startswith("numpy (torch's Tensor.numpy() fails without it"), missing
+    config.pluginmanager.hasplugin = lambda name: False
+    assert conformance.missing_requirements(config)[0].startswith("pytest-timeout (")
