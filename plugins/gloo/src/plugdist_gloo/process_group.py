@@ -128,6 +128,7 @@ class GlooProcessGroup(ProcessGroup):
     """
 
     backend_name: ClassVar[str] = "gloo"
+    plugin_api: ClassVar[tuple[int, int]] = (1, 0)  # written for plugdist's plugin API 1.x
     device_types: ClassVar[tuple[str, ...]] = ("cpu",)
     default_for: ClassVar[tuple[str, ...]] = ("cpu",)  # init_process_group() with no backend
     native_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset(
