@@ -257,10 +257,9 @@ def _outcome(native: Any) -> BaseException | None:
     raised: torch's "Operation timed out!" comes from the deadline passing, and the op may have
     completed, successfully, between that and the look at ``is_completed``. Taken as the op's
     outcome, that timeout failed an op that succeeded on one rank only, so the ranks fell out of
-    step: the next collectives were mismatched in Gloo (a hang until Gloo's timeout, an abort on
-    a size check, or a corrupted heap). With resilient groups on, every wait is sliced into
-    ``SLICE``-second timed waits, so this race came up about once per thousand ops on a loaded
-    machine."""
+    step: the next collectives were mismatched in Gloo (a hang until Gloo's timeout, or an
+    abort on Gloo's size check). With resilient groups on, every wait is sliced into
+    ``SLICE``-second timed waits, so a loaded machine hits this race (docs/resilience.md)."""
     try:
         native.wait()
     except Exception as exc:  # noqa: BLE001 - the op's own error, handed to the caller
