@@ -202,6 +202,28 @@ def test_close_and_garbage_collection_free_the_port() -> None:
     assert eventually(lambda: port_is_free(port))
 
 
+@pytest.mark.timeout(60)
+def test_requests_after_the_server_exited_fail_at_once() -> None:
+    """Once the master's server is gone, every request fails at once, not only the first (on
+    the pooled connection): a new connection that is refused is not retried for the store's
+    timeout, as it is while a store is built and its server may not listen yet. (Retried, a
+    rank outliving rank 0 lost a whole timeout per store call, e.g. in tests/test_debug.py's
+    rank-0-exits-at-once test with resilient groups on.)"""
+    m = TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=30))
+    client = TCPStore(HOST, m.port, timeout=timedelta(seconds=30))
+    client.set("k", "v")
+    m.close()
+    assert eventually(lambda: port_is_free(m.port))
+    start = time.monotonic()
+    for _ in range(3):  # the pooled connection is lost, then each request connects anew
+        with pytest.raises(DistNetworkError, match=f"{HOST}:{m.port}"):
+            client.get("k")
+    with pytest.raises(DistNetworkError, match="refused a new connection"):
+        client.add("n", 1)
+    assert time.monotonic() - start < 10.0  # 4 requests; before: 30 s each after the first
+    client.close()
+
+
 @pytest.mark.timeout(20)
 def test_value_over_frame_limit_is_refused_client_side(master: TCPStore) -> None:
     with pytest.raises(DistStoreError, match="frame limit"):
