@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -94,6 +95,16 @@ def closed_by_server(s: socket.socket) -> bool:
     except TimeoutError:
         return False
 
+
+
+@pytest.fixture(autouse=True)
+def _info_logs() -> Any:
+    """The server logs clients that simply went away at info level: capture those too."""
+    from plugdist.log import set_log_level
+
+    set_log_level("INFO")
+    yield
+    set_log_level("WARNING")
 
 @pytest.fixture
 def master():
