@@ -338,24 +338,28 @@ class KeySpace:
         self._park(waiter)
         return None
 
-    def execute_will(self, will: tuple[bytes, bytes]) -> None:
-        """A connection with a will closed: append its value to the numbered log at its key
-        (the counter ``key`` goes up by one to n, the value lands at ``key/n``), waking every
-        request waiting on either. A counter some client overwrote with set() is left alone."""
-        key, value = will
-        old = self._data.get(key)
-        try:
-            n = (int(old) if old is not None else 0) + 1
-        except ValueError:
-            return
-        self._data[key] = str(n).encode()
-        if old is None:
+    def execute_wills(self, wills: list[tuple[bytes, bytes]]) -> None:
+        """Connections with wills closed: append each value to the numbered log at its key (the
+        counter ``key`` goes up by one to n, the value lands at ``key/n``), then wake every
+        request waiting on them. All are written before anyone is woken, so the processes of a
+        node that die together reach each waiter in one reply. A counter some client overwrote
+        with set() is left alone."""
+        created: list[bytes] = []
+        for key, value in wills:
+            old = self._data.get(key)
+            try:
+                n = (int(old) if old is not None else 0) + 1
+            except ValueError:
+                continue
+            self._data[key] = str(n).encode()
+            if old is None:
+                created.append(key)
+            entry = key + b"/" + str(n).encode()
+            if entry not in self._data:
+                created.append(entry)
+            self._data[entry] = value
+        for key in created:
             self._created_value(key)
-        entry = key + b"/" + str(n).encode()
-        created = entry not in self._data
-        self._data[entry] = value
-        if created:
-            self._created_value(entry)
 
     def _op_append(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)

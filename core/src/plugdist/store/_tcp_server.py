@@ -130,6 +130,7 @@ class StoreServer:
         # renewal costs O(1) and the heap O(log n) per connection per ttl
         self._will_deadlines: list[tuple[float, int, _Conn]] = []
         self._will_seq = 0
+        self._dying: list[tuple[bytes, bytes]] = []  # wills of connections closed this turn
         self.max_clients = self.limits.max_connections  # lowered to fit the fd limit at start
         self.fd_limit = 0
         self._accept_paused_until = 0.0
@@ -245,6 +246,9 @@ class StoreServer:
                 self._keys.expire(now)
                 if self._will_deadlines and self._will_deadlines[0][0] <= now:
                     self._lapse_wills(now)
+                if self._dying:
+                    dying, self._dying = self._dying, []
+                    self._keys.execute_wills(dying)
                 if self._pending and now >= next_sweep:
                     self._sweep_stalled(now)
                     next_sweep = now + self._sweep_interval()
@@ -575,7 +579,7 @@ class StoreServer:
             self._keys.forget(conn.waiter)
             conn.waiter = None
         if conn.will is not None:
-            self._keys.execute_will(conn.will)
+            self._dying.append(conn.will)  # executed together at the end of this loop turn
             conn.will = None
         self._conns.pop(conn.sock.fileno(), None)
         try:
