@@ -450,8 +450,11 @@ class Membership:
                 self._log.warning("membership_report_unwritten", uid=u, error=str(err))
 
     def _check_still_member(self, store: Store, current: int) -> None:
-        try:
-            members = json.loads(store.get(_epoch_key(current, "members")))
+        key = _epoch_key(current, "members")
+        try:  # the new epoch's rank 0 writes its members: never wait for it here
+            if not store.check([key]):
+                return
+            members = json.loads(store.get(key))
         except DistError:
             return
         if self.uid not in members and self.excluded_reason is None:

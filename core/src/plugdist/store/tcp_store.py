@@ -659,7 +659,8 @@ class Will:
         if conn is None:
             return
         try:
-            status, reply = conn.roundtrip(w.request(w.Op.WILL, body), _MIN_IO_TIMEOUT)
+            status, reply = conn.roundtrip(w.request(w.Op.WILL, body), max(
+                _MIN_IO_TIMEOUT, to_seconds(self._store.timeout)))
         except (OSError, ConnectionError) as e:
             raise DistNetworkError(f"TCPStore {self._store.host}:{self._store.port}: connection "
                                    f"lost while leaving a will ({e})") from e
