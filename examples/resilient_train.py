@@ -9,7 +9,8 @@ when a rank dies the survivors discard that step's gradients, shrink and redo it
 starts a replacement, which joins at a step boundary and receives the model and optimizer
 state over the group. Rank 0 prints one JSON line per committed step,
 ``{"step", "world_size", "loss", "params_sha1", "time"}``; at the end every rank prints
-``{"final": true, "rank", "step", "params_sha1"}``.
+``{"final": true, "rank", "step", "params_sha1", "redone", "eval_loss"}`` (``eval_loss``: the
+model's loss on the whole data set).
 
 Testing and benchmark knobs: ``--kill-rank R --kill-at-step S`` (that rank SIGKILLs itself
 when it reaches step S; replacements never do), ``--ddp torch`` (torch's own DDP over
@@ -18,6 +19,17 @@ steps), ``--step-time S`` (sleep S seconds per step, standing in for real comput
 ``--mode restart --checkpoint FILE --checkpoint-every K`` (the classic way, for
 comparison: no step commit; save every K steps, and after the launcher restarts every worker
 resume from the last checkpoint; resilient groups stay off in that mode).
+
+``--steps-after-full N``: after ``--steps``, go on until the world has had its full size (the
+launch's ``WORLD_SIZE``) for the last N committed steps, so a run with failures ends only once
+its replacements have joined, however long they take to start (``--max-steps`` bounds it).
+Every rank decides this from the same committed world sizes, so all stop at the same step.
+``--stop-file PATH``: once that file exists, stop as if ``--steps`` were reached (the rank that
+sees it first asks the others through the step's vote: all stop at the same step).
+
+A process that the others declared failed while it was alive (stopped, stalled) learns it at
+its next step (``DistExcludedError``) and exits with that error's exit code, which
+``plugdist-run`` treats as a lost rank: ``--replace-failed`` starts a new process in its place.
 """
 
 from __future__ import annotations
@@ -27,6 +39,8 @@ import hashlib
 import json
 import os
 import signal
+import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -107,9 +121,19 @@ def main() -> None:
     ap.add_argument("--mode", choices=("resilient", "restart"), default="resilient")
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=50)
+    ap.add_argument("--steps-after-full", type=int, default=0,
+                    help="after --steps, train until the world had its full size (WORLD_SIZE "
+                         "at launch) for this many committed steps in a row")
+    ap.add_argument("--stop-file", default=None,
+                    help="stop (at the same step on every rank) once this file exists")
+    ap.add_argument("--max-steps", type=int, default=0,
+                    help="stop here even if the world never returned to full size "
+                         "(default: 10 x --steps)")
     args = ap.parse_args()
 
     joining = os.environ.get("PLUGDIST_JOIN") == "1"
+    # the launch's world size, read before init_process_group: shrink and grow rewrite WORLD_SIZE
+    full_size = int(os.environ.get("WORLD_SIZE", "1"))
     if args.mode == "resilient":
         os.environ.setdefault("PLUGDIST_RESILIENCE", "1")  # resilient groups (docs/resilience.md)
     # What needs no group comes first: from a joiner's init_process_group on, the members wait
@@ -150,16 +174,33 @@ def main() -> None:
             time.sleep(args.step_time)
         return float(loss.item())
 
-    while training.step < args.steps:
+    max_steps = args.max_steps or 10 * args.steps
+    full_streak = 0  # committed steps in a row at full size; the same on every rank
+
+    def done() -> bool:
+        if training.step < args.steps and not training.stopping:
+            return False
+        return full_streak >= args.steps_after_full or training.step >= max_steps
+
+    while not done():
         if victim and training.step == args.kill_at_step:
             print(json.dumps({"killed": dist.get_rank(), "time": time.time()}), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         epoch = sampler.epoch
-        loss = training.run_step(step)
+        if args.stop_file and os.path.exists(args.stop_file):
+            training.request_stop()
+        try:
+            loss = training.run_step(step)
+        except dist.DistExcludedError as err:
+            print(json.dumps({"excluded": os.getpid(), "why": str(err)}), flush=True)
+            sys.exit(err.exit_code)   # plugdist-run starts a new process in this one's place
+        full_streak = full_streak + 1 if dist.get_world_size() >= full_size else 0
         if samples_file is not None:
-            samples_file.write(json.dumps({"step": training.step - 1, "epoch": epoch,
-                                           "world_size": dist.get_world_size(),
-                                           "indices": used}) + "\n")
+            samples_file.write(json.dumps({
+                "step": training.step - 1, "epoch": epoch, "world_size": dist.get_world_size(),
+                "indices": used, "rank": dist.get_rank(), "pid": os.getpid(),
+                "params_sha1": params_sha1(model), "loss": loss, "time": time.time(),
+                "threads": threading.active_count()}) + "\n")
             samples_file.flush()
         if dist.get_rank() == 0:
             print(json.dumps({"step": training.step - 1, "world_size": dist.get_world_size(),
@@ -170,9 +211,11 @@ def main() -> None:
                             "sampler": sampler.state_dict(), "step": training.step},
                            args.checkpoint + ".tmp")
                 os.replace(args.checkpoint + ".tmp", args.checkpoint)
+    with torch.no_grad():   # the trained model on the whole set: compares runs
+        eval_loss = float(nn.functional.mse_loss(net(x), y).item())
     print(json.dumps({"final": True, "rank": dist.get_rank(), "step": training.step,
-                      "params_sha1": params_sha1(model), "redone": training.redone}),
-          flush=True)
+                      "params_sha1": params_sha1(model), "redone": training.redone,
+                      "eval_loss": round(eval_loss, 6)}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

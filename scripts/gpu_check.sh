@@ -88,7 +88,7 @@ fi
 vpy=$venv/bin/python
 "$vpy" -m pip --version >/dev/null 2>&1 || pip_of_venv=("$python" -m pip --python "$vpy")
 pipi=("${pip_of_venv[@]}" install -q --disable-pip-version-check --no-index --find-links "$wheels")
-"${pipi[@]}" "setuptools>=70.1" stevedore structlog pytest-timeout >>"$log" 2>&1 ||
+"${pipi[@]}" "setuptools>=77.0.3" stevedore structlog pytest-timeout >>"$log" 2>&1 ||
   verdict FAIL 2 "(installing from $wheels failed, see $log)"
 dists=(-e core -e plugins/nccl -e plugins/gloo -e plugins/debug -e tests/plugins/plugdist-toy)
 "${pipi[@]}" --no-deps --no-build-isolation "${dists[@]}" >>"$log" 2>&1 ||

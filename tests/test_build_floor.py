@@ -47,10 +47,11 @@ def _floor_wheel(version: str, tmp: Path) -> Path:
 def test_every_distribution_declares_the_same_floor() -> None:
     floors = {str(p.relative_to(ROOT)): _floor(p) for p in PROJECTS}
     assert len(PROJECTS) >= 8, floors
-    assert set(floors.values()) == {"70.1"}, floors
+    assert set(floors.values()) == {"77.0.3"}, floors
 
 
-@pytest.mark.timeout(240)
+# 52-68 s here; 171 s, and once past 240 s, while other jobs loaded the machine
+@pytest.mark.timeout(400)
 def test_offline_editable_install_with_only_the_floor(tmp_path: Path) -> None:
     floor = _floor(ROOT / "core" / "pyproject.toml")
     wheel = _floor_wheel(floor, tmp_path / "wheels")
@@ -65,10 +66,14 @@ def test_offline_editable_install_with_only_the_floor(tmp_path: Path) -> None:
     done = subprocess.run([*pip, "install", "--no-index", "--no-deps", "--no-build-isolation",
                            *editables, "-e", str(ROOT)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    code = ("import importlib.metadata as m, setuptools; "
+    # `wheel` looked up before importing setuptools, which (71 on) puts its own vendored copy of
+    # wheel on sys.path
+    code = ("import importlib.metadata as m; "
+            "has_wheel = 'wheel' in {d.metadata['Name'] for d in m.distributions()}; "
+            "import setuptools; "
             "eps = {e.name for e in m.entry_points(group='plugdist.backends')}; "
             "print(setuptools.__version__, m.version('plugdist'), sorted(eps)); "
-            "print('wheel' in {d.metadata['Name'] for d in m.distributions()})")
+            "print(has_wheel)")
     out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True)
     versions, has_wheel = out.stdout.splitlines()
     assert versions.startswith(f"{wheel.name.split('-')[1]} 0.1.0 "), versions

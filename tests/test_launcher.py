@@ -922,3 +922,41 @@ def test_numa_binding_virtual_local_rank_and_duplicate_filters(tmp_path: Path) -
                  "sh", "-c", "echo started", env={**os.environ, "CUDA_VISIBLE_DEVICES": "3"})
     assert res.returncode != 0 and "started" not in res.stdout
     assert "local rank 1 has no GPU in CUDA_VISIBLE_DEVICES=3" in res.stderr
+
+
+@pytest.mark.resilience
+@pytest.mark.timeout(120)
+def test_with_resilient_groups_a_killed_worker_does_not_stop_the_others(tmp_path: Path) -> None:
+    """PLUGDIST_RESILIENCE=1, no --replace-failed: rank 1 is SIGKILLed; the launcher leaves
+    the other two running, they shrink and finish, the run exits 0, and the failure is named
+    once, with its cause, in the launcher's lines."""
+    env = dict(os.environ, PLUGDIST_RESILIENCE="1", VICTIM="1", PLUGDIST_TORCH_WORLD="0")
+    res = launch("--standalone", "--nproc-per-node", "3", "--monitor-interval", "0.05",
+                 str(SCRIPTS / "resilient_loop.py"), str(tmp_path), env=env, timeout=110)
+    assert res.returncode == 0, res.stderr[-4000:]
+    for rank in (0, 2):
+        assert read_json(tmp_path / f"survivor{rank}.json") == {"size": 2, "sum": 2.0}
+    launcher_lines = [x for x in res.stderr.splitlines() if x.startswith("plugdist-run:")]
+    said = [x for x in launcher_lines if "rank 1 (local rank 1" in x]
+    assert len(said) == 1 and "killed by SIGKILL" in said[0] \
+        and "the others go on without it" in said[0], launcher_lines
+    assert "died and the others went on without them" in res.stderr
+    assert "SIGTERM" not in res.stderr, res.stderr[-3000:]
+    # one failure, one warning per survivor (rank_failure); the failed ops are info
+    warnings = [x for x in res.stderr.splitlines() if "level='warning'" in x]
+    assert len(warnings) == 2 and all("rank_failure" in x for x in warnings), warnings
+
+
+@pytest.mark.resilience
+@pytest.mark.timeout(120)
+def test_a_rank_that_raised_is_reported_with_its_exception(tmp_path: Path) -> None:
+    """With resilient groups on, a worker that raises (exit code 1) is the program failing:
+    the run stops, and the summary names the exception, not a signal."""
+    env = dict(os.environ, PLUGDIST_RESILIENCE="1", VICTIM="1", HOW="raise",
+               PLUGDIST_TORCH_WORLD="0")
+    res = launch("--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.05",
+                 str(SCRIPTS / "resilient_loop.py"), str(tmp_path), env=env, timeout=110)
+    assert res.returncode == 1, res.stderr[-4000:]
+    first = [x for x in res.stderr.splitlines() if "first failure: rank 1" in x]
+    assert first and "exit code 1: ValueError: rank 1 gives up at step 3" in first[0], \
+        res.stderr[-4000:]

@@ -98,7 +98,8 @@ def test_kill_shrink_then_grow(tmp_path: Path, backend: str) -> None:
         assert r["error_type"] == "DistRankFailureError", r
         assert r["error_ranks"] == [2] and r["failed_known"] == [2], r
         assert "rank 2 died" in r["error"] and "shrink_group" in r["error"], r["error"]
-        assert r["detect_s"] < 1.0, f"rank {r['old_rank']} named the failure after {r['detect_s']}s"
+        # named by liveness, not by the ops' 60 s timeout (how fast: benchmarks/resilience_bench.py)
+        assert r["detect_s"] < 30, f"rank {r['old_rank']} named the failure after {r['detect_s']}s"
         assert r["size"] == 3 and r["bad"] == [], r
         assert r["grown_size"] == 4
     assert sorted(r["rank"] for r in alive) == [0, 1, 2], "ranks are compacted in the old order"
@@ -120,8 +121,9 @@ def test_a_hung_rank_is_caught_by_heartbeats(tmp_path: Path) -> None:
     for r in alive:
         assert r["error_type"] == "DistRankFailureError" and r["error_ranks"] == [1], r
         assert "stopped running for about 2 s" in r["error"], r["error"]
-        # the last renewal (every ttl/4) came before the stop
-        assert 1.4 <= r["detect_s"] < 4.0, r["detect_s"]
+        # not before the will's ttl (its last renewal, every ttl/4, came before the stop); by
+        # liveness, not by the ops' 60 s timeout
+        assert 1.4 <= r["detect_s"] < 30, r["detect_s"]
         assert r["size"] == 2 and r["bad"] == [], r
 
 

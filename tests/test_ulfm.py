@@ -88,7 +88,8 @@ def check_survivors(done: subprocess.CompletedProcess[str], found: dict[str, dic
         assert r["error_ranks"] == victims and r["failed_known"] == victims, r
         assert all(f"rank {v}" in r["error"] for v in victims), r["error"]
         assert "shrink_group" in r["error"], r["error"]
-        assert r["detect_s"] < 1.0, f"rank {r['old_rank']} saw the failure after {r['detect_s']}s"
+        # seen through MPI's failure detector, not the ops' 60 s timeout (speed: the benchmark)
+        assert r["detect_s"] < 30, f"rank {r['old_rank']} saw the failure after {r['detect_s']}s"
         assert r["size"] == len(want) and r["bad"] == [] and r["first_sum_ok"], r
         assert "grow_group is not available" in r["grow"] and "MPI_Comm_spawn" in r["grow"], r
     assert sorted(r["rank"] for r in alive) == list(range(len(want))), "ranks compacted in order"

@@ -78,13 +78,20 @@ def register(names: Iterable[str] | None = None) -> list[str]:
 _LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 
 
+# what torch's env:// reads; torchrun and plugdist-run set all four
+_TORCH_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def install_env_fallback() -> None:
-    """Wrap torch's ``env://`` rendezvous handler: where the environment has no ``RANK`` and the
-    URL no ``rank=`` but a launcher set its rank variable, plugdist's
-    :func:`plugdist.rendezvous.adopt_launcher_env` first sets ``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK`` and (on one host, or under srun) ``MASTER_ADDR``/``MASTER_PORT``; torch's
-    handler then runs as always. Anything else goes straight to torch's handler, unchanged.
-    Idempotent; imports nothing beyond torch.distributed until a fallback is needed."""
+    """Wrap torch's ``env://`` rendezvous handler: where a launcher set its rank variable and
+    one of ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` is missing, plugdist's
+    :func:`plugdist.rendezvous.adopt_launcher_env` first fills in the missing ones (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK`` and, on one host or under srun, ``MASTER_ADDR``/
+    ``MASTER_PORT``) unless a ``RANK``/``WORLD_SIZE`` already set differs from the launcher's;
+    torch's handler then runs as always. This covers libraries that copy the launcher's rank
+    into ``RANK`` themselves but not its master (Accelerate under a bare mpiexec). Anything else
+    goes straight to torch's handler, unchanged. Idempotent; imports nothing beyond
+    torch.distributed until a fallback is needed."""
     import torch.distributed as tdist
 
     if not tdist.is_available():
@@ -96,11 +103,16 @@ def install_env_fallback() -> None:
         return
 
     def env_handler(url: str, *args: Any, **kwargs: Any) -> Any:
-        if ("RANK" not in os.environ and "rank=" not in url
+        if (any(v not in os.environ for v in _TORCH_ENV_VARS)
                 and any(v in os.environ for v in _LAUNCHER_RANK_VARS)):
+            from urllib.parse import parse_qs, urlparse
+
             from plugdist.rendezvous import adopt_launcher_env
 
-            adopt_launcher_env()
+            # torch puts init_process_group's rank= and world_size= in the URL's query
+            query = parse_qs(urlparse(url).query)
+            given = [query.get(k, ["-1"])[0] for k in ("rank", "world_size")]
+            adopt_launcher_env(*(int(v) if v.lstrip("-").isdigit() else -1 for v in given))
         return torch_env(url, *args, **kwargs)
 
     env_handler.plugdist_fallback = True  # type: ignore[attr-defined]

@@ -41,6 +41,7 @@ from .debug_level import DebugLevel, get_debug_level, set_debug_level, set_debug
 from .errors import (
     DistBackendError,
     DistError,
+    DistExcludedError,
     DistNetworkError,
     DistRankFailureError,
     DistStoreError,
@@ -120,5 +121,5 @@ __all__ = [
     "recv_object_list", "reduce", "reduce_op", "reduce_scatter", "reduce_scatter_single",
     "reduce_scatter_tensor", "register_rendezvous_handler", "scatter", "scatter_object_list",
     "send", "send_object_list", "set_debug_level", "set_debug_level_from_env",
-    "DistRankFailureError", "shrink_group", "grow_group", "get_failed_ranks",
+    "DistRankFailureError", "DistExcludedError", "shrink_group", "grow_group", "get_failed_ranks",
 ]

@@ -4,6 +4,7 @@
     └── DistError                  anything plugdist raises on purpose
         ├── DistBackendError       a backend failed an op (its own message kept)
         │   └── DistRankFailureError  a member of the group died or hung (``.ranks`` names it)
+        │       └── DistExcludedError  this process itself was declared failed and left out
         ├── DistStoreError         a key-value store refused or failed a request
         │   ├── DistTimeoutError   (also a DistError) a wait ran past its timeout
         │   └── QueueEmptyError    a non-blocking queue_pop found the queue empty
@@ -23,6 +24,7 @@ __all__ = [
     "DistError",
     "DistBackendError",
     "DistRankFailureError",
+    "DistExcludedError",
     "DistStoreError",
     "DistNetworkError",
     "DistTimeoutError",
@@ -53,6 +55,16 @@ class DistRankFailureError(DistBackendError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (str(self), self.ranks))
+
+
+class DistExcludedError(DistRankFailureError):
+    """This process is no longer a member of the world: the others declared it failed while it
+    was alive (stopped, stalled, cut off by the network) or shrank it away, and went on. It can
+    come back only as a new process (``init_process_group(..., join=True)``). A worker under
+    ``plugdist-run`` that exits with :attr:`exit_code` (75, EX_TEMPFAIL) is treated as a lost
+    rank: replaced with ``--replace-failed``, not a failure of the run."""
+
+    exit_code = 75
 
 
 class DistStoreError(DistError):

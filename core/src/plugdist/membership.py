@@ -47,11 +47,11 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .errors import DistError, DistRankFailureError, DistTimeoutError, timed_out
+from .errors import DistError, DistExcludedError, DistRankFailureError, DistTimeoutError, timed_out
 from .log import get_logger, lifecycle
 from .store import PrefixStore, Store
 
@@ -88,11 +88,12 @@ _STORE_GRACE = 10.0  # seconds a guarded wait rides out a store that does not an
 _QUIET_INTERVAL = 0.5
 
 
-def enabled() -> bool:
+def enabled(env: Mapping[str, str] | None = None) -> bool:
     """Whether worlds get a membership: with ``PLUGDIST_RESILIENCE=1`` (``plugdist-run
-    --replace-failed`` sets it for its workers). Off by default in this version: see
-    docs/resilience.md."""
-    return os.environ.get(RESILIENCE_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    --replace-failed`` sets it for its workers), read from ``env`` (default: this process's
+    environment). Off by default in this version: see docs/resilience.md."""
+    value = (os.environ if env is None else env).get(RESILIENCE_ENV, "0")
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -467,7 +468,7 @@ class Membership:
 
     # -- agreement ---------------------------------------------------------------------------
     def _excluded_error(self) -> DistError:
-        return DistRankFailureError(f"[member {self.uid}] {self.excluded_reason}")
+        return DistExcludedError(f"[member {self.uid}] {self.excluded_reason}")
 
     def agree_shrink(self, exclude: Sequence[str] | None, timeout: timedelta,
                      retry: int = 0) -> Decision:

@@ -170,18 +170,22 @@ def env_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
 
 
 def adopt_launcher_env(rank: int = -1, world_size: int = -1) -> tuple[int, int]:
-    """Where ``RANK`` and ``WORLD_SIZE`` are both missing from the environment and mpiexec,
-    mpirun or srun started this process: set them, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
-    (one host, or srun across hosts) ``MASTER_ADDR``/``MASTER_PORT`` in ``os.environ`` from the
-    launcher's variables, never replacing a value already set. Returns ``(rank, world_size)``:
-    the given ones (-1: not given), else the launcher's. Also what torch's own ``env://`` runs
-    first under plugdist (see :mod:`_plugdist_torch_autoload`)."""
-    other = None
-    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        other = _from_other_launcher()
+    """Where mpiexec, mpirun or srun started this process and ``RANK``/``WORLD_SIZE`` are
+    missing from the environment or agree with that launcher's (a library such as Accelerate
+    copies ``PMI_RANK`` into ``RANK`` itself): set ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE`` and (one host, or srun across hosts) ``MASTER_ADDR``/``MASTER_PORT``
+    in ``os.environ`` from the launcher's variables, never replacing a value already set. A
+    ``RANK`` or ``WORLD_SIZE`` that differs from the launcher's means the script numbers its
+    own world: nothing is set then. Returns ``(rank, world_size)``: the given ones (-1: not
+    given), else the launcher's. Also what torch's own ``env://`` runs first under plugdist
+    (see :mod:`_plugdist_torch_autoload`)."""
+    other = _from_other_launcher()
     if other is None:
         return rank, world_size
     launcher, o_rank, o_size, o_local, o_local_size = other
+    if (os.environ.get("RANK", str(o_rank)).strip() != str(o_rank)
+            or os.environ.get("WORLD_SIZE", str(o_size)).strip() != str(o_size)):
+        return rank, world_size
     rank = o_rank if rank < 0 else rank
     world_size = o_size if world_size < 1 else world_size
     os.environ.setdefault("RANK", str(rank))

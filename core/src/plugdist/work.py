@@ -15,7 +15,14 @@ from typing import Any
 import torch
 
 from .abort import AbortSignal, wait_sliced
-from .errors import DistBackendError, DistError, DistTimeoutError, op_timeout, where
+from .errors import (
+    DistBackendError,
+    DistError,
+    DistRankFailureError,
+    DistTimeoutError,
+    op_timeout,
+    where,
+)
 from .log import lifecycle
 
 __all__ = ["Work", "completed_work", "failed_work"]
@@ -88,8 +95,11 @@ class Work:
         err = self._with_context(exc)
         if self.abort is not None:
             err = self.abort.explain(err, self._where())
+        # a member's failure is warned about once, by membership (rank_failure); the ops it
+        # fails are its consequences
         lifecycle("op_failed", group=self.group, group_rank=self.rank, backend=self.backend,
-                  level="warning", op=self.op, error=str(err))
+                  level="info" if isinstance(err, DistRankFailureError) else "warning",
+                  op=self.op, error=str(err))
         try:
             self._future.set_exception(err)
         except RuntimeError:

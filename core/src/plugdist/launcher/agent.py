@@ -5,6 +5,12 @@ Each round: rendezvous (:mod:`.rendezvous`), start ``nproc_per_node`` workers, w
 (round + 1, ``TORCHELASTIC_RESTART_COUNT`` + 1) while restarts are left. A lost node, or a node
 waiting to join a world smaller than MAX, ends the round too, without using a restart.
 
+With resilient groups on (``PLUGDIST_RESILIENCE``, which ``--replace-failed`` turns on), a
+worker killed by a signal does not end the round: ``--replace-failed`` starts a replacement
+that joins the running world while ``--max-restarts`` allows (replacements and restarts share
+that budget), and otherwise the others go on without it (they shrink). A worker that exits
+with an error code still ends the round: that is the program failing, not a rank lost.
+
 Contract (POSIX): every worker runs in its own session, so a signal reaches its whole process
 tree through ``killpg``. Stopping sends a signal (SIGTERM, or the one the launcher got), then
 SIGKILL after ``grace_period``. A watchdog process holds a pipe from the launcher and SIGKILLs
@@ -27,6 +33,7 @@ import threading
 import time
 from typing import IO, Any
 
+from ..errors import DistExcludedError
 from .config import LaunchConfig
 from .error_file import ERROR_FILE_VAR, read_error_file
 from .logs import Duplicate, Sink, plan_streams, pump
@@ -56,6 +63,14 @@ _WATCHDOG = (
 
 class LaunchError(RuntimeError):
     """The launcher could not start a worker."""
+
+
+def resilience_enabled(env: dict[str, str]) -> bool:
+    """Whether the workers run resilient groups (the core's ``PLUGDIST_RESILIENCE`` rule, read
+    from the workers' environment)."""
+    from ..membership import enabled
+
+    return enabled(env)
 
 
 def _round_news(rdzv: StoreRendezvous, a: Assignment) -> str | None:
@@ -187,6 +202,7 @@ class _Worker:
         self.stopped = False
         self.replaced = False         # not counted in the round's outcome: it was replaced, or
         self.replacement = False      # it is a replacement that found the run finished
+        self.left_behind = False      # died; the others went on without it (no replacement)
         self.tail: collections.deque[bytes] = collections.deque(maxlen=_TAIL_CHUNKS)
         self.readers: list[threading.Thread] = []
 
@@ -208,7 +224,7 @@ class _Worker:
             stderr_tail=tuple(text.splitlines()),
             error_file=self.error_file if err else None,
             error_message=err[0] if err else "", error_traceback=tuple(err[1]) if err else (),
-            replaced=self.replaced)
+            replaced=self.replaced, left_behind=self.left_behind)
 
 
 class Agent:
@@ -320,7 +336,8 @@ class Agent:
             workers=tuple(w.status() for w in self.workers),
             received_signal=self.signals[0] if self.signals else None,
             leftovers=tuple(self.leftovers), first_failure=first,
-            restarts=a.restart_count if a else 0, node_rank=a.node_rank if a else 0,
+            restarts=a.restart_count if a else 0, replacements=self.replacements,
+            node_rank=a.node_rank if a else 0,
             nnodes=a.nnodes if a else self.cfg.max_nodes, reason=reason)
 
     def _round(self, rdzv: StoreRendezvous, a: Assignment, base: dict[str, str]) -> str:
@@ -337,11 +354,7 @@ class Agent:
             failed = [w for w in self.workers
                       if w.returncode is None and w.poll() is not None and w.returncode != 0]
             failed = [w for w in failed if not self._too_late(w)]
-            if failed and self.cfg.replace_failed \
-                    and self.replacements + len(failed) <= self.cfg.max_restarts:
-                for w in failed:
-                    self._replace(a, base, w)
-                failed = []
+            failed = [w for w in failed if not self._survive(a, base, w)]
             if failed:
                 self._keep_tmp = True
                 for w in failed:
@@ -393,11 +406,13 @@ class Agent:
         if outcome.startswith("failed"):
             raw = rdzv.first_failure(a)
             first = Failure.from_dict(raw) if raw else None
-            if a.restart_count < cfg.max_restarts:
+            if self._budget_left(a) > 0:
                 self.err.text(f"{PROG}: {outcome}; restarting the world "
-                              f"({a.restart_count + 1} of {cfg.max_restarts} restarts)")
+                              f"({a.restart_count + self.replacements + 1} of {cfg.max_restarts} "
+                              f"{cfg.budget_words()})")
                 return None
-            mine = [w for w in self.workers if w.failed]
+            mine = [w for w in self.workers
+                    if w.failed and not w.left_behind and not w.replaced]
             code = exit_code_of(mine[0].returncode) if mine else 1
             return self._result(code, a, first=first)
         # membership change: the world re-forms without using a restart
@@ -499,11 +514,39 @@ class Agent:
         """A replacement that failed after every other worker had finished successfully: the
         run ended before it could join, which is not a failure of the run."""
         if not w.replacement or any(o.returncode != 0 for o in self.workers
-                                    if o is not w and not o.replaced):
+                                    if o is not w and not o.replaced and not o.left_behind):
             return False
         w.replaced = True
         self.err.text(f"{PROG}: the replacement for rank {w.rank} (pid {w.proc.pid}) found the "
                       f"run finished before it could join")
+        return True
+
+    def _budget_left(self, a: Assignment) -> int:
+        """Restarts and replacements left: ``--max-restarts`` counts both."""
+        return self.cfg.max_restarts - a.restart_count - self.replacements
+
+    def _survive(self, a: Assignment, base: dict[str, str], w: _Worker) -> bool:
+        """Whether the run goes on past ``w``'s failure: replaced (``--replace-failed``, budget
+        left) or, with resilient groups on, left behind by the others (a worker killed by a
+        signal, or one that left because the others excluded it, while another of this node's
+        workers still runs)."""
+        if self.cfg.replace_failed and self._budget_left(a) > 0:
+            self._replace(a, base, w)
+            return True
+        lost = w.returncode is not None and (w.returncode < 0
+                                             or w.returncode == DistExcludedError.exit_code)
+        others = any(o.poll() is None for o in self.workers if o is not w)
+        if not (lost and others and resilience_enabled(base)):
+            return False
+        self._keep_tmp = True
+        w.failed = w.left_behind = True
+        w.drain(0.5)
+        why = ("its replacements are used up (--max-restarts)" if self.cfg.replace_failed
+               else "no replacement without --replace-failed")
+        self.err.text(f"{PROG}: rank {w.rank} (local rank {w.local_rank}, pid {w.proc.pid}) "
+                      f"{w.status().cause()}; the others go on without it ({why})")
+        if self.watchdog is not None:
+            self.watchdog.tell(f"-{w.pgid}")
         return True
 
     def _replace(self, a: Assignment, base: dict[str, str], dead: _Worker) -> None:
@@ -515,9 +558,9 @@ class Agent:
         self.replacements += 1
         st = dead.status()
         self.err.text(f"{PROG}: rank {dead.rank} (local rank {dead.local_rank}, pid "
-                      f"{dead.proc.pid}) {st.describe()}; the others go on; starting a "
+                      f"{dead.proc.pid}) {st.cause()}; the others go on; starting a "
                       f"replacement that joins them ({self.replacements} of "
-                      f"{self.cfg.max_restarts} replacements)")
+                      f"{self.cfg.max_restarts} {self.cfg.budget_words()})")
         for line in st.traceback()[-20:] or st.stderr_tail[-5:]:
             self.err.text("    " + line)
         if self.watchdog is not None:

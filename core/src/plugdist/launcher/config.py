@@ -182,6 +182,10 @@ class LaunchConfig:
         """The node count of a fixed-size run (MAX of MIN:MAX)."""
         return self.max_nodes
 
+    def budget_words(self) -> str:
+        """What ``--max-restarts`` counts: with ``--replace-failed``, replacements too."""
+        return "restarts and replacements" if self.replace_failed else "restarts"
+
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")

@@ -57,6 +57,7 @@ class WorkerStatus:
     error_message: str = ""
     error_traceback: tuple[str, ...] = ()
     replaced: bool = False        # --replace-failed started another worker in its place
+    left_behind: bool = False     # died; with resilient groups the others went on without it
 
     @property
     def exit_code(self) -> int:
@@ -68,6 +69,19 @@ class WorkerStatus:
     def traceback(self) -> list[str]:
         """The error file's traceback if the worker wrote one, else the one on its stderr."""
         return list(self.error_traceback) or extract_traceback(self.stderr_tail)
+
+    def cause(self) -> str:
+        """How it ended, with the exception it raised when it raised one: a worker that raised
+        and was then stopped reads "killed by SIGTERM (signal 15) while raising X: ..."."""
+        tb = self.traceback()
+        raised = next((line.strip() for line in reversed(tb) if line.strip()), "") if tb \
+            else self.error_message
+        if not raised:
+            return self.describe()
+        raised = raised if len(raised) <= 300 else raised[:297] + "..."
+        if self.returncode is not None and self.returncode < 0:
+            return f"{self.describe()} while raising {raised}"
+        return f"{self.describe()}: {raised}"
 
 
 @dataclass(frozen=True)
@@ -113,14 +127,16 @@ class LaunchResult:
     leftovers: tuple[int, ...] = field(default=())   # ranks whose groups outlived them
     first_failure: Failure | None = None
     restarts: int = 0
+    replacements: int = 0         # workers started by --replace-failed (--max-restarts counts both)
     node_rank: int = 0
     nnodes: int = 1
     reason: str = ""
 
     @property
     def failures(self) -> list[WorkerStatus]:
-        """Workers that failed and were not replaced (--replace-failed)."""
-        return [w for w in self.workers if w.failed and not w.replaced]
+        """Workers whose failure ended the run: not replaced (--replace-failed), not left
+        behind by resilient survivors."""
+        return [w for w in self.workers if w.failed and not w.replaced and not w.left_behind]
 
 
 def extract_traceback(lines: Sequence[str]) -> list[str]:
@@ -178,7 +194,8 @@ def format_summary(result: LaunchResult) -> str:
     cfg = result.config
     where = f"run id {cfg.run_id}, node {result.node_rank} of {result.nnodes}"
     if cfg.max_restarts:
-        where += f", {result.restarts} of {cfg.max_restarts} restarts used"
+        used = result.restarts + result.replacements
+        where += f", {used} of {cfg.max_restarts} {cfg.budget_words()} used"
     out: list[str] = []
     if result.received_signal is not None:
         done = ("forwarded it to the workers" if result.workers
@@ -199,22 +216,34 @@ def format_summary(result: LaunchResult) -> str:
     if replaced:
         out.append(f"{PROG}: {len(replaced)} worker(s) died and were replaced while the others "
                    f"went on ({where}):")
-        out.extend(f"  rank {w.rank} (local rank {w.local_rank}, pid {w.pid}): {w.describe()}"
+        out.extend(f"  rank {w.rank} (local rank {w.local_rank}, pid {w.pid}): {w.cause()}"
                    for w in replaced)
+    behind = [w for w in result.workers if w.left_behind]
+    if behind:
+        out.append(f"{PROG}: {len(behind)} worker(s) died and the others went on without them "
+                   f"(resilient groups; {where}):")
+        out.extend(f"  rank {w.rank} (local rank {w.local_rank}, pid {w.pid}): {w.cause()}"
+                   for w in behind)
     if failures:
         out.append(f"{PROG}: {len(failures)} of {len(result.workers)} workers failed ({where})")
         ordered = sorted(failures, key=lambda w: (first is None or w.rank != first.rank, w.rank))
         for w in ordered:
             tag = "first failure: " if first is not None and w.rank == first.rank else ""
-            out.append(f"  {tag}rank {w.rank} (local rank {w.local_rank}, pid {w.pid}): "
-                       f"{w.describe()}")
+            how = w.cause() if w.returncode is not None and w.returncode >= 0 else w.describe()
+            out.append(f"  {tag}rank {w.rank} (local rank {w.local_rank}, pid {w.pid}): {how}")
             out.extend(_worker_lines(w))
     if result.reason:
         out.append(f"{PROG}: {result.reason} ({where})")
     stopped = [w for w in result.workers if w.stopped and not w.failed]
+    # a worker that exited with an error code while being stopped had failed on its own
+    erred = [w for w in stopped if w.returncode is not None and w.returncode > 0]
+    stopped = [w for w in stopped if w not in erred]
+    if erred and out:
+        out.append("  also failed meanwhile: " + "; ".join(
+            f"rank {w.rank} (local rank {w.local_rank}): {w.cause()}" for w in erred))
     if stopped and out:
         out.append("  stopped by " + PROG + ": " + "; ".join(
-            f"rank {w.rank} (local rank {w.local_rank}): {w.describe()}" for w in stopped))
+            f"rank {w.rank} (local rank {w.local_rank}): {w.cause()}" for w in stopped))
     if result.leftovers:
         out.append(f"{PROG}: stopped processes left running by rank(s) "
                    f"{', '.join(map(str, result.leftovers))} after they exited")

@@ -21,6 +21,7 @@ All members and joiners call the same methods in the same order; see docs/fault_
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 from collections.abc import Callable
@@ -153,6 +154,8 @@ class ResilientTraining:
         self.timeout = timeout or pg.timeout
         self.step = 0          # committed steps
         self.redone = 0        # attempts discarded because a member failed
+        self.stopping = False  # a stop was agreed (request_stop): the same on every member
+        self._stop_asked = False
         self._grow_due = False
         self._torch_group = getattr(model, "process_group", None) \
             if not _is_plugdist_ddp(model) else None
@@ -162,6 +165,13 @@ class ResilientTraining:
             self._transfer_state(sending=False)
 
     # -- the step ----------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Ask every member to stop at a step boundary (a preemption notice, a stop file seen by
+        one rank). The request rides on the next step's vote: once that step is committed,
+        :attr:`stopping` is True on every member at the same step, so all leave the training
+        loop together. Any member may call it between steps; it does not block."""
+        self._stop_asked = True
+
     def run_step(self, step_fn: Callable[[], T]) -> T:
         """Run ``step_fn`` (forward and backward, with DDP's gradient synchronisation) until
         an attempt is committed, then step the optimizer; returns that attempt's result.
@@ -171,48 +181,51 @@ class ResilientTraining:
                 self._grow()
             try:
                 result = step_fn()
-                ok, waiting = self._vote(finished=True)
+                ok, waiting, stop = self._vote(finished=True)
             except Exception as err:
                 if not _rank_failure(err):
                     raise
-                ok, waiting = self._vote(finished=False)
+                ok, waiting, stop = self._vote(finished=False)
             if ok:
                 self.optimizer.step()
                 size = world.size
                 self.step += 1
                 if self.sampler is not None:
                     self.sampler.commit(size)
-                self._grow_due = waiting
+                self._grow_due = waiting > 0
+                self.stopping = self.stopping or stop > 0
                 return result
             self.redone += 1
             self.optimizer.zero_grad(set_to_none=True)
             self._shrink()
 
-    def _vote(self, finished: bool) -> tuple[bool, bool]:
-        """(commit?, someone waits to join?) for the current attempt of the step. Rank 0 adds
-        what membership's monitor last saw of joiners (no store round trip of its own), and
-        every 64 steps drops the outcomes of the steps before the last 64."""
+    def _vote(self, finished: bool) -> tuple[bool, float, float]:
+        """(commit?, joiners waiting, stop requests) for the current attempt of the step. Rank
+        0 adds what membership's monitor last saw of joiners (no store round trip of its own),
+        and every 64 steps drops the outcomes of the steps before the last 64."""
         waiting = 0.0
         if finished and world.rank == 0:
             assert world.membership is not None  # checked at construction
             waiting = float(world.membership.joiners_waiting)
         block = self.step // _VOTE_BLOCK
-        agreed, extra = self._decide(f"plugdist/ft/{world.epoch}/step/{block}/{self.step}",
-                                     finished, waiting)
+        agreed, (waiting, stop) = self._decide(
+            f"plugdist/ft/{world.epoch}/step/{block}/{self.step}", finished,
+            (waiting, 1.0 if self._stop_asked else 0.0))
         if world.rank == 0 and self.step % _VOTE_BLOCK == 0 and block >= 2:
             _forget(f"plugdist/ft/{world.epoch}/step/{block - 2}/")
-        return agreed, extra > 0
+        return agreed, waiting, stop
 
-    def _decide(self, key: str, finished: bool, extra: float = 0.0) -> tuple[bool, float]:
+    def _decide(self, key: str, finished: bool,
+                extra: tuple[float, ...] = ()) -> tuple[bool, list[float]]:
         """Whether every member finished the attempt ``key`` names: each member that did
         contributes 1 to a small all_reduce (with ``extra``: summed), and the first outcome
         written to ``key`` in the store wins, ``commit`` from a member whose all_reduce
         completed with every vote, ``abort`` from any other. So the outcome is the same on
         every member, even when the all_reduce completed on some and failed on others.
-        Returns (outcome, the sum of ``extra``)."""
+        Returns (outcome, the sums of ``extra`` as the committing member saw them)."""
         store = world.store
         assert store is not None
-        votes = torch.tensor([1.0 if finished else 0.0, extra])
+        votes = torch.tensor([1.0 if finished else 0.0, *extra])
         agreed = False
         if finished:
             try:
@@ -223,8 +236,13 @@ class ResilientTraining:
             except DistError as err:
                 if not _rank_failure(err):
                     raise
-        outcome = store.compare_set(key, b"", b"commit" if agreed else b"abort")
-        return outcome == b"commit", float(votes[1].item()) if agreed else 0.0
+        # the committing member writes the sums with the outcome, so a member whose all_reduce
+        # failed after another's completed still reads the same sums
+        mine = b"commit " + json.dumps(votes[1:].tolist()).encode() if agreed else b"abort"
+        outcome = store.compare_set(key, b"", mine)
+        if not outcome.startswith(b"commit"):
+            return False, [0.0] * len(extra)
+        return True, [float(v) for v in json.loads(outcome[len(b"commit "):] or b"[]")]
 
     # -- membership changes ------------------------------------------------------------------
     def _shrink(self) -> None:
@@ -234,7 +252,7 @@ class ResilientTraining:
         self._forget_old_epoch()
         self._check_size()
         self._rebind(grown=False)
-        self._log.warning("resilient_training_shrunk", step=self.step, world_size=world.size)
+        self._log.info("resilient_training_shrunk", step=self.step, world_size=world.size)
 
     def _grow(self) -> None:
         from .. import resilience

@@ -622,7 +622,9 @@ class StoreServer:
     def _drop(self, conn: _Conn, why: str) -> None:
         if conn.closed:
             return
-        self._log.warning("tcp_store_client_dropped", port=self.port, peer=conn.peer, reason=why)
+        # info: a client that goes away is the client's story (a dead rank is reported by its
+        # will, through membership), not a fault of the server
+        self._log.info("tcp_store_client_dropped", port=self.port, peer=conn.peer, reason=why)
         self._close(conn)
 
     def _close(self, conn: _Conn) -> None:

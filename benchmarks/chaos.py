@@ -1,0 +1,385 @@
+"""Chaos soak: resilient training under ``plugdist-run --replace-failed`` while faults are
+injected at seeded random times, then invariants checked from every worker's records.
+
+    python benchmarks/chaos.py --backend gloo --faults 300 --mean-interval 5
+    python benchmarks/chaos.py --backend toy --faults 100
+    python benchmarks/chaos.py --faults 12 --mean-interval 3 --json out.json   # make test's run
+
+The workers run examples/resilient_train.py (through benchmarks/chaos_worker.py) on one node.
+Faults, drawn from ``--kinds`` with the seed (exponential gaps of mean ``--mean-interval``):
+
+==============  ===========================================================================
+kill            SIGKILL a member
+segv            SIGSEGV a member (dies as a crash would)
+stop            SIGSTOP a member past the hang timeout, then SIGCONT: it finds itself
+                excluded, exits with ``DistExcludedError.exit_code``, and is replaced
+gil             a member holds the GIL in C code past the hang timeout (torchft's DEADLOCK):
+                every thread of it stops, its connections stay open; then as ``stop``
+two             SIGKILL two members at once
+during_shrink   SIGKILL a member, and another 50-300 ms later, while the survivors shrink
+join_kill       SIGKILL a member, then its replacement as it starts and joins
+transfer        SIGKILL a member; when its replacement is admitted, the first process to start
+                the state transfer (the joiner receiving or rank 0 sending) SIGKILLs itself
+==============  ===========================================================================
+
+Invariants, from every worker's records (a violation is printed and counted):
+
+1. committed steps run 0, 1, 2, ... with no gap or repeat, and each process's never go back;
+2. at every committed step, every rank of that step's world recorded it, with one world size
+   and one parameter hash (identical parameters everywhere);
+3. no sample is used twice by committed steps of an epoch;
+4. the world returns to full size after each fault (and ends full);
+5. no survivor pause (the gap between commits around a fault) over ``--max-pause`` seconds;
+6. no leak: each process's thread count stays within 16 of its first; the store's key count
+   stays within ``2 x`` its early value + 200; no worker process outlives the launcher;
+7. the launcher exits 0;
+8. the final model's loss on the whole data set is within ``--loss-tolerance`` (relative) of a
+   fault-free run's with the same seed and the same number of steps.
+
+It prints faults by kind, violations, the fraction of step attempts committed and the pauses'
+p50/p99; ``--json`` writes the same as JSON. Exit status: 0 with no violation, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = str(ROOT / "benchmarks" / "chaos_worker.py")
+KINDS = ("kill", "segv", "stop", "gil", "two", "during_shrink", "join_kill", "transfer")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line cut short by a SIGKILL
+    return out
+
+
+class Run:
+    """One launch of the training under plugdist-run, with its record directory."""
+
+    def __init__(self, args: argparse.Namespace, work: Path, steps: int, stop_file: bool) -> None:
+        self.args, self.dir = args, work
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.samples = work / "samples"
+        self.stop_file = work / "stop" if stop_file else None
+        cmd = [sys.executable, "-m", "plugdist_run", "--nproc-per-node", str(args.nproc),
+               "--monitor-interval", "0.05", "--replace-failed", "--max-restarts", "100000",
+               WORKER, "--backend", args.backend, "--steps", str(steps), "--hidden", "32",
+               "--step-time", str(args.step_time), "--steps-after-full", "10",
+               "--max-steps", str(max(steps, 1) * 1000), "--sample-log", str(self.samples)]
+        if self.stop_file is not None:
+            cmd += ["--stop-file", str(self.stop_file)]
+        env = dict(os.environ, CHAOS_DIR=str(work), PLUGDIST_TORCH_WORLD="0",
+                   PLUGDIST_HEARTBEAT_TIMEOUT=str(args.hang_timeout),
+                   CHAOS_GIL_S=str(args.hang_timeout + 2))
+        self.out = open(work / "launcher.out", "w")
+        self.err = open(work / "launcher.err", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, env=env,
+                                     start_new_session=True)
+        self.started = time.time()
+
+    def workers(self) -> dict[int, dict[str, Any]]:
+        """Live workers by pid: their start record, plus ``member`` (it committed a step)."""
+        found = {}
+        for f in self.dir.glob("*.start"):
+            try:
+                rec = json.loads(f.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if _alive(rec["pid"]):
+                rec["member"] = (self.samples / f"{rec['pid']}.jsonl").exists()
+                found[rec["pid"]] = rec
+        return found
+
+    def members(self) -> list[int]:
+        return sorted(pid for pid, rec in self.workers().items() if rec["member"])
+
+    def wait_members(self, n: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if len(self.members()) >= n:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def finish(self, timeout: float) -> int:
+        if self.stop_file is not None:
+            self.stop_file.touch()
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            rc = self.proc.wait(30)
+            rc = rc if rc else -1
+        self.out.close()
+        self.err.close()
+        return rc
+
+
+class Injector:
+    """Places the faults of one kind on a running :class:`Run`; returns what it did."""
+
+    def __init__(self, run: Run, rng: random.Random, hang_timeout: float) -> None:
+        self.run, self.rng, self.hang = run, rng, hang_timeout
+
+    def _victim(self) -> int | None:
+        members = self.run.members()
+        return self.rng.choice(members) if members else None
+
+    def _signal(self, pid: int, sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _replacement(self, after: float, timeout: float = 60.0) -> int | None:
+        """The pid of a replacement started after ``after`` that is not a member yet."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for pid, rec in self.run.workers().items():
+                if rec["joining"] and rec["time"] > after and not rec["member"]:
+                    return pid
+            time.sleep(0.02)
+        return None
+
+    def inject(self, kind: str) -> bool:
+        victim = self._victim()
+        if victim is None:
+            return False
+        if kind == "kill":
+            self._signal(victim, signal.SIGKILL)
+        elif kind == "segv":
+            self._signal(victim, signal.SIGSEGV)
+        elif kind in ("stop", "gil"):
+            self._signal(victim, signal.SIGSTOP if kind == "stop" else signal.SIGUSR1)
+            time.sleep(self.hang + 1.5)
+            if kind == "stop":
+                self._signal(victim, signal.SIGCONT)
+        elif kind == "two":
+            others = [p for p in self.run.members() if p != victim]
+            self._signal(victim, signal.SIGKILL)
+            if others:
+                self._signal(self.rng.choice(others), signal.SIGKILL)
+        elif kind == "during_shrink":
+            self._signal(victim, signal.SIGKILL)
+            time.sleep(self.rng.uniform(0.05, 0.3))
+            others = [p for p in self.run.members() if p != victim]
+            if others:
+                self._signal(self.rng.choice(others), signal.SIGKILL)
+        elif kind == "join_kill":
+            at = time.time()
+            self._signal(victim, signal.SIGKILL)
+            joiner = self._replacement(at)
+            if joiner is not None:
+                time.sleep(self.rng.uniform(0.2, 3.0))   # importing torch, or asking to join
+                self._signal(joiner, signal.SIGKILL)
+        elif kind == "transfer":
+            (self.run.dir / "die_in_transfer").touch()
+            self._signal(victim, signal.SIGKILL)
+        else:
+            raise ValueError(f"unknown fault kind {kind!r}; known: {', '.join(KINDS)}")
+        return True
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
+          max_pause: float) -> tuple[list[str], dict[str, Any]]:
+    """The invariants over a finished run's records: (violations, figures)."""
+    bad: list[str] = []
+    if rc != 0:
+        tail = (run.dir / "launcher.err").read_text()[-1500:]
+        bad.append(f"launcher exited {rc}:\n{tail}")
+    by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for f in run.samples.glob("*.jsonl"):
+        recs = _read_jsonl(f)
+        steps = [r["step"] for r in recs]
+        if steps != sorted(set(steps)):
+            bad.append(f"process {f.stem}: its committed steps repeat or go back: {steps[:50]}")
+        first = recs[0]["threads"] if recs else 0
+        grown = [r for r in recs if r["threads"] > first + 16]
+        if grown:
+            bad.append(f"process {f.stem}: threads grew from {first} to {grown[-1]['threads']}")
+        for r in recs:
+            by_step[r["step"]].append(r)
+    last = max(by_step) if by_step else -1
+    missing = [s for s in range(last + 1) if s not in by_step]
+    if missing:
+        bad.append(f"committed steps missing: {missing[:20]}")
+    used: dict[int, Counter[int]] = defaultdict(Counter)
+    commit_time: dict[int, float] = {}
+    sizes: dict[int, int] = {}
+    for step, recs in sorted(by_step.items()):
+        size = {r["world_size"] for r in recs}
+        hashes = {r["params_sha1"] for r in recs}
+        ranks = sorted(r["rank"] for r in recs)
+        if len(size) != 1 or ranks != list(range(next(iter(size)))):
+            bad.append(f"step {step}: world sizes {size}, ranks that recorded it {ranks}")
+        if len(hashes) != 1:
+            bad.append(f"step {step}: parameters differ across ranks ({len(hashes)} hashes)")
+        for r in recs:
+            used[r["epoch"]].update(r["indices"])
+        commit_time[step] = max(r["time"] for r in recs)
+        sizes[step] = max(size)
+    for epoch, counts in used.items():
+        twice = [i for i, c in counts.items() if c > 1]
+        if twice:
+            bad.append(f"epoch {epoch}: {len(twice)} samples used twice, e.g. {twice[:5]}")
+    times = [commit_time[s] for s in sorted(commit_time)]
+    pauses = []
+    for at, kind in faults:
+        before = [t for t in times if t <= at]
+        after = [t for t in times if t > at]
+        if not after:
+            bad.append(f"no step committed after the {kind} fault at {at:.1f}")
+            continue
+        pauses.append(after[0] - (before[-1] if before else at))
+        back = [s for s in sorted(sizes) if commit_time[s] > at and sizes[s] == full]
+        if not back:
+            bad.append(f"the world never returned to {full} ranks after the {kind} fault")
+    big = [p for p in pauses if p > max_pause]
+    if big:
+        bad.append(f"{len(big)} pauses over {max_pause} s: {[round(p, 2) for p in big]}")
+    if sizes and sizes[last] != full:
+        bad.append(f"the world ended with {sizes[last]} ranks, not {full}")
+    events = [e for f in run.dir.glob("*.events") for e in _read_jsonl(f)]
+    keys = [e["keys"] for e in sorted(events, key=lambda e: e["time"]) if e["event"] == "keys"]
+    if len(keys) >= 2 and keys[-1] > 2 * keys[0] + 200:
+        bad.append(f"the store's keys grew from {keys[0]} to {keys[-1]}")
+    failed_attempts = {(e["step"], round(e["time"], 0)) for e in events
+                       if e["event"] == "shrink"}
+    leftovers = [p for p in (json.loads(f.read_text())["pid"] for f in run.dir.glob("*.start"))
+                 if _alive(p)]
+    if leftovers:
+        bad.append(f"worker processes outlived the launcher: {leftovers}")
+    finals = [json.loads(x[x.index("{"):]) for x in (run.dir / "launcher.out").read_text()
+              .splitlines() if '"final"' in x]
+    figures = {"committed_steps": last + 1, "failed_attempts": len(failed_attempts),
+               "committed_fraction": (last + 1) / max(1, last + 1 + len(failed_attempts)),
+               "pause_p50_s": _quantile(pauses, 0.5), "pause_p99_s": _quantile(pauses, 0.99),
+               "pause_max_s": max(pauses) if pauses else float("nan"),
+               "store_keys": keys[-1] if keys else None,
+               "eval_loss": finals[0]["eval_loss"] if finals else None,
+               "final_world": len(finals)}
+    return bad, figures
+
+
+def soak(args: argparse.Namespace) -> int:
+    rng = random.Random(args.seed)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise SystemExit(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+    base = Path(args.dir or tempfile.mkdtemp(prefix="plugdist-chaos-"))
+    run = Run(args, base / "soak", steps=10 ** 6, stop_file=True)
+    faults: list[tuple[float, str]] = []
+    began = time.time()
+    try:
+        if not run.wait_members(args.nproc, 120):
+            raise SystemExit(f"the world never started: see {run.dir}/launcher.err")
+        injector = Injector(run, rng, args.hang_timeout)
+        for n in range(args.faults):
+            time.sleep(rng.expovariate(1.0 / args.mean_interval))
+            # a fault needs a full world to land on: wait for the last one's replacements
+            if not run.wait_members(args.nproc, 120):
+                break
+            kind = rng.choice(kinds)
+            at = time.time()
+            if injector.inject(kind):
+                faults.append((at, kind))
+            if args.verbose:
+                print(f"[{at - began:7.1f}s] fault {n + 1}/{args.faults}: {kind}", flush=True)
+        run.wait_members(args.nproc, 120)
+    finally:
+        rc = run.finish(timeout=180)
+    bad, figures = check(run, rc, faults, args.nproc, args.max_pause)
+    # the same training without faults, as many steps, for the final loss
+    ref = Run(args, base / "reference", steps=figures["committed_steps"], stop_file=False)
+    ref_rc = ref.finish(timeout=300)
+    ref_finals = [json.loads(x[x.index("{"):]) for x in (ref.dir / "launcher.out").read_text()
+                  .splitlines() if '"final"' in x]
+    ref_loss = ref_finals[0]["eval_loss"] if ref_rc == 0 and ref_finals else None
+    figures["reference_eval_loss"] = ref_loss
+    if ref_loss is None or figures["eval_loss"] is None:
+        bad.append(f"no final loss to compare (reference exit {ref_rc})")
+    elif abs(figures["eval_loss"] - ref_loss) > args.loss_tolerance * ref_loss:
+        bad.append(f"final loss {figures['eval_loss']} is not within {args.loss_tolerance:.0%}"
+                   f" of the fault-free run's {ref_loss}")
+    by_kind = Counter(kind for _, kind in faults)
+    report = {"backend": args.backend, "nproc": args.nproc, "seed": args.seed,
+              "faults": len(faults), "faults_by_kind": dict(sorted(by_kind.items())),
+              "violations": bad, "wall_s": round(time.time() - began, 1), **figures,
+              "records": str(base)}
+    print(f"chaos soak on {args.backend}, {args.nproc} workers, seed {args.seed}: "
+          f"{len(faults)} faults in {report['wall_s']} s")
+    print("  faults by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(by_kind.items())))
+    print(f"  committed steps {figures['committed_steps']}, failed attempts "
+          f"{figures['failed_attempts']}: {figures['committed_fraction']:.1%} of step attempts "
+          f"committed")
+    print(f"  survivors' pause per fault: p50 {figures['pause_p50_s']:.2f} s, p99 "
+          f"{figures['pause_p99_s']:.2f} s, max {figures['pause_max_s']:.2f} s (bound "
+          f"{args.max_pause} s)")
+    print(f"  final loss {figures['eval_loss']} vs fault-free {ref_loss}; store keys at the end "
+          f"{figures['store_keys']}")
+    print(f"  violations: {len(bad)}")
+    for b in bad:
+        print("    - " + b.replace("\n", "\n      "))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 1 if bad else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--faults", type=int, default=20)
+    ap.add_argument("--mean-interval", type=float, default=5.0,
+                    help="mean seconds between faults (exponential gaps)")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step-time", type=float, default=0.02)
+    ap.add_argument("--hang-timeout", type=float, default=6.0,
+                    help="PLUGDIST_HEARTBEAT_TIMEOUT for the workers (stop and gil faults)")
+    ap.add_argument("--max-pause", type=float, default=30.0,
+                    help="bound on the survivors' pause around a fault (seconds)")
+    ap.add_argument("--loss-tolerance", type=float, default=0.25)
+    ap.add_argument("--dir", default=None, help="where the records go (default: a temp dir)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("-v", "--verbose", action="store_true")
+    return soak(ap.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
