@@ -8,11 +8,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.plugdist-installed
 ULFM := $(VENV)/ulfm
-# every distribution of the repo: the core, each plugin, the test-only toy backend and toy store,
-# the workspace
+# every distribution of the repo: the core, each plugin (the example backend plugins/toy among
+# them), the test-only toy store, the workspace
 DISTS := core/pyproject.toml $(sort $(wildcard plugins/*/pyproject.toml)) \
-         tests/plugins/plugdist-toy/pyproject.toml tests/plugins/plugdist-toystore/pyproject.toml \
-         pyproject.toml
+         tests/plugins/plugdist-toystore/pyproject.toml pyproject.toml
 EDITABLES := $(foreach d,$(filter-out pyproject.toml,$(DISTS:/pyproject.toml=)),-e $(d)) -e ".[dev]"
 
 # what mypy checks: the core and every plugin's sources

@@ -90,7 +90,7 @@ vpy=$venv/bin/python
 pipi=("${pip_of_venv[@]}" install -q --disable-pip-version-check --no-index --find-links "$wheels")
 "${pipi[@]}" "setuptools>=77.0.3" stevedore structlog pytest-timeout >>"$log" 2>&1 ||
   verdict FAIL 2 "(installing from $wheels failed, see $log)"
-dists=(-e core -e plugins/nccl -e plugins/gloo -e plugins/debug -e tests/plugins/plugdist-toy)
+dists=(-e core -e plugins/nccl -e plugins/gloo -e plugins/debug -e plugins/toy)
 "${pipi[@]}" --no-deps --no-build-isolation "${dists[@]}" >>"$log" 2>&1 ||
   verdict FAIL 2 "(editable install of the repo failed, see $log)"
 "$vpy" -c "import plugdist_nccl; print('gpu-check: plugdist-nccl availability:', *plugdist_nccl.availability())" 2>&1 | tee -a "$log"

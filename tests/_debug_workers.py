@@ -232,3 +232,21 @@ def mismatch_then_exit(rank: int, ws: int, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
     sys.stdout.flush()
     os._exit(0)
+
+
+def numbering_matches_flight_recorder(rank: int, ws: int) -> dict[str, Any]:
+    """One good all_reduce, then a mismatch (rank 1 reduces): the DETAIL error's number and the
+    core flight recorder's collective_seq_id (torch's dump) and the debug recorder's seq."""
+    from plugdist.flight_recorder import recorder
+
+    dist.all_reduce(torch.ones(4))
+    odd = rank == 1
+    err = _error_of(lambda: dist.reduce(torch.ones(4), dst=0) if odd
+                    else dist.all_reduce(torch.ones(4)))
+    core = [(e["collective_seq_id"], e["profiling_name"].split(":", 1)[1], e["state"])
+            for e in recorder.snapshot()["entries"]
+            if e["process_group"][0] == "0" and not e["is_p2p"]]
+    debug = [(e["seq"], e["op"], e["state"])
+             for e in dist.group.WORLD.recorder.snapshot()["entries"] if e["seq"] is not None]
+    dist.barrier()
+    return {"error": err, "core": core, "debug": debug}

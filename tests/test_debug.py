@@ -91,7 +91,7 @@ def test_stuck_rank_is_named_within_the_timeout(planted: tuple[str, Path, list[d
         assert err["type"] == "DistTimeoutError", (rank, err)
         msg = err["message"]
         assert f"[rank {rank}, group '1', backend '{backend}', op all_reduce]" in msg, msg
-        assert "collective #1 (all_reduce)" in msg, msg
+        assert "all_reduce #2: group rank 1" in msg, msg  # numbered as the flight recorder
         assert "group rank 1 (global [1]) never reached it" in msg, msg
         assert "] Rank 1 failed to pass monitoredBarrier in " in msg, msg  # torch's DETAIL words
         assert w.STUCK_TIMEOUT <= took < w.STUCK_TIMEOUT + 10, took
@@ -110,7 +110,7 @@ def test_flight_recorder_dumps_and_analyze(planted: tuple[str, Path, list[dict]]
         doc = json.loads((auto / f"rank_{rank}.json").read_text())
         assert doc["rank"] == rank and doc["world_size"] == 3 and doc["version"] == 1
         entries = doc["groups"]["0"]["entries"]
-        first = next(e for e in entries if e["seq"] == 0)
+        first = next(e for e in entries if e["seq"] == 1)
         assert first["state"] == "failed" and "CollectiveMismatchError" in first["error"], first
         assert first["op"] == ("reduce" if rank == 1 else "all_reduce") and first["sizes"] == [[10]]
         done = [e for e in entries if e["state"] == "completed"]
@@ -126,11 +126,11 @@ def test_flight_recorder_dumps_and_analyze(planted: tuple[str, Path, list[dict]]
     report = capsys.readouterr().out
     assert code == 1, report
     assert "read 3 dump(s)" in report, report
-    assert re.search(r"group '1': rank 1 is behind: issued 1 collective\(s\), its last was #0 "
-                     r"all_reduce; ranks 0,2 issued 2, and wait at collective #1 all_reduce",
+    assert re.search(r"group '1': rank 1 is behind: issued 1 collective\(s\), its last was "
+                     r"all_reduce #1; ranks 0,2 issued 2, and wait at all_reduce #2",
                      report), report
-    assert "group '1': collective #1 all_reduce failed" not in report, "reported twice"
-    assert ("group '0': ranks diverge at collective #0: op: all_reduce on ranks 0,2 vs reduce "
+    assert "group '1': all_reduce #2 failed" not in report, "reported twice"
+    assert ("group '0': ranks diverge at collective #1: op: all_reduce on ranks 0,2 vs reduce "
             "on rank 1") in report, report
     text, code = analyze_dir(tmp / "analysis", as_json=True)
     kinds = {(f["kind"], f["group"]) for f in json.loads(text)["findings"]}
@@ -210,12 +210,12 @@ def test_fingerprint_differences_name_fields_and_ranks() -> None:
 
 def test_analyze_reports_missing_and_incomplete(tmp_path: Path) -> None:
     def dump(rank: int, issued: int, states: list[str]) -> None:
-        entries = [{"id": i + 1, "op": "all_reduce", "seq": i, "p2p_seq": None, "peer": None,
+        entries = [{"id": i, "op": "all_reduce", "seq": i, "p2p_seq": None, "peer": None,
                     "sizes": [[4]], "dtypes": ["float32"], "state": s, "time_scheduled": 1.0,
                     "time_started": 1.0, "time_completed": None, "error": None,
                     "fingerprint": {"seq": i, "op": "all_reduce", "reduce_op": "SUM",
                                     "tensors": [["tensor", [4], "float32", "cpu"]]}}
-                   for i, s in enumerate(states)]
+                   for i, s in enumerate(states, start=1)]
         doc = {"version": 1, "rank": rank, "world_size": 3, "reason": "test",
                "groups": {"0": {"global_ranks": [0, 1, 2], "collectives_issued": issued,
                                 "entries": entries}}}
@@ -226,7 +226,7 @@ def test_analyze_reports_missing_and_incomplete(tmp_path: Path) -> None:
     text, code = analyze_dir(tmp_path)
     assert code == 1
     assert "no dump from rank 2" in text, text
-    assert "collective #1 all_reduce never completed: started on ranks 0,1" in text, text
+    assert "all_reduce #2 never completed: started on ranks 0,1" in text, text
     empty = tmp_path / "empty"
     empty.mkdir()
     assert analyze_dir(empty)[1] == 2
@@ -273,3 +273,21 @@ def test_mismatch_report_reaches_the_peer_of_a_rank_that_exits_at_once(tmp_path:
             outcome = json.loads(path.read_text())
             assert outcome["type"] == "CollectiveMismatchError", f"{d.name} rank {rank}: {outcome}"
             assert "op: all_reduce on rank 0 vs reduce on rank 1" in outcome["differences"], outcome
+
+
+@pytest.mark.timeout(120)
+def test_detail_errors_number_collectives_as_the_flight_recorder(tmp_path: Path) -> None:
+    """One numbering: the DETAIL error's #N is the core flight recorder's collective_seq_id
+    (torch's dump format, which torchfrtrace reads: from 1) and the debug recorder's seq."""
+    env = {**_env(tmp_path), "TORCH_FR_BUFFER_SIZE": "100"}
+    results = run_world(w.numbering_matches_flight_recorder, 2, backend="gloo", env=env,
+                        group_timeout=30, timeout=90)
+    for rank, res in enumerate(results):
+        err = res["error"]
+        assert err["type"] == "CollectiveMismatchError", (rank, err)
+        assert "collective #2 does not match" in err["message"], err["message"]
+        mine = "reduce" if rank == 1 else "all_reduce"
+        assert [c[:2] for c in res["core"][:2]] == [(1, "all_reduce"), (2, mine)], res["core"]
+        assert res["core"][0][2] == "completed", res["core"]
+        assert [d[:2] for d in res["debug"][:2]] == [(1, "all_reduce"), (2, mine)], res["debug"]
+        assert res["debug"][1][2] == "failed", res["debug"]

@@ -38,8 +38,8 @@ def run_training(tmp_path: Path, *, nproc: int = 4, steps: int = 30, replace: in
     # the run goes on until its replacements joined and the full world trained 10 steps,
     # however long a new process takes to import torch on this machine
     cmd += [FT_WORKER, "--steps", str(steps), "--hidden", "32", "--step-time", "0.05",
-            "--steps-after-full", str(AFTER_FULL), "--sample-log", str(samples),
-            *(extra or [])]
+            "--steps-after-full", str(AFTER_FULL), "--max-steps", "100000",
+            "--sample-log", str(samples), *(extra or [])]
     full_env = dict(os.environ, PLUGDIST_TORCH_WORLD="0", **(env or {}))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
     # the launcher prefixes each line with "[rank N] "

@@ -594,3 +594,44 @@ def test_rendezvous_timeout_names_missing_rank() -> None:
     opts = GroupOptions(group_name="lonely", timeout=timedelta(seconds=1))
     with pytest.raises(DistTimeoutError, match=r"group 'lonely'.*never arrived: \[1\]"):
         GlooProcessGroup(HashStore(), 0, 2, opts)
+
+
+class _LateWork:
+    """A torch work that completes just after a timed wait's deadline passed: the timed wait
+    raises torch's "Operation timed out!", and ``is_completed`` is True by the time anyone looks
+    (the race a loaded machine hits); its own outcome is ``error`` (None: it succeeded)."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.done = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if not self.done:
+            self.done = True  # completes right after this wait gave up
+            if timeout is not None:
+                raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("monitored", [True, False])
+def test_an_op_that_completes_as_a_timed_wait_gives_up_keeps_its_own_outcome(
+        monitored: bool) -> None:
+    """A timed wait's timeout is not the outcome of an op found completed right after it: taken
+    as such, one rank raised from an op that succeeded everywhere and the ranks fell out of step
+    (resilient groups slice every wait into timed waits, so it came up every thousand ops or so
+    under load, and the DDP test world then ran mismatched collectives)."""
+    from plugdist.abort import AbortSignal
+    from plugdist_gloo.work import wait_native
+
+    signal = AbortSignal()
+    signal.monitored = monitored
+    limit = timedelta(seconds=30) if monitored else timedelta(seconds=0.01)
+    assert wait_native(_LateWork(), limit, signal) == (True, None)
+    failed = RuntimeError("Connection closed by peer")
+    assert wait_native(_LateWork(failed), limit, signal) == (True, failed)

@@ -271,7 +271,8 @@ def test_replace_failed_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
             "--rdzv-endpoint", f"{hosts.addr[0]}:29402", "--rdzv-id", "ft", "--replace-failed",
             "--max-restarts", "1", "--monitor-interval", "0.05", example, "--steps", "30",
             "--hidden", "32", "--step-time", "0.05", "--kill-rank", "2", "--kill-at-step", "5",
-            "--steps-after-full", "10"]   # ends once the replacement joined, however slow
+            "--steps-after-full", "10", "--max-steps", "100000"]   # ends once the
+    # replacement joined, however slow it is to start
     procs = [hosts.popen(h, argv) for h in (0, 1)]
     results = _finish(procs, 180)
     for p, (_out, err) in zip(procs, results, strict=True):

@@ -24,7 +24,7 @@ WORKER = str(Path(__file__).with_name("_resilience_workers.py"))
 def run_scenario(tmp_path: Path, scenario: str, world: int, backend: str, *,
                  victims: str = "", grow_to: int = 0, joiners: int = 0,
                  joiner_delay: float = 2.0, torch_world: bool = False,
-                 timeout: float = 90.0, extra_env: dict[str, str] | None = None
+                 timeout: float = 200.0, extra_env: dict[str, str] | None = None
                  ) -> dict[str, dict[str, Any]]:
     """Run ``scenario`` on ``world`` ranks (+ ``joiners`` started later with PLUGDIST_JOIN=1);
     returns each process's result by name. Fails if a process that is not a victim fails or
@@ -84,7 +84,7 @@ def survivors(found: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.resilience
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(260)
 @pytest.mark.parametrize("backend", ["gloo", "toy"])
 def test_kill_shrink_then_grow(tmp_path: Path, backend: str) -> None:
     """Rank 2 of 4 SIGKILLed mid-way through a loop of collectives: every survivor gets
@@ -109,7 +109,7 @@ def test_kill_shrink_then_grow(tmp_path: Path, backend: str) -> None:
 
 
 @pytest.mark.resilience
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(260)
 def test_a_hung_rank_is_caught_by_heartbeats(tmp_path: Path) -> None:
     """Rank 1 stops (SIGSTOP: alive, connections open, silent): it stops renewing its will,
     whose ttl is the hang timeout, so the store declares it dead 2 s after its last renewal
@@ -128,7 +128,7 @@ def test_a_hung_rank_is_caught_by_heartbeats(tmp_path: Path) -> None:
 
 
 @pytest.mark.resilience
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(260)
 def test_two_ranks_die_together(tmp_path: Path) -> None:
     found = run_scenario(tmp_path, "kill_shrink_grow", 4, "gloo", victims="1,2")
     alive = survivors(found)
@@ -140,7 +140,7 @@ def test_two_ranks_die_together(tmp_path: Path) -> None:
 
 
 @pytest.mark.resilience
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(260)
 def test_rank_dies_during_shrink(tmp_path: Path) -> None:
     """Rank 3 dies; rank 2 dies while the others are inside shrink_group: they end in one
     consistent group of 2."""
@@ -153,7 +153,7 @@ def test_rank_dies_during_shrink(tmp_path: Path) -> None:
 
 
 @pytest.mark.resilience
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(260)
 def test_rank_dies_after_agreeing(tmp_path: Path) -> None:
     """Rank 2 dies after the survivors agreed on a world that holds it, while the new group is
     being built: the build fails fast and the survivors agree again, without it."""
@@ -166,7 +166,7 @@ def test_rank_dies_after_agreeing(tmp_path: Path) -> None:
 
 
 @pytest.mark.resilience
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(260)
 def test_excluded_rank_that_is_alive_gets_a_clear_error(tmp_path: Path) -> None:
     found = run_scenario(tmp_path, "excluded_alive", 3, "gloo")
     assert "excluded from the world by shrink_group" in found["excluded-1"]["error"]
@@ -175,7 +175,7 @@ def test_excluded_rank_that_is_alive_gets_a_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.resilience
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(260)
 def test_torch_ddp_keeps_training_on_the_same_torch_group(tmp_path: Path) -> None:
     """torch's own DDP over plugdist_gloo: rank 2 is killed, the survivors shrink and keep
     training on the torch group object DDP holds; parameters stay identical."""
@@ -268,7 +268,9 @@ def test_membership_beats_only_where_the_stores_will_does_not_cover_hangs(livene
         time.sleep(0.5)  # the monitor loops a few times
         beats = store.check(["plugdist/live/hb/0"])
         assert beats == (liveness is None)
-        assert Group.abort_signal.confirm_grace == (1.0 if liveness is None else liveness + 1.0)
+        default = AbortSignal().confirm_grace
+        assert Group.abort_signal.confirm_grace == (
+            default if liveness is None else max(default, liveness + 1.0))
         # a silent peer hangs for heartbeats; where the store watches liveness, its will runs
         assert ("1" in m.failed) == (liveness is None), m.failed
     finally:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -94,6 +95,16 @@ def closed_by_server(s: socket.socket) -> bool:
     except TimeoutError:
         return False
 
+
+
+@pytest.fixture(autouse=True)
+def _info_logs() -> Any:
+    """The server logs clients that simply went away at info level: capture those too."""
+    from plugdist.log import set_log_level
+
+    set_log_level("INFO")
+    yield
+    set_log_level("WARNING")
 
 @pytest.fixture
 def master():
@@ -200,6 +211,28 @@ def test_close_and_garbage_collection_free_the_port() -> None:
     gc.collect()
     assert eventually(lambda: not any(t.name == thread_name for t in threading.enumerate()))
     assert eventually(lambda: port_is_free(port))
+
+
+@pytest.mark.timeout(60)
+def test_requests_after_the_server_exited_fail_at_once() -> None:
+    """Once the master's server is gone, every request fails at once, not only the first (on
+    the pooled connection): a new connection that is refused is not retried for the store's
+    timeout, as it is while a store is built and its server may not listen yet. (Retried, a
+    rank outliving rank 0 lost a whole timeout per store call, e.g. in tests/test_debug.py's
+    rank-0-exits-at-once test with resilient groups on.)"""
+    m = TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=30))
+    client = TCPStore(HOST, m.port, timeout=timedelta(seconds=30))
+    client.set("k", "v")
+    m.close()
+    assert eventually(lambda: port_is_free(m.port))
+    start = time.monotonic()
+    for _ in range(3):  # the pooled connection is lost, then each request connects anew
+        with pytest.raises(DistNetworkError, match=f"{HOST}:{m.port}"):
+            client.get("k")
+    with pytest.raises(DistNetworkError, match="refused a new connection"):
+        client.add("n", 1)
+    assert time.monotonic() - start < 10.0  # 4 requests; before: 30 s each after the first
+    client.close()
 
 
 @pytest.mark.timeout(20)

@@ -83,7 +83,7 @@ from .object_collectives import (
 )
 from .process_group import Capabilities, GroupOptions, ProcessGroup
 from .reduce_op import ReduceOp, reduce_op
-from .registry import Backend
+from .registry import PLUGIN_API, Backend
 from .resilience import get_failed_ranks, grow_group, shrink_group
 from .store import FileStore, HashStore, PrefixStore, Store, TCPStore, open_store
 from .work import Work
@@ -121,5 +121,6 @@ __all__ = [
     "recv_object_list", "reduce", "reduce_op", "reduce_scatter", "reduce_scatter_single",
     "reduce_scatter_tensor", "register_rendezvous_handler", "scatter", "scatter_object_list",
     "send", "send_object_list", "set_debug_level", "set_debug_level_from_env",
-    "DistRankFailureError", "DistExcludedError", "shrink_group", "grow_group", "get_failed_ranks",
+    "DistRankFailureError", "DistExcludedError", "shrink_group", "grow_group",
+    "get_failed_ranks", "PLUGIN_API",
 ]

@@ -26,9 +26,12 @@ __all__ = ["AbortSignal", "SLICE", "wait_sliced"]
 
 SLICE = 0.05  # seconds: how often a blocked wait looks at its group's signal
 # how long a transport error waits for membership to name the failed rank before it is raised
-# as it is: a killed process's TCPStore connection drops at once, so this is plenty (a store
-# that notices deaths later says so: Store.hold_will's liveness_timeout)
-_CONFIRM_GRACE = 1.0
+# as it is. A killed process's TCPStore connection drops at once, but on a loaded machine the
+# store's host and the monitor threads may not run for a second or more (the chaos soak saw
+# survivors raise "lost its connection" at 1 s): waiting costs only on the error path, where a
+# transport error that is no death is raised that much later. A store that notices deaths
+# later says so (Store.hold_will's liveness_timeout)
+_CONFIRM_GRACE = 5.0
 
 
 class AbortSignal:

@@ -618,15 +618,29 @@ class Membership:
             store.set(f"{_JOIN}/{n}/admitted", str(e + 1))
         return Decision(e + 1, members, [uid for _, uid in joiners])
 
-    def enter(self, decision: Decision) -> None:
+    def enter(self, decision: Decision) -> Decision:
         """Make ``decision`` the current epoch here; record it for everyone (idempotent) and
-        forget the agreement keys of the epoch before last. The member list is written, and
-        old keys forgotten, by the new epoch's rank 0 alone (one write, not one per member)."""
+        forget the agreement keys of the epoch before last (the new epoch's rank 0 alone).
+        Returns the decision in force: the first recorded for that epoch. A shrink and a grow
+        agreed concurrently from the same epoch (a member failed while the others admitted a
+        joiner) both propose the next one; every process follows the one recorded first (one
+        compare-and-set each: O(N) messages for the epoch), so no two of them build different
+        worlds under one epoch. Raises DistExcludedError when that one leaves this process out."""
         store = self.store
+        mine = json.dumps(decision.members)
+        recorded = store.compare_set(_epoch_key(decision.epoch, "members"), b"", mine)
+        if recorded and recorded != mine.encode():
+            members = json.loads(recorded)
+            self._log.warning("epoch_decided_elsewhere", epoch=decision.epoch,
+                              ours=decision.members, recorded=members)
+            decision = Decision(decision.epoch, members,
+                                [u for u in decision.joined if u in members])
+            if self.uid not in members:
+                with self._lock:
+                    self.excluded_reason = (f"this process is not in epoch {decision.epoch}, "
+                                            f"which the others entered first")
+                raise self._excluded_error()
         first = bool(decision.members) and decision.members[0] == self.uid
-        if first:
-            store.compare_set(_epoch_key(decision.epoch, "members"), b"",
-                              json.dumps(decision.members))
         with self._lock:
             self.members = list(decision.members)
             self.epoch = decision.epoch
@@ -638,6 +652,7 @@ class Membership:
         self._log = get_logger(rank=self.rank)
         if first:
             _forget_epoch(store, decision.epoch - 2)
+        return decision
 
 
 def _append_log(store: Store, key: str, value: str) -> None:

@@ -24,12 +24,11 @@ Contract for every op: all members of the group call it, in the same order, with
 arguments. Public ops never block on the network unless the backend is synchronous; the returned
 Work's ``wait`` does, bounded by the group's timeout.
 
-A backend class is constructed as ``Backend(store, rank, size, options)`` where ``store`` is a
-store private to this group, ``rank``/``size`` are the group rank and size and ``options`` a
-:class:`GroupOptions`. Optional class attributes/methods: ``device_types``, ``native_reduce_ops``,
-``supports_any_source``, ``refused_reduce_ops`` (reductions refused with an error instead of
-composed), ``is_available() -> (bool, reason)`` and ``rendezvous(timeout) ->
-(store, rank, world_size)`` for backends that know the world themselves (MPI).
+The registry calls a backend's factory (its entry point) as ``factory(store, rank, size,
+options)``: ``store`` is private to this group, ``rank``/``size`` are the group rank and size,
+``options`` a :class:`GroupOptions`. A subclass's ``__init__`` takes those four and calls
+``super().__init__(rank, size, options)``. :data:`BACKEND_HOOKS` names everything a backend may
+define; docs/backends.md gives each one's contract (a test checks that both stay complete).
 """
 
 from __future__ import annotations
@@ -52,7 +51,8 @@ from .log import lifecycle
 from .reduce_op import ReduceOp, check_reduce_op
 from .work import Work, completed_work
 
-__all__ = ["ProcessGroup", "GroupOptions", "Capabilities", "OPS", "DEFAULT_TIMEOUT"]
+__all__ = ["ProcessGroup", "GroupOptions", "Capabilities", "OPS", "DEFAULT_TIMEOUT",
+           "BACKEND_HOOKS"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -66,10 +66,27 @@ OPS: tuple[str, ...] = (
 # ops that may run through ``native_blocking``: not send/recv, whose Works carry results (the
 # sender of an any-source receive) and whose callers may pair them with ops issued later
 _BLOCKING_OPS = frozenset(OPS) - {"send", "recv"}
+
 # ops with a lean blocking route of their own (``native_<op>_blocking``, see _LEAN below): the
 # list-free ops that training loops and benchmarks call synchronously most
 _LEAN_OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
              "reduce_scatter_tensor", "all_to_all_single")
+
+# Everything a backend class may define, each documented in docs/backends.md (a test keeps the
+# two in step, and checks every method here has a docstring). Class attributes first, then the
+# optional members the base class lacks (the core asks with getattr), then methods.
+BACKEND_HOOKS: tuple[str, ...] = (
+    "backend_name", "device_types", "native_reduce_ops", "supports_any_source",
+    "refused_reduce_ops", "rebuild_refusal", "grow_refusal",
+    "plugin_api", "default_for", "launcher", "is_available", "rendezvous",
+    "__init__", "static_capabilities", "capabilities", "shutdown", "native_abort",
+    "native_shrink", "native_blocking", "native_sparse_all_reduce",
+    *(f"native_{op}" for op in OPS),
+    *(f"native_{op}_blocking" for op in _LEAN_OPS),
+)
+# what the base class gives a backend to call (documented there too)
+BACKEND_HELPERS: tuple[str, ...] = ("work", "timeout_error", "where", "rank", "size", "options",
+                                    "abort_signal")
 
 
 class _Waiting(threading.local):
@@ -144,6 +161,9 @@ class ProcessGroup:
             cls, f"native_{op}_blocking") is not getattr(ProcessGroup, f"native_{op}_blocking")}
 
     def __init__(self, rank: int, size: int, options: GroupOptions | None = None) -> None:
+        """The base class's part of a group: its rank, size and options. A backend's own
+        ``__init__`` takes ``(store, rank, size, options)`` (what its factory is called with)
+        and calls this first."""
         self._rank = rank
         self._size = size
         self.options = options or GroupOptions(global_ranks=tuple(range(size)))
@@ -186,10 +206,11 @@ class ProcessGroup:
         return caps
 
     def shutdown(self) -> None:
-        """Release sockets, threads and communicators.
-
-        Idempotent; called by destroy_process_group.
-        """
+        """Release sockets, threads and communicators; called once per group by
+        destroy_process_group (make it idempotent anyway). Stop and *join* every thread the
+        backend started, and close its sockets, before returning: a thread still running when
+        the interpreter exits (daemon or not) can crash the process at exit. Fail (do not
+        abandon) Works still pending. Must not wait on peers: they may be gone already."""
 
     def abort(self, reason: str = "the group was aborted", ranks: tuple[int, ...] = ()) -> None:
         """Fail every op in flight on this rank, and every later one, with
@@ -212,11 +233,15 @@ class ProcessGroup:
         return NotImplemented
 
     def work(self, op: str, **kwargs: Any) -> Work:
-        """A fresh pending Work carrying this group's context, for backends to complete."""
+        """A fresh pending Work carrying this group's context (rank, group, backend, timeout,
+        abort signal) for a ``native_*`` hook to return and complete later with
+        ``set_result``/``set_exception`` from any thread. ``kwargs``: ``source_rank=`` for
+        receives."""
         return Work(op=op, rank=self._rank, group=self.group_name, backend=self.backend_name,
                     timeout=self.timeout, abort=self.abort_signal, **kwargs)
 
     def where(self, op: str) -> str:
+        """``[rank R, group G, backend B, op O]``: the prefix of every error about ``op``."""
         return where(rank=self._rank, group=self.group_name, op=op, backend=self.backend_name)
 
     def timeout_error(self, op: str, seconds: float | None = None) -> DistTimeoutError:
@@ -418,6 +443,15 @@ class ProcessGroup:
         return self._run("recv", tensor, tensor=tensor, src=src, tag=tag)
 
     # -- native hooks: a backend overrides those it does natively ---------------------------
+    # Every native_<op> hook below takes keyword arguments only, already validated, ranks as
+    # *group* ranks. It returns a Work (``self.work(op)``) that the backend completes later,
+    # from any thread, with ``work.set_result([output tensors])`` or ``work.set_exception(err)``;
+    # or ``NotImplemented`` (never a Work) to have the core compose this one call. It must not
+    # block on the network: a blocking transport hands the op to a thread of its own.
+    # Ops are matched across ranks by issue order: the n-th collective issued on a group is
+    # the n-th on every rank, and the n-th send from A to B with tag T is the n-th receive on B
+    # from A with tag T. Two issued ops may be in flight at once (a composition issues several
+    # before waiting on any), so a backend must not serialise an op behind one issued later.
     def native_blocking(self, op: str, kwargs: dict[str, Any]) -> Any:
         """Optional. ``native_<op>(**kwargs)`` run to completion on the calling thread, with no
         Work: return None when done, or NotImplemented to have the core wait on a Work instead.
@@ -426,31 +460,43 @@ class ProcessGroup:
         alive). Never asked for send or recv."""
         return NotImplemented
 
-    # Optional lean hooks for the ops called synchronously most: the op on plain contiguous CPU
+    # The lean hooks for the ops called synchronously most: the op on plain contiguous CPU
     # tensors (no lazy conj/neg bit), checked as the public op checks them (ranks are group
     # ranks), run to completion on the calling thread. Same contract as native_blocking;
     # NotImplemented leaves the call to native_blocking, then to a Work. Only hooks a backend
     # overrides are ever called.
     def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> Any:
+        """Optional lean route of a synchronous all_reduce on a plain CPU tensor (see
+        ``native_blocking``): reduce ``tensor`` in place; None when done, or NotImplemented."""
         return NotImplemented
 
     def native_broadcast_blocking(self, *, tensor: torch.Tensor, src: int) -> Any:
+        """Optional lean route of a synchronous broadcast from group rank ``src`` (see
+        ``native_blocking``): None when done, or NotImplemented."""
         return NotImplemented
 
     def native_reduce_blocking(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Any:
+        """Optional lean route of a synchronous reduce into ``tensor`` on group rank ``dst``
+        (see ``native_blocking``): None when done, or NotImplemented."""
         return NotImplemented
 
     def native_all_gather_into_tensor_blocking(self, *, output: torch.Tensor,
                                                tensor: torch.Tensor) -> Any:
+        """Optional lean route of a synchronous all_gather_into_tensor (``output`` holds size x
+        ``tensor`` elements; see ``native_blocking``): None when done, or NotImplemented."""
         return NotImplemented
 
     def native_reduce_scatter_tensor_blocking(self, *, output: torch.Tensor, input: torch.Tensor,
                                               op: ReduceOp) -> Any:
+        """Optional lean route of a synchronous reduce_scatter_tensor (``input`` holds size x
+        ``output`` elements; see ``native_blocking``): None when done, or NotImplemented."""
         return NotImplemented
 
     def native_all_to_all_single_blocking(self, *, output: torch.Tensor,
                                           input: torch.Tensor) -> Any:
-        """Even splits only: the rows of both tensors (of one shape) shared out alike."""
+        """Optional lean route of a synchronous all_to_all_single with even splits only: the
+        rows of both tensors (of one shape) shared out alike (see ``native_blocking``). None
+        when done, or NotImplemented."""
         return NotImplemented
 
     def native_sparse_all_reduce(self, *, tensor: torch.Tensor) -> Any:
@@ -460,53 +506,91 @@ class ProcessGroup:
         return NotImplemented
 
     def native_broadcast(self, *, tensor: torch.Tensor, src: int) -> Work:
+        """Copy ``tensor`` of group rank ``src`` into ``tensor`` on every rank. Complete the
+        Work with ``[tensor]``."""
         raise NotImplementedError
 
     def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        """Reduce ``tensor`` over the group with ``op`` (one of ``native_reduce_ops``), result
+        in ``tensor`` on every rank. Complete the Work with ``[tensor]``."""
         raise NotImplementedError
 
     def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
+        """Reduce ``tensor`` over the group with ``op`` into ``tensor`` on group rank ``dst``
+        (other ranks' tensors may be used as scratch). Complete the Work with ``[tensor]``."""
         raise NotImplementedError
 
     def native_all_gather(self, *, output_tensors: list[torch.Tensor],
                           tensor: torch.Tensor) -> Work:
+        """Copy every rank's ``tensor`` into ``output_tensors[rank]`` (one per rank, each of
+        ``tensor``'s shape and dtype) on every rank. Complete the Work with
+        ``output_tensors``."""
         raise NotImplementedError
 
     def native_all_gather_into_tensor(self, *, output: torch.Tensor, tensor: torch.Tensor) -> Work:
+        """Every rank's ``tensor``, concatenated in rank order, into the flat ``output`` (size x
+        ``tensor.numel()`` elements). Complete the Work with ``[output]``."""
         raise NotImplementedError
 
     def native_gather(self, *, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None,
                       dst: int) -> Work:
+        """Every rank's ``tensor`` into ``gather_list[rank]`` on group rank ``dst``
+        (``gather_list`` is None elsewhere). Complete the Work with ``gather_list`` on ``dst``,
+        ``[]`` elsewhere."""
         raise NotImplementedError
 
     def native_scatter(self, *, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None,
                        src: int) -> Work:
+        """``scatter_list[rank]`` of group rank ``src`` into ``tensor`` on every rank
+        (``scatter_list`` is None elsewhere). Complete the Work with ``[tensor]``."""
         raise NotImplementedError
 
     def native_reduce_scatter(self, *, output: torch.Tensor, input_list: list[torch.Tensor],
                               op: ReduceOp) -> Work:
+        """Reduce ``input_list[rank]`` over the group with ``op`` into ``output`` on each
+        ``rank``. Complete the Work with ``[output]``."""
         raise NotImplementedError
 
     def native_reduce_scatter_tensor(self, *, output: torch.Tensor, input: torch.Tensor,
                                      op: ReduceOp) -> Work:
+        """As ``native_reduce_scatter``, with the flat ``input`` (size x ``output.numel()``
+        elements, rank ``r``'s share at ``r * output.numel()``). Complete the Work with
+        ``[output]``."""
         raise NotImplementedError
 
     def native_all_to_all(self, *, output_tensors: list[torch.Tensor],
                           input_tensors: list[torch.Tensor]) -> Work:
+        """Send ``input_tensors[r]`` to rank ``r`` and receive rank ``r``'s into
+        ``output_tensors[r]`` (sizes may differ per rank: return NotImplemented for what the
+        transport cannot do). Complete the Work with ``output_tensors``."""
         raise NotImplementedError
 
     def native_all_to_all_single(self, *, output: torch.Tensor, input: torch.Tensor,
                                  output_split_sizes: list[int],
                                  input_split_sizes: list[int]) -> Work:
+        """all_to_all over the rows of two tensors: ``input_split_sizes[r]`` rows go to rank
+        ``r``, ``output_split_sizes[r]`` rows come from it (both lists always given, one entry
+        per rank). Complete the Work with ``[output]``."""
         raise NotImplementedError
 
     def native_barrier(self) -> Work:
+        """Complete the Work (with ``[]``) only once every rank of the group has called it."""
         raise NotImplementedError
 
     def native_send(self, *, tensor: torch.Tensor, dst: int, tag: int) -> Work:
+        """Send ``tensor``'s bytes to group rank ``dst`` (never this rank) under ``tag``. The
+        caller may reuse ``tensor`` once the Work completed, so copy it (or keep it unchanged)
+        until then; the Work may complete before ``dst`` received it. Complete with
+        ``[tensor]``. Matching: the n-th send to ``dst`` with ``tag`` meets ``dst``'s n-th
+        receive from this rank with that tag."""
         raise NotImplementedError
 
     def native_recv(self, *, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
+        """Receive the matching send (see ``native_send``) from group rank ``src`` into
+        ``tensor`` (same number of bytes). ``src`` is None only if the class sets
+        ``supports_any_source``: then take the first message from any rank with ``tag``.
+        Create the Work as ``self.work("recv", source_rank=src)`` (for any-source, pass a
+        callable returning the sender once known) and complete it with ``[tensor]``."""
         raise NotImplementedError
 
     # -- dispatch ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ error that carries the reason.
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -23,7 +24,13 @@ from . import debug_level, hookspecs
 from .errors import DistError
 
 __all__ = ["Registry", "registry", "PluginInfo", "GROUPS", "Backend", "PluginNotFoundError",
-           "BACKENDS", "STORES"]
+           "BACKENDS", "STORES", "PLUGIN_API", "PluginAPIError", "plugin_api_refusal",
+           "declared_plugin_api"]
+
+# The version of the backend plugin API: what docs/backends.md describes (the hooks, their
+# arguments, what they return). The minor number grows when hooks are added (a plugin written
+# for 1.0 keeps working under 1.3); the major number changes when a hook changes or goes away.
+PLUGIN_API: tuple[int, int] = (1, 0)
 
 BACKENDS = "plugdist.backends"
 STORES = "plugdist.stores"
@@ -39,6 +46,49 @@ _KIND = {BACKENDS: "backend", STORES: "store", RENDEZVOUS: "rendezvous scheme", 
 
 class PluginNotFoundError(DistError, ValueError):
     """No plugin of that name in that group (or it failed to load: the reason is in the message)."""
+
+
+class PluginAPIError(PluginNotFoundError):
+    """A plugin written for a plugin API this core does not provide (see ``PLUGIN_API``)."""
+
+
+def _api_text(version: tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}"
+
+
+def declared_plugin_api(obj: Any, module: str | None = None) -> Any:
+    """The plugin API version ``obj`` (what an entry point names) declares: its own
+    ``plugin_api`` attribute (a backend class's, a hook module's), else that of ``module`` (the
+    entry point's module; default: the one defining ``obj``), else (1, 0), the API as it was
+    before it had a version."""
+    declared = getattr(obj, "plugin_api", None)
+    if declared is None:
+        found = sys.modules.get(module or getattr(obj, "__module__", None) or "")
+        declared = getattr(found, "plugin_api", None)
+    return (1, 0) if declared is None else declared
+
+
+def plugin_api_refusal(kind: str, name: str, obj: Any, origin: str,
+                       module: str | None = None) -> str | None:
+    """Why the ``kind`` plugin ``name`` (``obj``, from ``origin``; ``module``: its entry point's)
+    cannot run on this core, or None when it can.
+
+    A plugin declares ``plugin_api = (major, minor)``: the API version it was written for,
+    standing for every version from it up to the next major one. The core accepts it when the
+    majors are equal and the core's minor is at least the plugin's."""
+    declared = declared_plugin_api(obj, module)
+    if (not isinstance(declared, tuple) or len(declared) != 2
+            or not all(isinstance(v, int) for v in declared)):
+        return (f"{kind} {name!r} ({origin}) declares plugin_api = {declared!r}; it must be a "
+                f"(major, minor) tuple of ints such as {PLUGIN_API!r}")
+    if declared[0] == PLUGIN_API[0] and declared[1] <= PLUGIN_API[1]:
+        return None
+    fix = (f"upgrade plugdist to one that provides plugin API {_api_text(declared)}"
+           if declared > PLUGIN_API else
+           f"install a version of the plugin written for plugin API {PLUGIN_API[0]}.x")
+    return (f"{kind} {name!r} ({origin}) needs plugdist plugin API {_api_text(declared)} "
+            f"(up to, not including, {declared[0] + 1}.0), but this plugdist provides plugin API "
+            f"{_api_text(PLUGIN_API)}; {fix}")
 
 
 @dataclass(frozen=True)
@@ -61,6 +111,11 @@ def _dist_of(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
     return dist.metadata["Name"], dist.version
 
 
+def _origin(ep: importlib.metadata.EntryPoint) -> str:
+    dist, version = _dist_of(ep)
+    return f"{dist} {version}, {ep.value}"
+
+
 class Registry:
     """Owner of runtime registrations, loaded entry points and the pluggy PluginManager.
 
@@ -77,7 +132,11 @@ class Registry:
     # -- registration --------------------------------------------------------------------------
     def register(self, group: str, name: str, obj: Any, *, replace: bool = False) -> None:
         """Register ``obj`` as ``name`` in ``group`` for this process. A second registration of
-        the same name is refused unless ``replace`` is true."""
+        the same name is refused unless ``replace`` is true, and so is a backend written for
+        another plugin API (:func:`plugin_api_refusal`)."""
+        refusal = plugin_api_refusal(_KIND[group], name, obj, "registered at runtime")
+        if refusal is not None:
+            raise PluginAPIError(refusal)
         with self._lock:
             if name in self._runtime[group] and not replace:
                 raise ValueError(f"a {_KIND[group]} named {name!r} is already registered at "
@@ -134,6 +193,13 @@ class Registry:
         except RuntimeError as err:  # stevedore: several entry points share the name
             self._errors[(group, name)] = str(err)
             return
+        # stevedore's own entry point may lack its distribution: ask importlib.metadata
+        ep = next(iter(importlib.metadata.entry_points(group=group, name=name)),
+                  mgr.extensions[0].entry_point)
+        refusal = plugin_api_refusal(_KIND[group], name, mgr.driver, _origin(ep), ep.module)
+        if refusal is not None:
+            self._errors[(group, name)] = refusal
+            return
         self._loaded[(group, name)] = mgr.driver
 
     def describe(self) -> list[PluginInfo]:
@@ -168,7 +234,13 @@ class Registry:
                 pm.add_hookspecs(hookspecs)
                 for ep in importlib.metadata.entry_points(group=PLUGINS):
                     try:
-                        pm.register(ep.load(), name=ep.name)
+                        plugin = ep.load()
+                        refusal = plugin_api_refusal("plugin", ep.name, plugin, _origin(ep),
+                                                     ep.module)
+                        if refusal is not None:
+                            self._errors[(PLUGINS, ep.name)] = refusal
+                            continue
+                        pm.register(plugin, name=ep.name)
                     except Exception as err:  # noqa: BLE001 - a broken plugin must not break the rest
                         self._errors[(PLUGINS, ep.name)] = "".join(
                             traceback.format_exception_only(type(err), err)).strip()

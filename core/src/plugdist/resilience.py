@@ -167,7 +167,7 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
         g.shutdown()
         world.remove(g)
     world.default = None
-    m.enter(decision)
+    decision = m.enter(decision)
     world.epoch, world.rank, world.size = decision.epoch, m.rank, len(decision.members)
     world.group_count = 0
     if os.environ.get("RANK") is not None:  # scripts that read them see the new world

@@ -424,15 +424,15 @@ class StoreServer:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
-            self._drop(conn, f"receive failed: {e}")
+            self._drop(conn, f"receive failed: {e}", gone=True)
             return
         if not data:
             if conn.waiter is not None and conn.waiter.op == w.Op.LOG_READ and not conn.inbuf:
                 self._close(conn)  # a will's holder leaving while it waits on its log
             elif conn.waiter is not None or conn.inbuf:
-                self._drop(conn, "client disconnected in the middle of a request")
+                self._drop(conn, "client disconnected in the middle of a request", gone=True)
             elif not conn.handshaken:
-                self._drop(conn, "client disconnected during the handshake")
+                self._drop(conn, "client disconnected during the handshake", gone=True)
             else:
                 self._close(conn)
             return
@@ -619,12 +619,15 @@ class StoreServer:
         if not conn.out or not conn.paused:
             self._watch(conn)
 
-    def _drop(self, conn: _Conn, why: str) -> None:
+    def _drop(self, conn: _Conn, why: str, *, gone: bool = False) -> None:
+        """Close ``conn`` and log why: a warning for a client that misbehaved (a stalled
+        handshake or frame, too much unread data, a protocol error), info for one that simply
+        went away (``gone``: its process exited or was killed; a dead rank is reported by its
+        will, through membership, so the store host need not warn too)."""
         if conn.closed:
             return
-        # info: a client that goes away is the client's story (a dead rank is reported by its
-        # will, through membership), not a fault of the server
-        self._log.info("tcp_store_client_dropped", port=self.port, peer=conn.peer, reason=why)
+        log = self._log.info if gone else self._log.warning
+        log("tcp_store_client_dropped", port=self.port, peer=conn.peer, reason=why)
         self._close(conn)
 
     def _close(self, conn: _Conn) -> None:

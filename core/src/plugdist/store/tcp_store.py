@@ -292,12 +292,15 @@ class TCPStore(Store):
 
     # ---- connections -----------------------------------------------------------------------
 
-    def _connect(self, join: bool, timeout: float) -> _Connection:
-        """Connect and handshake, retrying refused/failed attempts with backoff until timeout."""
+    def _connect(self, join: bool, timeout: float, refused_is_final: bool = False) -> _Connection:
+        """Connect and handshake, retrying refused/failed attempts with backoff until timeout.
+        ``refused_is_final``: a pass in which every address refused the connection raises at
+        once instead (see ``_request``)."""
         deadline = time.monotonic() + timeout
         delay = 0.01
         last: BaseException | None = None
         while True:
+            refused = 0
             for family, sockaddr in self._addrs:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -315,6 +318,11 @@ class TCPStore(Store):
                 except OSError as e:
                     sock.close()
                     last = e
+                    refused += isinstance(e, ConnectionRefusedError)
+            if refused_is_final and refused == len(self._addrs):
+                raise DistNetworkError(
+                    f"TCPStore {self.host}:{self.port}: the server refused a new connection; "
+                    f"the master process (which serves the store) exited or closed it") from last
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DistNetworkError(
@@ -402,7 +410,14 @@ class TCPStore(Store):
                       else max(wait, 0.0) + _REPLY_GRACE)
         try:
             if conn is None:
-                conn = self._connect(join=False, timeout=max(to_seconds(self._timeout), 1.0))
+                # this store reached its server when it was built: a refused connection now
+                # means the process serving it exited (its port is closed), not that it has yet
+                # to start, so it is not retried for the whole store timeout. (Retried, every
+                # request of a rank that outlives the store's host blocked that long: a peer of
+                # rank 0 exiting at once lost a minute per store call, e.g. a flight-recorder
+                # dump after a mismatch report.)
+                conn = self._connect(join=False, timeout=max(to_seconds(self._timeout), 1.0),
+                                     refused_is_final=True)
             status, body = conn.roundtrip(frame, io_timeout)
         except DistStoreError:
             raise

@@ -102,19 +102,21 @@ def _group_findings(name: str, docs: dict[int, dict[str, Any]]) -> list[Finding]
     top = max(issued.values())
     ahead = [r for r, n in issued.items() if n == top]
     for count in sorted({n for n in issued.values() if n < top}):
+        # collectives are numbered from 1: a rank that issued `count` last issued #count
         behind = [r for r, n in issued.items() if n == count]
-        last = (f"its last was #{count - 1} {_op_of({r: entries[r] for r in behind}, count - 1)}"
+        last = (f"its last was {_op_of({r: entries[r] for r in behind}, count)} #{count}"
                 if count else "it issued none")
-        explained.add(count)
-        there = [entries[r][count] for r in ahead if count in entries[r]]
+        waited = count + 1
+        explained.add(waited)
+        there = [entries[r][waited] for r in ahead if waited in entries[r]]
         states = sorted({e["state"] if e["state"] != FAILED or not e.get("error")
                          else f"failed with {e['error'].split(':', 1)[0]}" for e in there})
         state = f" ({'/'.join(states)} there)" if states else ""
         out.append(Finding(
-            "behind", name, count,
+            "behind", name, waited,
             f"{label}: {rank_list(behind)} {'is' if len(behind) == 1 else 'are'} behind: "
             f"issued {count} collective(s), {last}; {rank_list(ahead)} issued {top}, and wait at "
-            f"collective #{count} {_op_of(entries, count)}{state}, which "
+            f"{_op_of(entries, waited)} #{waited}{state}, which "
             f"{rank_list(behind)} never reached"))
 
     # 3. the first op that never completed (beyond what is explained above)
@@ -134,8 +136,8 @@ def _group_findings(name: str, docs: dict[int, dict[str, Any]]) -> list[Finding]
             if SCHEDULED in pending:
                 parts.append(f"scheduled on {rank_list(pending[SCHEDULED])} (waiting for the "
                              f"cross-rank check)")
-            out.append(Finding("incomplete", name, seq, f"{label}: collective #{seq} "
-                               f"{_op_of(entries, seq)} never completed: " + "; ".join(parts)))
+            out.append(Finding("incomplete", name, seq, f"{label}: {_op_of(entries, seq)} "
+                               f"#{seq} never completed: " + "; ".join(parts)))
             break
     for r, d in sorted(docs.items()):
         for e in d["entries"]:
@@ -154,8 +156,8 @@ def _group_findings(name: str, docs: dict[int, dict[str, Any]]) -> list[Finding]
         if failed:
             first = next(iter(failed.values()))
             reason = (first.get("error") or "").splitlines()[0] if first.get("error") else ""
-            out.append(Finding("failed", name, seq, f"{label}: collective #{seq} "
-                               f"{first['op']} failed on {rank_list(failed)}: {reason}"))
+            out.append(Finding("failed", name, seq, f"{label}: {first['op']} #{seq} "
+                               f"failed on {rank_list(failed)}: {reason}"))
             break
     return out
 

@@ -133,7 +133,7 @@ class FingerprintExchange:
         """Delete this rank's key of collective ``seq - 1``: every rank has read it once all of
         them posted ``seq``. Call after a successful :meth:`check` of ``seq``; the wrapper does
         so once the real collective was issued, keeping the round trip off the critical path."""
-        if seq > 0:
+        if seq > 1:
             self._store.delete_key(self._key(seq - 1, self._ident.rank))
 
     # -- failures --------------------------------------------------------------------------------
@@ -148,24 +148,24 @@ class FingerprintExchange:
         # torch's words for its DETAIL check (a monitored barrier before each collective) first
         ms = round(self._timeout.total_seconds() * 1000)
         msg = (f"{ident.where(fp.op)} {rank_list(missing).capitalize()} failed to pass "
-               f"monitoredBarrier in {ms} ms: collective #{fp.seq} ({fp.op}): group "
+               f"monitoredBarrier in {ms} ms: {fp.op} #{fp.seq}: group "
                f"{rank_list(missing)} (global {globals_}) never reached it: stuck, dead, or on "
                f"another path through the program (TORCH_DISTRIBUTED_DEBUG=DETAIL check, nothing "
                f"was sent)")
         # tell a late rank not to run a collective nobody will join
         self._store.set(keys[ident.rank], json.dumps({_GAVE_UP: msg, "seq": fp.seq}).encode())
         self._acknowledge(fp.seq, [r for r in range(ident.size) if r not in missing])
-        reason = f"timeout at collective #{fp.seq} {fp.op}, missing {rank_list(missing)}"
+        reason = f"timeout at {fp.op} #{fp.seq}, missing {rank_list(missing)}"
         raise DistTimeoutError(msg + self._note(reason, f"DistTimeoutError: {msg}")) from err
 
     def _raise_late(self, fp: Fingerprint, gave_up: list[int]) -> NoReturn:
         ident = self._ident
-        msg = (f"{ident.where(fp.op)} collective #{fp.seq} ({fp.op}): group "
+        msg = (f"{ident.where(fp.op)} {fp.op} #{fp.seq}: group "
                f"{rank_list(gave_up)} gave up waiting for this rank after "
                f"{self._timeout.total_seconds():.1f}s and will not join it; this rank arrived "
                f"too late; the group is out of step, restart the job")
         self._acknowledge(fp.seq, [])  # a rank that took this one for present waits for it
-        reason = f"arrived late at collective #{fp.seq} {fp.op}"
+        reason = f"arrived late at {fp.op} #{fp.seq}"
         raise DistTimeoutError(msg + self._note(reason, f"DistTimeoutError: {msg}"))
 
     def _raise_mismatch(self, fp: Fingerprint, fps: list[Fingerprint],

@@ -107,7 +107,7 @@ class FlightRecorder:
             entry = Entry(id=self._ids, op=op, seq=seq, p2p_seq=p2p_seq, peer=peer, sizes=sizes,
                           dtypes=dtypes, fingerprint=fingerprint, time_scheduled=time.time())
             if seq is not None:
-                self.collectives_issued = max(self.collectives_issued, seq + 1)
+                self.collectives_issued = max(self.collectives_issued, seq)
             if self.capacity:
                 self._entries.append(entry)
         return entry

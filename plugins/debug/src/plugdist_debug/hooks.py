@@ -16,6 +16,8 @@ from .flight_recorder import install_signal_handler
 from .verbosity import follow_debug_level
 from .wrapper import DebugProcessGroup
 
+plugin_api = (1, 0)  # written for plugdist's plugin API 1.x (checked when the plugin loads)
+
 
 @hookimpl
 def plugdist_wrap_process_group(group: ProcessGroup, store: Store,

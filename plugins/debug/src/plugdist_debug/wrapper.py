@@ -141,8 +141,8 @@ class DebugProcessGroup(ProcessGroup):
                  sends: tuple[int, ...] | None = None,
                  recvs: tuple[int, ...] | None = None) -> Work:
         with self._lock:
+            self._seq += 1  # numbered from 1, as the core's flight recorder numbers them
             seq = self._seq
-            self._seq += 1
             red = reduce_op.name if isinstance(reduce_op, ReduceOp) else \
                 (None if reduce_op is None else str(reduce_op))
             fp = Fingerprint(seq=seq, op=op, reduce_op=red, root=root, tensors=tuple(tensors),

@@ -18,7 +18,7 @@ import os
 import socket
 from collections.abc import Callable, Iterator
 
-__all__ = ["shut_down_connections"]
+__all__ = ["shut_down_connections", "socket_inodes"]
 
 _ESTABLISHED = "01"
 
@@ -67,15 +67,22 @@ def _socket_fds() -> dict[int, int]:
     return found
 
 
-def shut_down_connections(ours: Callable[[tuple[str, int], tuple[str, int]], bool]) -> int:
+def socket_inodes() -> set[int]:
+    """The inodes of this process's sockets now (empty where ``/proc`` is absent)."""
+    return set(_socket_fds())
+
+
+def shut_down_connections(ours: Callable[[tuple[str, int], tuple[str, int]], bool],
+                          among: set[int] | None = None) -> int:
     """Shut down (both directions) this process's TCP connections for which
-    ``ours(local, remote)`` holds; returns how many. Non-blocking; a connection that went away
-    meanwhile is skipped. Does nothing where ``/proc`` is absent."""
+    ``ours(local, remote)`` holds and, given ``among``, whose socket inode is in it; returns
+    how many. Non-blocking; a connection that went away meanwhile is skipped. Does nothing
+    where ``/proc`` is absent."""
     fds = _socket_fds()
     done = 0
     for inode, local, remote in _connections():
         fd = fds.get(inode)
-        if fd is None or not ours(local, remote):
+        if fd is None or not ours(local, remote) or (among is not None and inode not in among):
             continue
         try:
             sock = socket.socket(fileno=fd)

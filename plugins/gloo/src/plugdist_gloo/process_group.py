@@ -30,7 +30,7 @@ from plugdist.store import Store
 from plugdist.store.for_torch import PlugdistStoreForTorch
 from plugdist.work import Work
 
-from .connections import shut_down_connections
+from .connections import shut_down_connections, socket_inodes
 from .dtypes import Staged, effective_op, flat_bytes, movable, rows, stage_reduction
 from .options import GlooOptions, make_devices
 from .waiters import Waiters
@@ -128,6 +128,7 @@ class GlooProcessGroup(ProcessGroup):
     """
 
     backend_name: ClassVar[str] = "gloo"
+    plugin_api: ClassVar[tuple[int, int]] = (1, 0)  # written for plugdist's plugin API 1.x
     device_types: ClassVar[tuple[str, ...]] = ("cpu",)
     default_for: ClassVar[tuple[str, ...]] = ("cpu",)  # init_process_group() with no backend
     native_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset(
@@ -160,11 +161,13 @@ class GlooProcessGroup(ProcessGroup):
         self._c10d = tdist
         self._opts_cache: dict[tuple[Any, ...], Any] = {}
         self._peers: dict[int, list[bytes]] = {}
+        self._sockets: set[int] | None = None  # this group's socket inodes (set once built)
         self._cut = False  # its connections were shut down (_cut_connections)
         self._waiters = Waiters(f"plugdist-gloo-{self.group_name}-r{rank}")
         # held for the group's life: C++ keeps only the base object, and a collected Python
         # subclass leaves its methods "not implemented"
         self._bridge: PlugdistStoreForTorch | None = PlugdistStoreForTorch(store, self.timeout)
+        before = socket_inodes()
         try:
             self._pg = tdist.ProcessGroupGloo(self._bridge, rank, size, native_opts)
         except Exception as exc:
@@ -179,6 +182,11 @@ class GlooProcessGroup(ProcessGroup):
                     f"the same store and world size, and give each group a fresh store prefix")
             raise err from exc
         self._peers = _peer_addresses(store, size, len(native_opts._devices))
+        # the sockets Gloo opened for this group (it connects the full mesh on construction):
+        # an abort cuts these only. Matched by address alone, a later group's connections
+        # could be cut too: an abort runs on the monitor thread while the survivors already
+        # build the next group, which may get the ports the dead rank's group had
+        self._sockets = (socket_inodes() - before) or None
         self._log.debug("gloo group created", size=size, devices=len(native_opts._devices))
 
     # -- plugin metadata ------------------------------------------------------------------------
@@ -249,7 +257,7 @@ class GlooProcessGroup(ProcessGroup):
         def ours(local: tuple[str, int], remote: tuple[str, int]) -> bool:
             return _listens_at(mine, *local) or _listens_at(others, *remote)
 
-        cut = shut_down_connections(ours)
+        cut = shut_down_connections(ours, self._sockets)
         self._log.debug("aborted gloo group's connections shut down", connections=cut)
 
     # -- plumbing -------------------------------------------------------------------------------

@@ -230,10 +230,12 @@ def wait_native(native: Any, limit: timedelta | None,
         def once(seconds: float | None) -> bool:
             try:
                 native.wait() if seconds is None else native.wait(timedelta(seconds=seconds))
-            except Exception as exc:  # noqa: BLE001 - a timed-out slice, or the op's error
+            except Exception:  # noqa: BLE001 - a timed-out slice, or the op's error
                 if not native.is_completed():
                     return False
-                failure.append(exc)
+                error = _outcome(native)
+                if error is not None:
+                    failure.append(error)
             return True
 
         seconds = None if limit is None else limit.total_seconds()
@@ -243,5 +245,23 @@ def wait_native(native: Any, limit: timedelta | None,
     try:
         native.wait() if limit is None else native.wait(limit)
     except Exception as exc:  # noqa: BLE001 - the caller says what it means
-        return native.is_completed(), exc
+        if not native.is_completed():
+            return False, exc
+        return True, _outcome(native)
     return True, None
+
+
+def _outcome(native: Any) -> BaseException | None:
+    """The error of ``native``, a completed torch work (None: it succeeded), from a second
+    ``wait`` (which returns, or raises the op's error, at once). Not the error a timed ``wait``
+    raised: torch's "Operation timed out!" comes from the deadline passing, and the op may have
+    completed, successfully, between that and the look at ``is_completed``. Taken as the op's
+    outcome, that timeout failed an op that succeeded on one rank only, so the ranks fell out of
+    step: the next collectives were mismatched in Gloo (a hang until Gloo's timeout, or an
+    abort on Gloo's size check). With resilient groups on, every wait is sliced into
+    ``SLICE``-second timed waits, so a loaded machine hits this race (docs/resilience.md)."""
+    try:
+        native.wait()
+    except Exception as exc:  # noqa: BLE001 - the op's own error, handed to the caller
+        return exc
+    return None

@@ -96,6 +96,7 @@ class MPIProcessGroup(ProcessGroup):
     """
 
     backend_name: ClassVar[str] = "mpi"
+    plugin_api: ClassVar[tuple[int, int]] = (1, 0)  # written for plugdist's plugin API 1.x
     # replaced when the first group is built, from the MPI actually loaded (_setup_ulfm)
     rebuild_refusal: ClassVar[str] = (
         "an MPI group's members are fixed by mpiexec: MPICH's mpiexec ends every rank when one "

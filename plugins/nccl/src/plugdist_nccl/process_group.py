@@ -71,6 +71,7 @@ class NCCLProcessGroup(ProcessGroup):
     """
 
     backend_name: ClassVar[str] = "nccl"
+    plugin_api: ClassVar[tuple[int, int]] = (1, 0)  # written for plugdist's plugin API 1.x
     device_types: ClassVar[tuple[str, ...]] = ("cuda",)
     default_for: ClassVar[tuple[str, ...]] = ("cuda",)
     # AVG is native from NCCL 2.10 (capabilities() drops it on older NCCL: the core divides)

@@ -17,6 +17,8 @@ from plugdist.errors import DistStoreError, DistTimeoutError
 from plugdist.store import Store
 from plugdist.store.api import to_bytes, to_seconds
 
+plugin_api = (1, 0)  # written for plugdist's plugin API 1.x (checked when the store loads)
+
 
 class DirStore(Store):
     def __init__(self, path: str, timeout: timedelta = timedelta(seconds=300)) -> None:
