@@ -7,23 +7,37 @@ world: epoch 0 is the world ``init_process_group`` built; each shrink or grow ma
 whose members (uids, in rank order) are written once, by compare-and-set, so every survivor
 reads the same list.
 
-Liveness, off the hot path, on one monitor thread per process:
+Liveness, off the hot path, on one monitor thread per process, at O(1) cost per member:
 
-* **Death**: a will left with the store (``Store.hold_will``) appends this member's uid to the
-  death log the moment its process dies (the store sees the connection drop). Stores that
-  cannot (a FileStore) rely on heartbeats alone.
-* **Hang**: every member bumps a heartbeat counter each ``interval``; a member whose counter
-  has not moved for ``hang_timeout`` is declared failed by the first member to notice, in the
-  same death log. Not where the store's liveness sees a stalled process too (the will's
-  ``liveness_timeout``, e.g. an etcd lease the process stops renewing): then no heartbeats,
-  and the monitor looks at the store every half second instead of each ``interval``.
+* **Death and hang, decided by the store**: a will left with the store (``Store.hold_will``
+  with ``ttl=hang_timeout``) appends this member's uid to the death log the moment its process
+  dies (the store sees the connection drop) or stops renewing it for the ttl (a stopped or hung
+  process; a TCPStore client renews with one 5-byte frame a quarter ttl, an etcd lease is
+  renewed by its own thread). No member reads another's heartbeat. The monitor parks one wait
+  on the death log (on the will's own connection where the store offers ``read_log`` there),
+  so a death wakes every member with one message each, and an idle world costs nothing more.
+* **Fallback for small worlds**: a store whose will has no ttl (``liveness_timeout`` None) or
+  that has no wills (a FileStore, a HashStore, a third party's): every member bumps a heartbeat
+  counter each ``interval`` and reads every other member's; a member whose counter has not
+  moved for ``hang_timeout`` is declared failed by the first member to notice, in the same
+  death log. That is N^2 reads per interval: fine for tens of members, not for thousands.
+
+The death log is the world's event log: besides deaths it carries ``joining`` records (a
+process waits to be admitted) and ``decided`` records (an agreement's outcome is written), so
+members learn of both from the wait they already hold, without polling.
 
 When the monitor learns of a failure it aborts (``ProcessGroup.abort``) every group it watches
 that holds the failed member, so blocked ops are released with ``DistRankFailureError`` at once.
 
-Store keys (under the world's store): ``plugdist/live/deaths[/n]``, ``plugdist/live/hb/<uid>``,
-``plugdist/epoch/current``, ``plugdist/epoch/<e>/...`` (agreement; removed two epochs later),
-``plugdist/join/...``.
+Agreement (``agree_shrink`` with no exclusions): each survivor appends its uid to the epoch's
+arrival log; the first surviving member in rank order (the coordinator) reads that log with
+parked waits until every member it does not know failed has arrived, writes the decision
+(one compare-and-set; a member that sees the coordinator fail takes over), and announces it in
+the death log. The others wait for that announcement: O(N) messages in all.
+
+Store keys (under the world's store): ``plugdist/live/deaths[/n]``, ``plugdist/live/hb/<uid>``
+(fallback only), ``plugdist/epoch/current``, ``plugdist/epoch/<e>/...`` (agreement; removed
+two epochs later), ``plugdist/join/...``.
 """
 
 from __future__ import annotations
@@ -57,7 +71,15 @@ _HB = "plugdist/live/hb"
 CURRENT = "plugdist/epoch/current"
 CLOSED = "plugdist/closed"  # set when every member of the last epoch left
 _JOIN = "plugdist/join"
-_POLL = 0.05  # seconds between looks at the store while agreeing
+_POLL = 0.05  # seconds between looks at the store while agreeing, where nothing wakes us
+_COORDINATOR_SLICE = 0.25  # longest wait of the coordinator on the arrival log at a time
+# longest wait of a non-coordinator for the decision between re-checks of the store, where the
+# monitor's parked wait delivers the announcement (it re-checks in case that announcement was
+# lost with a coordinator that died between its write and its announcement)
+_DECISION_RECHECK = 2.0
+# seconds the monitor's wait on the death log lasts where the will's cancel ends it at once
+# (a TCPStore will's read_log): the idle cost of a member is one parked request per this long
+_PARKED_WAIT = 30.0
 _WAKE = 0.2  # longest wait on the death log at a time: how soon ``stop`` is heeded
 _STORE_GRACE = 10.0  # seconds a guarded wait rides out a store that does not answer
 # seconds between the monitor's looks where the store serves liveness: with no heartbeats to
@@ -142,21 +164,39 @@ class Membership:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._monitor_store: Store | None = None
+        # how the monitor waits on the death log: (first entry wanted, seconds) -> entries
+        self._reader: Any = None
+        self._parked = False  # the reader's wait is long and the will's cancel ends it
+        # notified when the monitor learns something agreement may be waiting for
+        self._events = threading.Condition(self._lock)
+        self._decided: dict[str, dict[str, Any]] = {}  # announced decisions, by key
+        self._join_tickets: set[int] = set()  # tickets of processes announced as joining
+        self._join_done = 0  # tickets up to this one were admitted or passed over
         self._log = get_logger(rank=self.rank_of(uid) if uid in self.members else -1)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Leave the will and start beating. Blocks for a few store round trips."""
+        """Leave the will (with a ttl of ``hang_timeout``) and start the monitor. Blocks for a
+        few store round trips."""
         try:
-            self._will = self.store.hold_will(DEATHS, json.dumps({"uid": self.uid,
-                                                                   "cause": "died"}))
+            self._will = _hold_will(self.store, DEATHS,
+                                    json.dumps({"uid": self.uid, "cause": "died"}),
+                                    self.hang_timeout)
         except NotImplementedError:
             self._will = None  # heartbeats alone
         self.store_liveness = getattr(self._will, "liveness_timeout", None)
-        try:
-            self._monitor_store = self.store.clone()
-        except NotImplementedError:
-            self._monitor_store = self.store
+        will_reader = getattr(self._will, "read_log", None)
+        if will_reader is not None and self.store_liveness is not None:
+            # one parked wait at a time on the will's own connection; cancel() ends it
+            self._reader = lambda start, wait: will_reader(start, wait)
+            self._parked = True
+            self._monitor_store = self.store  # for the rare look at the epoch record
+        else:
+            try:
+                self._monitor_store = self.store.clone()
+            except NotImplementedError:
+                self._monitor_store = self.store
+            self._reader = _store_reader(self._monitor_store)
         # a member of the first epoch reads the whole log (a peer may have died before this
         # process started looking); a joiner cares only about deaths from now on
         self._seen_deaths = 0 if self.admitted else self.store.add(DEATHS, 0)
@@ -209,9 +249,10 @@ class Membership:
     def watch(self, pg: ProcessGroup, uids: Sequence[str]) -> None:
         """Abort ``pg`` as soon as one of ``uids`` (its members, in group-rank order) fails."""
         pg.abort_signal.monitored = True
-        if self.store_liveness is not None:  # a transport error waits for the store to confirm
-            pg.abort_signal.confirm_grace = max(pg.abort_signal.confirm_grace,
-                                                self.store_liveness + 1.0)
+        # a transport error waits as long as the store takes to confirm a death
+        death = getattr(self._will, "death_timeout", self.store_liveness)
+        if death is not None:
+            pg.abort_signal.confirm_grace = max(pg.abort_signal.confirm_grace, death + 1.0)
         with self._lock:
             self._groups = [(r, u) for r, u in self._groups if r() is not None]
             self._groups.append((weakref.ref(pg), tuple(uids)))
@@ -248,46 +289,82 @@ class Membership:
         store = self._monitor_store
         assert store is not None
         unreachable_since: float | None = None
-        next_beat = 0.0
         # where the store's liveness covers hangs there are no heartbeats: the periodic look
-        # only re-reads the epoch record, so it comes less often
+        # only re-reads the epoch record, so it comes less often; where the wait is parked on
+        # the will's connection, a death or an announcement wakes it and the look is rare
         quiet = self.store_liveness is not None
-        every = max(self.interval, _QUIET_INTERVAL) if quiet else self.interval
-        wake = min(every, _QUIET_INTERVAL if quiet else _WAKE)
+        if self._parked:
+            every = wake = _PARKED_WAIT
+        else:
+            every = max(self.interval, _QUIET_INTERVAL) if quiet else self.interval
+            wake = min(every, _QUIET_INTERVAL if quiet else _WAKE)
+        next_beat = time.monotonic() + every if self._parked else 0.0
         while not self._stop.is_set():
             try:
                 try:
-                    store.wait([f"{DEATHS}/{self._seen_deaths + 1}"], timedelta(seconds=wake))
-                    died = True
+                    entries = self._reader(self._seen_deaths + 1, wake)
                 except DistTimeoutError:
-                    died = False  # every entry of the log is written with or before its count
+                    entries = []
                 if self._stop.is_set():
                     return
-                if died:
-                    self._read_deaths(store)
+                if entries:
+                    self._take(entries)
                 if time.monotonic() >= next_beat:
                     self._beat_and_check(store)
                     next_beat = time.monotonic() + every
                 unreachable_since = None
             except DistError as err:
+                if self._stop.is_set():
+                    return
                 now = time.monotonic()
                 if unreachable_since is None:
                     unreachable_since = now
                     self._log.warning("membership_store_unreachable", error=str(err))
+                if self._parked:
+                    # the will's connection is gone (the store dropped it, or its host died):
+                    # read the log through the store itself from now on
+                    self._parked = False
+                    self._reader = _store_reader(self.store)
+                    every = max(self.interval, _QUIET_INTERVAL)
+                    wake = min(every, _QUIET_INTERVAL)
                 self._stop.wait(self.interval)
             except Exception as err:  # noqa: BLE001 - the monitor must outlive a bad read
                 self._log.warning("membership_monitor_error", error=repr(err))
                 self._stop.wait(self.interval)
 
-    def _read_deaths(self, store: Store) -> None:
-        total = store.add(DEATHS, 0)
+    def _take(self, entries: list[bytes]) -> None:
+        """Act on new entries of the death log: deaths, joiners' and decisions'
+        announcements."""
         news: dict[str, str] = {}
-        while self._seen_deaths < total:
+        for raw in entries:
             self._seen_deaths += 1
-            record = json.loads(store.get(f"{DEATHS}/{self._seen_deaths}"))
-            news[record["uid"]] = self._how(record)
+            record = json.loads(raw)
+            cause = record.get("cause")
+            if cause == "joining":
+                with self._lock:
+                    self._join_tickets.add(int(record["ticket"]))
+                    self._count_joiners()
+            elif cause == "decided":
+                with self._events:
+                    self._decided[record["key"]] = record
+                    self._events.notify_all()
+            else:
+                news[record["uid"]] = self._how(record)
         if news:
             self._learn(news)
+
+    def _read_deaths(self, store: Store) -> None:
+        """Read, without waiting, what the death log holds beyond what this member has seen."""
+        try:
+            entries = store.read_log(DEATHS, self._seen_deaths + 1, timedelta(0))
+        except DistTimeoutError:
+            return
+        self._take(entries)
+
+    def _count_joiners(self) -> None:
+        """``joiners_waiting`` from the announced tickets not yet admitted (under the lock)."""
+        self.joiners_waiting = sum(1 for t in self._join_tickets
+                                   if t > self._join_done and f"j{t}" not in self.failed)
 
     def _how(self, record: dict[str, Any]) -> str:
         """How a member failed, from its death-log record."""
@@ -307,6 +384,7 @@ class Membership:
         with self._lock:
             fresh = {u: why for u, why in news.items() if u not in self.failed}
             self.failed.update(fresh)
+            self._events.notify_all()  # an agreement may wait on one of them
             if self.uid in fresh and self.excluded_reason is None:
                 why = fresh[self.uid]
                 if not why.startswith("was excluded"):
@@ -351,8 +429,7 @@ class Membership:
         claim = f"plugdist/live/declared/{uid}"
         if store.compare_set(claim, b"", self.uid.encode()) != self.uid.encode():
             return
-        n = store.add(DEATHS, 1)
-        store.set(f"{DEATHS}/{n}", json.dumps({"uid": uid, **record}))
+        _append_log(store, DEATHS, json.dumps({"uid": uid, **record}))
 
     def report(self, ranks: Iterable[int], how: str) -> None:
         """A backend's transport saw these current-epoch ranks fail (an MPI error, a closed
@@ -374,8 +451,11 @@ class Membership:
                 self._log.warning("membership_report_unwritten", uid=u, error=str(err))
 
     def _check_still_member(self, store: Store, current: int) -> None:
-        try:
-            members = json.loads(store.get(_epoch_key(current, "members")))
+        key = _epoch_key(current, "members")
+        try:  # the new epoch's rank 0 writes its members: never wait for it here
+            if not store.check([key]):
+                return
+            members = json.loads(store.get(key))
         except DistError:
             return
         if self.uid not in members and self.excluded_reason is None:
@@ -408,30 +488,17 @@ class Membership:
         if exclude is not None and self.uid in exclude:
             raise DistRankFailureError(f"[rank {self.rank}] shrink_group: this rank is in "
                                        f"ranks_to_exclude; only the ranks that stay call it")
-        store.set(_epoch_key(e, f"shrink/arrived/{self.uid}"), b"1")
         decided = _epoch_key(e, "next" if retry == 0 else f"next/{retry}")
         limit = timeout.total_seconds()
         deadline = time.monotonic() + limit
-        while not store.check([decided]):
-            if exclude is not None:
-                proposal = [u for u in self.members if u not in exclude]
-            else:
-                with self._lock:
-                    alive = [u for u in self.members if u not in self.failed]
-                pending = [u for u in alive
-                           if not store.check([_epoch_key(e, f"shrink/arrived/{u}")])]
-                proposal = alive if not pending else []
-                if pending and time.monotonic() > deadline:
-                    ranks = [self.rank_of(u) for u in pending]
-                    here = f"[rank {self.rank}, op shrink_group]"
-                    raise DistTimeoutError(
-                        f"{timed_out(here, limit, 'the survivors')}: ranks {ranks} neither "
-                        f"called it nor failed; every surviving rank must call shrink_group")
-            if proposal:
-                store.compare_set(decided, b"", json.dumps({"members": proposal}))
-                break
-            time.sleep(_POLL)
-        members = json.loads(store.get(decided))["members"]
+        if exclude is not None:
+            record = {"excluded": [u for u in self.members if u in exclude]}
+            record = json.loads(store.compare_set(decided, b"", json.dumps(record)))
+        else:
+            arrivals = _epoch_key(e, f"shrink/{retry}/arrived")
+            _append_log(store, arrivals, self.uid)
+            record = self._await_decision(store, decided, arrivals, deadline, limit)
+        members = self._members_after(record)
         with self._lock:
             left_alive = [u for u in self.members if u not in members and u not in self.failed]
         for uid in left_alive:  # told through the death log, so they learn it at once
@@ -442,6 +509,73 @@ class Membership:
                                         f"shrink_group at epoch {e + 1}")
             raise self._excluded_error()
         return Decision(e + 1, members, [])
+
+    def _members_after(self, record: dict[str, Any]) -> list[str]:
+        """The next epoch's members from a decision record (the members it excludes)."""
+        if "members" in record:
+            return list(record["members"])
+        excluded = set(record["excluded"])
+        return [u for u in self.members if u not in excluded]
+
+    def _await_decision(self, store: Store, decided: str, arrivals: str, deadline: float,
+                        limit: float) -> dict[str, Any]:
+        """Wait for the decision ``decided`` of a shrink without exclusions; decide it when this
+        member is the first survivor in rank order (the coordinator), which reads the arrival
+        log with parked waits until every member it does not know failed has arrived. Raises
+        DistTimeoutError at ``deadline`` naming the members that neither arrived nor failed."""
+        arrived: set[str] = set()
+        next_entry = 1
+        recheck_at = 0.0
+        while True:
+            with self._lock:
+                known = self._decided.get(decided)
+                alive = [u for u in self.members if u not in self.failed]
+            if known is not None:
+                return known
+            now = time.monotonic()
+            if not alive or alive[0] == self.uid:
+                try:
+                    entries = store.read_log(arrivals, next_entry, timedelta(
+                        seconds=max(0.0, min(_COORDINATOR_SLICE, deadline - now))))
+                except DistTimeoutError:
+                    entries = []
+                next_entry += len(entries)
+                arrived.update(entry.decode() for entry in entries)
+                with self._lock:
+                    alive = [u for u in self.members if u not in self.failed]
+                pending = [u for u in alive if u not in arrived]
+                if not pending:
+                    ours = json.dumps({"excluded": [u for u in self.members if u not in alive]})
+                    won = store.compare_set(decided, b"", ours)
+                    if won == ours.encode():  # tell everyone, through the wait they hold
+                        _append_log(store, DEATHS, json.dumps(
+                            {"uid": self.uid, "cause": "decided", "key": decided,
+                             **json.loads(ours)}))
+                    return dict(json.loads(won))
+                if time.monotonic() >= deadline:
+                    raise self._shrink_timeout(pending, limit)
+                continue
+            if now >= recheck_at:
+                if store.check([decided]):
+                    return dict(json.loads(store.get(decided)))
+                delivered = self._parked and self._thread is not None
+                recheck_at = now + (_DECISION_RECHECK if delivered else _POLL)
+            if now >= deadline:
+                try:
+                    arrived.update(e.decode() for e in store.read_log(arrivals, 1,
+                                                                      timedelta(0)))
+                except DistTimeoutError:
+                    pass
+                raise self._shrink_timeout([u for u in alive if u not in arrived], limit)
+            with self._events:
+                self._events.wait(max(0.0, min(recheck_at, deadline) - now))
+
+    def _shrink_timeout(self, pending: list[str], limit: float) -> DistTimeoutError:
+        ranks = [self.rank_of(u) for u in pending]
+        here = f"[rank {self.rank}, op shrink_group]"
+        return DistTimeoutError(f"{timed_out(here, limit, 'the survivors')}: ranks {ranks} "
+                                f"neither called it nor failed; every surviving rank must call "
+                                f"shrink_group")
 
     def agree_grow(self, timeout: timedelta) -> Decision | None:
         """Collective of the current members: admit the processes waiting to join (in ticket
@@ -464,12 +598,19 @@ class Membership:
                 if not dead:
                     joiners.append((n, uid))
                 done = n
-            store.compare_set(decided, b"", json.dumps({"joiners": joiners, "done": done}))
+            ours = json.dumps({"joiners": joiners, "done": done})
+            if store.compare_set(decided, b"", ours) == ours.encode() and joiners:
+                # the joiners read the new epoch's members as soon as they are admitted
+                store.compare_set(_epoch_key(e + 1, "members"), b"", json.dumps(
+                    self.members + [uid for _, uid in joiners]))
         record = json.loads(store.get(decided))
         joiners = [(int(n), uid) for n, uid in record["joiners"]]
         done_now = store.add(f"{_JOIN}/done", 0)
         if record["done"] > done_now:  # the same value from every member: one write wins
             store.compare_set(f"{_JOIN}/done", str(done_now), str(record["done"]))
+        with self._lock:
+            self._join_done = max(self._join_done, int(record["done"]))
+            self._count_joiners()
         if not joiners:
             return None
         members = self.members + [uid for _, uid in joiners]
@@ -479,10 +620,11 @@ class Membership:
 
     def enter(self, decision: Decision) -> Decision:
         """Make ``decision`` the current epoch here; record it for everyone (idempotent) and
-        forget the agreement keys of the epoch before last. Returns the decision in force: the
-        first recorded for that epoch. A shrink and a grow agreed concurrently from the same
-        epoch (a member failed while the others admitted a joiner) both propose the next one;
-        every process follows the one recorded first, so no two of them build different
+        forget the agreement keys of the epoch before last (the new epoch's rank 0 alone).
+        Returns the decision in force: the first recorded for that epoch. A shrink and a grow
+        agreed concurrently from the same epoch (a member failed while the others admitted a
+        joiner) both propose the next one; every process follows the one recorded first (one
+        compare-and-set each: O(N) messages for the epoch), so no two of them build different
         worlds under one epoch. Raises DistExcludedError when that one leaves this process out."""
         store = self.store
         mine = json.dumps(decision.members)
@@ -498,6 +640,7 @@ class Membership:
                     self.excluded_reason = (f"this process is not in epoch {decision.epoch}, "
                                             f"which the others entered first")
                 raise self._excluded_error()
+        first = bool(decision.members) and decision.members[0] == self.uid
         with self._lock:
             self.members = list(decision.members)
             self.epoch = decision.epoch
@@ -507,8 +650,29 @@ class Membership:
         if current < decision.epoch:
             store.compare_set(CURRENT, str(current), str(decision.epoch))
         self._log = get_logger(rank=self.rank)
-        _forget_epoch(store, decision.epoch - 2)
+        if first:
+            _forget_epoch(store, decision.epoch - 2)
         return decision
+
+
+def _append_log(store: Store, key: str, value: str) -> None:
+    """Append ``value`` to the numbered log ``key`` (counted first, then written: a reader
+    that finds the count ahead of the entry waits for the entry)."""
+    n = store.add(key, 1)
+    store.set(f"{key}/{n}", value)
+
+
+def _hold_will(store: Store, key: str, value: str, ttl: float) -> Any:
+    """``store.hold_will`` with a ttl, or without one for a store written before ttl existed."""
+    try:
+        return store.hold_will(key, value, ttl=ttl)
+    except TypeError:
+        return store.hold_will(key, value)
+
+
+def _store_reader(store: Store) -> Any:
+    """The monitor's wait on the death log through the store's ``read_log``."""
+    return lambda start, wait: store.read_log(DEATHS, start, timedelta(seconds=wait))
 
 
 def _forget_epoch(store: Store, epoch: int) -> None:
@@ -532,6 +696,8 @@ def request_join(store: Store, timeout: timedelta,
     me.start()
     try:
         store.set(f"{_JOIN}/{n}", uid)
+        # the members learn of it from the wait they hold on the log, not by polling
+        _append_log(store, DEATHS, json.dumps({"uid": uid, "cause": "joining", "ticket": n}))
         admitted = f"{_JOIN}/{n}/admitted"
         deadline = time.monotonic() + timeout.total_seconds()
         while True:

@@ -35,27 +35,32 @@ def _seconds(timeout: float) -> float:
 class _Waiter:
     """One parked request of connection ``conn``."""
 
-    __slots__ = ("conn", "op", "keys", "pos", "deadline", "timeout", "count", "done")
+    __slots__ = ("conn", "op", "keys", "pos", "deadline", "timeout", "count", "done", "log")
 
     def __init__(self, conn: Any, op: w.Op, keys: list[bytes], timeout: float,
-                 count: int = 0) -> None:
+                 count: int = 0, log: bytes = b"") -> None:
         self.conn = conn
         self.op = op
         self.keys = keys
         self.pos = 0  # keys[:pos] were seen present; the waiter is indexed under keys[pos]
         self.timeout = timeout = _seconds(timeout)
         self.deadline = time.monotonic() + timeout
-        self.count = count
+        self.count = count  # WAIT_WORKERS: clients wanted; LOG_READ: the first entry wanted
+        self.log = log  # LOG_READ: the log's counter key
         self.done = False
 
 
 class KeySpace:
     """The data and the parked requests of one server. ``answer(conn, reply)`` sends a parked
     request's reply (after ``conn.waiter`` was cleared); ``max_value_bytes`` bounds what APPEND
-    may grow a value to (a GET could not return more in one frame)."""
+    may grow a value to (a GET could not return more in one frame); ``arm_will(conn)`` is called
+    when ``conn`` leaves a will with a ttl (``conn.will_ttl``/``conn.will_deadline`` set), so the
+    server can watch the deadline, which RENEW moves without calling it again."""
 
-    def __init__(self, answer: Callable[[Any, bytes], None], max_value_bytes: int) -> None:
+    def __init__(self, answer: Callable[[Any, bytes], None], max_value_bytes: int,
+                 arm_will: Callable[[Any], None] | None = None) -> None:
         self._answer = answer
+        self._arm_will = arm_will
         self._max_value_bytes = max_value_bytes
         self._data: dict[bytes, bytes] = {}
         self._queues: dict[bytes, deque[bytes]] = {}
@@ -75,6 +80,8 @@ class KeySpace:
             w.Op.APPEND: self._op_append, w.Op.QUEUE_PUSH: self._op_queue_push,
             w.Op.QUEUE_POP: self._op_queue_pop, w.Op.QUEUE_LEN: self._op_queue_len,
             w.Op.WILL: self._op_will, w.Op.DELETE_PREFIX: self._op_delete_prefix,
+            w.Op.LOG_READ: self._op_log_read, w.Op.RENEW: self._op_renew,
+            w.Op.WILL_DROP: self._op_will_drop,
         }
 
     def join(self) -> None:
@@ -90,8 +97,9 @@ class KeySpace:
 
     def handle(self, conn: Any, op: int, buf: bytes, pos: int, end: int) -> bytes | None:
         """Run command ``op`` (one it :meth:`knows`) on its body ``buf[pos:end]``: the reply
-        frame, or None when the request was parked (``conn.waiter`` is set until it is answered
-        through ``answer``). Raises ValueError (and the like) for a malformed body."""
+        frame (empty for RENEW and WILL_DROP, which have none), or None when the request was
+        parked (``conn.waiter`` is set until it is answered through ``answer``). Raises
+        ValueError (and the like) for a malformed body."""
         return self._handlers[op](conn, buf, pos, end)
 
     def _present(self, op: w.Op, key: bytes) -> bool:
@@ -184,7 +192,24 @@ class KeySpace:
             return _ok(self._data[waiter.keys[0]])
         if waiter.op == w.Op.MULTI_GET:
             return _ok(w.pack_blobs([self._data[k] for k in waiter.keys]))
+        if waiter.op == w.Op.LOG_READ:
+            return self._log_entries(waiter.log, waiter.count)
         return _OK_EMPTY
+
+    def _log_entries(self, log: bytes, start: int) -> bytes:
+        """The entries ``log/start``, ``log/start+1``, ... up to the first missing one."""
+        entries = []
+        data = self._data
+        n = start
+        size = 0
+        while size < self._max_value_bytes // 2:
+            value = data.get(log + b"/" + str(n).encode())
+            if value is None:
+                break
+            entries.append(value)
+            size += len(value) + 4
+            n += 1
+        return _ok(w.pack_blobs(entries))
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of a parked request (monotonic seconds), or None."""
@@ -273,28 +298,68 @@ class KeySpace:
 
     def _op_will(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)
-        value, _ = _blob(buf, pos, end)
+        value, pos = _blob(buf, pos, end)
+        ttl = 0.0
+        if pos < end:
+            (ttl,) = w.F64.unpack_from(buf, pos)
+            ttl = _seconds(ttl)
         conn.will = (key, value) if key else None
+        conn.will_ttl = ttl if key else 0.0
+        if conn.will_ttl > 0:
+            conn.will_deadline = time.monotonic() + ttl
+            if self._arm_will is not None:
+                self._arm_will(conn)
         return _OK_EMPTY
 
-    def execute_will(self, will: tuple[bytes, bytes]) -> None:
-        """A connection with a will closed: append its value to the numbered log at its key
-        (the counter ``key`` goes up by one to n, the value lands at ``key/n``), waking every
-        request waiting on either. A counter some client overwrote with set() is left alone."""
-        key, value = will
-        old = self._data.get(key)
-        try:
-            n = (int(old) if old is not None else 0) + 1
-        except ValueError:
-            return
-        self._data[key] = str(n).encode()
-        if old is None:
+    def _op_renew(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        if conn.will_ttl > 0:
+            conn.will_deadline = time.monotonic() + conn.will_ttl
+        return b""
+
+    def _op_will_drop(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        conn.will = None
+        conn.will_ttl = 0.0
+        return b""
+
+    def _op_log_read(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
+        timeout, start, kl = _F64_I64_U32.unpack_from(buf, pos)
+        if pos + 20 + kl != end:
+            raise ValueError("key length does not match the frame")
+        if start < 1:
+            raise ValueError(f"log entries are numbered from 1, got {start}")
+        log = bytes(buf[pos + 20:end])
+        first = log + b"/" + str(start).encode()
+        if first in self._data:
+            return self._log_entries(log, start)
+        waiter = _Waiter(conn, w.Op.LOG_READ, [first], timeout, start, log)
+        if waiter.timeout <= 0:
+            return _reply(w.Status.TIMEOUT, f"log_read timeout (0s): missing keys "
+                                            f"{[_name(first)]}".encode())
+        self._park(waiter)
+        return None
+
+    def execute_wills(self, wills: list[tuple[bytes, bytes]]) -> None:
+        """Connections with wills closed: append each value to the numbered log at its key (the
+        counter ``key`` goes up by one to n, the value lands at ``key/n``), then wake every
+        request waiting on them. All are written before anyone is woken, so the processes of a
+        node that die together reach each waiter in one reply. A counter some client overwrote
+        with set() is left alone."""
+        created: list[bytes] = []
+        for key, value in wills:
+            old = self._data.get(key)
+            try:
+                n = (int(old) if old is not None else 0) + 1
+            except ValueError:
+                continue
+            self._data[key] = str(n).encode()
+            if old is None:
+                created.append(key)
+            entry = key + b"/" + str(n).encode()
+            if entry not in self._data:
+                created.append(entry)
+            self._data[entry] = value
+        for key in created:
             self._created_value(key)
-        entry = key + b"/" + str(n).encode()
-        created = entry not in self._data
-        self._data[entry] = value
-        if created:
-            self._created_value(entry)
 
     def _op_append(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)
@@ -428,6 +493,7 @@ _F64_U32 = struct.Struct("!dI")
 _I64_U32 = struct.Struct("!qI")
 _F64_I64 = struct.Struct("!dq")
 _F64_U8_U32 = struct.Struct("!dBI")
+_F64_I64_U32 = struct.Struct("!dqI")
 
 
 def _whole_seconds(seconds: float) -> int:

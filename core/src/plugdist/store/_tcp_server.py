@@ -15,9 +15,12 @@ replies a client may leave unread before the server stops reading its requests.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import hmac
+import math
 import resource
 import secrets
+import select
 import selectors
 import socket
 import struct
@@ -46,7 +49,10 @@ class TCPStoreLimits:
     ``handshake_timeout``: a new connection must finish its handshake within this time.
     ``frame_stall_timeout``: a half-received frame that gets no new byte for this long drops the
     client. ``max_connections``: connections beyond it are told so (the client retries, then
-    raises DistNetworkError saying so) and closed, with one log line per second.
+    raises DistNetworkError saying so) and closed, with one log line per second; the server
+    also caps it to the process's open-file limit (less 256), which it raises towards it
+    first, and its log line then names that limit (a member of a resilient world holds two
+    connections: 16,384 ranks need about 33,000).
     ``max_parked_inbound_bytes``: bytes a client may send while its blocking request is parked
     (one request at a time is the protocol; more drops it). ``max_unread_reply_bytes``: when a
     client's unread replies pass this, the server stops reading its requests until it reads.
@@ -55,9 +61,44 @@ class TCPStoreLimits:
     max_frame_bytes: int = w.MAX_FRAME
     handshake_timeout: timedelta = timedelta(seconds=10)
     frame_stall_timeout: timedelta = timedelta(seconds=30)
-    max_connections: int = 16384
+    max_connections: int = 65536
     max_parked_inbound_bytes: int = 64 * 1024
     max_unread_reply_bytes: int = 1024 * 1024
+
+
+_MAX_EVENTS = 1024  # readiness events taken from the kernel per turn of the loop
+
+
+if hasattr(selectors, "EpollSelector"):
+    class _Selector(selectors.EpollSelector):
+        """epoll with a bounded event buffer: the standard selector asks the kernel for as many
+        events as it has sockets, allocating that buffer on every call, which with 16,000
+        clients costs more than the few events a turn usually brings."""
+
+        def select(self, timeout: float | None = None) -> list[tuple[Any, int]]:
+            if timeout is None:
+                timeout = -1
+            elif timeout <= 0:
+                timeout = 0
+            else:
+                timeout = math.ceil(timeout * 1e3) * 1e-3
+            ready: list[tuple[Any, int]] = []
+            try:
+                events = self._selector.poll(timeout, _MAX_EVENTS)  # type: ignore[attr-defined]
+            except InterruptedError:
+                return ready
+            for fd, event in events:
+                mask = 0
+                if event & ~select.EPOLLIN:
+                    mask |= _WRITE
+                if event & ~select.EPOLLOUT:
+                    mask |= _READ
+                key = self._fd_to_key.get(fd)  # type: ignore[attr-defined]
+                if key:
+                    ready.append((key, mask & key.events))
+            return ready
+else:  # pragma: no cover - not Linux
+    _Selector = selectors.DefaultSelector  # type: ignore[misc,assignment]
 
 
 class _ProtocolError(Exception):
@@ -66,7 +107,7 @@ class _ProtocolError(Exception):
 
 class _Conn:
     __slots__ = ("sock", "peer", "inbuf", "need", "out", "handshaken", "nonce", "waiter",
-                 "closed", "since", "paused", "will")
+                 "closed", "since", "paused", "will", "will_ttl", "will_deadline")
 
     def __init__(self, sock: socket.socket, peer: str, nonce: bytes) -> None:
         self.sock = sock
@@ -81,17 +122,27 @@ class _Conn:
         self.since = 0.0          # when the pending handshake / half-sent frame last progressed
         self.paused = False       # reading stopped: too many unread replies
         self.will: tuple[bytes, bytes] | None = None  # (log key, value) written on close
+        self.will_ttl = 0.0       # > 0: the will also runs when no RENEW came for this long
+        self.will_deadline = 0.0  # when it runs unless renewed (monotonic seconds)
 
 
-def _raise_fd_limit(want: int = 65536) -> None:
-    # a server holds one descriptor per client; many distributions default the soft limit to 1024
+# descriptors the process keeps for everything but the server's clients (its own files, the
+# master's client connections, a backend's sockets)
+_FD_RESERVE = 256
+
+
+def _raise_fd_limit(want: int) -> int:
+    """Raise this process's open-file soft limit towards ``want`` (up to the hard limit; many
+    distributions default the soft one to 1024) and return the soft limit now in force."""
     try:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         target = want if hard == resource.RLIM_INFINITY else min(want, hard)
         if soft != resource.RLIM_INFINITY and soft < target:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (ValueError, OSError):
-        pass
+        return want
+    return want if soft == resource.RLIM_INFINITY else int(soft)
 
 
 class StoreServer:
@@ -113,7 +164,15 @@ class StoreServer:
         self.token = token or None
         self.limits = limits or TCPStoreLimits()
         self.port = 0
-        self._keys = KeySpace(self._answer, self.limits.max_frame_bytes)
+        self._keys = KeySpace(self._answer, self.limits.max_frame_bytes, self._arm_will)
+        # wills with a ttl, by deadline; a RENEW moves a connection's deadline without touching
+        # the heap, and an entry found early is pushed again at the new deadline (lazy), so a
+        # renewal costs O(1) and the heap O(log n) per connection per ttl
+        self._will_deadlines: list[tuple[float, int, _Conn]] = []
+        self._will_seq = 0
+        self._dying: list[tuple[bytes, bytes]] = []  # wills of connections closed this turn
+        self.max_clients = self.limits.max_connections  # lowered to fit the fd limit at start
+        self.fd_limit = 0
         self._accept_paused_until = 0.0
         self._conns: dict[int, _Conn] = {}
         self._pending: set[_Conn] = set()  # mid-handshake or mid-frame: watched for stalls
@@ -132,7 +191,9 @@ class StoreServer:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        _raise_fd_limit()
+        self.fd_limit = _raise_fd_limit(self.limits.max_connections + _FD_RESERVE)
+        self.max_clients = max(1, min(self.limits.max_connections,
+                                      self.fd_limit - _FD_RESERVE))
         if self._listen_fd is not None:
             lsock = socket.socket(fileno=self._listen_fd)
             self._family = lsock.family
@@ -162,7 +223,7 @@ class StoreServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._sel = selectors.DefaultSelector()
+        self._sel = _Selector()
         self._sel.register(lsock, _READ, None)
         self._sel.register(self._wake_r, _READ, None)
         self._thread = threading.Thread(target=self._serve, name=f"plugdist-tcpstore-{self.port}",
@@ -201,6 +262,9 @@ class StoreServer:
                 if self._pending:
                     sweep = max(0.0, next_sweep - time.monotonic())
                     delay = sweep if delay is None else min(delay, sweep)
+                if self._will_deadlines:
+                    due = max(0.0, self._will_deadlines[0][0] - time.monotonic())
+                    delay = due if delay is None else min(delay, due)
                 for key, mask in sel.select(delay):
                     conn = key.data
                     if conn is None:
@@ -220,6 +284,11 @@ class StoreServer:
                         self._on_readable(conn)
                 now = time.monotonic()
                 self._keys.expire(now)
+                if self._will_deadlines and self._will_deadlines[0][0] <= now:
+                    self._lapse_wills(now)
+                if self._dying:
+                    dying, self._dying = self._dying, []
+                    self._keys.execute_wills(dying)
                 if self._pending and now >= next_sweep:
                     self._sweep_stalled(now)
                     next_sweep = now + self._sweep_interval()
@@ -244,6 +313,39 @@ class StoreServer:
                     pass
                 s.close()
             sel.close()
+
+    def _arm_will(self, conn: _Conn) -> None:
+        self._will_seq += 1
+        heapq.heappush(self._will_deadlines, (conn.will_deadline, self._will_seq, conn))
+
+    def _lapse_wills(self, now: float) -> None:
+        """Run the will of every connection that sent no RENEW for its ttl (its process stopped
+        or hangs), dropping the connection; push back those renewed since they were armed."""
+        heap = self._will_deadlines
+        while heap and heap[0][0] <= now:
+            _, _, conn = heapq.heappop(heap)
+            if conn.closed or conn.will is None or conn.will_ttl <= 0:
+                continue
+            if conn.will_deadline <= now and self._unread(conn):
+                # a busy server may not have read a renewal that did arrive: read it first
+                self._on_readable(conn)
+                if conn.closed:
+                    continue
+            if conn.will_deadline > now:
+                self._arm_will(conn)
+                continue
+            self._drop(conn, f"its will lapsed: no renewal for {conn.will_ttl:.3g}s (the "
+                             f"process stopped, hangs, or lost the network)")
+
+    @staticmethod
+    def _unread(conn: _Conn) -> bool:
+        """Whether bytes from ``conn`` wait in the kernel, unread."""
+        try:
+            return bool(conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True  # reading it will close it
 
     def _sweep_interval(self) -> float:
         lim = self.limits
@@ -277,7 +379,7 @@ class StoreServer:
                 return
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
             flags = w.GREET_TOKEN if self.token else 0
-            if len(self._conns) >= self.limits.max_connections:
+            if len(self._conns) >= self.max_clients:
                 self._refuse_busy(sock, peer, flags)
                 continue
             sock.setblocking(False)
@@ -301,11 +403,18 @@ class StoreServer:
         self._refused_busy += 1
         now = time.monotonic()
         if now - self._busy_logged_at >= 1.0:
+            if self.max_clients < self.limits.max_connections:
+                hint = (f"the process may open {self.fd_limit} files (ulimit -n), which caps "
+                        f"clients at {self.max_clients} below TCPStoreLimits.max_connections="
+                        f"{self.limits.max_connections}: raise the hard limit of the process "
+                        f"that hosts the store (ulimit -Hn, LimitNOFILE=, "
+                        f"/etc/security/limits.conf)")
+            else:
+                hint = ("raise TCPStoreLimits.max_connections or find the client that opens so "
+                        "many connections")
             self._log.warning("tcp_store_connection_limit", port=self.port,
-                              limit=self.limits.max_connections, refused=self._refused_busy,
-                              last_peer=peer,
-                              hint="raise TCPStoreLimits.max_connections or find the client "
-                                   "that opens so many connections")
+                              limit=self.max_clients, refused=self._refused_busy,
+                              last_peer=peer, hint=hint)
             self._busy_logged_at = now
             self._refused_busy = 0
 
@@ -318,7 +427,9 @@ class StoreServer:
             self._drop(conn, f"receive failed: {e}", gone=True)
             return
         if not data:
-            if conn.waiter is not None or conn.inbuf:
+            if conn.waiter is not None and conn.waiter.op == w.Op.LOG_READ and not conn.inbuf:
+                self._close(conn)  # a will's holder leaving while it waits on its log
+            elif conn.waiter is not None or conn.inbuf:
                 self._drop(conn, "client disconnected in the middle of a request", gone=True)
             elif not conn.handshaken:
                 self._drop(conn, "client disconnected during the handshake", gone=True)
@@ -330,6 +441,8 @@ class StoreServer:
     def _process(self, conn: _Conn, data: bytes, force: bool = False) -> None:
         if conn.waiter is not None or conn.paused:
             conn.inbuf += data
+            if conn.waiter is not None:
+                self._control_frames(conn)
             if len(conn.inbuf) > self.limits.max_parked_inbound_bytes and conn.waiter:
                 self._drop(conn, f"sent more than {self.limits.max_parked_inbound_bytes} bytes "
                                  f"while its request was parked (one request at a time)")
@@ -378,7 +491,7 @@ class StoreServer:
                 pos = stop
                 if reply is None:  # parked: its clock is the request's timeout now
                     self._pending.discard(conn)
-                else:
+                elif reply:  # RENEW and WILL_DROP have no reply
                     self._send(conn, reply)
                     if conn.closed:
                         return
@@ -400,6 +513,20 @@ class StoreServer:
         if end - pos >= 5:
             need = 5 + w.HEADER.unpack_from(buf, pos)[0]
         self._keep(conn, buf, pos, need)
+
+    def _control_frames(self, conn: _Conn) -> None:
+        """Run the RENEW and WILL_DROP frames at the front of a parked connection's input (its
+        holder renews, or withdraws, its will while its own request waits)."""
+        buf = conn.inbuf
+        pos = 0
+        while len(buf) - pos >= 5:
+            length, op = w.HEADER.unpack_from(buf, pos)
+            if length or op not in w.CONTROL_OPS:
+                break
+            self._keys.handle(conn, op, b"", 0, 0)
+            pos += 5
+        if pos:
+            del buf[:pos]
 
     def _keep(self, conn: _Conn, buf: bytes, pos: int, need: int) -> None:
         conn.inbuf = bytearray(memoryview(buf)[pos:])
@@ -512,7 +639,7 @@ class StoreServer:
             self._keys.forget(conn.waiter)
             conn.waiter = None
         if conn.will is not None:
-            self._keys.execute_will(conn.will)
+            self._dying.append(conn.will)  # executed together at the end of this loop turn
             conn.will = None
         self._conns.pop(conn.sock.fileno(), None)
         try:

@@ -39,6 +39,21 @@ value, message) is a u32 length and that many bytes; timeouts are f64 seconds. R
     QUEUE_PUSH   blob key, blob value                      -> OK ""
     QUEUE_POP    f64 timeout, u8 block, blob key           -> OK value | TIMEOUT | QUEUE_EMPTY
     QUEUE_LEN    blob key                                  -> OK i64
+    DELETE_PREFIX blob prefix                              -> OK i64 deleted
+    WILL         blob key, blob value[, f64 ttl]           -> OK ""
+    LOG_READ     f64 timeout, i64 start, blob key          -> OK u32 n, n blobs | TIMEOUT msg
+    RENEW        (empty)                                   -> no reply
+    WILL_DROP    (empty)                                   -> no reply
+
+WILL leaves a will on this connection: when the connection closes without WILL_DROP (or a WILL
+with an empty key), the server appends ``value`` to the numbered log ``key`` (the counter
+``key`` goes up to n, the value lands at ``key/n``). With ``ttl`` > 0 the will also lapses: a
+connection that sends no RENEW for ``ttl`` seconds is dropped and its will executed (a stopped
+process stops renewing). RENEW and WILL_DROP have no reply and are the only frames the server
+reads while a request of the connection is parked, so a holder may renew, or withdraw its will,
+while its own LOG_READ waits. LOG_READ parks until ``key/start`` exists, then answers every
+consecutive entry ``key/start``, ``key/start+1``, ... present: one wake carries a burst of
+entries.
 """
 
 from __future__ import annotations
@@ -53,7 +68,7 @@ __all__ = [
     "MAGIC", "VERSION", "GREETING", "HELLO", "WELCOME", "NONCE_SIZE", "PROOF_SIZE", "NO_PROOF",
     "GREET_TOKEN", "GREET_BUSY", "FLAG_JOIN", "FLAG_PROOF", "HELLO_OK", "HELLO_BAD_VERSION",
     "HELLO_AUTH_FAILED", "HEADER", "MAX_FRAME", "Op", "Status", "pack_blobs", "unpack_blobs",
-    "request", "client_proof", "server_proof",
+    "request", "client_proof", "server_proof", "CONTROL_OPS", "RENEW_FRAME", "WILL_DROP_FRAME",
 ]
 
 MAGIC = b"PDST"
@@ -88,6 +103,7 @@ HDR_F64_BLOB = struct.Struct("!IBdI")     # header, timeout, key length
 HDR_I64_BLOB = struct.Struct("!IBqI")     # header, amount, key length
 HDR_F64_I64 = struct.Struct("!IBdq")      # header, timeout, count
 HDR_F64_U8_BLOB = struct.Struct("!IBdBI")  # header, timeout, block, key length
+HDR_F64_I64_BLOB = struct.Struct("!IBdqI")  # header, timeout, start, key length
 
 
 class Op(enum.IntEnum):
@@ -107,7 +123,14 @@ class Op(enum.IntEnum):
     QUEUE_POP = 14
     QUEUE_LEN = 15
     DELETE_PREFIX = 17  # prefix: delete every key (and queue) starting with it; replies the count
-    WILL = 16  # key, value: on this connection's close, log value under key (empty key: cancel)
+    WILL = 16  # key, value[, ttl]: on this connection's close, log value under key (empty: cancel)
+    LOG_READ = 18  # parks until key/start exists; replies the consecutive entries from there
+    RENEW = 19  # no reply: renews this connection's will (its ttl starts again)
+    WILL_DROP = 20  # no reply: withdraws this connection's will
+
+
+# frames the server reads while a request of the connection is parked (they have no reply)
+CONTROL_OPS = frozenset((Op.RENEW, Op.WILL_DROP))
 
 
 class Status(enum.IntEnum):
@@ -115,6 +138,10 @@ class Status(enum.IntEnum):
     ERROR = 1
     TIMEOUT = 2
     QUEUE_EMPTY = 3
+
+
+RENEW_FRAME = HEADER.pack(0, Op.RENEW)
+WILL_DROP_FRAME = HEADER.pack(0, Op.WILL_DROP)
 
 
 def client_proof(token: bytes, server_nonce: bytes, client_nonce: bytes, flags: int) -> bytes:

@@ -152,21 +152,47 @@ class Store:
         returns how many. Used to forget the keys of finished epochs."""
         raise self._not_implemented("delete_prefix")
 
-    def hold_will(self, key: str, value: bytes | str) -> Any:
+    def hold_will(self, key: str, value: bytes | str, ttl: float | None = None) -> Any:
         """Optional (liveness for resilient groups): leave a will that the store itself
         executes when this process's hold ends without the returned object's ``cancel()`` — the
         process died, or lost the store: ``value`` is appended to the numbered log ``key`` (the
         counter ``key`` becomes n, the value lands at ``f"{key}/{n}"``). A store that cannot
         notice a client's death raises NotImplementedError; membership then relies on
-        heartbeats alone.
+        heartbeats alone, which suits small worlds only (every member reads every other's).
+
+        ``ttl`` (seconds): also execute the will when this process stops renewing it for that
+        long (it was stopped, or hangs): the store's liveness then covers hangs too, at O(1)
+        cost per member. A store may use a shorter ttl of its own; one without expiry ignores
+        it (its will then has no ``liveness_timeout``). The renewal is the store's business (a
+        thread of the store client), not the caller's.
 
         The returned object has ``cancel()`` (idempotent) and may have ``liveness_timeout``
         (seconds, or None/absent): set by a store whose liveness also notices a process that
-        stops running without dying (a stopped or stalled process stops renewing, as etcd's
-        leases work), and that executes the will at most that long after the process died or
-        stalled. Membership then writes no heartbeats of its own and allows that long for a
-        failure to be confirmed."""
+        stops running without dying, and that executes the will at most that long after the
+        process died or stalled; and ``death_timeout`` (seconds, default ``liveness_timeout``):
+        how soon a process that died (rather than stalled) has its will executed (0 for a store
+        that sees a dropped connection at once). Membership then writes no heartbeats of its
+        own and allows ``death_timeout`` (+1 s) for a transport's error to be confirmed. It may
+        also have ``read_log(start, timeout)``, :meth:`read_log` of its own log on the will's
+        own connection (a TCPStore's): membership waits on the death log through it."""
         raise self._not_implemented("hold_will")
+
+    def read_log(self, key: str, start: int, timeout: timedelta | None = None) -> list[bytes]:
+        """The entries ``f"{key}/{start}"``, ``f"{key}/{start + 1}"``, ... of the numbered log
+        ``key`` (see :meth:`hold_will`), up to the first one missing; blocks until the first
+        exists, up to ``timeout`` (default: the store's), then raises DistTimeoutError. A
+        TCPStore answers with one parked request, however many entries; this fallback waits,
+        then reads the counter and the entries one by one."""
+        first = f"{key}/{start}"
+        self.wait([first], timeout)
+        total = self.add(key, 0)
+        entries = [self.get(first)]
+        for n in range(start + 1, total + 1):
+            entry = f"{key}/{n}"
+            if not self.check([entry]):
+                break  # its writer has counted it but not written it yet
+            entries.append(self.get(entry))
+        return entries
 
     def clone(self) -> Store:
         """A new, independent handle on the same data (its own connections or file handle), for

@@ -65,8 +65,13 @@ class PrefixStore(Store):
     def delete_prefix(self, prefix: str) -> int:
         return self.underlying_store.delete_prefix(f"{self.prefix}/{prefix}")
 
-    def hold_will(self, key: str, value: bytes | str) -> Any:
-        return self.underlying_store.hold_will(self._k(key), value)
+    def hold_will(self, key: str, value: bytes | str, ttl: float | None = None) -> Any:
+        if ttl is None:  # a store written before ttl existed still takes two arguments
+            return self.underlying_store.hold_will(self._k(key), value)
+        return self.underlying_store.hold_will(self._k(key), value, ttl=ttl)
+
+    def read_log(self, key: str, start: int, timeout: timedelta | None = None) -> list[bytes]:
+        return self.underlying_store.read_log(self._k(key), start, timeout)
 
     def set(self, key: str, value: bytes | str) -> None:
         self.underlying_store.set(self._k(key), to_bytes(value))

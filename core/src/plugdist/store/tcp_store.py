@@ -8,6 +8,7 @@ token handshake every connection makes, is in ``_wire``.
 
 from __future__ import annotations
 
+import heapq
 import hmac
 import ipaddress
 import os
@@ -16,7 +17,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from ..errors import DistNetworkError, DistStoreError, DistTimeoutError, QueueEmptyError
@@ -64,15 +65,22 @@ def _resolve(host: str, port: int) -> list[tuple[int, tuple]]:
 
 
 class _Connection:
-    """One client socket. Not thread-safe: the store hands it to one request at a time."""
+    """One client socket. Not thread-safe for requests: the store hands it to one request at a
+    time; :meth:`send_control` (a will's renewal) may come from another thread meanwhile."""
 
-    __slots__ = ("sock", "buf", "view", "sock_timeout")
+    __slots__ = ("sock", "buf", "view", "sock_timeout", "send_lock")
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
         self.sock = sock
         self.buf = bytearray(64 * 1024)
         self.view = memoryview(self.buf)
         self.sock_timeout = timeout
+        self.send_lock = threading.Lock()  # a request's bytes never interleave a renewal's
+
+    def send_control(self, frame: bytes) -> None:
+        """Send a frame that has no reply (RENEW, WILL_DROP). Raises OSError."""
+        with self.send_lock:
+            self.sock.sendall(frame)
 
     def roundtrip(self, frame: bytes, timeout: float) -> tuple[int, bytes]:
         """Send one request frame, read one response frame. Raises OSError/ConnectionError."""
@@ -80,7 +88,8 @@ class _Connection:
         if timeout != self.sock_timeout:
             sock.settimeout(timeout)
             self.sock_timeout = timeout
-        sock.sendall(frame)
+        with self.send_lock:
+            sock.sendall(frame)
         n = sock.recv_into(self.buf)
         while n < 5:
             if n == 0 or (got := sock.recv_into(self.view[n:])) == 0:
@@ -557,15 +566,32 @@ class TCPStore(Store):
             blobs.append(to_bytes(v))
         self._request("multi_set", w.request(w.Op.MULTI_SET, w.pack_blobs(blobs)))
 
-    def hold_will(self, key: str, value: bytes | str) -> Will:
+    def read_log(self, key: str, start: int, timeout: timedelta | None = None) -> list[bytes]:
+        """The consecutive entries of the numbered log ``key`` from ``start`` (see
+        ``Store.read_log``): one request, parked on the server until ``key/start`` exists."""
+        return _read_log(self._request, key, start,
+                         to_seconds(timeout if timeout is not None else self._timeout))
+
+    def hold_will(self, key: str, value: bytes | str, ttl: float | None = None) -> Will:
         """Leave a will with the server: if this process's hold on it ends without
         ``cancel()`` (the process died, or its connection dropped), the server appends
         ``value`` to the numbered log ``key`` (the counter ``key`` becomes n, the value is at
-        ``f"{key}/{n}"``). One dedicated connection per will. Blocks for one round trip."""
+        ``f"{key}/{n}"``). With ``ttl`` (seconds) the server also executes it when no renewal
+        came for that long (a stopped or hung process): a thread of this process (one for all
+        its wills) renews it every quarter ttl with a 5-byte frame that has no reply. One
+        dedicated connection per will. Blocks for one round trip."""
         k, v = check_key(key).encode(), to_bytes(value)
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"hold_will: ttl must be a positive number of seconds, got {ttl!r}")
         conn = self._connect(join=False, timeout=max(to_seconds(self._timeout), 1.0))
-        will = Will(self, conn)
-        will._send(k, v)
+        will = Will(self, conn, key, ttl)
+        try:
+            will._send(k, v)
+        except BaseException:
+            conn.close()
+            raise
+        if ttl is not None:
+            _renewer().add(will)
         return will
 
     def close(self) -> None:
@@ -578,24 +604,78 @@ class TCPStore(Store):
 
 class Will:
     """A will left with a TCPStore server (see ``TCPStore.hold_will``). ``cancel`` withdraws
-    it and closes its connection; idempotent."""
+    it and closes its connection; idempotent.
 
-    # the server sees a dropped connection at once, but not a process that stalls with its
-    # connection open: membership keeps its heartbeats for hangs (Store.hold_will)
-    liveness_timeout: float | None = None
+    ``liveness_timeout``: the ttl (None without one: the server then sees a dropped connection
+    but not a process that stalls with its connection open, and membership keeps heartbeats).
+    ``death_timeout`` is 0: a process that dies drops its connection, which the server sees at
+    once. :meth:`read_log` waits on the log on the will's own connection (one thread at a
+    time)."""
 
-    def __init__(self, store: TCPStore, conn: _Connection) -> None:
+    death_timeout = 0.0
+
+    def __init__(self, store: TCPStore, conn: _Connection, key: str = "",
+                 ttl: float | None = None) -> None:
         self._store = store
         self._conn: _Connection | None = conn
         self._lock = threading.Lock()
+        self.key = key
+        self.liveness_timeout: float | None = ttl
+        self.renew_period = ttl / 4 if ttl is not None else 0.0
+        self._reading = threading.Lock()  # held while read_log waits on the connection
+        self._where = f"TCPStore {store.host}:{store.port}"
+
+    def __repr__(self) -> str:
+        state = "cancelled" if self._conn is None else "held"
+        return f"Will({self.key!r}, ttl={self.liveness_timeout}, {self._where}, {state})"
+
+    def renew(self) -> bool:
+        """Send one renewal (no reply). False once the will is cancelled or its connection is
+        gone (then nothing renews it any more). Called by the process's renewal thread."""
+        conn = self._conn
+        if conn is None:
+            return False
+        try:
+            conn.send_control(w.RENEW_FRAME)
+        except OSError:
+            return False
+        return True
+
+    def read_log(self, start: int, timeout: timedelta | float) -> list[bytes]:
+        """``TCPStore.read_log`` of this will's log, on the will's own connection: blocks until
+        entry ``start`` exists, up to ``timeout``. Raises DistTimeoutError at the timeout,
+        DistNetworkError when the will was cancelled meanwhile or the server went away."""
+        conn = self._conn
+        if conn is None:
+            raise DistNetworkError(f"{self._where}: read_log on a cancelled will")
+        seconds = to_seconds(timeout)
+
+        def request(op: str, frame: bytes, wait: float | None = None) -> bytes:
+            assert conn is not None
+            try:
+                with self._reading:
+                    status, body = conn.roundtrip(frame, (wait or 0.0) + _REPLY_GRACE)
+            except (OSError, ConnectionError) as e:
+                raise DistNetworkError(f"{self._where}: connection of the will on "
+                                       f"{self.key!r} lost during {op} ({e})") from e
+            if status == w.Status.TIMEOUT:
+                raise DistTimeoutError(f"{self._where}: {op}: {body.decode(errors='replace')}")
+            if status != w.Status.OK:
+                raise DistStoreError(f"{self._where}: {op}: {body.decode(errors='replace')}")
+            return body
+
+        return _read_log(request, self.key, start, seconds)
 
     def _send(self, key: bytes, value: bytes) -> None:
         body = b"".join((w.U32.pack(len(key)), key, w.U32.pack(len(value)), value))
+        if self.liveness_timeout is not None:
+            body += w.F64.pack(self.liveness_timeout)
         conn = self._conn
         if conn is None:
             return
         try:
-            status, reply = conn.roundtrip(w.request(w.Op.WILL, body), _MIN_IO_TIMEOUT)
+            status, reply = conn.roundtrip(w.request(w.Op.WILL, body), max(
+                _MIN_IO_TIMEOUT, to_seconds(self._store.timeout)))
         except (OSError, ConnectionError) as e:
             raise DistNetworkError(f"TCPStore {self._store.host}:{self._store.port}: connection "
                                    f"lost while leaving a will ({e})") from e
@@ -604,17 +684,86 @@ class Will:
                                  f"{reply.decode(errors='replace')}")
 
     def cancel(self) -> None:
+        """Withdraw the will, then close its connection. A ``read_log`` waiting on it (another
+        thread's) ends with DistNetworkError. Blocks until the server closed its end (it has
+        then read the withdrawal), at most about five seconds."""
         with self._lock:
             conn, self._conn = self._conn, None
         if conn is None:
             return
         try:
-            body = w.U32.pack(0) + w.U32.pack(0)
-            conn.roundtrip(w.request(w.Op.WILL, body), _MIN_IO_TIMEOUT)
-        except (OSError, ConnectionError):
+            # no reply, and read even while a read_log is parked: then end our side, so the
+            # server reads the withdrawal, then the end of the stream, and closes its side
+            conn.send_control(w.WILL_DROP_FRAME)
+            conn.sock.shutdown(socket.SHUT_WR)
+            if self._reading.acquire(timeout=_MIN_IO_TIMEOUT):
+                try:  # nobody reads: wait for the server's end of the stream ourselves
+                    conn.sock.settimeout(_MIN_IO_TIMEOUT)
+                    while conn.sock.recv(65536):
+                        pass
+                finally:
+                    self._reading.release()
+        except OSError:
             pass  # the server is gone: nobody is left to read the will
         finally:
             conn.close()
+
+
+class _Renewer:
+    """The one thread of a process that renews its TCPStore wills that have a ttl, each every
+    quarter of its ttl. Drops a will once it is cancelled or its connection is gone."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._due: list[tuple[float, int, Will]] = []
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def add(self, will: Will) -> None:
+        with self._lock:
+            self._seq += 1
+            heapq.heappush(self._due, (time.monotonic() + will.renew_period, self._seq, will))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="plugdist-will-renewal",
+                                                daemon=True)
+                self._thread.start()
+            self._lock.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    wait = self._due[0][0] - time.monotonic() if self._due else None
+                    self._lock.wait(wait)
+                _, seq, will = heapq.heappop(self._due)
+            if will.renew():
+                with self._lock:
+                    heapq.heappush(self._due, (time.monotonic() + will.renew_period, seq, will))
+
+
+_renewer_lock = threading.Lock()
+_the_renewer: _Renewer | None = None
+
+
+def _renewer() -> _Renewer:
+    """This process's renewal thread (a fresh one in a forked child)."""
+    global _the_renewer
+    with _renewer_lock:
+        if _the_renewer is None or _the_renewer._pid != os.getpid():
+            _the_renewer = _Renewer()
+        return _the_renewer
+
+
+def _read_log(request: Callable[..., bytes], key: str, start: int,
+              timeout: float) -> list[bytes]:
+    k = check_key(key).encode()
+    if start < 1:
+        raise ValueError(f"read_log: entries are numbered from 1, got start={start}")
+    frame = w.HDR_F64_I64_BLOB.pack(20 + len(k), w.Op.LOG_READ, timeout, start, len(k)) + k
+    reply = request("read_log", frame, wait=timeout)
+    entries, _ = w.unpack_blobs(reply, 0, len(reply))
+    return entries
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

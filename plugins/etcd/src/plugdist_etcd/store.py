@@ -646,15 +646,16 @@ class EtcdStore(Store):
                          **self._config)  # type: ignore[arg-type]
 
     # -- liveness ------------------------------------------------------------------------------
-    def hold_will(self, key: str, value: bytes | str) -> EtcdWill:
+    def hold_will(self, key: str, value: bytes | str, ttl: float | None = None) -> EtcdWill:
         """Leave a will (see :meth:`plugdist.store.Store.hold_will`) backed by an etcd lease of
-        ``live_ttl`` seconds that a thread of this process renews: once the process dies (or
-        stops running) for that long, etcd deletes the will's liveness key, and the other
-        processes holding wills on this prefix see it and execute the will, exactly once
-        between them. The returned will's ``liveness_timeout`` says how soon. Blocks for a few
-        round trips; starts two daemon threads (renewal and watch)."""
+        ``live_ttl`` seconds (or ``ttl``, when shorter) that a thread of this process renews:
+        once the process dies (or stops running) for that long, etcd deletes the will's
+        liveness key, and the other processes holding wills on this prefix see it and execute
+        the will, exactly once between them. The returned will's ``liveness_timeout`` says how
+        soon; a death is seen no sooner than that (``death_timeout``). Blocks for a few round
+        trips; starts two daemon threads (renewal and watch)."""
         self._vkey(key)
-        return EtcdWill(self, key, to_bytes(value))
+        return EtcdWill(self, key, to_bytes(value), ttl)
 
     def _will_keys(self, wid: bytes) -> tuple[bytes, bytes]:
         """The record and the liveness key of will ``wid``."""

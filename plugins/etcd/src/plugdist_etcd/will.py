@@ -60,7 +60,8 @@ class EtcdWill:
     ``cancel()`` withdraws it (a clean exit); idempotent, blocks for up to two round trips.
     """
 
-    def __init__(self, store: _WillStore, key: str, value: bytes) -> None:
+    def __init__(self, store: _WillStore, key: str, value: bytes,
+                 ttl: float | None = None) -> None:
         # a handle of its own: the will outlives whatever the caller does with its store
         self._store = store.clone()
         self.key = key
@@ -68,13 +69,15 @@ class EtcdWill:
         client = self._store._client
         deadline = min(10.0, store.timeout.total_seconds())
         try:
-            self._lease = Lease(client, store.live_ttl, period=max(store.live_ttl / 4, 0.1),
+            live_ttl = store.live_ttl if ttl is None else min(ttl, store.live_ttl)
+            self._lease = Lease(client, live_ttl, period=max(live_ttl / 4, 0.1),
                                 grant_timeout=deadline)
             self._store._put_will(self.id, key, value, self._lease.id)
         except BaseException:
             self._store.close()
             raise
         self.liveness_timeout = float(self._lease.ttl) + _EXPIRY_CHECK
+        self.death_timeout = self.liveness_timeout  # a death, too, is seen when the lease ends
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._log = get_logger(store="etcd")

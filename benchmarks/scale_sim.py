@@ -1,0 +1,519 @@
+"""Scale simulation of resilient-group liveness and agreement: thousands of members on one
+TCPStore, on this machine.
+
+Each simulated member is a thread that runs what a member process does against the store, with
+plugdist's real client (``TCPStore``, its ``Will`` and renewal thread), the real wire code and
+the real key layout of ``plugdist.membership``:
+
+* **rendezvous**: open a store client, ``add`` 1 to a counter, the last one ``set``s the go key,
+  ``wait`` for it; then leave its will (``hold_will(..., ttl=)``: one connection, renewed by the
+  process's renewal thread every quarter ttl);
+* **liveness**: park one ``read_log`` on the death log, on the will's connection, as
+  membership's monitor does, and note when it has learnt of every victim;
+* **shrink**: append its uid to the epoch's arrival log; the coordinator (the first member)
+  reads that log with parked waits until every survivor arrived, writes the decision with one
+  compare-and-set and announces it in the death log, where every survivor's wait sees it.
+
+The store's server runs in a process of its own (its CPU is read from /proc). Members run in
+``--procs`` processes of threads; one more process hosts a "node" of ``--victims`` members,
+which is SIGKILLed for real (its connections drop, the server runs their wills together).
+Members connect to 127.0.0.1..127.0.0.8 in turn (the server listens on every address), so
+ephemeral ports do not run out. A probe client times ``get`` round trips throughout.
+
+    .venv/bin/python benchmarks/scale_sim.py                       # N = 1k, 4k, 16k + torch
+    .venv/bin/python benchmarks/scale_sim.py --members 256 --json  # one size, JSON out
+
+What the simulation leaves out (see docs/resilience.md): each member's main store connection
+stays open in a real world (here it is closed after the rendezvous: 16k members x 2 connections
+would pass this machine's open-file limit of 20,000 for one server process); the arrivals of a
+process's members go through a few shared connections of that process; a member's own O(N)
+work (rebuilding rank tables, building the next group) is not done; network latency is
+loopback's; and 16k members' client work shares 2 cores with the server (the member
+processes run at a lower priority than the server's, standing in for the store host's own
+core), so the wall times are upper bounds of what the store needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import statistics
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from plugdist.errors import DistNetworkError, DistTimeoutError
+from plugdist.membership import DEATHS, _append_log, _epoch_key
+from plugdist.store import TCPStore, TCPStoreLimits
+
+RDZV_COUNT = "plugdist/sim/rdzv/count"
+RDZV_GO = "plugdist/sim/rdzv/go"
+LOOPBACKS = [f"127.0.0.{i}" for i in range(1, 9)]
+_STACK = 256 * 1024  # per member thread: they only wait on a socket
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+# ---- the store's process -------------------------------------------------------------------
+
+def role_server(args: argparse.Namespace, inp: Any, out: Any) -> None:
+    if args.impl == "torch":
+        import torch.distributed as tdist
+
+        store: Any = tdist.TCPStore("0.0.0.0", 0, None, True, timedelta(seconds=600),
+                                    wait_for_workers=False, use_libuv=True)
+    else:
+        store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=600), token="",
+                         bind_host="0.0.0.0", limits=TCPStoreLimits(max_connections=65536))
+    out.write(json.dumps({"port": store.port}) + "\n")
+    out.flush()
+    inp.readline()  # serve until the parent says stop (or dies: EOF)
+
+
+# ---- a process of members ------------------------------------------------------------------
+
+class _Members:
+    """The members of one process, their threads and what they noted."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.uids = [str(u) for u in range(args.first, args.first + args.count)]
+        self.go = threading.Event()
+        # members of a process connecting at once: a real process is one member on a core of
+        # its own; thousands of threads racing for one GIL would starve the renewal thread
+        self.gate = threading.Semaphore(args.concurrency)
+        self.lock = threading.Condition()
+        self.met_at: dict[str, float] = {}  # the rendezvous' wait returned
+        self.ready_at: dict[str, float] = {}  # and the will is held
+        self.knew_at: dict[str, float] = {}
+        self.decided_at: dict[str, float] = {}
+        self.errors: list[str] = []
+        self.wills: dict[str, Any] = {}
+        self.stopping = False
+        self.victims = set(args.victim_uids.split(",")) if args.victim_uids else set()
+        # the process's few shared connections (a real member has its own main connection)
+        self.shared: queue.Queue[TCPStore] = queue.Queue()
+
+    def host(self, uid: str) -> str:
+        return LOOPBACKS[int(uid) % len(LOOPBACKS)]
+
+    def store(self, uid: str) -> TCPStore:
+        return TCPStore(self.host(uid), self.args.port, None, False,
+                        timedelta(seconds=self.args.timeout), token="")
+
+    def member(self, uid: str) -> None:
+        try:
+            self.go.wait()
+            if self.args.impl == "torch":
+                self._torch_rendezvous(uid)
+                return
+            with self.gate:
+                store = self.store(uid)
+                if store.add(RDZV_COUNT, 1) == self.args.members:
+                    store.set(RDZV_GO, b"1")
+            store.wait([RDZV_GO])
+            met = time.monotonic()
+            with self.gate:  # membership's start: the will, on a connection of its own
+                will = store.hold_will(DEATHS, json.dumps({"uid": uid, "cause": "died"}),
+                                       ttl=self.args.ttl)
+            store.close()  # see the module docstring: the fd limit of one server process
+            with self.lock:
+                self.wills[uid] = will
+                self.met_at[uid] = met
+                self.ready_at[uid] = time.monotonic()
+                self.lock.notify_all()
+            self._monitor(uid, will)
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            with self.lock:
+                self.errors.append(f"member {uid}: {e!r}")
+                self.lock.notify_all()
+
+    def _torch_rendezvous(self, uid: str) -> None:
+        import torch.distributed as tdist
+
+        with self.gate:
+            store = tdist.TCPStore(self.host(uid), self.args.port, None, False,
+                                   timedelta(seconds=self.args.timeout), wait_for_workers=False,
+                                   use_libuv=True)
+            if store.add(RDZV_COUNT, 1) == self.args.members:
+                store.set(RDZV_GO, b"1")
+        store.wait([RDZV_GO])
+        with self.lock:
+            self.met_at[uid] = self.ready_at[uid] = time.monotonic()
+            self.lock.notify_all()
+        del store
+
+    def _monitor(self, uid: str, will: Any) -> None:
+        """Membership's monitor: one parked read of the death log at a time."""
+        seen = 0
+        dead: set[str] = set()
+        while True:
+            try:
+                entries = will.read_log(seen + 1, 30.0)
+            except DistTimeoutError:
+                continue
+            except DistNetworkError:
+                if self.stopping:
+                    return
+                raise
+            now = time.monotonic()
+            for raw in entries:
+                seen += 1
+                record = json.loads(raw)
+                if record["cause"] == "decided":
+                    with self.lock:
+                        self.decided_at[uid] = now
+                        self.lock.notify_all()
+                else:
+                    dead.add(record["uid"])
+                    if self.victims <= dead and uid not in self.knew_at:
+                        with self.lock:
+                            self.knew_at[uid] = now
+                            self.lock.notify_all()
+
+    def wait_for(self, table: dict[str, float], deadline: float) -> None:
+        with self.lock:
+            while len(table) + len(self.errors) < len(self.uids):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.lock.wait(left)
+
+    def shrink(self, epoch: int, survivors: int, coordinator: bool) -> None:
+        """Every member of this process arrives (through a few shared connections); the
+        coordinator then decides as membership's ``_await_decision`` does."""
+        arrivals = _epoch_key(epoch, "shrink/0/arrived")
+        decided = _epoch_key(epoch, "next")
+        todo: queue.Queue[str] = queue.Queue()
+        for uid in self.uids:
+            todo.put(uid)
+
+        def arrive() -> None:
+            store = self.shared.get()
+            try:
+                while True:
+                    try:
+                        uid = todo.get_nowait()
+                    except queue.Empty:
+                        return
+                    _append_log(store, arrivals, uid)
+            finally:
+                self.shared.put(store)
+
+        threads = [threading.Thread(target=arrive) for _ in range(self.shared.qsize())]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if not coordinator:
+            return
+        store = self.shared.get()
+        try:
+            arrived: set[str] = set()
+            next_entry = 1
+            deadline = time.monotonic() + self.args.timeout
+            while len(arrived) < survivors and time.monotonic() < deadline:
+                try:
+                    entries = store.read_log(arrivals, next_entry, timedelta(seconds=0.25))
+                except DistTimeoutError:
+                    continue
+                next_entry += len(entries)
+                arrived.update(e.decode() for e in entries)
+            ours = json.dumps({"excluded": sorted(self.victims)})
+            if store.compare_set(decided, b"", ours) == ours.encode():
+                _append_log(store, DEATHS, json.dumps({"uid": self.uids[0], "cause": "decided",
+                                                       "key": decided, **json.loads(ours)}))
+        finally:
+            self.shared.put(store)
+
+
+def role_members(args: argparse.Namespace, inp: Any, out: Any) -> None:
+    # the store's host has a core of its own in a real world; here thousands of members share
+    # two with it, so they yield to it (raising one's niceness needs no privilege)
+    os.nice(args.member_nice)
+    threading.stack_size(_STACK)
+    group = _Members(args)
+    threads = [threading.Thread(target=group.member, args=(u,), daemon=True)
+               for u in group.uids]
+    for t in threads:
+        t.start()
+    out.write(json.dumps({"started": len(threads)}) + "\n")
+    out.flush()
+    for line in inp:
+        cmd = json.loads(line)
+        what = cmd["cmd"]
+        if what == "go":
+            group.go.set()
+            group.wait_for(group.ready_at, time.monotonic() + args.timeout)
+            if args.impl != "torch":
+                for i in range(args.shared):
+                    group.shared.put(group.store(str(args.first + i)))
+            reply: dict[str, Any] = {"ready": list(group.ready_at.values()),
+                                     "met": list(group.met_at.values()),
+                                     "errors": group.errors[:5]}
+        elif what == "knew":
+            group.wait_for(group.knew_at, time.monotonic() + cmd["within"])
+            reply = {"knew": list(group.knew_at.values()), "errors": group.errors[:5]}
+        elif what == "shrink":
+            try:
+                group.shrink(cmd["epoch"], cmd["survivors"], cmd["coordinator"])
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                group.errors.append(f"shrink: {e!r}")
+            group.wait_for(group.decided_at, time.monotonic() + cmd["within"])
+            reply = {"decided": list(group.decided_at.values()), "errors": group.errors[:5]}
+        else:  # quit
+            group.stopping = True
+            for will in list(group.wills.values()):
+                will.cancel()
+            out.write(json.dumps({"bye": True}) + "\n")
+            out.flush()
+            os._exit(0)
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+# ---- the parent ----------------------------------------------------------------------------
+
+class _Child:
+    """A process forked from this one (torch and plugdist already imported: a fresh
+    interpreter would spend seconds importing them) running ``role(args, inp, out)``, talked
+    to with one JSON line each way."""
+
+    def __init__(self, role: Any, args: argparse.Namespace) -> None:
+        down_r, down_w = os.pipe()
+        up_r, up_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child
+            os.close(down_w)
+            os.close(up_r)
+            code = 0
+            try:
+                role(args, os.fdopen(down_r), os.fdopen(up_w, "w"))
+            except BaseException as e:  # noqa: BLE001 - the parent sees EOF and says so
+                print(f"scale_sim child: {e!r}", file=sys.stderr)
+                code = 1
+            os._exit(code)
+        os.close(down_r)
+        os.close(up_w)
+        self.pid = pid
+        self._to = os.fdopen(down_w, "w")
+        self._from = os.fdopen(up_r)
+        self.code: int | None = None
+
+    def ask(self, msg: dict[str, Any] | None = None) -> dict[str, Any]:
+        if msg is not None:
+            self.send(msg)
+        line = self._from.readline()
+        if not line:
+            raise RuntimeError(f"a simulation process exited ({self.wait()})")
+        return dict(json.loads(line))
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self._to.write(json.dumps(msg) + "\n")
+        self._to.flush()
+
+    def alive(self) -> bool:
+        if self.code is None and os.waitpid(self.pid, os.WNOHANG)[0]:
+            self.code = -1
+        return self.code is None
+
+    def wait(self) -> int:
+        if self.code is None:
+            self.code = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.code
+
+    def stop(self) -> None:
+        if self.alive():
+            os.kill(self.pid, signal.SIGKILL)
+        self.wait()
+
+
+def _members_args(args: argparse.Namespace, impl: str, port: int, first: int, count: int,
+                  victim_uids: str) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "impl": impl, "port": port, "first": first,
+                                 "count": count, "victim_uids": victim_uids})
+
+
+class _Probe(threading.Thread):
+    """One client timing ``get`` round trips, ``rate`` a second, while ``on`` is set."""
+
+    def __init__(self, port: int, rate: float) -> None:
+        super().__init__(daemon=True)
+        self.store = TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60), token="")
+        self.store.set("plugdist/sim/probe", b"x")
+        self.rate = rate
+        self.samples: list[float] = []
+        self.on = threading.Event()
+        self.quit = threading.Event()
+
+    def run(self) -> None:
+        while not self.quit.is_set():
+            if self.on.is_set():
+                t0 = time.perf_counter()
+                self.store.get("plugdist/sim/probe")
+                self.samples.append((time.perf_counter() - t0) * 1000)
+            time.sleep(1.0 / self.rate)
+
+    def take(self) -> list[float]:
+        out, self.samples = self.samples, []
+        return out
+
+
+def simulate(args: argparse.Namespace, impl: str = "plugdist") -> dict[str, Any]:
+    """One world of ``args.members`` members: its figures."""
+    n, victims = args.members, args.victims
+    server = _Child(role_server, argparse.Namespace(impl=impl))
+    children: list[_Child] = []
+    result: dict[str, Any] = {"members": n, "impl": impl}
+    try:
+        port = int(server.ask()["port"])
+        live = n - (0 if impl == "torch" else victims)
+        per = -(-live // args.procs)
+        spans = [(first, min(per, live - first)) for first in range(0, live, per)]
+        victim_uids = ",".join(str(u) for u in range(live, n))
+        for first, count in spans:
+            children.append(_Child(role_members, _members_args(args, impl, port, first, count,
+                                                               victim_uids)))
+        if impl != "torch":
+            children.append(_Child(role_members, _members_args(args, impl, port, live, victims,
+                                                               victim_uids)))
+        for c in children:
+            c.ask()  # threads started
+        cpu0 = _cpu_seconds(server.pid)
+        t_go = time.monotonic()
+        for c in children:
+            c.send({"cmd": "go"})
+        readies = [c.ask() for c in children]
+        ready = [t for r in readies for t in r["ready"]]
+        errors = [e for r in readies for e in r["errors"]]
+        met = [t for r in readies for t in r["met"]]
+        result["rendezvous_s"] = round(max(met) - t_go, 2) if len(met) == n else None
+        result["wills_held_s"] = round(max(ready) - t_go, 2) if len(ready) == n else None
+        result["rendezvous_done"] = len(ready)
+        result["rendezvous_server_cpu_s"] = round(_cpu_seconds(server.pid) - cpu0, 2)
+        if errors:
+            result["errors"] = errors[:5]
+        if impl == "torch" or len(ready) < n:
+            return result
+        # steady state: renewals and parked waits only
+        probe = _Probe(port, args.probe_rate)
+        probe.start()
+        time.sleep(min(2.0, args.steady))  # let the rendezvous' last replies drain
+        probe.on.set()
+        cpu0, t0 = _cpu_seconds(server.pid), time.monotonic()
+        time.sleep(args.steady)
+        cpu = (_cpu_seconds(server.pid) - cpu0) / (time.monotonic() - t0)
+        lat = probe.take()
+        result["steady_server_cpu_pct"] = round(100 * cpu, 1)
+        result["probe_ms_p50"] = round(statistics.median(lat), 2)
+        result["probe_ms_p99"] = round(_pct(lat, 0.99), 2)
+        # a node dies: SIGKILL the process of its members
+        node = children.pop()
+        t_kill = time.monotonic()
+        os.kill(node.pid, signal.SIGKILL)
+        node.wait()
+        replies = [c.ask({"cmd": "knew", "within": args.timeout}) for c in children]
+        knew = [t - t_kill for r in replies for t in r["knew"]]
+        errors += [e for r in replies for e in r["errors"]]
+        result["death_known_by"] = len(knew)
+        if len(knew) == live:
+            result["death_known_s_p50"] = round(_pct(knew, 0.5), 3)
+            result["death_known_s_p99"] = round(_pct(knew, 0.99), 3)
+            result["death_known_s_max"] = round(max(knew), 3)
+        result["probe_ms_p99_during_death"] = round(_pct(probe.take() or [0.0], 0.99), 2)
+        # the survivors agree a shrink
+        t_shrink = time.monotonic()
+        for i, c in enumerate(children):
+            c.send({"cmd": "shrink", "epoch": 0, "survivors": live, "coordinator": i == 0,
+                    "within": args.timeout})
+        replies = [c.ask() for c in children]
+        decided = [t - t_shrink for r in replies for t in r["decided"]]
+        errors += [e for r in replies for e in r["errors"]]
+        if errors:
+            result["errors"] = sorted(set(errors))[:5]
+        result["shrink_decided_by"] = len(decided)
+        if len(decided) == live:
+            result["shrink_s_p50"] = round(_pct(decided, 0.5), 3)
+            result["shrink_s_max"] = round(max(decided), 3)
+        probe.quit.set()
+        return result
+    finally:
+        for c in children:
+            if c.alive():
+                try:
+                    c.send({"cmd": "quit"})
+                    c.ask()
+                except (OSError, RuntimeError):
+                    pass
+            c.stop()
+        try:
+            server.send({"cmd": "quit"})
+        except OSError:
+            pass
+        server.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--members", type=int, nargs="*", default=None,
+                   help="world sizes (default 1024 4096 16384)")
+    p.add_argument("--victims", type=int, default=8, help="members of the node that is killed")
+    p.add_argument("--procs", type=int, default=0,
+                   help="processes of member threads (default: one per 512 members, >= 2)")
+    p.add_argument("--ttl", type=float, default=10.0, help="seconds of each will's ttl")
+    p.add_argument("--steady", type=float, default=10.0, help="seconds of steady state measured")
+    p.add_argument("--probe-rate", type=float, default=200.0, help="probe gets a second")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds any phase may take")
+    p.add_argument("--shared", type=int, default=4,
+                   help="shared connections per member process for the arrivals")
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="members of one process that connect at the same time")
+    p.add_argument("--member-nice", type=int, default=5,
+                   help="niceness the member processes add to their own (the server keeps its)")
+    p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the rendezvous on torch's TCPStore (libuv)")
+    p.add_argument("--json", action="store_true", help="print one JSON line per world")
+    args = p.parse_args()
+    # torch's client warns once per connection that it cannot name its peer (no DNS here)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    sizes = args.members or [1024, 4096, 16384]
+    rows = []
+    for n in sizes:
+        one = argparse.Namespace(**vars(args))
+        one.members = n
+        one.procs = args.procs or max(2, -(-n // 512))
+        row = simulate(one)
+        if args.torch:
+            torch_row = simulate(one, "torch")
+            row["torch_rendezvous_s"] = torch_row.get("rendezvous_s")
+            row["torch_rendezvous_done"] = torch_row.get("rendezvous_done")
+            if "errors" in torch_row:
+                row["torch_errors"] = torch_row["errors"][:2]
+        rows.append(row)
+        print(json.dumps(row) if args.json else _line(row), flush=True)
+
+
+def _line(row: dict[str, Any]) -> str:
+    keys = ["members", "rendezvous_s", "torch_rendezvous_s", "wills_held_s",
+            "steady_server_cpu_pct", "probe_ms_p50", "probe_ms_p99", "death_known_s_p50",
+            "death_known_s_p99", "shrink_s_max", "errors"]
+    return "  ".join(f"{k}={row.get(k)}" for k in keys if k in row)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Liveness at scale: TCPStore wills with a ttl (a stopped holder is declared dead, a renewed one
+never), the death log read in bursts by one parked request, a will withdrawn while its holder's
+wait is parked, and ``benchmarks/scale_sim.py`` at a small size so it cannot rot. Real
+processes, real sockets, real SIGSTOP/SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from plugdist.errors import DistNetworkError, DistTimeoutError
+from plugdist.store import TCPStore
+
+HOST = "127.0.0.1"
+REPO = Path(__file__).resolve().parents[1]
+
+_HOLDER = """
+import sys, time
+from plugdist.store import TCPStore
+store = TCPStore("127.0.0.1", int(sys.argv[1]), None, False)
+will = store.hold_will("deaths", sys.argv[2], ttl=float(sys.argv[3]))
+print("holding", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(port: int, name: str, ttl: float) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(port), name, str(ttl)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "holding"
+    return proc
+
+
+@pytest.fixture()
+def master():  # type: ignore[no-untyped-def]
+    store = TCPStore(HOST, 0, None, is_master=True, timeout=timedelta(seconds=30))
+    yield store
+    store.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_holder_is_declared_dead_after_its_ttl_and_a_renewed_one_never(
+        master: TCPStore) -> None:
+    ttl = 1.0
+    renewed = _holder(master.port, "renewed", ttl)
+    stopped = _holder(master.port, "stopped", ttl)
+    try:
+        time.sleep(3 * ttl)  # several ttls: both renew, nothing lapses
+        assert not master.check(["deaths/1"]), master.read_log("deaths", 1, timedelta(0))
+        os.kill(stopped.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        entries = master.read_log("deaths", 1, timedelta(seconds=30))
+        took = time.monotonic() - t0
+        assert entries == [b"stopped"], entries
+        # declared within a ttl of its last renewal (renewals come every quarter ttl)
+        assert 0.5 * ttl <= took < ttl + 5.0, took
+        time.sleep(2 * ttl)  # the renewed holder is still alive and counted once
+        assert master.add("deaths", 0) == 1
+    finally:
+        for proc in (renewed, stopped):
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_read_log_answers_a_burst_and_a_will_cancelled_while_its_wait_is_parked_never_runs(
+        master: TCPStore) -> None:
+    victims = [_holder(master.port, f"v{i}", 30.0) for i in range(3)]
+    for proc in victims:  # killed together: one wake carries every entry written by then
+        os.kill(proc.pid, signal.SIGKILL)
+    for proc in victims:
+        proc.wait()
+    deadline = time.monotonic() + 30
+    seen: list[bytes] = []
+    while len(seen) < 3 and time.monotonic() < deadline:
+        seen += master.read_log("deaths", len(seen) + 1, timedelta(seconds=30))
+    assert sorted(seen) == [b"v0", b"v1", b"v2"], seen
+
+    will = master.hold_will("deaths", "polite", ttl=5.0)
+    outcome: list[BaseException] = []
+
+    def wait_on_the_log() -> None:
+        try:
+            will.read_log(4, timedelta(seconds=30))
+        except BaseException as e:  # noqa: BLE001 - examined below
+            outcome.append(e)
+
+    reader = threading.Thread(target=wait_on_the_log)
+    reader.start()
+    time.sleep(0.3)  # parked on the server
+    t0 = time.monotonic()
+    will.cancel()
+    reader.join(10)
+    assert not reader.is_alive() and time.monotonic() - t0 < 5.0
+    assert isinstance(outcome[0], DistNetworkError), outcome
+    time.sleep(0.5)
+    assert master.add("deaths", 0) == 3, "a cancelled will must not run"
+    with pytest.raises(DistTimeoutError, match="missing keys"):
+        master.read_log("deaths", 4, timedelta(seconds=0.2))
+
+
+@pytest.mark.timeout(180)
+def test_scale_sim_runs_a_small_world() -> None:
+    """scale_sim end to end at 128 members: every survivor learns of the killed node and of the
+    shrink's decision."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "scale_sim.py"), "--members", "128",
+         "--steady", "1", "--no-torch", "--json", "--timeout", "60"],
+        capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "errors" not in row, row
+    assert row["rendezvous_done"] == 128, row
+    assert row["death_known_by"] == 120 and row["shrink_decided_by"] == 120, row
+    assert row["death_known_s_p99"] < 30 and row["shrink_s_max"] < 30, row
+    assert 0 <= row["steady_server_cpu_pct"] < 100, row
