@@ -27,8 +27,9 @@ transfer        SIGKILL a member; when its replacement is admitted, the first pr
 Invariants, from every worker's records (a violation is printed and counted):
 
 1. committed steps run 0, 1, 2, ... with no gap or repeat, and each process's never go back;
-2. at every committed step, every rank of that step's world recorded it, with one world size
-   and one parameter hash (identical parameters everywhere);
+2. at every committed step, every rank of that step's world recorded it (but one killed between
+   the commit and its record), with one world size and one parameter hash (identical
+   parameters everywhere);
 3. no sample is used twice by committed steps of an epoch;
 4. the world returns to full size after each fault (and ends full);
 5. no survivor pause (the gap between commits around a fault) over ``--max-pause`` seconds;
@@ -224,8 +225,10 @@ def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
         tail = (run.dir / "launcher.err").read_text()[-1500:]
         bad.append(f"launcher exited {rc}:\n{tail}")
     by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    last_of: dict[str, int] = {}  # each process's last recorded step
     for f in run.samples.glob("*.jsonl"):
         recs = _read_jsonl(f)
+        last_of[f.stem] = recs[-1]["step"] if recs else -1
         steps = [r["step"] for r in recs]
         if steps != sorted(set(steps)):
             bad.append(f"process {f.stem}: its committed steps repeat or go back: {steps[:50]}")
@@ -234,7 +237,7 @@ def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
         if grown:
             bad.append(f"process {f.stem}: threads grew from {first} to {grown[-1]['threads']}")
         for r in recs:
-            by_step[r["step"]].append(r)
+            by_step[r["step"]].append({**r, "process": f.stem})
     last = max(by_step) if by_step else -1
     missing = [s for s in range(last + 1) if s not in by_step]
     if missing:
@@ -246,7 +249,13 @@ def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
         size = {r["world_size"] for r in recs}
         hashes = {r["params_sha1"] for r in recs}
         ranks = sorted(r["rank"] for r in recs)
-        if len(size) != 1 or ranks != list(range(next(iter(size)))):
+        # a process killed after the step committed but before it wrote its record: the rank
+        # it had at the step before, and nothing recorded after that
+        died = {r["rank"] for r in by_step.get(step - 1, ())
+                if last_of[r["process"]] == step - 1 and r["world_size"] in size}
+        missing = set(range(max(size))) - set(ranks) - died
+        if len(size) != 1 or len(set(ranks)) != len(ranks) or missing \
+                or not set(ranks) <= set(range(max(size))):
             bad.append(f"step {step}: world sizes {size}, ranks that recorded it {ranks}")
         if len(hashes) != 1:
             bad.append(f"step {step}: parameters differ across ranks ({len(hashes)} hashes)")
