@@ -36,7 +36,7 @@ Invariants, from every worker's records (a violation is printed and counted):
 6. no leak: each process's thread count stays within 16 of its first; the store's key count
    stays within ``2 x`` its early value + 200; no worker process outlives the launcher;
 7. the launcher exits 0;
-8. the final model's loss on the whole data set is within ``--loss-tolerance`` (relative) of a
+8. the final model's loss on the whole data set is within ``--loss-tolerance`` (absolute) of a
    fault-free run's with the same seed and the same number of steps (computed here, in one
    process, on each step's global batch: what a world that never changed would train).
 
@@ -217,6 +217,12 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def sizes_next(by_step: dict[int, list[dict[str, Any]]], step: int) -> int:
+    """The world size of the step after ``step`` (0 when there is none)."""
+    after = by_step.get(step + 1)
+    return max(r["world_size"] for r in after) if after else 0
+
+
 def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
           max_pause: float) -> tuple[list[str], dict[str, Any]]:
     """The invariants over a finished run's records: (violations, figures)."""
@@ -254,6 +260,11 @@ def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
         died = {r["rank"] for r in by_step.get(step - 1, ())
                 if last_of[r["process"]] == step - 1 and r["world_size"] in size}
         missing = set(range(max(size))) - set(ranks) - died
+        # or killed in that step's last moments having recorded nothing yet (a joiner on its
+        # first step): then the next committed step is in a world without them
+        shrank = sizes_next(by_step, step) <= max(size) - len(missing)
+        if missing and shrank:
+            missing = set()
         if len(size) != 1 or len(set(ranks)) != len(ranks) or missing \
                 or not set(ranks) <= set(range(max(size))):
             bad.append(f"step {step}: world sizes {size}, ranks that recorded it {ranks}")
@@ -367,9 +378,9 @@ def soak(args: argparse.Namespace) -> int:
     figures["reference_eval_loss"] = ref_loss
     if figures["eval_loss"] is None:
         bad.append("no final loss to compare: no rank printed its final line")
-    elif abs(figures["eval_loss"] - ref_loss) > args.loss_tolerance * ref_loss:
-        bad.append(f"final loss {figures['eval_loss']} is not within {args.loss_tolerance:.0%}"
-                   f" of the fault-free run's {ref_loss}")
+    elif abs(figures["eval_loss"] - ref_loss) > args.loss_tolerance:
+        bad.append(f"final loss {figures['eval_loss']} is not within {args.loss_tolerance} of "
+                   f"the fault-free run's {ref_loss}")
     by_kind = Counter(kind for _, kind in faults)
     report = {"backend": args.backend, "nproc": args.nproc, "seed": args.seed,
               "faults": len(faults), "faults_by_kind": dict(sorted(by_kind.items())),
@@ -409,7 +420,9 @@ def main() -> int:
                     help="PLUGDIST_HEARTBEAT_TIMEOUT for the workers (stop and gil faults)")
     ap.add_argument("--max-pause", type=float, default=30.0,
                     help="bound on the survivors' pause around a fault (seconds)")
-    ap.add_argument("--loss-tolerance", type=float, default=0.25)
+    ap.add_argument("--loss-tolerance", type=float, default=0.005,
+                    help="absolute, on the whole-set MSE: both runs end near the data's noise "
+                         "floor (0.0025), from about 0.96 at the start")
     ap.add_argument("--dir", default=None, help="where the records go (default: a temp dir)")
     ap.add_argument("--json", default=None)
     ap.add_argument("-v", "--verbose", action="store_true")
