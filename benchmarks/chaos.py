@@ -86,18 +86,16 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 class Run:
     """One launch of the training under plugdist-run, with its record directory."""
 
-    def __init__(self, args: argparse.Namespace, work: Path, steps: int, stop_file: bool) -> None:
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
         self.args, self.dir = args, work
         self.dir.mkdir(parents=True, exist_ok=True)
         self.samples = work / "samples"
-        self.stop_file = work / "stop" if stop_file else None
+        self.stop_file = work / "stop"   # the run trains until finish() creates it
         cmd = [sys.executable, "-m", "plugdist_run", "--nproc-per-node", str(args.nproc),
                "--monitor-interval", "0.05", "--replace-failed", "--max-restarts", "100000",
-               WORKER, "--backend", args.backend, "--steps", str(steps), "--hidden", "32",
+               WORKER, "--backend", args.backend, "--steps", str(10 ** 9), "--hidden", "32",
                "--step-time", str(args.step_time), "--steps-after-full", "10",
-               "--max-steps", str(max(steps, 1) * 1000), "--sample-log", str(self.samples)]
-        if self.stop_file is not None:
-            cmd += ["--stop-file", str(self.stop_file)]
+               "--sample-log", str(self.samples), "--stop-file", str(self.stop_file)]
         env = dict(os.environ, CHAOS_DIR=str(work), PLUGDIST_TORCH_WORLD="0",
                    PLUGDIST_HEARTBEAT_TIMEOUT=str(args.hang_timeout),
                    CHAOS_GIL_S=str(args.hang_timeout + 2))
@@ -132,8 +130,7 @@ class Run:
         return False
 
     def finish(self, timeout: float) -> int:
-        if self.stop_file is not None:
-            self.stop_file.touch()
+        self.stop_file.touch()
         try:
             rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -259,13 +256,11 @@ def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
         # it had at the step before, and nothing recorded after that
         died = {r["rank"] for r in by_step.get(step - 1, ())
                 if last_of[r["process"]] == step - 1 and r["world_size"] in size}
-        missing = set(range(max(size))) - set(ranks) - died
+        absent = set(range(max(size))) - set(ranks) - died
         # or killed in that step's last moments having recorded nothing yet (a joiner on its
         # first step): then the next committed step is in a world without them
-        shrank = sizes_next(by_step, step) <= max(size) - len(missing)
-        if missing and shrank:
-            missing = set()
-        if len(size) != 1 or len(set(ranks)) != len(ranks) or missing \
+        gone = bool(absent) and sizes_next(by_step, step) <= max(size) - len(absent)
+        if len(size) != 1 or len(set(ranks)) != len(ranks) or (absent and not gone) \
                 or not set(ranks) <= set(range(max(size))):
             bad.append(f"step {step}: world sizes {size}, ranks that recorded it {ranks}")
         if len(hashes) != 1:
@@ -349,7 +344,7 @@ def soak(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
     base = Path(args.dir or tempfile.mkdtemp(prefix="plugdist-chaos-"))
-    run = Run(args, base / "soak", steps=10 ** 6, stop_file=True)
+    run = Run(args, base / "soak")
     faults: list[tuple[float, str]] = []
     began = time.time()
     try:
