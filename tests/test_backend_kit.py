@@ -21,9 +21,11 @@ REPO = Path(__file__).parents[1]
 
 
 def _env(site: Path | None = None) -> dict[str, str]:
-    if site is None:
-        return dict(os.environ)
-    return {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # the outer run's PYTEST_ADDOPTS (say -q or --durations) would change the inner summary line
+    env = {**os.environ, "PYTEST_ADDOPTS": ""}
+    if site is not None:
+        env["PYTHONPATH"] = f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    return env
 
 
 # Each rank joins a world of 2; rank 1 sends one message (so connections and reader threads
@@ -121,7 +123,7 @@ def test_the_conformance_suite_refuses_to_run_without_pytest_timeout(tmp_path: P
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:timeout",
                           "-p", "no:cacheprovider", "--pyargs", "plugdist.testing.conformance",
                           "--plugdist-backend", "gloo", "--plugdist-world-sizes", "1"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=100)
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=100)
     out = run.stdout + run.stderr
     assert run.returncode == 4, out[-3000:]
     assert "refuses to run without pytest-timeout" in out, out[-3000:]

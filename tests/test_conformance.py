@@ -18,7 +18,7 @@ def test_third_party_author_command_runs_suite_on_toy_backend() -> None:
            "-p", "no:cacheprovider"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280,
                           cwd=os.path.dirname(__file__),
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTEST_ADDOPTS": ""})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert "passed" in last and "failed" not in last, last
