@@ -79,8 +79,11 @@ def _write(name: str, result: dict[str, Any]) -> None:
 
 
 def _die(store: Any) -> None:
-    """SIGKILL this process (or, with HANG=1, SIGSTOP it: alive but silent)."""
+    """SIGKILL this process (or, with HANG=1, SIGSTOP it: alive but silent; with DIE_BY=raise,
+    end it with an uncaught exception)."""
     store.set(f"test/killed/{os.environ['RANK']}", repr(time.time()))
+    if os.environ.get("DIE_BY") == "raise":
+        raise RuntimeError(f"rank {os.environ['RANK']} fails on purpose (an uncaught error)")
     os.kill(os.getpid(), signal.SIGSTOP if os.environ.get("HANG") == "1" else signal.SIGKILL)
 
 

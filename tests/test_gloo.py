@@ -635,3 +635,36 @@ def test_an_op_that_completes_as_a_timed_wait_gives_up_keeps_its_own_outcome(
     assert wait_native(_LateWork(), limit, signal) == (True, None)
     failed = RuntimeError("Connection closed by peer")
     assert wait_native(_LateWork(failed), limit, signal) == (True, failed)
+
+
+def _tcp_pair() -> tuple[Any, Any]:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+    return client, accepted
+
+
+def test_an_abort_never_cuts_a_socket_that_took_a_cut_ones_descriptor_number() -> None:
+    """The race the chaos soak found: an abort lists its group's descriptors, Gloo closes one,
+    and the next group's socket (built on another thread meanwhile) gets its number. The cut
+    checks the socket behind the number by inode and leaves the newcomer alone."""
+    from plugdist_gloo.connections import _shut_down_if
+
+    old, old_peer = _tcp_pair()
+    fd, old_inode = old.fileno(), os.fstat(old.fileno()).st_ino
+    old.close()
+    new, new_peer = _tcp_pair()
+    try:
+        if new.fileno() != fd:
+            pytest.skip("the kernel gave the new socket another descriptor number")
+        assert not _shut_down_if(fd, old_inode)
+        new.sendall(b"alive")
+        assert new_peer.recv(5) == b"alive"   # untouched
+        assert _shut_down_if(fd, os.fstat(fd).st_ino)
+        assert new_peer.recv(5) == b""        # the peer sees the connection end
+        assert new.fileno() == fd             # and the descriptor is still the owner's
+    finally:
+        for s in (new, new_peer, old_peer):
+            s.close()

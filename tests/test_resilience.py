@@ -24,8 +24,8 @@ WORKER = str(Path(__file__).with_name("_resilience_workers.py"))
 def run_scenario(tmp_path: Path, scenario: str, world: int, backend: str, *,
                  victims: str = "", grow_to: int = 0, joiners: int = 0,
                  joiner_delay: float = 2.0, torch_world: bool = False,
-                 timeout: float = 200.0, extra_env: dict[str, str] | None = None
-                 ) -> dict[str, dict[str, Any]]:
+                 timeout: float = 200.0, extra_env: dict[str, str] | None = None,
+                 victim_exit: int = -signal.SIGKILL) -> dict[str, dict[str, Any]]:
     """Run ``scenario`` on ``world`` ranks (+ ``joiners`` started later with PLUGDIST_JOIN=1);
     returns each process's result by name. Fails if a process that is not a victim fails or
     writes nothing."""
@@ -70,8 +70,9 @@ def run_scenario(tmp_path: Path, scenario: str, world: int, backend: str, *,
     problems = []
     for name, p in procs.items():
         if name in victim_names:
-            if p.returncode != -signal.SIGKILL:
-                problems.append(f"{name} (a victim) exited with {p.returncode}, not SIGKILL")
+            if p.returncode != victim_exit:
+                problems.append(f"{name} (a victim) exited with {p.returncode}, not "
+                                f"{victim_exit}")
         elif p.returncode != 0:
             log = (tmp_path / f"{name}.log").read_text()[-3000:]
             problems.append(f"{name} exited with {p.returncode}:\n{log}")
@@ -106,6 +107,23 @@ def test_kill_shrink_then_grow(tmp_path: Path, backend: str) -> None:
     joiner = [r for r in found.values() if r["role"] == "joiner"]
     assert len(joiner) == 1 and joiner[0]["rank"] == 3 and joiner[0]["size"] == 4, joiner
     assert joiner[0]["bad"] == []
+
+
+@pytest.mark.resilience
+@pytest.mark.timeout(260)
+def test_a_rank_ending_on_an_uncaught_error_is_a_failure_for_the_others(tmp_path: Path) -> None:
+    """Rank 2 of 3 raises out of its script (exit status 1, no destroy_process_group): its will
+    is not withdrawn at exit as a clean leave's is, so the others get DistRankFailureError
+    naming rank 2, instead of a lost connection to a peer that left, and go on without it."""
+    found = run_scenario(tmp_path, "kill_shrink_grow", 3, "gloo", victims="2",
+                         extra_env={"DIE_BY": "raise"}, victim_exit=1)
+    alive = survivors(found)
+    assert sorted(r["old_rank"] for r in alive) == [0, 1]
+    for r in alive:
+        assert r["error_type"] == "DistRankFailureError", r
+        assert r["error_ranks"] == [2] and "rank 2 died" in r["error"], r
+        assert r["size"] == 2 and r["bad"] == [], r
+    assert "fails on purpose" in (tmp_path / "rank2.log").read_text()
 
 
 @pytest.mark.resilience

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -218,19 +219,44 @@ def init_world(backend: str | None = None, init_method: str | None = None,
 
 
 def start_membership(m: _membership.Membership, started: bool = False) -> None:
-    """Make ``m`` the world's membership and start it (unless ``started``); withdrawn at exit
-    (a clean exit is not a failure)."""
+    """Make ``m`` the world's membership and start it (unless ``started``). At exit its will is
+    withdrawn (a clean exit is not a failure), unless the program is ending on an uncaught
+    exception: then the will stays, and runs when the process's connections close, so the
+    others learn that this rank failed and go on without it."""
     if not started:
         m.start()
     world.membership = m
-    atexit.register(m.stop)
+    _note_uncaught_exceptions()
+    atexit.register(_leave_at_exit, m)
 
 
 def _stop_membership() -> None:
     m, world.membership = world.membership, None
     if m is not None:
         m.stop()
-        atexit.unregister(m.stop)
+        atexit.unregister(_leave_at_exit)
+
+
+_uncaught = {"seen": False}  # the main thread is ending on an uncaught exception
+
+
+def _note_uncaught_exceptions() -> None:
+    """Wrap ``sys.excepthook`` (once) to note an uncaught exception: Python calls it before
+    the atexit handlers."""
+    previous = sys.excepthook
+    if getattr(previous, "plugdist_notes_uncaught", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        _uncaught["seen"] = True
+        previous(kind, value, tb)
+
+    hook.plugdist_notes_uncaught = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _leave_at_exit(m: _membership.Membership) -> None:
+    m.stop(withdraw=not _uncaught["seen"])
 
 
 def _build_group(backend: str, global_ranks: tuple[int, ...], name: str, timeout: timedelta,

@@ -72,6 +72,7 @@ CURRENT = "plugdist/epoch/current"
 CLOSED = "plugdist/closed"  # set when every member of the last epoch left
 _JOIN = "plugdist/join"
 _POLL = 0.05  # seconds between looks at the store while agreeing, where nothing wakes us
+_kept_wills: list[Any] = []  # wills of stopped members left to run at this process's exit
 _COORDINATOR_SLICE = 0.25  # longest wait of the coordinator on the arrival log at a time
 # longest wait of a non-coordinator for the decision between re-checks of the store, where the
 # monitor's parked wait delivers the announcement (it re-checks in case that announcement was
@@ -208,12 +209,16 @@ class Membership:
                                         daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Withdraw the will and stop the monitor. Idempotent; blocks up to a second."""
+    def stop(self, withdraw: bool = True) -> None:
+        """Withdraw the will and stop the monitor. Idempotent; blocks up to a second.
+        ``withdraw=False`` (a process ending on an error) keeps the will: it runs when this
+        process's connection to the store closes, as for a crash."""
         self._stop.set()
         will, self._will = self._will, None
-        if will is not None:
+        if will is not None and withdraw:
             will.cancel()
+        elif will is not None:
+            _kept_wills.append(will)  # not collected (which could close it) before the exit
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(1.0)

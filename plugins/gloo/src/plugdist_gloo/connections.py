@@ -84,15 +84,34 @@ def shut_down_connections(ours: Callable[[tuple[str, int], tuple[str, int]], boo
         fd = fds.get(inode)
         if fd is None or not ours(local, remote) or (among is not None and inode not in among):
             continue
-        try:
-            sock = socket.socket(fileno=fd)
-        except OSError:
-            continue
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
+        if _shut_down_if(fd, inode):
             done += 1
-        except OSError:
-            pass
-        finally:
-            sock.detach()  # the descriptor stays Gloo's
     return done
+
+
+def _shut_down_if(fd: int, inode: int) -> bool:
+    """Shut down the socket behind descriptor ``fd`` if it is still socket ``inode``.
+
+    The descriptors were listed before: since then Gloo may have closed ``fd`` (a connection
+    that failed, or one this loop shut down a moment ago) and a socket of the group being
+    built meanwhile on another thread may have got its number. So the socket is pinned by a
+    duplicate descriptor and checked by inode before it is shut down; the duplicate is closed
+    after, and Gloo's own descriptor is never touched."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return False  # closed meanwhile
+    sock: socket.socket | None = None
+    try:
+        if os.fstat(dup).st_ino != inode:
+            return False  # the number was reused: another socket now
+        sock = socket.socket(fileno=dup)
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        if sock is not None:
+            sock.close()  # closes the duplicate only
+        else:
+            os.close(dup)
