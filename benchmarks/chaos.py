@@ -4,6 +4,7 @@ injected at seeded random times, then invariants checked from every worker's rec
     python benchmarks/chaos.py --backend gloo --faults 300 --mean-interval 5
     python benchmarks/chaos.py --backend toy --faults 100
     python benchmarks/chaos.py --faults 12 --mean-interval 3 --json out.json   # make test's run
+    python benchmarks/chaos.py --rdzv-backend etcd --faults 27   # a 3-member etcd as the store
 
 The workers run examples/resilient_train.py (through benchmarks/chaos_worker.py) on one node.
 Faults, dealt from ``--kinds`` in seeded shuffles (so every kind comes up once per round of
@@ -22,6 +23,9 @@ during_shrink   SIGKILL a member, and another 50-300 ms later, while the survivo
 join_kill       SIGKILL a member, then its replacement as it starts and joins
 transfer        SIGKILL a member; when its replacement is admitted, the first process to start
                 the state transfer (the joiner receiving or rank 0 sending) SIGKILLs itself
+etcd_leader     with ``--rdzv-backend etcd`` only (and then in the default catalogue): SIGKILL
+                the etcd cluster's leader, restart it 1-4 s later, and wait until the cluster
+                is healthy; the job's store, rendezvous and wills (leases) live in that etcd
 ==============  ===========================================================================
 
 Invariants, from every worker's records (a violation is printed and counted):
@@ -62,6 +66,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "benchmarks" / "chaos_worker.py")
 KINDS = ("kill", "segv", "stop", "gil", "two", "during_shrink", "join_kill", "transfer")
+ETCD_KINDS = ("etcd_leader",)
 
 
 def _alive(pid: int) -> bool:
@@ -86,14 +91,17 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 class Run:
     """One launch of the training under plugdist-run, with its record directory."""
 
-    def __init__(self, args: argparse.Namespace, work: Path) -> None:
-        self.args, self.dir = args, work
+    def __init__(self, args: argparse.Namespace, work: Path, etcd: Any = None) -> None:
+        self.args, self.dir, self.etcd = args, work, etcd
         self.dir.mkdir(parents=True, exist_ok=True)
         self.samples = work / "samples"
         self.stop_file = work / "stop"   # the run trains until finish() creates it
+        rdzv = [] if etcd is None else [
+            "--rdzv-backend", "etcd", "--rdzv-endpoint", ",".join(etcd.endpoints),
+            "--rdzv-id", f"chaos{os.getpid()}"]
         cmd = [sys.executable, "-m", "plugdist_run", "--nproc-per-node", str(args.nproc),
                "--monitor-interval", "0.05", "--replace-failed", "--max-restarts", "100000",
-               WORKER, "--backend", args.backend, "--steps", str(10 ** 9), "--hidden", "32",
+               *rdzv, WORKER, "--backend", args.backend, "--steps", str(10 ** 9), "--hidden", "32",
                "--step-time", str(args.step_time), "--steps-after-full", "10",
                "--sample-log", str(self.samples), "--stop-file", str(self.stop_file)]
         env = dict(os.environ, CHAOS_DIR=str(work), PLUGDIST_TORCH_WORLD="0",
@@ -202,8 +210,16 @@ class Injector:
         elif kind == "transfer":
             (self.run.dir / "die_in_transfer").touch()
             self._signal(victim, signal.SIGKILL)
+        elif kind == "etcd_leader":
+            etcd = self.run.etcd
+            leader = etcd.leader()
+            etcd.kill(leader)
+            time.sleep(self.rng.uniform(1.0, 4.0))
+            etcd.restart(leader)
+            etcd.wait_healthy(60)
         else:
-            raise ValueError(f"unknown fault kind {kind!r}; known: {', '.join(KINDS)}")
+            raise ValueError(f"unknown fault kind {kind!r}; known: "
+                             f"{', '.join(KINDS + ETCD_KINDS)}")
         return True
 
 
@@ -339,12 +355,19 @@ def fault_free_loss(steps: int, nproc: int) -> float:
 
 def soak(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    unknown = set(kinds) - set(KINDS)
+    known = KINDS + (ETCD_KINDS if args.rdzv_backend == "etcd" else ())
+    kinds = [k.strip() for k in (args.kinds or ",".join(known)).split(",") if k.strip()]
+    unknown = set(kinds) - set(known)
     if unknown:
-        raise SystemExit(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+        raise SystemExit(f"unknown fault kinds {sorted(unknown)} with --rdzv-backend "
+                         f"{args.rdzv_backend}; known: {', '.join(known)}")
     base = Path(args.dir or tempfile.mkdtemp(prefix="plugdist-chaos-"))
-    run = Run(args, base / "soak")
+    etcd = None
+    if args.rdzv_backend == "etcd":
+        from plugdist_etcd.testing import EtcdCluster
+
+        etcd = EtcdCluster(3, data_dir=str(base / "etcd")).start()
+    run = Run(args, base / "soak", etcd)
     faults: list[tuple[float, str]] = []
     began = time.time()
     try:
@@ -368,6 +391,8 @@ def soak(args: argparse.Namespace) -> int:
         run.wait_members(args.nproc, 120)
     finally:
         rc = run.finish(timeout=180)
+        if etcd is not None:
+            etcd.stop()
     bad, figures = check(run, rc, faults, args.nproc, args.max_pause)
     ref_loss = fault_free_loss(figures["committed_steps"], args.nproc)
     figures["reference_eval_loss"] = ref_loss
@@ -377,11 +402,13 @@ def soak(args: argparse.Namespace) -> int:
         bad.append(f"final loss {figures['eval_loss']} is not within {args.loss_tolerance} of "
                    f"the fault-free run's {ref_loss}")
     by_kind = Counter(kind for _, kind in faults)
-    report = {"backend": args.backend, "nproc": args.nproc, "seed": args.seed,
+    report = {"backend": args.backend, "rdzv_backend": args.rdzv_backend,
+              "nproc": args.nproc, "seed": args.seed,
               "faults": len(faults), "faults_by_kind": dict(sorted(by_kind.items())),
               "violations": bad, "wall_s": round(time.time() - began, 1), **figures,
               "records": str(base)}
-    print(f"chaos soak on {args.backend}, {args.nproc} workers, seed {args.seed}: "
+    print(f"chaos soak on {args.backend} ({args.rdzv_backend} store), {args.nproc} workers, "
+          f"seed {args.seed}: "
           f"{len(faults)} faults in {report['wall_s']} s")
     print("  faults by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(by_kind.items())))
     print(f"  committed steps {figures['committed_steps']}, failed attempts "
@@ -408,7 +435,12 @@ def main() -> int:
     ap.add_argument("--faults", type=int, default=20)
     ap.add_argument("--mean-interval", type=float, default=5.0,
                     help="mean seconds between faults (exponential gaps)")
-    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--kinds", default=None,
+                    help=f"comma-separated fault kinds (default: {','.join(KINDS)}, and "
+                         f"{','.join(ETCD_KINDS)} with --rdzv-backend etcd)")
+    ap.add_argument("--rdzv-backend", choices=["c10d", "etcd"], default="c10d",
+                    help="c10d: the launcher hosts a TCPStore; etcd: a 3-member etcd cluster "
+                         "started here holds the rendezvous, the store and the wills")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-time", type=float, default=0.02)
     ap.add_argument("--hang-timeout", type=float, default=6.0,

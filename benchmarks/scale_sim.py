@@ -9,7 +9,12 @@ the real key layout of ``plugdist.membership``:
   ``wait`` for it; then leave its will (``hold_will(..., ttl=)``: one connection, renewed by the
   process's renewal thread every quarter ttl);
 * **liveness**: park one ``read_log`` on the death log, on the will's connection, as
-  membership's monitor does, and note when it has learnt of every victim;
+  membership's monitor does, and note when it has learnt of every victim. By default the
+  process's members park their reads through one epoll loop (``--monitor loop``: the same
+  LOG_READ frames on each member's own will connection, each reply parsed as it arrives);
+  ``--monitor threads`` runs ``Will.read_log`` on a thread per member instead, which adds the
+  cost of handing one GIL between 512 woken threads, a cost a real world (one member per
+  process) does not have;
 * **shrink**: append its uid to the epoch's arrival log; the coordinator (the first member)
   reads that log with parked waits until every survivor arrived, writes the decision with one
   compare-and-set and announces it in the death log, where every survivor's wait sees it.
@@ -39,7 +44,9 @@ import argparse
 import json
 import os
 import queue
+import selectors
 import signal
+import socket
 import statistics
 import sys
 import threading
@@ -50,6 +57,7 @@ from typing import Any
 from plugdist.errors import DistNetworkError, DistTimeoutError
 from plugdist.membership import DEATHS, _append_log, _epoch_key
 from plugdist.store import TCPStore, TCPStoreLimits
+from plugdist.store import _wire as w
 
 RDZV_COUNT = "plugdist/sim/rdzv/count"
 RDZV_GO = "plugdist/sim/rdzv/go"
@@ -108,6 +116,9 @@ class _Members:
         self.victims = set(args.victim_uids.split(",")) if args.victim_uids else set()
         # the process's few shared connections (a real member has its own main connection)
         self.shared: queue.Queue[TCPStore] = queue.Queue()
+        self.watch = _LogWatch(self) if args.monitor == "loop" else None
+        if self.watch is not None:
+            self.watch.start()
 
     def host(self, uid: str) -> str:
         return LOOPBACKS[int(uid) % len(LOOPBACKS)]
@@ -137,7 +148,10 @@ class _Members:
                 self.met_at[uid] = met
                 self.ready_at[uid] = time.monotonic()
                 self.lock.notify_all()
-            self._monitor(uid, will)
+            if self.watch is not None:
+                self.watch.add(uid, will)
+            else:
+                self._monitor(uid, will)
         except Exception as e:  # noqa: BLE001 - reported to the parent
             with self.lock:
                 self.errors.append(f"member {uid}: {e!r}")
@@ -159,7 +173,8 @@ class _Members:
         del store
 
     def _monitor(self, uid: str, will: Any) -> None:
-        """Membership's monitor: one parked read of the death log at a time."""
+        """Membership's monitor on a thread of its own: one parked read of the death log at a
+        time."""
         seen = 0
         dead: set[str] = set()
         while True:
@@ -171,20 +186,23 @@ class _Members:
                 if self.stopping:
                     return
                 raise
-            now = time.monotonic()
-            for raw in entries:
-                seen += 1
-                record = json.loads(raw)
-                if record["cause"] == "decided":
+            seen += len(entries)
+            self.learn(uid, dead, entries, time.monotonic())
+
+    def learn(self, uid: str, dead: set[str], entries: list[bytes], now: float) -> None:
+        """What member ``uid``'s monitor does with the death-log entries it read at ``now``."""
+        for raw in entries:
+            record = json.loads(raw)
+            if record["cause"] == "decided":
+                with self.lock:
+                    self.decided_at[uid] = now
+                    self.lock.notify_all()
+            else:
+                dead.add(record["uid"])
+                if self.victims <= dead and uid not in self.knew_at:
                     with self.lock:
-                        self.decided_at[uid] = now
+                        self.knew_at[uid] = now
                         self.lock.notify_all()
-                else:
-                    dead.add(record["uid"])
-                    if self.victims <= dead and uid not in self.knew_at:
-                        with self.lock:
-                            self.knew_at[uid] = now
-                            self.lock.notify_all()
 
     def wait_for(self, table: dict[str, float], deadline: float) -> None:
         with self.lock:
@@ -242,6 +260,94 @@ class _Members:
             self.shared.put(store)
 
 
+class _Watched:
+    __slots__ = ("uid", "conn", "buf", "seen", "dead")
+
+    def __init__(self, uid: str, conn: Any) -> None:
+        self.uid, self.conn = uid, conn
+        self.buf = bytearray()
+        self.seen = 0
+        self.dead: set[str] = set()
+
+
+class _LogWatch(threading.Thread):
+    """The parked death-log reads of every member of this process, on one epoll loop: each
+    member's LOG_READ goes on its own will connection (beside the renewals), and each reply is
+    parsed as it arrives and answered by the member's next LOG_READ."""
+
+    def __init__(self, group: _Members) -> None:
+        super().__init__(daemon=True)
+        self.group = group
+        self.sel = selectors.EpollSelector()
+        self.added: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.sel.register(self.wake_r, selectors.EVENT_READ, None)
+        self.quit = False
+        self.key = DEATHS.encode()
+
+    def add(self, uid: str, will: Any) -> None:
+        self.added.put((uid, will))
+        self.wake_w.send(b"x")
+
+    def stop(self) -> None:
+        self.quit = True
+        self.wake_w.send(b"x")
+        self.join(5.0)
+
+    def _ask(self, st: _Watched) -> None:
+        k = self.key
+        st.conn.send_control(w.HDR_F64_I64_BLOB.pack(20 + len(k), w.Op.LOG_READ, 30.0,
+                                                     st.seen + 1, len(k)) + k)
+
+    def _adopt(self) -> None:
+        while True:
+            try:
+                uid, will = self.added.get_nowait()
+            except queue.Empty:
+                return
+            st = _Watched(uid, will._conn)
+            self.sel.register(st.conn.sock, selectors.EVENT_READ, st)
+            self._ask(st)
+
+    def _read(self, st: _Watched) -> None:
+        try:
+            data = st.conn.sock.recv(65536, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        if not data:
+            raise ConnectionError(f"member {st.uid}: the server closed its will's connection")
+        st.buf += data
+        now = time.monotonic()
+        while len(st.buf) >= 5:
+            length, status = w.HEADER.unpack_from(st.buf)
+            if len(st.buf) < 5 + length:
+                return
+            body = bytes(st.buf[5:5 + length])
+            del st.buf[:5 + length]
+            if status == w.Status.OK:
+                entries, _ = w.unpack_blobs(body, 0, len(body))
+                st.seen += len(entries)
+                self.group.learn(st.uid, st.dead, entries, now)
+            elif status != w.Status.TIMEOUT:
+                raise RuntimeError(f"member {st.uid}: read_log: {body.decode(errors='replace')}")
+            self._ask(st)
+
+    def run(self) -> None:
+        try:
+            while not self.quit:
+                for key, _ in self.sel.select(1.0):
+                    if key.data is None:
+                        self.wake_r.recv(4096)
+                        self._adopt()
+                    else:
+                        self._read(key.data)
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            if not self.quit:
+                with self.group.lock:
+                    self.group.errors.append(f"monitor loop: {e!r}")
+                    self.group.lock.notify_all()
+
+
 def role_members(args: argparse.Namespace, inp: Any, out: Any) -> None:
     # the store's host has a core of its own in a real world; here thousands of members share
     # two with it, so they yield to it (raising one's niceness needs no privilege)
@@ -278,6 +384,8 @@ def role_members(args: argparse.Namespace, inp: Any, out: Any) -> None:
             reply = {"decided": list(group.decided_at.values()), "errors": group.errors[:5]}
         else:  # quit
             group.stopping = True
+            if group.watch is not None:
+                group.watch.stop()
             for will in list(group.wills.values()):
                 will.cancel()
             out.write(json.dumps({"bye": True}) + "\n")
@@ -424,10 +532,16 @@ def simulate(args: argparse.Namespace, impl: str = "plugdist") -> dict[str, Any]
         result["probe_ms_p99"] = round(_pct(lat, 0.99), 2)
         # a node dies: SIGKILL the process of its members
         node = children.pop()
+        cpu0, members_cpu0 = _cpu_seconds(server.pid), sum(_cpu_seconds(c.pid) for c in children)
         t_kill = time.monotonic()
         os.kill(node.pid, signal.SIGKILL)
         node.wait()
         replies = [c.ask({"cmd": "knew", "within": args.timeout}) for c in children]
+        # where the fan-out's time goes: the store's process, or the member processes that
+        # stand in for 16k hosts on 2 cores
+        result["death_server_cpu_s"] = round(_cpu_seconds(server.pid) - cpu0, 3)
+        result["death_members_cpu_s"] = round(
+            sum(_cpu_seconds(c.pid) for c in children) - members_cpu0, 3)
         knew = [t - t_kill for r in replies for t in r["knew"]]
         errors += [e for r in replies for e in r["errors"]]
         result["death_known_by"] = len(knew)
@@ -487,6 +601,9 @@ def main() -> None:
                    help="niceness the member processes add to their own (the server keeps its)")
     p.add_argument("--torch", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the rendezvous on torch's TCPStore (libuv)")
+    p.add_argument("--monitor", choices=["loop", "threads"], default="loop",
+                   help="members' death-log reads: one epoll loop per process (default) or "
+                        "Will.read_log on a thread per member")
     p.add_argument("--json", action="store_true", help="print one JSON line per world")
     args = p.parse_args()
     # torch's client warns once per connection that it cannot name its peer (no DNS here)

@@ -108,12 +108,14 @@ def test_read_log_answers_a_burst_and_a_will_cancelled_while_its_wait_is_parked_
 
 
 @pytest.mark.timeout(180)
-def test_scale_sim_runs_a_small_world() -> None:
-    """scale_sim end to end at 128 members: every survivor learns of the killed node and of the
+@pytest.mark.parametrize("monitor", ["loop", "threads"])
+def test_scale_sim_runs_a_small_world(monitor: str) -> None:
+    """scale_sim end to end at 128 members, with the members' death-log reads on one loop per
+    process and on Will.read_log threads: every survivor learns of the killed node and of the
     shrink's decision."""
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "scale_sim.py"), "--members", "128",
-         "--steady", "1", "--no-torch", "--json", "--timeout", "60"],
+         "--steady", "1", "--no-torch", "--json", "--timeout", "60", "--monitor", monitor],
         capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stderr[-3000:]
     row = json.loads(done.stdout.strip().splitlines()[-1])

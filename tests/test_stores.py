@@ -794,3 +794,30 @@ def test_cross_process_prefix_isolation(kind: str, tmp_path) -> None:
         assert all(o["num_keys"] >= 6 for o in outs)  # num_keys counts every namespace
     finally:
         base.close()
+
+
+@pytest.mark.timeout(30)
+def test_delete_prefix_drops_values_counters_and_queues_under_it(h: Handle) -> None:
+    """delete_prefix (how resilient training forgets old steps' votes) on every store that
+    offers it: the names under the prefix go, values, counters and queues alike, and nothing
+    else; the count is of names, as num_keys sees the values among them."""
+    s = h.store
+    try:
+        s.delete_prefix("nothing/")
+    except NotImplementedError:
+        pytest.skip(f"{h.kind}: no delete_prefix (optional)")
+    s.set("ep/1/a", "x")
+    s.set("ep/1/b/c", "y")
+    assert s.add("ep/1/n", 5) == 5
+    s.queue_push("ep/1/q", "one")
+    s.queue_push("ep/1/q", "two")
+    for kept in ("ep/2/a", "ep/10/a", "ep/1"):
+        s.set(kept, "kept")
+    s.queue_push("ep/2/q", "kept")
+    before = s.num_keys()
+    assert s.delete_prefix("ep/1/") == 4
+    assert s.num_keys() == before - 3   # queues are not counted by num_keys
+    assert not s.check(["ep/1/a"]) and not s.check(["ep/1/b/c"]) and s.queue_len("ep/1/q") == 0
+    assert s.add("ep/1/n", 1) == 1     # the counter starts again
+    assert h.peer().get("ep/2/a") == b"kept" and s.get("ep/10/a") == b"kept"
+    assert s.get("ep/1") == b"kept" and s.queue_len("ep/2/q") == 1

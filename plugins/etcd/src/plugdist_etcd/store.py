@@ -731,6 +731,40 @@ class EtcdStore(Store):
                     self._seen.pop(vkey, None)
                 return True
 
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key whose name starts with ``prefix``: values, their counter deltas and
+        queues (whose etcd keys carry the name's length first, so they are found by a keys-only
+        read of their area). Returns how many names went, a name that is both a value and a
+        queue once. Not atomic: meant for keys nobody uses any more (finished epochs, old
+        steps)."""
+        what = f"delete_prefix({prefix!r})"
+        start = self._vkey(prefix)
+        raw = start[len(self._p) + 2:]
+        with self._lock:
+            for vkey in [k for k in self._seen if k.startswith(start)]:
+                del self._seen[vkey]
+        values = self._call("kv/range", {"key": b64(start), "range_end": b64(prefix_end(start)),
+                                         "keys_only": True}, what)
+        gone = {unb64(kv.get("key"))[len(self._p) + 2:] for kv in values.get("kvs", [])}
+        ranges = [start]
+        for area in (b"q/", b"a/"):
+            base = self._p + area
+            found = self._call("kv/range", {"key": b64(base), "range_end": b64(prefix_end(base)),
+                                            "keys_only": True}, what)
+            names = set()
+            for kv in found.get("kvs", []):
+                length, _, tail = unb64(kv.get("key"))[len(base):].partition(b":")
+                name = tail[:int(length)] if length.isdigit() else b""
+                if name.startswith(raw):
+                    names.add(name)
+            ranges += [base + str(len(n)).encode() + b":" + n + b"/" for n in names]
+            if area == b"q/":
+                gone |= names
+        for first in ranges:
+            self._call("kv/deleterange", {"key": b64(first), "range_end": b64(prefix_end(first))},
+                       what)
+        return len(gone)
+
     def delete_all(self) -> int:
         """Delete every key of the job's prefix (the end of a job); returns how many."""
         data = self._call("kv/deleterange", {"key": b64(self._p),

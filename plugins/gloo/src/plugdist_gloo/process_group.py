@@ -11,6 +11,9 @@ from __future__ import annotations
 import ctypes
 import re
 import socket
+import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -99,10 +102,61 @@ def _rank_of_peer(message: str, peers: dict[int, list[bytes]]) -> int | None:
     return found.pop() if len(found) == 1 else None
 
 
-# aborted Gloo groups, kept until the process ends (see GlooProcessGroup._let_go); the list
-# holds one reference nobody owns, so not even interpreter shutdown runs their destructors
-_ABANDONED: list[tuple[Any, Any]] = []
+# seconds from an abort to the release of the aborted group: by then Gloo has failed every op of
+# the group whose connections were cut, and the ops' callbacks have run
+_RELEASE_AFTER = 3.0
+
+
+class _Abandoned:
+    __slots__ = ("pg", "bridge", "due")
+
+    def __init__(self, pg: Any, bridge: Any, due: float) -> None:
+        self.pg, self.bridge, self.due = pg, bridge, due
+
+
+# aborted Gloo groups waiting for their release (see GlooProcessGroup._let_go); the list holds
+# one reference nobody owns, so those still here when the process ends are never destroyed,
+# not even by interpreter shutdown
+_ABANDONED: list[_Abandoned] = []
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ABANDONED))
+_release_lock = threading.Condition()
+_releaser: list[threading.Thread] = []
+
+
+def _abandon(pg: Any, bridge: Any) -> None:
+    """Keep an aborted group (and the store Gloo uses) for ``_RELEASE_AFTER`` seconds, then let
+    it go on the releaser thread. Non-blocking."""
+    with _release_lock:
+        _ABANDONED.append(_Abandoned(pg, bridge, time.monotonic() + _RELEASE_AFTER))
+        if not _releaser:
+            thread = threading.Thread(target=_release_loop, name="plugdist-gloo-release",
+                                      daemon=True)
+            _releaser.append(thread)
+            thread.start()
+        _release_lock.notify()
+
+
+def _release_loop() -> None:
+    """Destroy aborted groups once due and referenced from ``_ABANDONED`` alone (a Work that a
+    caller kept holds its group: that one waits). The destructor joins Gloo's threads (torch
+    lets go of the GIL for it), so a survivor does not keep three idle threads per failure."""
+    while True:
+        with _release_lock:
+            now = time.monotonic()
+            # two references: the entry's, and getrefcount's argument
+            due = [a for a in _ABANDONED if a.due <= now and sys.getrefcount(a.pg) == 2]
+            for a in due:
+                _ABANDONED.remove(a)
+            later = [a.due for a in _ABANDONED]
+        for a in due:
+            a.pg = None       # the destructor runs here, on this thread
+            a.bridge = None   # after the group: Gloo may use the store until it is released
+        del due
+        with _release_lock:
+            if not _ABANDONED:
+                _release_lock.wait()
+            else:
+                _release_lock.wait(max(0.5, min(later, default=now) - time.monotonic()))
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -229,12 +283,12 @@ class GlooProcessGroup(ProcessGroup):
         """Release an aborted group without waiting. Its connections are cut first, so nothing
         of it stays in flight into this process's exit (see connections.py). Gloo's shutdown
         and destructor would still join its threads, which may sit in an op's error path for a
-        while, so the group is left to the process: ``_ABANDONED`` keeps it (and the store Gloo
-        uses) and is never emptied; a few idle threads per failure."""
+        while, so the group is handed to the releaser thread (``_abandon``), which destroys it
+        some seconds later, when Gloo has failed all it had in flight."""
         pg, self._pg = self._pg, None
         self._cut_connections()
         self._waiters.close(timeout=0.0)
-        _ABANDONED.append((pg, self._bridge))
+        _abandon(pg, self._bridge)
         self._bridge = None
         self._log.debug("aborted gloo group left to the process")
 
