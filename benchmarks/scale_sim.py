@@ -187,12 +187,11 @@ class _Members:
                     return
                 raise
             seen += len(entries)
-            self.learn(uid, dead, entries, time.monotonic())
+            self.learn(uid, dead, [json.loads(raw) for raw in entries], time.monotonic())
 
-    def learn(self, uid: str, dead: set[str], entries: list[bytes], now: float) -> None:
-        """What member ``uid``'s monitor does with the death-log entries it read at ``now``."""
-        for raw in entries:
-            record = json.loads(raw)
+    def learn(self, uid: str, dead: set[str], records: list[dict[str, Any]], now: float) -> None:
+        """What member ``uid``'s monitor does with the death-log records it read at ``now``."""
+        for record in records:
             if record["cause"] == "decided":
                 with self.lock:
                     self.decided_at[uid] = now
@@ -284,6 +283,9 @@ class _LogWatch(threading.Thread):
         self.sel.register(self.wake_r, selectors.EVENT_READ, None)
         self.quit = False
         self.key = DEATHS.encode()
+        # the records of a reply body, parsed once for the process: its members all get the
+        # same bodies, which real members (each on a host of its own) parse in parallel
+        self.parsed: dict[bytes, list[dict[str, Any]]] = {}
 
     def add(self, uid: str, will: Any) -> None:
         self.added.put((uid, will))
@@ -325,9 +327,15 @@ class _LogWatch(threading.Thread):
             body = bytes(st.buf[5:5 + length])
             del st.buf[:5 + length]
             if status == w.Status.OK:
-                entries, _ = w.unpack_blobs(body, 0, len(body))
-                st.seen += len(entries)
-                self.group.learn(st.uid, st.dead, entries, now)
+                records = self.parsed.get(body)
+                if records is None:
+                    entries, _ = w.unpack_blobs(body, 0, len(body))
+                    records = [json.loads(raw) for raw in entries]
+                    if len(self.parsed) > 256:
+                        self.parsed.clear()
+                    self.parsed[body] = records
+                st.seen += len(records)
+                self.group.learn(st.uid, st.dead, records, now)
             elif status != w.Status.TIMEOUT:
                 raise RuntimeError(f"member {st.uid}: read_log: {body.decode(errors='replace')}")
             self._ask(st)
