@@ -137,6 +137,20 @@ class Run:
             time.sleep(0.05)
         return False
 
+    def last_step(self) -> int:
+        """The highest committed step any worker recorded so far (-1 before the first)."""
+        last = -1
+        for f in self.samples.glob("*.jsonl"):
+            recs = _read_jsonl(f)
+            if recs:
+                last = max(last, recs[-1]["step"])
+        return last
+
+    def wait_steps(self, n: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None and self.last_step() < n:
+            time.sleep(0.25)
+
     def finish(self, timeout: float) -> int:
         self.stop_file.touch()
         try:
@@ -389,6 +403,10 @@ def soak(args: argparse.Namespace) -> int:
             if args.verbose:
                 print(f"[{at - began:7.1f}s] fault {n + 1}/{args.faults}: {kind}", flush=True)
         run.wait_members(args.nproc, 120)
+        # the final loss is compared where both runs are near the data's noise floor: a short
+        # run is still on the steep part of the curve, where a few steps at another world size
+        # (another global batch) move the loss more than the tolerance
+        run.wait_steps(args.min_steps, 300)
     finally:
         rc = run.finish(timeout=180)
         if etcd is not None:
@@ -450,6 +468,8 @@ def main() -> int:
     ap.add_argument("--loss-tolerance", type=float, default=0.005,
                     help="absolute, on the whole-set MSE: both runs end near the data's noise "
                          "floor (0.0025), from about 0.96 at the start")
+    ap.add_argument("--min-steps", type=int, default=1000,
+                    help="train at least this many committed steps before stopping")
     ap.add_argument("--dir", default=None, help="where the records go (default: a temp dir)")
     ap.add_argument("--json", default=None)
     ap.add_argument("-v", "--verbose", action="store_true")
