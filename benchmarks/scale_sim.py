@@ -54,6 +54,10 @@ import time
 from datetime import timedelta
 from typing import Any
 
+# torch's client warns once per connection that it cannot name its socket (no DNS here); torch
+# reads this as it loads, which importing plugdist does
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
 from plugdist.errors import DistNetworkError, DistTimeoutError
 from plugdist.membership import DEATHS, _append_log, _epoch_key
 from plugdist.store import TCPStore, TCPStoreLimits
@@ -79,9 +83,38 @@ def _pct(values: list[float], q: float) -> float:
 
 # ---- the store's process -------------------------------------------------------------------
 
+_NO_DNS = "/tmp/plugdist-scale-sim-resolv.conf"
+
+
+def _answer_names_at_once() -> str:
+    """Give this (single-threaded, just forked) process a resolver that answers at once.
+
+    torch's client asks DNS for the name of its own socket's address as it connects (for a log
+    line: an IPv4-mapped address that /etc/hosts does not list). This machine's DNS server
+    drops some queries under load, and each dropped one costs the resolver's 5 s timeout: the
+    figure would measure the resolver, not the store. In a mount namespace of its own, the
+    process reads a resolv.conf that names a local server that is not there, so each lookup
+    fails at once. Needs root; returns what was done, for the report."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, ms_rec, ms_private, ms_bind = 0x20000, 0x4000, 0x40000, 0x1000
+    with open(_NO_DNS, "w") as f:
+        f.write("nameserver 127.0.0.1\n")
+    if libc.unshare(clone_newns) != 0:
+        return f"system resolver (unshare: {os.strerror(ctypes.get_errno())})"
+    # keep the bind below out of the parent's namespace
+    libc.mount(b"none", b"/", None, ms_rec | ms_private, None)
+    if libc.mount(_NO_DNS.encode(), b"/etc/resolv.conf", None, ms_bind, None) != 0:
+        return f"system resolver (mount: {os.strerror(ctypes.get_errno())})"
+    return "no DNS server (lookups fail at once)"
+
+
 def role_server(args: argparse.Namespace, inp: Any, out: Any) -> None:
     if args.impl == "torch":
         import torch.distributed as tdist
+
+        _answer_names_at_once()
 
         store: Any = tdist.TCPStore("0.0.0.0", 0, None, True, timedelta(seconds=600),
                                     wait_for_workers=False, use_libuv=True)
@@ -120,15 +153,8 @@ class _Members:
         if self.watch is not None:
             self.watch.start()
 
-    def host(self, uid: str) -> str:
-        if self.args.impl == "torch":
-            # torch's server looks up each client's name: 127.0.0.1 is in /etc/hosts, the other
-            # loopback addresses would wait for a DNS server this machine cannot reach
-            return "127.0.0.1"
-        return LOOPBACKS[int(uid) % len(LOOPBACKS)]
-
     def store(self, uid: str) -> TCPStore:
-        return TCPStore(self.host(uid), self.args.port, None, False,
+        return TCPStore(LOOPBACKS[int(uid) % len(LOOPBACKS)], self.args.port, None, False,
                         timedelta(seconds=self.args.timeout), token="")
 
     def member(self, uid: str) -> None:
@@ -165,9 +191,9 @@ class _Members:
         import torch.distributed as tdist
 
         with self.gate:
-            store = tdist.TCPStore(self.host(uid), self.args.port, None, False,
-                                   timedelta(seconds=self.args.timeout), wait_for_workers=False,
-                                   use_libuv=True)
+            store = tdist.TCPStore(LOOPBACKS[int(uid) % len(LOOPBACKS)], self.args.port, None,
+                                   False, timedelta(seconds=self.args.timeout),
+                                   wait_for_workers=False, use_libuv=True)
             if store.add(RDZV_COUNT, 1) == self.args.members:
                 store.set(RDZV_GO, b"1")
         store.wait([RDZV_GO])
@@ -364,13 +390,14 @@ def role_members(args: argparse.Namespace, inp: Any, out: Any) -> None:
     # the store's host has a core of its own in a real world; here thousands of members share
     # two with it, so they yield to it (raising one's niceness needs no privilege)
     os.nice(args.member_nice)
+    resolver = _answer_names_at_once() if args.impl == "torch" else "not used"
     threading.stack_size(_STACK)
     group = _Members(args)
     threads = [threading.Thread(target=group.member, args=(u,), daemon=True)
                for u in group.uids]
     for t in threads:
         t.start()
-    out.write(json.dumps({"started": len(threads)}) + "\n")
+    out.write(json.dumps({"started": len(threads), "resolver": resolver}) + "\n")
     out.flush()
     for line in inp:
         cmd = json.loads(line)
@@ -512,8 +539,8 @@ def simulate(args: argparse.Namespace, impl: str = "plugdist") -> dict[str, Any]
         if impl != "torch":
             children.append(_Child(role_members, _members_args(args, impl, port, live, victims,
                                                                victim_uids)))
-        for c in children:
-            c.ask()  # threads started
+        started = [c.ask() for c in children]  # threads started
+        result["resolver"] = started[0]["resolver"]
         cpu0 = _cpu_seconds(server.pid)
         t_go = time.monotonic()
         for c in children:
@@ -618,8 +645,6 @@ def main() -> None:
                         "Will.read_log on a thread per member")
     p.add_argument("--json", action="store_true", help="print one JSON line per world")
     args = p.parse_args()
-    # torch's client warns once per connection that it cannot name its peer (no DNS here)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     sizes = args.members or [1024, 4096, 16384]
     rows = []
     for n in sizes:
@@ -631,6 +656,7 @@ def main() -> None:
             torch_row = simulate(one, "torch")
             row["torch_rendezvous_s"] = torch_row.get("rendezvous_s")
             row["torch_rendezvous_done"] = torch_row.get("rendezvous_done")
+            row["torch_resolver"] = torch_row.get("resolver")
             if "errors" in torch_row:
                 row["torch_errors"] = torch_row["errors"][:2]
         rows.append(row)

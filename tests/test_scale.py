@@ -112,10 +112,11 @@ def test_read_log_answers_a_burst_and_a_will_cancelled_while_its_wait_is_parked_
 def test_scale_sim_runs_a_small_world(monitor: str) -> None:
     """scale_sim end to end at 128 members, with the members' death-log reads on one loop per
     process and on Will.read_log threads: every survivor learns of the killed node and of the
-    shrink's decision."""
+    shrink's decision. The loop run also meets on torch's TCPStore, side by side."""
+    side_by_side = "--torch" if monitor == "loop" else "--no-torch"
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "scale_sim.py"), "--members", "128",
-         "--steady", "1", "--no-torch", "--json", "--timeout", "60", "--monitor", monitor],
+         "--steady", "1", side_by_side, "--json", "--timeout", "60", "--monitor", monitor],
         capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stderr[-3000:]
     row = json.loads(done.stdout.strip().splitlines()[-1])
@@ -124,3 +125,5 @@ def test_scale_sim_runs_a_small_world(monitor: str) -> None:
     assert row["death_known_by"] == 120 and row["shrink_decided_by"] == 120, row
     assert row["death_known_s_p99"] < 30 and row["shrink_s_max"] < 30, row
     assert 0 <= row["steady_server_cpu_pct"] < 100, row
+    if side_by_side == "--torch":
+        assert row["torch_rendezvous_done"] == 128 and "torch_errors" not in row, row
