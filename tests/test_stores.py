@@ -201,6 +201,23 @@ def test_wait_and_check(h: Handle) -> None:
     t.join()
 
 
+@pytest.mark.timeout(30)
+def test_wait_for_many_keys_set_one_by_one(h: Handle) -> None:
+    """A wait on 40 keys (more than etcd's gateway creates watchers for on one stream) returns
+    once another handle has set the last of them, one by one."""
+    s, other = h.store, h.peer()
+    keys = [f"many/{i}" for i in range(40)]
+
+    def set_all() -> None:
+        for k in reversed(keys):
+            other.set(k, "x")
+            time.sleep(0.01)
+    t = later(0.2, set_all)
+    s.wait(keys, timedelta(seconds=20))
+    assert s.check(keys)
+    t.join()
+
+
 @pytest.mark.timeout(20)
 def test_num_keys_and_delete_key(h: Handle) -> None:
     """delete_key on every store (FileStore included) returns whether the key existed; num_keys
@@ -821,3 +838,23 @@ def test_delete_prefix_drops_values_counters_and_queues_under_it(h: Handle) -> N
     assert s.add("ep/1/n", 1) == 1     # the counter starts again
     assert h.peer().get("ep/2/a") == b"kept" and s.get("ep/10/a") == b"kept"
     assert s.get("ep/1") == b"kept" and s.queue_len("ep/2/q") == 1
+
+
+@pytest.mark.timeout(30)
+def test_read_log_reads_from_start_to_the_first_gap_and_waits_for_the_first(h: Handle) -> None:
+    """read_log (how members read the death log) on every store: the entries from ``start`` up
+    to the first missing one, more than one batch of them; a wait for the next entry that
+    another handle appends; a timeout naming the missing entry."""
+    s = h.store
+    for i in range(1, 41):  # a log's writer counts, then writes (as a will does)
+        assert s.add("log", 1) == i
+        s.set(f"log/{i}", f"e{i}")
+    assert s.add("log", 2) == 42  # the writer of entry 41 has counted it, not written it
+    s.set("log/42", "after the gap")
+    assert s.read_log("log", 1, SHORT) == [f"e{i}".encode() for i in range(1, 41)]
+    assert s.read_log("log", 38, SHORT) == [b"e38", b"e39", b"e40"]
+    writer = later(0.3, lambda: h.peer().set("log/41", "e41"))
+    assert s.read_log("log", 41, timedelta(seconds=10)) == [b"e41", b"after the gap"]
+    writer.join()
+    with pytest.raises(DistTimeoutError, match="log/43"):
+        s.read_log("log", 43, SHORT)

@@ -72,6 +72,7 @@ class Endpoint:
         self._context = context if parts.scheme == "https" else None
         self._keep = keep
         self._idle: list[_Connection] = []
+        self._streams: set[_Connection] = set()  # open by stream(): close() ends them
         self._lock = threading.Lock()
         self._host_header = f"Host: {parts.netloc}\r\n".encode()
 
@@ -128,10 +129,11 @@ class Endpoint:
             conn.close()
             raise HTTPFailure(f"{type(err).__name__}: {err}",
                               timeout=isinstance(err, TimeoutError)) from None
+        with self._lock:
+            self._streams.add(conn)
         return self._lines(conn, length, chunked, deadline)
 
-    @staticmethod
-    def _lines(conn: _Connection, length: int, chunked: bool,
+    def _lines(self, conn: _Connection, length: int, chunked: bool,
                deadline: float) -> Generator[bytes, None, None]:
         reader = conn.reader
         buf = b""
@@ -160,8 +162,10 @@ class Endpoint:
                 if length == 0 and not chunked:
                     return
         except (OSError, ValueError):
-            return  # the deadline passed (a timeout), or the member went away
+            return  # the deadline passed (a timeout), the member went away, or close()
         finally:
+            with self._lock:
+                self._streams.discard(conn)
             conn.close()
 
     def _exchange(self, conn: _Connection, request: bytes, timeout: float) -> tuple[int, bytes]:
@@ -184,10 +188,18 @@ class Endpoint:
         return status, data
 
     def close(self) -> None:
+        """Close the idle connections and end the open streams: a thread reading one sees it
+        end at once."""
         with self._lock:
             idle, self._idle = self._idle, []
+            streams = list(self._streams)
         for conn in idle:
             conn.close()
+        for conn in streams:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader; it closes the socket
+            except OSError:
+                pass
 
 
 def _read_response(reader: io.BufferedReader) -> tuple[int, bytes, bool]:

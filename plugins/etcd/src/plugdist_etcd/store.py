@@ -49,6 +49,8 @@ from .will import EtcdWill
 
 __all__ = ["EtcdStore"]
 
+_WATCHERS_PER_STREAM = 16  # what etcd's JSON gateway creates reliably from one request
+_LOG_BATCH = 16    # entries of a numbered log read in one transaction
 _TXN_OPS = 64      # etcd refuses a transaction of more than 128 operations (its default)
 _SEEN_MAX = 4096   # revisions remembered for add/append guards
 _FOLD_AT = 16      # an add that sees a multiple of this many pending increments folds them
@@ -506,7 +508,9 @@ class EtcdStore(Store):
                 q = self._qkey(k)
                 creates.append({"key": b64(q), "range_end": b64(prefix_end(q)),
                                 "start_revision": str(revision + 1)})
-        for result in self._client.watch(creates, deadline):
+        # etcd's JSON gateway drops watchers past about 16 on one stream; the caller waits for
+        # every key, so being woken by the first few missing ones is enough
+        for result in self._client.watch(creates[:_WATCHERS_PER_STREAM], deadline):
             if result.get("events") or result.get("canceled"):
                 return
 
@@ -523,6 +527,31 @@ class EtcdStore(Store):
         ks = self._keys(keys)
         if ks:
             self._await(ks, timeout, "wait", "any")
+
+    def read_log(self, key: str, start: int, timeout: timedelta | None = None) -> list[bytes]:
+        """The numbered log's entries from ``start`` up to the first missing one (see
+        ``Store.read_log``): one transaction reads up to ``_LOG_BATCH`` of them; when the first
+        is missing, one watch waits for it, up to ``timeout`` (DistTimeoutError)."""
+        limit = to_seconds(timeout if timeout is not None else self.timeout)
+        deadline = time.monotonic() + limit
+        first = f"{key}/{start}"
+        self._vkey(first)
+        entries: list[bytes] = []
+        while True:
+            n = start + len(entries)
+            data = self._txn([], [_range(self._vkey(f"{key}/{i}"))
+                                  for i in range(n, n + _LOG_BATCH)], [],
+                             f"read_log({key!r})", self._request_deadline(deadline))
+            for response in data.get("responses", []):
+                kvs = _kvs(response)
+                if not kvs:
+                    break
+                entries.append(unb64(kvs[0].get("value")))
+            else:
+                continue  # the whole batch was there: read on
+            if entries:
+                return entries
+            self._watch_for([first], "value", _revision(data), deadline, "read_log", limit)
 
     def check(self, keys: Sequence[str]) -> bool:
         ks = self._keys(keys)
@@ -672,16 +701,41 @@ class EtcdStore(Store):
         self._txn([], [_delete(record), _delete(live)], [], "cancel will",
                   time.monotonic() + min(5.0, to_seconds(self.timeout)))
 
-    def _orphaned_wills(self) -> tuple[list[bytes], int]:
-        """The wills whose liveness key is gone (their holder died; not yet executed), and the
-        revision this was read at. One round trip."""
+    def _predecessor(self, wid: bytes) -> tuple[bytes | None, int]:
+        """The live will just before ``wid`` in the ring of liveness keys (ordered by id, the
+        last one before the first), None when ``wid`` is alone; and the revision this was read
+        at. One round trip."""
+        live = self._p + b"l/"
+        data = self._txn([], [_range(live, live + wid, keys_only=True, limit=1,
+                                     sort_order="DESCEND", sort_target="KEY"),
+                              _range(live, prefix_end(live), keys_only=True, limit=1,
+                                     sort_order="DESCEND", sort_target="KEY")], [],
+                         "will ring")
+        below, last = (_kvs(r) for r in data.get("responses", [{}, {}]))
+        found = below or last
+        pred = unb64(found[0].get("key"))[len(live):] if found else None
+        return (None if pred == wid else pred), _revision(data)
+
+    def _orphans_between(self, low: bytes, high: bytes) -> list[bytes]:
+        """The wills with ids strictly between ``low`` and ``high`` (around the end of the
+        ring when ``low`` >= ``high``) whose liveness key is gone: their holders died and the
+        will has not run yet. One round trip."""
         rec, live = self._p + b"w/", self._p + b"l/"
-        data = self._txn([], [_range(rec, prefix_end(rec), keys_only=True),
-                              _range(live, prefix_end(live), keys_only=True)], [], "will sweep")
+        spans = ([(low + b"\0", high)] if low < high else
+                 [(low + b"\0", None), (b"", high)])
+        ops = []
+        for start, end in spans:
+            for area in (rec, live):
+                ops.append(_range(area + start, area + end if end is not None else
+                                  prefix_end(area), keys_only=True))
+        data = self._txn([], ops, [], "will sweep")
         responses = data.get("responses", [])
-        held = {unb64(kv.get("key"))[len(live):] for kv in _kvs(responses[1])}
-        wills = [unb64(kv.get("key"))[len(rec):] for kv in _kvs(responses[0])]
-        return [w for w in wills if w not in held], _revision(data)
+        wills: list[bytes] = []
+        held: set[bytes] = set()
+        for i in range(0, len(responses), 2):
+            wills += [unb64(kv.get("key"))[len(rec):] for kv in _kvs(responses[i])]
+            held |= {unb64(kv.get("key"))[len(live):] for kv in _kvs(responses[i + 1])}
+        return [w for w in wills if w not in held]
 
     def _execute_will(self, wid: bytes) -> bool:
         """Run will ``wid`` if its liveness key is gone and nobody ran it yet: append its value

@@ -4,10 +4,17 @@ A will is two keys under the job's prefix ``P``: its record ``P w/<id>`` (what t
 which log; the job's lease) and its liveness key ``P l/<id>``, put with a lease of the holder's
 own that a thread renews every quarter of its TTL. When the holder dies, or stops running (a
 SIGSTOP, a thread that holds the GIL), for a TTL, etcd revokes the lease and deletes the
-liveness key. Every process that holds a will on the prefix watches ``P l/`` for deletions and
-executes the orphaned will (:meth:`EtcdStore._execute_will`: one guarded transaction, so it runs
-once however many watchers race). A watcher also sweeps for orphans each time it (re)opens its
-watch, so a holder that died before the others were watching is not missed.
+liveness key.
+
+The holders form a ring, ordered by will id: each watches the liveness keys from its
+predecessor's up to its own, and executes the will of a holder that goes there
+(:meth:`EtcdStore._execute_will`: one guarded transaction, so it runs once even if two
+holders try). A death therefore wakes one watcher, not every holder, and a holder's cost
+does not grow with the world. When its watched span changes (its predecessor died, a new
+holder came between), or every ``_WATCH_SPAN`` seconds, a holder looks up its predecessor again
+and sweeps its span for wills whose holders died unwatched (two neighbours dying together, a
+holder that died before its successor started watching). If a holder's successor is stopped
+too, its will runs when the successor's own lease ends: within two TTLs.
 
 Nobody runs the will of the last holder standing: there is no one left to read its log.
 """
@@ -43,10 +50,12 @@ class _WillStore(Protocol):
     def close(self) -> None: ...
     def _put_will(self, wid: bytes, key: str, value: bytes, lease: int) -> None: ...
     def _withdraw_will(self, wid: bytes) -> None: ...
-    def _orphaned_wills(self) -> tuple[list[bytes], int]: ...
+    def _predecessor(self, wid: bytes) -> tuple[bytes | None, int]: ...
+    def _orphans_between(self, low: bytes, high: bytes) -> list[bytes]: ...
     def _execute_will(self, wid: bytes) -> bool: ...
+    def read_log(self, key: str, start: int, timeout: timedelta | None = None) -> list[bytes]: ...
 
-_WATCH_SPAN = 5.0    # seconds one watch stays open before the watcher sweeps and watches again
+_WATCH_SPAN = 30.0   # seconds one watch stays open before the watcher looks and watches again
 _EXPIRY_CHECK = 0.5  # etcd looks for expired leases this often
 
 
@@ -107,25 +116,41 @@ class EtcdWill:
         # the watcher ends with its current watch (daemon: it never keeps the process alive)
         self._store.close()
 
-    # -- the watcher: runs the wills of holders that died ------------------------------------
+    def read_log(self, start: int, wait: float) -> list[bytes]:
+        """The entries of the will's log ``key`` from ``start`` (see ``Store.read_log``),
+        waiting up to ``wait`` seconds for the first (DistTimeoutError after that). Meant for
+        one reader thread, parked here: ``cancel()`` ends its wait at once (a DistStoreError:
+        the will's handle is closed)."""
+        return self._store.read_log(self.key, start, timedelta(seconds=wait))
+
+    # -- the watcher: runs the wills of the holders before this one in the ring --------------
     def _watch(self) -> None:
         store = self._store
         live = store._p + b"l/"
+        me = self.id
         while not self._stop.is_set():
             try:
-                orphans, revision = store._orphaned_wills()
-                for wid in orphans:
-                    self._run(wid)
-                creates = [{"key": b64(live), "range_end": b64(prefix_end(live)),
-                            "start_revision": str(revision + 1), "filters": ["NOPUT"]}]
+                pred, revision = store._predecessor(me)
+                spans: list[tuple[bytes, bytes | None]]
+                if pred is not None:
+                    for wid in store._orphans_between(pred, me):
+                        self._run(wid)
+                    spans = ([(pred, me)] if pred < me else [(pred, None), (b"", me)])
+                else:  # alone: wait for a holder to come
+                    spans = [(b"", None)]
+                creates = [{"key": b64(live + low),
+                            "range_end": b64(live + high if high is not None else
+                                             prefix_end(live)),
+                            "start_revision": str(revision + 1)} for low, high in spans]
                 for result in store._client.watch(creates, time.monotonic() + _WATCH_SPAN):
                     if self._stop.is_set():
                         return
-                    for event in result.get("events", []):
+                    events = result.get("events", [])
+                    for event in events:
                         if event.get("type") == "DELETE":
                             self._run(unb64(event.get("kv", {}).get("key"))[len(live):])
-                    if result.get("canceled"):
-                        break
+                    if events or result.get("canceled"):
+                        break  # the span changed: look again
             except DistError as err:
                 if self._stop.is_set():
                     return
