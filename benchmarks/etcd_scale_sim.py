@@ -49,7 +49,7 @@ from plugdist.membership import DEATHS
 from plugdist_etcd import EtcdStore
 from plugdist_etcd.client import EtcdClient, b64, prefix_end, unb64
 from plugdist_etcd.testing import EtcdCluster
-from scale_sim import _Child, _cpu_seconds, _pct
+from scale_sim import _Child, _cpu_seconds, _pct, shut_down
 
 PREFIX = "sim"
 RDZV_COUNT = "plugdist/sim/rdzv/count"
@@ -435,19 +435,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         probe.close()
         return result
     finally:
-        for c in children:
-            if c.alive():
-                try:
-                    c.send({"cmd": "quit"})
-                    c.ask()
-                except (OSError, RuntimeError):
-                    pass
-            c.stop()
-        try:
-            server.send({"cmd": "quit"})
-            server.wait()
-        except OSError:
-            server.stop()
+        shut_down(children, server)
 
 
 def main() -> None:

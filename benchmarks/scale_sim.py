@@ -606,18 +606,23 @@ def simulate(args: argparse.Namespace, impl: str = "plugdist") -> dict[str, Any]
         probe.quit.set()
         return result
     finally:
-        for c in children:
-            if c.alive():
-                try:
-                    c.send({"cmd": "quit"})
-                    c.ask()
-                except (OSError, RuntimeError):
-                    pass
-            c.stop()
-        try:
-            server.send({"cmd": "quit"})
-        except OSError:
-            pass
+        shut_down(children, server)
+
+
+def shut_down(children: list[_Child], server: _Child) -> None:
+    """End the member processes, then the store's (which stops what it serves on its way out)."""
+    for c in children:
+        if c.alive():
+            try:
+                c.send({"cmd": "quit"})
+                c.ask()
+            except (OSError, RuntimeError):
+                pass
+        c.stop()
+    try:
+        server.send({"cmd": "quit"})
+        server.wait()
+    except OSError:
         server.stop()
 
 
