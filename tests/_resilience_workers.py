@@ -272,7 +272,33 @@ def torch_ddp() -> None:
     final_barrier()
 
 
+def default_mode() -> None:
+    """Worlds built one after another in the same processes, each under another
+    PLUGDIST_RESILIENCE: which of them got resilient groups (a membership)."""
+    from plugdist.world import world
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr, files = os.environ["MASTER_ADDR"], os.environ["RESULT_DIR"]
+    worlds = {  # name: (PLUGDIST_RESILIENCE or None for unset, init_method)
+        "tcp_unset": (None, "env://"),
+        "tcp_off": ("0", f"tcp://{addr}:{os.environ['SECOND_PORT']}"),
+        "file_unset": (None, f"file://{files}/store_a"),
+        "file_on": ("1", f"file://{files}/store_b"),
+    }
+    got = {}
+    for name, (value, url) in worlds.items():
+        os.environ.pop("PLUGDIST_RESILIENCE", None)
+        if value is not None:
+            os.environ["PLUGDIST_RESILIENCE"] = value
+        dist.init_process_group(os.environ["BACKEND"], init_method=url, rank=rank,
+                                world_size=size, timeout=TIMEOUT)
+        got[name] = world.membership is not None
+        dist.barrier()
+        dist.destroy_process_group()
+    _write(f"rank{rank}", {"resilient": got})
+
+
 if __name__ == "__main__":
-    {"kill_shrink_grow": kill_shrink_grow, "excluded_alive": excluded_alive,
-     "die_during_shrink": die_during_shrink, "die_after_agreeing": die_after_agreeing,
-     "torch_ddp": torch_ddp}[sys.argv[1]]()
+    {"default_mode": default_mode, "kill_shrink_grow": kill_shrink_grow,
+     "excluded_alive": excluded_alive, "die_during_shrink": die_during_shrink,
+     "die_after_agreeing": die_after_agreeing, "torch_ddp": torch_ddp}[sys.argv[1]]()

@@ -13,9 +13,11 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,10 +69,26 @@ class Hosts:
         for ns in self.ns:   # deleting a namespace deletes its veth end, and so the pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
-    def popen(self, host: int, argv: list[str]) -> subprocess.Popen[str]:
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": "pdnet"}
-        return subprocess.Popen(["ip", "netns", "exec", self.ns[host], *argv], env=env,
+    def popen(self, host: int, argv: list[str],
+              env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "pdnet", **(env or {})}
+        return subprocess.Popen(["ip", "netns", "exec", self.ns[host], *argv], env=full_env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def partition(self, cut: bool) -> None:
+        """Cut (``True``) or heal the network between the hosts: a queue that holds no packet
+        on each end drops everything sent either way, as a partition does (connections stay
+        open; nothing tells either side)."""
+        for ns in self.ns:
+            if cut:
+                self._ip_tc(ns, "replace", "pfifo", "limit", "0")
+            else:
+                subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", "pdnet", "root"],
+                               capture_output=True, timeout=10)
+
+    def _ip_tc(self, ns: str, action: str, *qdisc: str) -> None:
+        subprocess.run(["tc", "-n", ns, "qdisc", action, "dev", "pdnet", "root", *qdisc],
+                       check=True, capture_output=True, text=True, timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -287,3 +305,92 @@ def test_replace_failed_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
     sizes = [x["world_size"] for x in steps]
     assert sizes[0] == 4 and 3 in sizes and sizes[-10:] == [4] * 10, sizes
     assert "starting a replacement" in results[1][1], results[1][1][-3000:]
+
+
+class _Lines:
+    """Collects a process's output lines on a thread of its own, so a test can wait for one."""
+
+    def __init__(self, stream: Any) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def text(self) -> str:
+        self._thread.join(10)
+        return "".join(self.lines)
+
+    def records(self) -> list[dict[str, Any]]:
+        return [json.loads(x[x.index("{"):]) for x in list(self.lines) if "{" in x]
+
+
+def _wait_for(what: str, ok: Callable[[], bool], timeout: float,
+              procs: list[subprocess.Popen[str]]) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            raise AssertionError(f"never saw {what} (launchers' exit codes: "
+                                 f"{[p.poll() for p in procs]})")
+        time.sleep(0.05)
+
+
+@pytest.mark.resilience
+@pytest.mark.timeout(300)
+def test_a_host_cut_off_by_a_partition_is_excluded_then_replaced(hosts: Hosts,
+                                                                  tmp_path: Path) -> None:
+    """2 hosts x 2 workers of examples/resilient_train.py under --replace-failed. The network
+    between the hosts drops every packet (both ways) until the survivors on the first host
+    have shrunk past the cut-off workers and trained on; then it heals. The cut-off workers
+    learn that they were excluded and leave (exit 75), their launcher replaces them, the
+    replacements join across the hosts, and the world is full again: one set of parameters
+    everywhere, steps in order."""
+    _gloo()
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "resilient_train.py")
+    stop = tmp_path / "stop"
+    # the launchers' own liveness outlasts the partition: the workers' resilience handles it
+    conf = "keep_alive_interval=1,keep_alive_max_attempt=600"
+    argv = [*LAUNCHER, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{hosts.addr[0]}:29403", "--rdzv-id", "cut", "--rdzv-conf", conf,
+            "--replace-failed", "--max-restarts", "2", "--monitor-interval", "0.05", example,
+            "--steps", "100000", "--max-steps", "100000", "--stop-file", str(stop),
+            "--hidden", "32", "--step-time", "0.05"]
+    env = {"PLUGDIST_HEARTBEAT_TIMEOUT": "3"}
+    procs = [hosts.popen(h, argv, env) for h in (0, 1)]
+    out = [_Lines(p.stdout) for p in procs]
+    err = [_Lines(p.stderr) for p in procs]
+    cut_at = healed_at = 0
+    try:
+        def sizes_since(n: int) -> list[int]:
+            return [r["world_size"] for r in out[0].records()[n:] if "step" in r]
+
+        _wait_for("a 4-rank step", lambda: 4 in sizes_since(0), 120, procs)
+        cut_at = len(out[0].records())
+        hosts.partition(True)
+        _wait_for("the survivors training on as 2 ranks", lambda: 2 in sizes_since(cut_at),
+                  60, procs)
+        hosts.partition(False)
+        healed_at = len(out[0].records())
+        _wait_for("5 steps of the full world after the heal",
+                  lambda: sizes_since(healed_at).count(4) >= 5, 120, procs)
+        stop.touch()
+        for p in procs:
+            p.wait(60)
+    finally:
+        hosts.partition(False)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    texts = [e.text() for e in err]
+    for p, text in zip(procs, texts, strict=True):
+        assert p.returncode == 0, text[-4000:]
+    records = out[0].records() + out[1].records()
+    steps = [r for r in out[0].records() if "step" in r and "final" not in r]
+    assert [r["step"] for r in steps] == list(range(len(steps))), "steps out of order"
+    finals = [r for r in records if r.get("final")]
+    assert len(finals) == 4 and len({f["params_sha1"] for f in finals}) == 1, finals
+    excluded = [r for r in out[1].records() if "excluded" in r]
+    assert len(excluded) == 2, (excluded, texts[1][-3000:])
+    assert texts[1].count("starting a replacement") == 2, texts[1][-3000:]

@@ -184,6 +184,27 @@ def test_rank_dies_after_agreeing(tmp_path: Path) -> None:
 
 
 @pytest.mark.resilience
+@pytest.mark.timeout(120)
+def test_resilient_groups_are_on_by_default_where_the_store_expires_wills(
+        tmp_path: Path) -> None:
+    """Unset: on for a TCPStore world, off for a FileStore one (its wills cannot expire);
+    PLUGDIST_RESILIENCE=0 turns them off, =1 on for any store."""
+    found = run_scenario(tmp_path, "default_mode", 2, "gloo",
+                         extra_env={"SECOND_PORT": str(free_port())})
+    want = {"tcp_unset": True, "tcp_off": False, "file_unset": False, "file_on": True}
+    assert [found[f"rank{r}"]["resilient"] for r in range(2)] == [want, want]
+
+
+def test_a_misspelt_resilience_setting_is_refused_with_the_choices() -> None:
+    from plugdist.membership import resilience_mode
+
+    assert [resilience_mode({"PLUGDIST_RESILIENCE": v}) for v in ("", "1", "off")] == [
+        "auto", "on", "off"]
+    with pytest.raises(ValueError, match="PLUGDIST_RESILIENCE='maybe': use 1"):
+        resilience_mode({"PLUGDIST_RESILIENCE": "maybe"})
+
+
+@pytest.mark.resilience
 @pytest.mark.timeout(260)
 def test_excluded_rank_that_is_alive_gets_a_clear_error(tmp_path: Path) -> None:
     found = run_scenario(tmp_path, "excluded_alive", 3, "gloo")

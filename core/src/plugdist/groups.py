@@ -20,6 +20,7 @@ from . import flight_recorder, log
 from . import membership as _membership
 from .debug_level import DebugLevel, get_debug_level
 from .errors import DistError, DistTimeoutError, timed_out, where
+from .launcher.error_file import mark_resilient
 from .log import get_logger
 from .process_group import DEFAULT_TIMEOUT, GroupOptions, ProcessGroup
 from .registry import BACKENDS, RENDEZVOUS, STORES, Backend, PluginNotFoundError, registry
@@ -204,10 +205,12 @@ def init_world(backend: str | None = None, init_method: str | None = None,
     world.owned_store = owned
     world.group_options = pg_options
     try:
-        if world_size > 1 and _membership.enabled():
-            start_membership(_membership.Membership(store, str(rank),
-                                                    [str(r) for r in range(world_size)]))
-            store.compare_set(_membership.CURRENT, b"", b"0")
+        resilience = _membership.resilience_mode()
+        if world_size > 1 and resilience != "off":
+            m = _membership.Membership(store, str(rank), [str(r) for r in range(world_size)])
+            if m.start(only_with_store_liveness=resilience == "auto"):
+                start_membership(m, started=True)
+                store.compare_set(_membership.CURRENT, b"", b"0")
         pg = _build_group(name, tuple(range(world_size)), group_name or "0", timeout, pg_options)
     except BaseException:
         _stop_membership()
@@ -228,6 +231,7 @@ def start_membership(m: _membership.Membership, started: bool = False) -> None:
     world.membership = m
     _note_uncaught_exceptions()
     atexit.register(_leave_at_exit, m)
+    mark_resilient(m.uid)
 
 
 def _stop_membership() -> None:

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Membership", "Decision", "WorldClosedError", "GuardedPrefixStore", "request_join",
            "group_prefix", "INTERVAL_ENV", "HANG_TIMEOUT_ENV", "RESILIENCE_ENV",
-           "enabled"]
+           "resilience_mode", "off_hint"]
 
 RESILIENCE_ENV = "PLUGDIST_RESILIENCE"
 INTERVAL_ENV = "PLUGDIST_HEARTBEAT_INTERVAL"
@@ -89,12 +89,28 @@ _STORE_GRACE = 10.0  # seconds a guarded wait rides out a store that does not an
 _QUIET_INTERVAL = 0.5
 
 
-def enabled(env: Mapping[str, str] | None = None) -> bool:
-    """Whether worlds get a membership: with ``PLUGDIST_RESILIENCE=1`` (``plugdist-run
-    --replace-failed`` sets it for its workers), read from ``env`` (default: this process's
-    environment). Off by default in this version: see docs/resilience.md."""
-    value = (os.environ if env is None else env).get(RESILIENCE_ENV, "0")
-    return value.strip().lower() in ("1", "true", "yes", "on")
+def resilience_mode(env: Mapping[str, str] | None = None) -> str:
+    """How ``PLUGDIST_RESILIENCE`` (read from ``env``, default this process's environment) sets
+    resilient groups: ``"auto"`` (unset, the default: on where the world's store holds wills
+    that expire, a TCPStore or etcd), ``"on"`` (``1``: on for any store, with heartbeats where
+    its wills cannot expire) or ``"off"`` (``0``)."""
+    value = (os.environ if env is None else env).get(RESILIENCE_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("1", "true", "yes", "on"):
+        return "on"
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    raise ValueError(f"{RESILIENCE_ENV}={value!r}: use 1 (on for every store), 0 (off) or leave "
+                     f"it unset (on where the store's wills expire: TCPStore, etcd)")
+
+
+def off_hint(what: str) -> str:
+    """The error's text when ``what`` needs resilient groups and this process has none."""
+    return (f"{what} needs resilient groups, which are off in this process: they are on by "
+            f"default where the world's store holds wills that expire (TCPStore, etcd) unless "
+            f"{RESILIENCE_ENV}=0; {RESILIENCE_ENV}=1 before init_process_group turns them on "
+            f"for any store; and they need a world of more than one rank")
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -176,9 +192,11 @@ class Membership:
         self._log = get_logger(rank=self.rank_of(uid) if uid in self.members else -1)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, only_with_store_liveness: bool = False) -> bool:
         """Leave the will (with a ttl of ``hang_timeout``) and start the monitor. Blocks for a
-        few store round trips."""
+        few store round trips. ``only_with_store_liveness``: where the store's wills do not
+        expire (no will, or one without ``liveness_timeout``), start nothing and return False
+        instead of falling back to heartbeats. True when started."""
         try:
             self._will = _hold_will(self.store, DEATHS,
                                     json.dumps({"uid": self.uid, "cause": "died"}),
@@ -186,6 +204,11 @@ class Membership:
         except NotImplementedError:
             self._will = None  # heartbeats alone
         self.store_liveness = getattr(self._will, "liveness_timeout", None)
+        if only_with_store_liveness and self.store_liveness is None:
+            if self._will is not None:
+                self._will.cancel()
+                self._will = None
+            return False
         will_reader = getattr(self._will, "read_log", None)
         if will_reader is not None and self.store_liveness is not None:
             # one parked wait at a time on the will's own connection; cancel() ends it
@@ -208,6 +231,7 @@ class Membership:
         self._thread = threading.Thread(target=self._run, name=f"plugdist-membership-{self.uid}",
                                         daemon=True)
         self._thread.start()
+        return True
 
     def stop(self, withdraw: bool = True) -> None:
         """Withdraw the will and stop the monitor. Idempotent; blocks up to a second.

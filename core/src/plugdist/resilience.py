@@ -22,7 +22,7 @@ from typing import Any
 from . import groups
 from .errors import DistError
 from .log import get_logger, lifecycle
-from .membership import Decision, Membership, request_join
+from .membership import Decision, Membership, off_hint, request_join
 from .process_group import GroupOptions, ProcessGroup
 from .registry import BACKENDS, Backend, registry
 from .store import Store
@@ -40,9 +40,7 @@ def _membership(what: str) -> Membership:
         raise DistError(f"{pg.where(what)} {what} is not available on this backend: {refusal}")
     m = world.membership
     if m is None:
-        raise DistError(f"{what} needs resilient groups, which are off in this process: set "
-                        f"PLUGDIST_RESILIENCE=1 before init_process_group (plugdist-run "
-                        f"--replace-failed sets it), in a world of more than one rank")
+        raise DistError(off_hint(what))
     return m
 
 

@@ -5,7 +5,8 @@ Each round: rendezvous (:mod:`.rendezvous`), start ``nproc_per_node`` workers, w
 (round + 1, ``TORCHELASTIC_RESTART_COUNT`` + 1) while restarts are left. A lost node, or a node
 waiting to join a world smaller than MAX, ends the round too, without using a restart.
 
-With resilient groups on (``PLUGDIST_RESILIENCE``, which ``--replace-failed`` turns on), a
+With resilient groups on in the workers (each tells the launcher by creating its
+``PLUGDIST_RESILIENT_MARK`` file: see :func:`.error_file.mark_resilient`), a
 worker killed by a signal does not end the round: ``--replace-failed`` starts a replacement
 that joins the running world while ``--max-restarts`` allows (replacements and restarts share
 that budget), and otherwise the others go on without it (they shrink). A worker that exits
@@ -35,7 +36,7 @@ from typing import IO, Any
 
 from ..errors import DistExcludedError
 from .config import LaunchConfig
-from .error_file import ERROR_FILE_VAR, read_error_file
+from .error_file import ERROR_FILE_VAR, RESILIENT_MARK_VAR, read_error_file
 from .logs import Duplicate, Sink, plan_streams, pump
 from .numa import cpus_for_workers, spawning_bound_to
 from .rendezvous import Assignment, RendezvousError, RendezvousInterrupted, StoreRendezvous
@@ -63,14 +64,6 @@ _WATCHDOG = (
 
 class LaunchError(RuntimeError):
     """The launcher could not start a worker."""
-
-
-def resilience_enabled(env: dict[str, str]) -> bool:
-    """Whether the workers run resilient groups (the core's ``PLUGDIST_RESILIENCE`` rule, read
-    from the workers' environment)."""
-    from ..membership import enabled
-
-    return enabled(env)
 
 
 def _round_news(rdzv: StoreRendezvous, a: Assignment) -> str | None:
@@ -196,6 +189,8 @@ class _Worker:
         self.proc = proc
         self.pgid = proc.pid          # start_new_session: the worker leads its own group
         self.error_file = error_file
+        # created by the worker once it runs resilient groups (see plugdist.membership)
+        self.resilient_mark = os.path.join(os.path.dirname(error_file), "resilient")
         self.returncode: int | None = None
         self.released = False         # the watchdog was told this group is gone
         self.failed = False
@@ -210,6 +205,11 @@ class _Worker:
         if self.returncode is None:
             self.returncode = self.proc.poll()
         return self.returncode
+
+    def runs_resilient_groups(self) -> bool:
+        """Whether this worker told us (through its mark) that it runs resilient groups: then
+        it shrinks past a dead peer instead of failing with it."""
+        return os.path.exists(self.resilient_mark)
 
     def drain(self, timeout: float) -> None:
         for t in self.readers:
@@ -535,8 +535,9 @@ class Agent:
             return True
         lost = w.returncode is not None and (w.returncode < 0
                                              or w.returncode == DistExcludedError.exit_code)
-        others = any(o.poll() is None for o in self.workers if o is not w)
-        if not (lost and others and resilience_enabled(base)):
+        others = any(o.poll() is None and o.runs_resilient_groups()
+                     for o in self.workers if o is not w)
+        if not (lost and others):
             return False
         self._keep_tmp = True
         w.failed = w.left_behind = True
@@ -592,6 +593,7 @@ class Agent:
             PLUGDIST_AGENT_STORE=a.agent_store, PLUGDIST_RDZV_ROUND=str(a.round),
         )
         env[ERROR_FILE_VAR] = error_file
+        env[RESILIENT_MARK_VAR] = os.path.join(os.path.dirname(error_file), "resilient")
         if cfg.virtual_local_rank:
             env["LOCAL_RANK"] = "0"
             env["CUDA_VISIBLE_DEVICES"] = self._own_gpu(local_rank)

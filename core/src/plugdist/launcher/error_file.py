@@ -1,4 +1,5 @@
-"""The error file: how a worker tells its launcher why it failed.
+"""The error file: how a worker tells its launcher why it failed (and the resilient mark: that
+it runs resilient groups, so its death need not end the others).
 
 The launcher gives every worker ``TORCHELASTIC_ERROR_FILE``, a path of its own. A worker
 function decorated with :func:`record` (or torch's ``torch.distributed.elastic.multiprocessing
@@ -18,9 +19,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["ERROR_FILE_VAR", "read_error_file", "record", "write_error_file"]
+__all__ = ["ERROR_FILE_VAR", "RESILIENT_MARK_VAR", "mark_resilient", "read_error_file",
+           "record", "write_error_file"]
 
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
+RESILIENT_MARK_VAR = "PLUGDIST_RESILIENT_MARK"
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -83,3 +86,17 @@ def read_error_file(path: str) -> tuple[str, list[str]] | None:
     extra = msg.get("extraInfo") or {}
     tb = str(extra.get("py_callstack") or "")
     return str(msg.get("message", "")), tb.rstrip("\n").splitlines()
+
+
+def mark_resilient(uid: str) -> None:
+    """Tell the launcher that this process runs resilient groups (as member ``uid``): creates
+    the file named by ``PLUGDIST_RESILIENT_MARK``, where the launcher set it. The launcher then
+    lets the others go on past this worker's death, and past theirs this one. Never raises."""
+    path = os.environ.get(RESILIENT_MARK_VAR)
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(uid)
+    except OSError:
+        pass  # the launcher then ends the round on a peer's death, as without resilience

@@ -32,6 +32,7 @@ import torch
 
 from ..errors import DistError, DistRankFailureError
 from ..log import get_logger
+from ..membership import off_hint
 from ..world import world
 
 __all__ = ["ResilientTraining", "ElasticSampler", "BelowMinWorldSizeError"]
@@ -144,10 +145,7 @@ class ResilientTraining:
                  min_world_size: int = 1, timeout: timedelta | None = None) -> None:
         pg = world.require("ResilientTraining")
         if world.membership is None:
-            raise DistError("ResilientTraining needs resilient groups, which are off in this "
-                            "process: set PLUGDIST_RESILIENCE=1 before init_process_group "
-                            "(plugdist-run --replace-failed sets it), in a world of more than "
-                            "one rank")
+            raise DistError(off_hint("ResilientTraining"))
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
         self._user_state, self._user_load = state_dict, load_state_dict
         self.min_world_size = min_world_size
