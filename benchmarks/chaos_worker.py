@@ -2,8 +2,9 @@
 
 Adds to the example what the soak's fault injector and invariant checks need, in ``CHAOS_DIR``:
 
-* ``<pid>.start``: written at start (``{"pid", "joining", "time"}``): how the injector finds
-  the workers, and which are replacements not yet in the world;
+* ``<pid>.start``: written at start (``{"pid", "start_time", "joining", "time"}``): how the
+  injector finds the workers (a pid whose start time no longer matches is another process or a
+  thread now), and which are replacements not yet in the world;
 * ``<pid>.events``: one JSON line per discarded attempt (``shrink``) and, on rank 0 every 25
   committed steps, the store's key count (``keys``);
 * SIGUSR1 holds the GIL for ``CHAOS_GIL_S`` seconds (a stall in C code: no thread of the
@@ -26,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import chaos  # noqa: E402
 import resilient_train  # noqa: E402
 from plugdist.parallel import fault_tolerant  # noqa: E402
 
@@ -46,7 +49,8 @@ def _hold_the_gil(signum: int, frame: Any) -> None:
 
 def main() -> None:
     with open(os.path.join(OUT, f"{PID}.start"), "w") as f:
-        json.dump({"pid": PID, "joining": os.environ.get("PLUGDIST_JOIN") == "1",
+        json.dump({"pid": PID, "start_time": chaos.start_time(PID),
+                   "joining": os.environ.get("PLUGDIST_JOIN") == "1",
                    "time": time.time()}, f)
     signal.signal(signal.SIGUSR1, _hold_the_gil)
     cls = fault_tolerant.ResilientTraining

@@ -1,5 +1,6 @@
 """The chaos soak (benchmarks/chaos.py), short: one round of every fault kind on gloo under
-plugdist-run --replace-failed, and every invariant checked from the workers' records."""
+plugdist-run --replace-failed, a leader kill on an etcd store, and Open MPI worlds under ULFM;
+every invariant checked from the workers' records."""
 
 from __future__ import annotations
 
@@ -53,3 +54,18 @@ def test_the_etcd_leader_killed_under_training_on_an_etcd_store(tmp_path: Path) 
                   "--faults", "2", "--mean-interval", "2", "--seed", "1", timeout=380)
     assert report["faults_by_kind"] == {"etcd_leader": 1, "kill": 1}, report
     assert report["rdzv_backend"] == "etcd" and report["final_world"] == 4, report
+
+
+@pytest.mark.timeout(300)
+def test_open_mpi_under_ulfm_worlds_shrink_past_kills_and_segfaults(tmp_path: Path) -> None:
+    """--backend mpi: two worlds of 4 ranks under mpiexec --with-ft ulfm, each shrunk to 2 by a
+    SIGKILL and a SIGSEGV; every invariant holds in each world (the final loss against a
+    fault-free run at the same world sizes)."""
+    prefix = Path(sys.prefix) / "ulfm"
+    if not (prefix / "bin" / "mpiexec").exists() or not sorted((prefix / "lib").glob(
+            "libmpi.so.*")):
+        pytest.skip(f"needs Open MPI 5 in {prefix} (make venv installs it)")
+    report = soak(tmp_path, "--backend", "mpi", "--faults", "4", "--mean-interval", "2",
+                  "--seed", "1", timeout=280)
+    assert report["faults_by_kind"] == {"kill": 2, "segv": 2}, report
+    assert report["worlds"] == 2 and report["committed_steps"] > 0, report

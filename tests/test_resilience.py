@@ -371,3 +371,101 @@ def test_a_failure_reported_by_a_backend_reaches_every_member() -> None:
     assert json.loads(store.get(f"{DEATHS}/1"))["cause"] == "reported"
     other._read_deaths(store)
     assert other.failed_ranks() == [2] and "MPI_ERR_PROC_FAILED" in other.failed["2"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["tcp", "hash"])
+def test_the_stores_keys_stay_bounded_over_many_shrinks_and_grows(monkeypatch, kind) -> None:  # type: ignore[no-untyped-def]
+    """Membership on a real store (a TCPStore, whose wills and parked reads serve liveness; a
+    HashStore, with heartbeats), one thread per member, through rounds of: a member dies (its
+    will's record is appended), the survivors shrink, a joiner is admitted. The death log keeps
+    counting, but its old entries, the join tickets, the claims and the heartbeats go: the
+    store's keys stay flat. Every member learns every death, and a process excluded long ago,
+    whose next entry was deleted, skips to what is left and learns that it is out."""
+    import threading
+    from datetime import timedelta
+
+    from plugdist import HashStore, Store, TCPStore
+    from plugdist import membership as mm
+
+    monkeypatch.setattr(mm, "_PARKED_WAIT", 1.0)  # a stranded reader looks again within 1 s
+    limit = timedelta(seconds=30)
+    tcp = TCPStore("127.0.0.1", 0, None, is_master=True, timeout=limit) if kind == "tcp" else None
+    master: Store = tcp or HashStore()
+    stores = [master]
+
+    def client() -> Store:
+        if tcp is None:
+            return master
+        stores.append(TCPStore("127.0.0.1", tcp.port, None, timeout=limit))
+        return stores[-1]
+
+    def concurrently(calls: list[Any]) -> list[Any]:
+        out: list[Any] = [None] * len(calls)
+
+        def run(i: int) -> None:
+            try:
+                out[i] = calls[i]()
+            except BaseException as err:  # noqa: BLE001 - reported below
+                out[i] = err
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        errors = [o for o in out if isinstance(o, BaseException)]
+        assert not errors, errors
+        return out
+
+    def eventually(what: Any, seconds: float = 10.0) -> bool:
+        deadline = time.monotonic() + seconds
+        while not what():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    first = ["0", "1", "2", "3"]
+    world = [mm.Membership(client(), u, first) for u in first]
+    stale: mm.Membership | None = None
+    try:
+        for m in world:
+            m.start()
+        keys, logged, victims = [], [], []
+        for round_ in range(8):
+            victim = world.pop(round_ % len(world))
+            victim.stop()
+            victims.append(victim.uid)
+            mm._append_log(master, mm.DEATHS, json.dumps({"uid": victim.uid, "cause": "died"}))
+            concurrently([lambda m=m: m.enter(m.agree_shrink(None, limit)) for m in world])
+            for m in world:
+                assert eventually(lambda m=m, v=victim.uid: v in m.failed), (m.uid, victim.uid)
+            ticket = f"plugdist/join/{round_ + 1}"
+            joined = concurrently([lambda: mm.request_join(client(), limit)] + [
+                lambda m=m, t=ticket: eventually(lambda: master.check([t])) and m.enter(
+                    m.agree_grow(limit)) for m in world])
+            joiner, decision = joined[0]
+            joiner.enter(decision)
+            world.append(joiner)
+            assert [m.epoch for m in world] == [2 * round_ + 2] * 4
+            keys.append(master.num_keys())
+            logged.append(master.add(mm.DEATHS, 0))
+        assert logged[-1] >= 3 * 8, logged  # a death, a decision and a join request a round
+        assert max(keys[2:]) <= keys[1] + 4, f"the store's keys grew: {keys}"
+        trim = json.loads(master.get(mm._TRIM))
+        assert trim["log"] >= logged[-3] and trim["tickets"] >= 5, (trim, logged)
+        gone = [f"{mm.DEATHS}/1", "plugdist/join/1", "plugdist/join/1/admitted",
+                "plugdist/epoch/1/members"]
+        assert not [k for k in gone if master.check([k])]
+        # member "0" was stopped (and declared dead) in round 0; it comes back as it was then
+        stale = mm.Membership(client(), "0", first)
+        stale.start()
+        assert eventually(lambda: stale.excluded_reason is not None
+                          and stale._seen_deaths >= trim["log"]), (stale._seen_deaths, trim)
+        # the last death came after the last trim: read from the log
+        assert eventually(lambda: victims[-1] in stale.failed), (victims, stale.failed)
+    finally:
+        for m in world + ([stale] if stale else []):
+            m.stop()
+        for store in reversed(stores):
+            store.close()

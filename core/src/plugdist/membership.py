@@ -36,8 +36,16 @@ parked waits until every member it does not know failed has arrived, writes the 
 the death log. The others wait for that announcement: O(N) messages in all.
 
 Store keys (under the world's store): ``plugdist/live/deaths[/n]``, ``plugdist/live/hb/<uid>``
-(fallback only), ``plugdist/epoch/current``, ``plugdist/epoch/<e>/...`` (agreement; removed
-two epochs later), ``plugdist/join/...``.
+(fallback only), ``plugdist/live/declared/<uid>``, ``plugdist/live/trim``,
+``plugdist/epoch/current``, ``plugdist/epoch/forgotten``, ``plugdist/epoch/<e>/...`` (agreement,
+and how far each member had read the death log when it entered; removed two epochs later),
+``plugdist/join/...``.
+
+What the members no longer need is deleted as epochs go by (``Membership._trim``, by the first
+rank of each new epoch): the death log's entries that every member had read when it entered the
+previous epoch and that came before every waiting joiner's start, the claims and heartbeats of
+the members those entries record as failed, and the join tickets decided before the last trim.
+A process that is no longer a member may find its next entry gone: it skips to what is left.
 """
 
 from __future__ import annotations
@@ -69,7 +77,14 @@ HANG_TIMEOUT_ENV = "PLUGDIST_HEARTBEAT_TIMEOUT"
 DEATHS = "plugdist/live/deaths"
 _HB = "plugdist/live/hb"
 CURRENT = "plugdist/epoch/current"
+_FORGOTTEN = "plugdist/epoch/forgotten"  # the epochs up to this one were forgotten
 CLOSED = "plugdist/closed"  # set when every member of the last epoch left
+_DECLARED = "plugdist/live/declared"
+# what was deleted so far (see Membership._trim): the epoch whose first rank did it, the death
+# log's entries up to ``log``, the join tickets up to ``tickets``, and ``done``: the tickets the
+# next trim may delete (decided by grows that admitted them to that epoch or an earlier one)
+_TRIM = "plugdist/live/trim"
+_NO_TRIM = json.dumps({"epoch": -1, "log": 0, "tickets": 0, "done": 0})
 _JOIN = "plugdist/join"
 _POLL = 0.05  # seconds between looks at the store while agreeing, where nothing wakes us
 _kept_wills: list[Any] = []  # wills of stopped members left to run at this process's exit
@@ -228,6 +243,7 @@ class Membership:
             self.store.add(f"{_HB}/{self.uid}", 1)
         for counter in (f"{_JOIN}/count", f"{_JOIN}/done"):  # read together (multi_get)
             self.store.add(counter, 0)
+        self.store.compare_set(_TRIM, b"", _NO_TRIM)
         self._thread = threading.Thread(target=self._run, name=f"plugdist-membership-{self.uid}",
                                         daemon=True)
         self._thread.start()
@@ -432,14 +448,20 @@ class Membership:
             others = [u for u in self.members if u != self.uid and u not in self.failed]
             epoch = self.epoch
         if self.store_liveness is None:
-            store.add(f"{_HB}/{self.uid}", 1)
+            if self.excluded_reason is None:
+                store.add(f"{_HB}/{self.uid}", 1)
         else:
             others = []  # the store's liveness covers hangs: nothing to beat or watch
-        keys = [f"{_HB}/{u}" for u in others] + [CURRENT, f"{_JOIN}/count", f"{_JOIN}/done"]
+        control = [CURRENT, f"{_JOIN}/count", f"{_JOIN}/done", _TRIM]
+        keys = [f"{_HB}/{u}" for u in others] + control
         if not store.check(keys):
-            return
-        *beats, current, asked, admitted = store.multi_get(keys)
+            # a member has not beaten yet, or its heartbeat went with the record of its death
+            others, keys = [], control
+            if not store.check(keys):
+                return
+        *beats, current, asked, admitted, trim = store.multi_get(keys)
         self.joiners_waiting = int(asked) - int(admitted)
+        self._skip_trimmed(int(json.loads(trim)["log"]))
         now = time.monotonic()
         for u, beat in zip(others, beats, strict=True):
             last = self._last_beat.get(u)
@@ -450,12 +472,23 @@ class Membership:
         if int(current) > epoch and self.admitted:
             self._check_still_member(store, int(current))
 
+    def _skip_trimmed(self, trimmed: int) -> None:
+        """Go on past death-log entries that were deleted before this process read them (on the
+        monitor thread). Only a process that is no longer a member, or a joiner not yet admitted,
+        can be that far behind: a trim never passes what a member had read."""
+        if trimmed <= self._seen_deaths:
+            return
+        member = self.admitted and self.excluded_reason is None
+        (self._log.warning if member else self._log.info)(
+            "death_log_entries_skipped", seen=self._seen_deaths, trimmed=trimmed)
+        self._seen_deaths = trimmed
+
     def _declare_hung(self, store: Store, uid: str, silent: float) -> None:
         self._declare(store, uid, {"cause": "hung", "after": round(silent, 1)})
 
     def _declare(self, store: Store, uid: str, record: dict[str, Any]) -> None:
         """Write ``uid`` into the death log, once across every member that declares it."""
-        claim = f"plugdist/live/declared/{uid}"
+        claim = f"{_DECLARED}/{uid}"
         if store.compare_set(claim, b"", self.uid.encode()) != self.uid.encode():
             return
         _append_log(store, DEATHS, json.dumps({"uid": uid, **record}))
@@ -679,9 +712,68 @@ class Membership:
         if current < decision.epoch:
             store.compare_set(CURRENT, str(current), str(decision.epoch))
         self._log = get_logger(rank=self.rank)
+        # how far this member had read the death log: the next epoch's first rank trims up to
+        # what every member of its epoch had read when it entered this one
+        store.set(_epoch_key(decision.epoch, f"seen/{self.uid}"), str(self._seen_deaths))
         if first:
-            _forget_epoch(store, decision.epoch - 2)
+            _forget_epochs(store, decision.epoch - 2)
+            self._trim(store, decision.epoch)
         return decision
+
+    def _trim(self, store: Store, epoch: int) -> None:
+        """Delete what no member or waiting joiner can need any more (the first rank of
+        ``epoch``, on entering it): the death log's entries up to the lowest of how far each
+        member of ``epoch`` had read it on entering the epoch before and where each waiting
+        joiner started reading it; the claims and heartbeats of the members those entries
+        record as failed; the join tickets the last trim found decided. Skipped, for a later
+        epoch to do, while a member of ``epoch`` had not entered the one before (a joiner
+        admitted into it) or a joiner has taken a number but not yet written its ticket.
+        Concurrent trims (first ranks of two epochs) delete the same keys at worst."""
+        try:
+            raw = store.get(_TRIM)
+            state = json.loads(raw)
+            if state["epoch"] >= epoch:
+                return
+            marks = [_epoch_key(epoch - 1, f"seen/{u}") for u in self.members]
+            if not store.check(marks):
+                return
+            floor = min(int(v) for v in store.multi_get(marks))
+            # read after the members' marks: a joiner that takes a ticket now starts past them
+            count = store.add(f"{_JOIN}/count", 0)
+            tickets = [f"{_JOIN}/{n}" for n in range(state["done"] + 1, count + 1)]
+            if tickets:
+                if not store.check(tickets):
+                    return
+                floor = min(floor, *(json.loads(t)["start"] for t in store.multi_get(tickets)))
+            trimmed = max(state["log"], floor)
+            if floor > state["log"]:
+                self._forget_failed(store, state["log"] + 1, floor)
+                for n in range(state["log"] + 1, floor + 1):
+                    store.delete_key(f"{DEATHS}/{n}")
+            for n in range(state["tickets"] + 1, state["done"] + 1):
+                store.delete_key(f"{_JOIN}/{n}")
+                store.delete_key(f"{_JOIN}/{n}/admitted")
+            # the grows this member took part in admitted their joiners into this epoch at
+            # the latest: the next trim, from a later epoch, finds them entered or gone
+            done = max(state["done"], self._join_done)
+            store.compare_set(_TRIM, raw, json.dumps({
+                "epoch": epoch, "log": trimmed, "tickets": state["done"], "done": done}))
+        except (DistError, NotImplementedError, ValueError, KeyError):
+            pass  # the next epoch's trim deletes it all
+
+    def _forget_failed(self, store: Store, first: int, last: int) -> None:
+        """Delete the claims and heartbeats of the members that death-log entries ``first`` to
+        ``last`` record as failed (every member knows it from those entries)."""
+        try:
+            entries = store.read_log(DEATHS, first, timedelta(0))[:last - first + 1]
+        except DistTimeoutError:
+            return  # deleted meanwhile by another epoch's trim
+        for raw in entries:
+            record = json.loads(raw)
+            if record.get("cause") in ("hung", "excluded", "reported"):
+                store.delete_key(f"{_DECLARED}/{record['uid']}")
+            if record.get("cause") not in ("joining", "decided") and self.store_liveness is None:
+                store.delete_key(f"{_HB}/{record['uid']}")
 
 
 def _append_log(store: Store, key: str, value: str) -> None:
@@ -704,12 +796,18 @@ def _store_reader(store: Store) -> Any:
     return lambda start, wait: store.read_log(DEATHS, start, timedelta(seconds=wait))
 
 
-def _forget_epoch(store: Store, epoch: int) -> None:
-    if epoch < 0:
+def _forget_epochs(store: Store, last: int) -> None:
+    """Drop the keys of every epoch up to ``last`` not dropped yet (the first rank of an epoch
+    that died before entering it left the epoch before last behind)."""
+    if last < 0:
         return
     try:
-        store.delete_prefix(f"plugdist/epoch/{epoch}/")
-        store.delete_prefix(group_prefix(epoch, ""))
+        done = int(store.compare_set(_FORGOTTEN, b"", b"-1"))
+        for epoch in range(done + 1, last + 1):
+            store.delete_prefix(f"plugdist/epoch/{epoch}/")
+            store.delete_prefix(group_prefix(epoch, ""))
+        if last > done:
+            store.compare_set(_FORGOTTEN, str(done), str(last))
     except (DistError, NotImplementedError):
         pass  # a store that cannot delete by prefix keeps them: a few keys per epoch
 
@@ -724,7 +822,8 @@ def request_join(store: Store, timeout: timedelta,
     me = Membership(store, uid, [], current, interval=interval)
     me.start()
     try:
-        store.set(f"{_JOIN}/{n}", uid)
+        # where this joiner started reading the death log: a trim keeps what comes after
+        store.set(f"{_JOIN}/{n}", json.dumps({"uid": uid, "start": me._seen_deaths}))
         # the members learn of it from the wait they hold on the log, not by polling
         _append_log(store, DEATHS, json.dumps({"uid": uid, "cause": "joining", "ticket": n}))
         admitted = f"{_JOIN}/{n}/admitted"
@@ -753,6 +852,7 @@ def request_join(store: Store, timeout: timedelta,
     decision = Decision(epoch, members, [uid])
     with me._lock:
         me.members, me.epoch, me.admitted = list(members), epoch, True
+        me._join_done = n  # the grow that admitted it decided every ticket up to its own
     return me, decision
 
 

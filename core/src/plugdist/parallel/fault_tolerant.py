@@ -38,6 +38,7 @@ from ..world import world
 __all__ = ["ResilientTraining", "ElasticSampler", "BelowMinWorldSizeError"]
 
 _VOTE_BLOCK = 64  # the vote outcomes of this many steps are dropped from the store at once
+_FORGOTTEN = "plugdist/ft/forgotten"  # the votes of the epochs up to this one were dropped
 
 T = TypeVar("T")
 
@@ -273,9 +274,17 @@ class ResilientTraining:
         self._transfer_state(sending=True, ready=rebound)
 
     def _forget_old_epoch(self) -> None:
-        """Rank 0 drops the votes of the epoch before last (a member may still read the last)."""
-        if world.rank == 0 and world.epoch >= 2:
-            _forget(f"plugdist/ft/{world.epoch - 2}/")
+        """Rank 0 drops the votes of the epochs before last (a member may still read the last),
+        every one not dropped yet: a shrink or grow whose group was rebuilt went through more
+        than one epoch, and a rank 0 may die before it drops them."""
+        store = world.store
+        if world.rank != 0 or world.epoch < 2 or store is None:
+            return
+        done = int(store.compare_set(_FORGOTTEN, b"", b"-1"))
+        for epoch in range(done + 1, world.epoch - 1):
+            _forget(f"plugdist/ft/{epoch}/")
+        if world.epoch - 2 > done:
+            store.compare_set(_FORGOTTEN, str(done), str(world.epoch - 2))
 
     def _rebind(self, grown: bool) -> None:
         """Point the model at the new default group. After a grow, repeat what the joiners'
