@@ -183,14 +183,13 @@ class _Sleeper:
 
 class _Worker:
     def __init__(self, rank: int, local_rank: int, proc: subprocess.Popen[bytes],
-                 error_file: str) -> None:
+                 error_file: str, resilient_mark: str) -> None:
         self.rank = rank
         self.local_rank = local_rank
         self.proc = proc
         self.pgid = proc.pid          # start_new_session: the worker leads its own group
         self.error_file = error_file
-        # created by the worker once it runs resilient groups (see plugdist.membership)
-        self.resilient_mark = os.path.join(os.path.dirname(error_file), "resilient")
+        self.resilient_mark = resilient_mark  # created once it runs resilient groups
         self.returncode: int | None = None
         self.released = False         # the watchdog was told this group is gone
         self.failed = False
@@ -484,7 +483,7 @@ class Agent:
                               f"{cmd[0]!r}: {exc}") from exc
         if self.watchdog is not None:
             self.watchdog.tell(f"+{proc.pid}")
-        worker = _Worker(rank, local_rank, proc, env[ERROR_FILE_VAR])
+        worker = _Worker(rank, local_rank, proc, env[ERROR_FILE_VAR], env[RESILIENT_MARK_VAR])
         self.workers.append(worker)
         return worker, (out_plan, err_plan)
 
