@@ -45,12 +45,14 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def init_destroy_loop(rank: int, world_size: int, port_base: int, loops: int) -> dict[str, int]:
-    """Init and destroy the world ``loops`` times; returns fd and thread counts before/after."""
+def init_destroy_loop(rank: int, world_size: int, ports: tuple[int, int],
+                      loops: int) -> dict[str, int]:
+    """Init and destroy the world ``loops`` times, on ``ports`` in turn; returns fd and thread
+    counts before/after."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     counts = {}
     for i in range(loops):
-        os.environ["MASTER_PORT"] = str(port_base + (i % 2))
+        os.environ["MASTER_PORT"] = str(ports[i % 2])
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
         t = torch.ones(1)
         dist.all_reduce(t)

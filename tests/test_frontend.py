@@ -51,7 +51,8 @@ def test_explicit_store_and_reinit() -> None:
 
 
 def test_init_destroy_loop_leaks_no_fds_or_threads() -> None:
-    results = run_world(w.init_destroy_loop, 2, args=(free_port(), 50), timeout=170)
+    results = run_world(w.init_destroy_loop, 2, args=((free_port(), free_port()), 50),
+                        timeout=170)
     for r, c in enumerate(results):
         assert c["fds_end"] <= c["fds_start"], f"rank {r} leaked fds: {c}"
         assert c["threads_end"] <= c["threads_start"], f"rank {r} leaked threads: {c}"
