@@ -511,15 +511,23 @@ def soak(args: argparse.Namespace) -> int:
     print(f"chaos soak on {args.backend} ({args.rdzv_backend} store), {args.nproc} workers, "
           f"seed {args.seed}: "
           f"{len(faults)} faults in {report['wall_s']} s")
-    print("  faults by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(by_kind.items())))
-    print(f"  committed steps {figures['committed_steps']}, failed attempts "
-          f"{figures['failed_attempts']}: {figures['committed_fraction']:.1%} of step attempts "
+    return _report(report, args, f"final loss {figures['eval_loss']} vs fault-free "
+                                 f"{ref_loss}; store keys at the end {figures['store_keys']}")
+
+
+def _report(report: dict[str, Any], args: argparse.Namespace, loss_line: str) -> int:
+    """Print the figures every soak has (after its own title line) and ``loss_line``, write
+    ``--json``; the exit status: 0 with no violation, 1 otherwise."""
+    bad = report["violations"]
+    print("  faults by kind: " + ", ".join(f"{k} {v}"
+                                           for k, v in report["faults_by_kind"].items()))
+    print(f"  committed steps {report['committed_steps']}, failed attempts "
+          f"{report['failed_attempts']}: {report['committed_fraction']:.1%} of step attempts "
           f"committed")
-    print(f"  survivors' pause per fault: p50 {figures['pause_p50_s']:.2f} s, p99 "
-          f"{figures['pause_p99_s']:.2f} s, max {figures['pause_max_s']:.2f} s (bound "
+    print(f"  survivors' pause per fault: p50 {report['pause_p50_s']:.2f} s, p99 "
+          f"{report['pause_p99_s']:.2f} s, max {report['pause_max_s']:.2f} s (bound "
           f"{args.max_pause} s)")
-    print(f"  final loss {figures['eval_loss']} vs fault-free {ref_loss}; store keys at the end "
-          f"{figures['store_keys']}")
+    print(f"  {loss_line}")
     print(f"  violations: {len(bad)}")
     for b in bad:
         print("    - " + b.replace("\n", "\n      "))
@@ -616,20 +624,8 @@ def soak_mpi(args: argparse.Namespace) -> int:
     print(f"chaos soak on mpi (Open MPI, ULFM), worlds of {args.nproc} ranks shrunk to "
           f"{args.min_world}, seed {args.seed}: {len(placed)} faults in {worlds} worlds, "
           f"{report['wall_s']} s")
-    print("  faults by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(by_kind.items())))
-    print(f"  committed steps {committed}, failed attempts {failed}: "
-          f"{report['committed_fraction']:.1%} of step attempts committed")
-    print(f"  survivors' pause per fault: p50 {report['pause_p50_s']:.2f} s, p99 "
-          f"{report['pause_p99_s']:.2f} s, max {report['pause_max_s']:.2f} s (bound "
-          f"{args.max_pause} s)")
-    print(f"  final loss vs fault-free at the same world sizes: largest gap {worst_loss_gap:.6f} "
-          f"(tolerance {args.loss_tolerance})")
-    print(f"  violations: {len(bad)}")
-    for b in bad:
-        print("    - " + b.replace("\n", "\n      "))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-    return 1 if bad else 0
+    return _report(report, args, f"final loss vs fault-free at the same world sizes: largest "
+                                 f"gap {worst_loss_gap:.6f} (tolerance {args.loss_tolerance})")
 
 
 def main() -> int:
