@@ -6,8 +6,11 @@ injected at seeded random times, then invariants checked from every worker's rec
     python benchmarks/chaos.py --faults 12 --mean-interval 3 --json out.json   # make test's run
     python benchmarks/chaos.py --rdzv-backend etcd --faults 27   # a 3-member etcd as the store
     python benchmarks/chaos.py --backend mpi --faults 100   # Open MPI under ULFM, shrink only
+    python benchmarks/chaos.py --hosts 2 --faults 27   # two hosts (network namespaces; root)
 
-The workers run examples/resilient_train.py (through benchmarks/chaos_worker.py) on one node.
+The workers run examples/resilient_train.py (through benchmarks/chaos_worker.py) on one node,
+or with ``--hosts 2`` on two: two Linux network namespaces joined by a veth pair, each running
+plugdist-run with half the workers (the first one's launcher hosts the rendezvous and store).
 Faults, dealt from ``--kinds`` in seeded shuffles (so every kind comes up once per round of
 the catalogue), at exponential gaps of mean ``--mean-interval`` seconds; each waits until the
 world is full again (the previous fault's replacements joined):
@@ -24,6 +27,10 @@ during_shrink   SIGKILL a member, and another 50-300 ms later, while the survivo
 join_kill       SIGKILL a member, then its replacement as it starts and joins
 transfer        SIGKILL a member; when its replacement is admitted, the first process to start
                 the state transfer (the joiner receiving or rank 0 sending) SIGKILLs itself
+partition       with ``--hosts 2`` only (and then in the default catalogue): the network between
+                the hosts drops every packet both ways until the first host's workers have
+                shrunk past the second's and committed a step, then heals; the cut-off
+                workers find themselves excluded, exit, and their launcher replaces them
 etcd_leader     with ``--rdzv-backend etcd`` only (and then in the default catalogue): SIGKILL
                 the etcd cluster's leader, restart it 1-4 s later, and wait until the cluster
                 is healthy; the job's store, rendezvous and wills (leases) live in that etcd
@@ -47,7 +54,9 @@ Invariants, from every worker's records (a violation is printed and counted):
    parameters everywhere);
 3. no sample is used twice by committed steps of an epoch;
 4. the world returns to full size after each fault (and ends full);
-5. no survivor pause (the gap between commits around a fault) over ``--max-pause`` seconds;
+5. no survivor pause over ``--max-pause`` seconds: the longest gap between commits from the
+   last one before a fault to the first one in the world the fault changed (a step already in
+   flight may still commit after the fault, so the first commit after it is not enough);
 6. no leak: each process's thread count stays within 16 of its first; the store's key count
    stays within ``2 x`` its early value + 200; no worker process outlives the launcher;
 7. the launcher exits 0;
@@ -74,10 +83,13 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from plugdist.testing.hosts import Hosts
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = str(ROOT / "benchmarks" / "chaos_worker.py")
 KINDS = ("kill", "segv", "stop", "gil", "two", "during_shrink", "join_kill", "transfer")
 ETCD_KINDS = ("etcd_leader",)
+HOSTS_KINDS = ("partition",)
 MPI_KINDS = ("kill", "segv")   # a world that cannot grow: faults that only shrink it
 
 
@@ -110,17 +122,27 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 class Run:
-    """One launch of the training under plugdist-run, with its record directory."""
+    """One launch of the training under plugdist-run (one launcher per host), with its record
+    directory."""
 
-    def __init__(self, args: argparse.Namespace, work: Path, etcd: Any = None) -> None:
-        self.args, self.dir, self.etcd = args, work, etcd
+    def __init__(self, args: argparse.Namespace, work: Path, etcd: Any = None,
+                 hosts: Hosts | None = None) -> None:
+        self.args, self.dir, self.etcd, self.hosts = args, work, etcd, hosts
         self.dir.mkdir(parents=True, exist_ok=True)
         self.samples = work / "samples"
         self.stop_file = work / "stop"   # the run trains until finish() creates it
         rdzv = [] if etcd is None else [
             "--rdzv-backend", "etcd", "--rdzv-endpoint", ",".join(etcd.endpoints),
             "--rdzv-id", f"chaos{os.getpid()}"]
-        cmd = [sys.executable, "-m", "plugdist_run", "--nproc-per-node", str(args.nproc),
+        per_node = args.nproc
+        if hosts is not None:
+            per_node = args.nproc // 2
+            # the launchers' own liveness outlasts a partition: the workers' resilience
+            # decides who is cut off
+            rdzv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                    f"{hosts.addr[0]}:29400", "--rdzv-id", "chaos",
+                    "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=600"]
+        cmd = [sys.executable, "-m", "plugdist_run", "--nproc-per-node", str(per_node),
                "--monitor-interval", "0.05", "--replace-failed", "--max-restarts", "100000",
                *rdzv, WORKER, "--backend", args.backend, "--steps", str(10 ** 9), "--hidden", "32",
                "--step-time", str(args.step_time), "--steps-after-full", "10",
@@ -128,11 +150,21 @@ class Run:
         env = dict(os.environ, CHAOS_DIR=str(work), PLUGDIST_TORCH_WORLD="0",
                    PLUGDIST_HEARTBEAT_TIMEOUT=str(args.hang_timeout),
                    CHAOS_GIL_S=str(args.hang_timeout + 2))
-        self.out = open(work / "launcher.out", "w")
-        self.err = open(work / "launcher.err", "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, env=env,
-                                     start_new_session=True)
+        self.files = []
+        self.procs = []
+        for host in range(1 if hosts is None else 2):
+            argv = cmd if hosts is None else hosts.argv(host, cmd)
+            host_env = env if hosts is None else dict(env, GLOO_SOCKET_IFNAME="pdnet")
+            out = open(work / f"launcher{host or ''}.out", "w")
+            err = open(work / f"launcher{host or ''}.err", "w")
+            self.files += [out, err]
+            self.procs.append(subprocess.Popen(argv, stdout=out, stderr=err, env=host_env,
+                                               start_new_session=True))
         self.started = time.time()
+
+    def running(self) -> bool:
+        """Whether every launcher still runs."""
+        return all(p.poll() is None for p in self.procs)
 
     def workers(self) -> dict[int, dict[str, Any]]:
         """Live workers by pid: their start record, plus ``member`` (it committed a step)."""
@@ -150,9 +182,19 @@ class Run:
     def members(self) -> list[int]:
         return sorted(pid for pid, rec in self.workers().items() if rec["member"])
 
+    def wait_full(self, n: int, timeout: float) -> bool:
+        """Wait until ``n`` members run and the last committed step was in a world of ``n``
+        ranks (an excluded process may live on for a moment after its world shrank)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.running():
+            if len(self.members()) >= n and self.last_record().get("world_size") == n:
+                return True
+            time.sleep(0.05)
+        return False
+
     def wait_members(self, n: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
+        while time.monotonic() < deadline and self.running():
             if len(self.members()) >= n:
                 return True
             time.sleep(0.05)
@@ -160,34 +202,46 @@ class Run:
 
     def last_step(self) -> int:
         """The highest committed step any worker recorded so far (-1 before the first)."""
-        last = -1
+        return self.last_record().get("step", -1)
+
+    def last_record(self) -> dict[str, Any]:
+        """The record of the highest committed step any worker recorded so far ({} before the
+        first)."""
+        last: dict[str, Any] = {}
         for f in self.samples.glob("*.jsonl"):
             with open(f, "rb") as fh:   # the last records only: the files grow all run long
                 start = max(0, f.stat().st_size - 8192)
                 fh.seek(start)
                 for line in fh.read().splitlines()[1 if start else 0:]:  # whole lines only
                     try:
-                        last = max(last, json.loads(line)["step"])
-                    except (json.JSONDecodeError, KeyError):
-                        pass  # a line cut short
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line cut short
+                    if rec.get("step", -1) > last.get("step", -1):
+                        last = rec
         return last
 
     def wait_steps(self, n: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None and self.last_step() < n:
+        while time.monotonic() < deadline and self.running() and self.last_step() < n:
             time.sleep(0.25)
 
     def finish(self, timeout: float) -> int:
+        """Stop the training; the launchers' exit codes, the first nonzero one (or 0)."""
         self.stop_file.touch()
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            rc = self.proc.wait(30)
-            rc = rc if rc else -1
-        self.out.close()
-        self.err.close()
-        return rc
+        deadline = time.monotonic() + timeout
+        codes = []
+        for proc in self.procs:
+            try:
+                rc = proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGTERM)
+                rc = proc.wait(30)
+                rc = rc if rc else -1
+            codes.append(rc)
+        for f in self.files:
+            f.close()
+        return next((rc for rc in codes if rc), 0)
 
 
 class MpiRun(Run):
@@ -195,7 +249,7 @@ class MpiRun(Run):
     replacements), with its record directory."""
 
     def __init__(self, args: argparse.Namespace, work: Path) -> None:  # noqa: D107
-        self.args, self.dir, self.etcd = args, work, None
+        self.args, self.dir, self.etcd, self.hosts = args, work, None, None
         self.dir.mkdir(parents=True, exist_ok=True)
         self.samples = work / "samples"
         self.stop_file = work / "stop"
@@ -216,10 +270,10 @@ class MpiRun(Run):
         env.update(CHAOS_DIR=str(work), PLUGDIST_TORCH_WORLD="0", MPI4PY_LIBMPI=str(libmpi[0]),
                    PATH=f"{prefix / 'bin'}{os.pathsep}{os.environ['PATH']}",
                    PLUGDIST_HEARTBEAT_TIMEOUT=str(args.hang_timeout))
-        self.out = open(work / "launcher.out", "w")
-        self.err = open(work / "launcher.err", "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, env=env,
-                                     start_new_session=True)
+        out, err = open(work / "launcher.out", "w"), open(work / "launcher.err", "w")
+        self.files = [out, err]
+        self.procs = [subprocess.Popen(cmd, stdout=out, stderr=err, env=env,
+                                       start_new_session=True)]
         self.started = time.time()
         self._store_host: int | None = None
 
@@ -295,6 +349,8 @@ class Injector:
         elif kind == "transfer":
             (self.run.dir / "die_in_transfer").touch()
             self._signal(victim, signal.SIGKILL)
+        elif kind == "partition":
+            self._partition()
         elif kind == "etcd_leader":
             etcd = self.run.etcd
             leader = etcd.leader()
@@ -304,8 +360,26 @@ class Injector:
             etcd.wait_healthy(60)
         else:
             raise ValueError(f"unknown fault kind {kind!r}; known: "
-                             f"{', '.join(KINDS + ETCD_KINDS)}")
+                             f"{', '.join(KINDS + ETCD_KINDS + HOSTS_KINDS)}")
         return True
+
+    def _partition(self) -> None:
+        """Cut the hosts apart until the first host's workers (beside the store) commit a step
+        without the second's, then heal; healed after ``4 x`` the hang timeout regardless."""
+        hosts, run = self.run.hosts, self.run
+        assert hosts is not None, "a partition needs --hosts 2"
+        without = run.args.nproc - run.args.nproc // 2
+        cut_after = run.last_step()
+        hosts.partition(True)
+        try:
+            deadline = time.monotonic() + 4 * self.hang
+            while time.monotonic() < deadline and run.running():
+                last = run.last_record()
+                if last.get("step", -1) > cut_after and last["world_size"] == without:
+                    break
+                time.sleep(0.05)
+        finally:
+            hosts.partition(False)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -328,7 +402,7 @@ def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
     the survivors' final lines stand for the launcher's exit code."""
     bad: list[str] = []
     if rc != 0 and not shrink_only:
-        tail = (run.dir / "launcher.err").read_text()[-1500:]
+        tail = "\n".join(f.read_text()[-1500:] for f in sorted(run.dir.glob("launcher*.err")))
         bad.append(f"launcher exited {rc}:\n{tail}")
     by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
     last_of: dict[str, int] = {}  # each process's last recorded step
@@ -376,15 +450,21 @@ def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
         twice = [i for i, c in counts.items() if c > 1]
         if twice:
             bad.append(f"epoch {epoch}: {len(twice)} samples used twice, e.g. {twice[:5]}")
-    times = [commit_time[s] for s in sorted(commit_time)]
     pauses = []
+    steps = sorted(commit_time)
     for n, (at, kind) in enumerate(faults):
-        before = [t for t in times if t <= at]
-        after = [t for t in times if t > at]
+        before = [s for s in steps if commit_time[s] <= at]
+        after = [s for s in steps if commit_time[s] > at]
         if not after:
             bad.append(f"no step committed after the {kind} fault at {at:.1f}")
             continue
-        pauses.append(after[0] - (before[-1] if before else at))
+        size_at = sizes[before[-1]] if before else sizes[after[0]]
+        # up to the first commit in a world of another size (the shrink), or the first commit
+        # after the fault where the size never changed (the etcd leader: no member is lost)
+        end = next((s for s in after if sizes[s] != size_at), after[0])
+        span = [commit_time[s] for s in steps if (before[-1] if before else after[0]) <= s <= end]
+        gaps = [b - a for a, b in zip(span, span[1:], strict=False)]
+        pauses.append(max(gaps) if gaps else commit_time[end] - at)
         # after the fault: full size again (replaced), or one rank fewer for each fault so far
         want = full - (n + 1) if shrink_only else full
         back = [s for s in sorted(sizes) if commit_time[s] > at and sizes[s] == want]
@@ -408,8 +488,8 @@ def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
                  if _alive(rec)]
     if leftovers:
         bad.append(f"worker processes outlived the launcher: {leftovers}")
-    finals = [json.loads(x[x.index("{"):]) for x in (run.dir / "launcher.out").read_text()
-              .splitlines() if '"final"' in x]
+    finals = [json.loads(x[x.index("{"):]) for f in sorted(run.dir.glob("launcher*.out"))
+              for x in f.read_text().splitlines() if '"final"' in x]
     if shrink_only and len(finals) != end_size:
         tail = (run.dir / "launcher.err").read_text()[-1500:]
         bad.append(f"{len(finals)} survivors printed their final line, not {end_size}:\n{tail}")
@@ -451,19 +531,23 @@ def fault_free_loss(sizes: list[int]) -> float:
 
 def soak(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
-    known = KINDS + (ETCD_KINDS if args.rdzv_backend == "etcd" else ())
+    known = KINDS + (ETCD_KINDS if args.rdzv_backend == "etcd" else ()) \
+        + (HOSTS_KINDS if args.hosts == 2 else ())
     kinds = [k.strip() for k in (args.kinds or ",".join(known)).split(",") if k.strip()]
     unknown = set(kinds) - set(known)
     if unknown:
         raise SystemExit(f"unknown fault kinds {sorted(unknown)} with --rdzv-backend "
-                         f"{args.rdzv_backend}; known: {', '.join(known)}")
+                         f"{args.rdzv_backend} and --hosts {args.hosts}; known: "
+                         f"{', '.join(known)}")
     base = Path(args.dir or tempfile.mkdtemp(prefix="plugdist-chaos-"))
-    etcd = None
+    etcd = hosts = None
     if args.rdzv_backend == "etcd":
         from plugdist_etcd.testing import EtcdCluster
 
         etcd = EtcdCluster(3, data_dir=str(base / "etcd")).start()
-    run = Run(args, base / "soak", etcd)
+    if args.hosts == 2:
+        hosts = _two_hosts(args)
+    run = Run(args, base / "soak", etcd, hosts)
     faults: list[tuple[float, str]] = []
     began = time.time()
     try:
@@ -474,7 +558,7 @@ def soak(args: argparse.Namespace) -> int:
         for n in range(args.faults):
             time.sleep(rng.expovariate(1.0 / args.mean_interval))
             # a fault needs a full world to land on: wait for the last one's replacements
-            if not run.wait_members(args.nproc, 120):
+            if not run.wait_full(args.nproc, 120):
                 break
             if not deck:
                 deck = rng.sample(kinds, len(kinds))
@@ -484,7 +568,7 @@ def soak(args: argparse.Namespace) -> int:
                 faults.append((at, kind))
             if args.verbose:
                 print(f"[{at - began:7.1f}s] fault {n + 1}/{args.faults}: {kind}", flush=True)
-        run.wait_members(args.nproc, 120)
+        run.wait_full(args.nproc, 120)
         # the final loss is compared where both runs are near the data's noise floor: a short
         # run is still on the steep part of the curve, where a few steps at another world size
         # (another global batch) move the loss more than the tolerance
@@ -493,6 +577,8 @@ def soak(args: argparse.Namespace) -> int:
         rc = run.finish(timeout=180)
         if etcd is not None:
             etcd.stop()
+        if hosts is not None:
+            hosts.remove()
     bad, figures = check(run, rc, faults, args.nproc, args.max_pause)
     ref_loss = fault_free_loss([args.nproc] * figures["committed_steps"])
     figures["reference_eval_loss"] = ref_loss
@@ -504,15 +590,32 @@ def soak(args: argparse.Namespace) -> int:
                    f"the fault-free run's {ref_loss}")
     by_kind = Counter(kind for _, kind in faults)
     report = {"backend": args.backend, "rdzv_backend": args.rdzv_backend,
-              "nproc": args.nproc, "seed": args.seed,
+              "nproc": args.nproc, "hosts": args.hosts, "seed": args.seed,
               "faults": len(faults), "faults_by_kind": dict(sorted(by_kind.items())),
               "violations": bad, "wall_s": round(time.time() - began, 1), **figures,
               "records": str(base)}
-    print(f"chaos soak on {args.backend} ({args.rdzv_backend} store), {args.nproc} workers, "
-          f"seed {args.seed}: "
+    print(f"chaos soak on {args.backend} ({args.rdzv_backend} store), {args.nproc} workers on "
+          f"{args.hosts} host(s), seed {args.seed}: "
           f"{len(faults)} faults in {report['wall_s']} s")
     return _report(report, args, f"final loss {figures['eval_loss']} vs fault-free "
                                  f"{ref_loss}; store keys at the end {figures['store_keys']}")
+
+
+def _two_hosts(args: argparse.Namespace) -> Hosts:
+    """The two network namespaces of ``--hosts 2``, created (the caller removes them)."""
+    if args.rdzv_backend != "c10d" or args.nproc % 2:
+        raise SystemExit("--hosts 2 takes --rdzv-backend c10d and an even --nproc")
+    why = Hosts.unavailable()
+    if why:
+        raise SystemExit(f"--hosts 2: {why}")
+    hosts = Hosts()
+    try:
+        hosts.create()
+    except (subprocess.CalledProcessError, OSError) as exc:
+        hosts.remove()
+        raise SystemExit(f"--hosts 2: could not create network namespaces: "
+                         f"{getattr(exc, 'stderr', '') or exc}") from exc
+    return hosts
 
 
 def _report(report: dict[str, Any], args: argparse.Namespace, loss_line: str) -> int:
@@ -590,7 +693,7 @@ def soak_mpi(args: argparse.Namespace) -> int:
                 # the next fault lands on the shrunk world, not on its shrink
                 want, deadline = args.nproc - len(faults), time.monotonic() + 120
                 while _last_size(run) != want and time.monotonic() < deadline \
-                        and run.proc.poll() is None:
+                        and run.running():
                     time.sleep(0.05)
                 if args.verbose:
                     print(f"[{at - began:7.1f}s] world {worlds - 1}, fault {len(placed)}/"
@@ -638,10 +741,14 @@ def main() -> int:
                     help="mean seconds between faults (exponential gaps)")
     ap.add_argument("--kinds", default=None,
                     help=f"comma-separated fault kinds (default: {','.join(KINDS)}, and "
-                         f"{','.join(ETCD_KINDS)} with --rdzv-backend etcd)")
+                         f"{','.join(ETCD_KINDS)} with --rdzv-backend etcd, "
+                         f"{','.join(HOSTS_KINDS)} with --hosts 2)")
     ap.add_argument("--rdzv-backend", choices=["c10d", "etcd"], default="c10d",
                     help="c10d: the launcher hosts a TCPStore; etcd: a 3-member etcd cluster "
                          "started here holds the rendezvous, the store and the wills")
+    ap.add_argument("--hosts", type=int, choices=[1, 2], default=1,
+                    help="2: two network namespaces (root), half the workers on each, and the "
+                         f"{','.join(HOSTS_KINDS)} fault in the default catalogue")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-time", type=float, default=0.02)
     ap.add_argument("--hang-timeout", type=float, default=6.0,

@@ -1,8 +1,8 @@
 """plugdist-run across hosts, and plugdist scripts under other launchers (mpiexec, torchrun).
 
-Hosts are two Linux network namespaces joined by a veth pair, made and removed by the test
-(private addresses 10.231.N.1/2 that exist only on the veth ends, inside the namespaces). Each
-namespace runs its own plugdist-run with no --node-rank; they meet at the first one's address.
+Hosts are two Linux network namespaces joined by a veth pair (``plugdist.testing.hosts``), made
+and removed by the test. Each namespace runs its own plugdist-run with no --node-rank; they
+meet at the first one's address.
 Skipped, with the reason, where namespaces cannot be created (not root, no ``ip``).
 """
 
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from plugdist.testing.hosts import Hosts
 
 SCRIPTS = Path(__file__).parent / "launcher_scripts"
 WORKER = str(SCRIPTS / "launcher_worker.py")
@@ -40,63 +41,11 @@ def _gloo() -> None:
 # --------------------------------------------------------------------------- two hosts
 
 
-class Hosts:
-    """Two network namespaces ``ns[0]``, ``ns[1]`` with addresses ``addr[0]``, ``addr[1]`` on an
-    interface named ``pdnet`` in each."""
-
-    def __init__(self) -> None:
-        tag = f"{os.getpid() % 100000}"
-        self.ns = (f"pd15a{tag}", f"pd15b{tag}")
-        subnet = 1 + os.getpid() % 250
-        self.addr = (f"10.231.{subnet}.1", f"10.231.{subnet}.2")
-        self._veth = (f"pdva{tag}", f"pdvb{tag}")
-
-    def _ip(self, *args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
-
-    def create(self) -> None:
-        for ns in self.ns:
-            self._ip("netns", "add", ns)
-        self._ip("link", "add", self._veth[0], "type", "veth", "peer", "name", self._veth[1])
-        for ns, veth, addr in zip(self.ns, self._veth, self.addr, strict=True):
-            self._ip("link", "set", veth, "netns", ns)
-            self._ip("-n", ns, "link", "set", veth, "name", "pdnet")
-            self._ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "pdnet")
-            self._ip("-n", ns, "link", "set", "pdnet", "up")
-            self._ip("-n", ns, "link", "set", "lo", "up")
-
-    def remove(self) -> None:
-        for ns in self.ns:   # deleting a namespace deletes its veth end, and so the pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-
-    def popen(self, host: int, argv: list[str],
-              env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-        full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "pdnet", **(env or {})}
-        return subprocess.Popen(["ip", "netns", "exec", self.ns[host], *argv], env=full_env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def partition(self, cut: bool) -> None:
-        """Cut (``True``) or heal the network between the hosts: a queue that holds no packet
-        on each end drops everything sent either way, as a partition does (connections stay
-        open; nothing tells either side)."""
-        for ns in self.ns:
-            if cut:
-                self._ip_tc(ns, "replace", "pfifo", "limit", "0")
-            else:
-                subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", "pdnet", "root"],
-                               capture_output=True, timeout=10)
-
-    def _ip_tc(self, ns: str, action: str, *qdisc: str) -> None:
-        subprocess.run(["tc", "-n", ns, "qdisc", action, "dev", "pdnet", "root", *qdisc],
-                       check=True, capture_output=True, text=True, timeout=10)
-
-
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
-    if not sys.platform.startswith("linux") or shutil.which("ip") is None:
-        pytest.skip("needs Linux network namespaces and the `ip` tool (iproute2)")
-    if os.geteuid() != 0:
-        pytest.skip("creating network namespaces needs root (CAP_SYS_ADMIN)")
+    why = Hosts.unavailable()
+    if why:
+        pytest.skip(why)
     h = Hosts()
     try:
         h.create()
