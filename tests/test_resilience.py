@@ -469,3 +469,49 @@ def test_the_stores_keys_stay_bounded_over_many_shrinks_and_grows(monkeypatch, k
             m.stop()
         for store in reversed(stores):
             store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_joiner_that_gave_up_is_never_admitted() -> None:
+    """A joiner whose wait for admission timed out says so in the death log: the members'
+    next grow skips its ticket and admits only the joiner still waiting (a withdrawn ticket
+    once got admitted, and the grown group then waited in vain for the process that left)."""
+    import threading
+    from datetime import timedelta
+
+    from plugdist import TCPStore
+    from plugdist import membership as mm
+    from plugdist.errors import DistTimeoutError
+
+    limit = timedelta(seconds=20)
+    master = TCPStore("127.0.0.1", 0, None, is_master=True, timeout=limit)
+    stores = [master]
+
+    def client() -> TCPStore:
+        stores.append(TCPStore("127.0.0.1", master.port, None, timeout=limit))
+        return stores[-1]
+
+    member = mm.Membership(client(), "0", ["0"])
+    joined: list[Any] = []
+    try:
+        member.start()
+        with pytest.raises(DistTimeoutError, match="admission"):
+            mm.request_join(client(), timedelta(seconds=0.5))
+        deadline = time.monotonic() + 10
+        while "j1" not in member.failed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert member.failed.get("j1", "").startswith("left (it gave up joining"), member.failed
+        assert member.joiners_waiting == 0
+        waiting = threading.Thread(target=lambda: joined.append(mm.request_join(client(), limit)))
+        waiting.start()
+        while not master.check(["plugdist/join/2"]) and time.monotonic() < deadline + 10:
+            time.sleep(0.02)
+        decision = member.agree_grow(limit)
+        waiting.join(20)
+        assert decision is not None and decision.joined == ["j2"], decision
+        assert decision.members == ["0", "j2"] and joined[0][1].members == ["0", "j2"]
+    finally:
+        for m in [member] + [j for j, _ in joined]:
+            m.stop()
+        for store in reversed(stores):
+            store.close()

@@ -423,12 +423,15 @@ class Membership:
             return f"was excluded from the world by shrink_group at epoch {record['epoch']}"
         if cause == "hung":
             return f"hung (no heartbeat for {record.get('after', '?')} s)"
+        if cause == "left":
+            return f"left ({record.get('how', 'it gave up')})"
         return f"failed ({record.get('how', 'reported by a backend')})"
 
     def _learn(self, news: dict[str, str]) -> None:
         with self._lock:
             fresh = {u: why for u, why in news.items() if u not in self.failed}
             self.failed.update(fresh)
+            self._count_joiners()  # a joiner that died or gave up no longer waits
             self._events.notify_all()  # an agreement may wait on one of them
             if self.uid in fresh and self.excluded_reason is None:
                 why = fresh[self.uid]
@@ -815,7 +818,10 @@ def _forget_epochs(store: Store, last: int) -> None:
 def request_join(store: Store, timeout: timedelta,
                  interval: float | None = None) -> tuple[Membership, Decision]:
     """For a new process: take a ticket, start liveness (so the members see it die), and block
-    until the members admit it at their next ``grow_group`` (bounded by ``timeout``)."""
+    until the members admit it at their next ``grow_group`` (bounded by ``timeout``). A joiner
+    that gives up (the timeout, any error) says so in the death log before it withdraws its
+    will, so that no later grow admits it: a will withdrawn in silence left its ticket looking
+    alive, and a grow that admitted such a ticket built a group that waited for it in vain."""
     n = store.add(f"{_JOIN}/count", 1)
     uid = f"j{n}"
     current = int(store.compare_set(CURRENT, b"", b"0") or 0)
@@ -839,14 +845,19 @@ def request_join(store: Store, timeout: timedelta,
                         f"init_process_group(join=True): the world finished (every member "
                         f"left) before admitting member {uid}; there is nothing to join") \
                         from None
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline and not store.check([admitted]):
                     here = f"[member {uid}, op init_process_group(join=True)]"
                     raise DistTimeoutError(
                         f"{timed_out(here, timeout.total_seconds(), 'admission')}: the running "
                         f"ranks admit joiners when they call plugdist.grow_group()") from None
         epoch = int(store.get(f"{_JOIN}/{n}/admitted"))
         members = json.loads(_wait_get(store, _epoch_key(epoch, "members"), timeout))
-    except BaseException:
+    except BaseException as err:
+        try:
+            _append_log(store, DEATHS, json.dumps({
+                "uid": uid, "cause": "left", "how": f"it gave up joining: {type(err).__name__}"}))
+        except DistError:
+            pass  # a store that is gone: nobody is left to admit it either
         me.stop()
         raise
     decision = Decision(epoch, members, [uid])
