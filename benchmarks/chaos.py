@@ -236,7 +236,11 @@ class Run:
                 rc = proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGTERM)
-                rc = proc.wait(30)
+                try:
+                    rc = proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    rc = proc.wait(30)
                 rc = rc if rc else -1
             codes.append(rc)
         for f in self.files:
@@ -574,11 +578,13 @@ def soak(args: argparse.Namespace) -> int:
         # (another global batch) move the loss more than the tolerance
         run.wait_steps(args.min_steps, 300)
     finally:
-        rc = run.finish(timeout=180)
-        if etcd is not None:
-            etcd.stop()
-        if hosts is not None:
-            hosts.remove()
+        try:
+            rc = run.finish(timeout=180)
+        finally:
+            if etcd is not None:
+                etcd.stop()
+            if hosts is not None:
+                hosts.remove()
     bad, figures = check(run, rc, faults, args.nproc, args.max_pause)
     ref_loss = fault_free_loss([args.nproc] * figures["committed_steps"])
     figures["reference_eval_loss"] = ref_loss
