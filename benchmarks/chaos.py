@@ -80,6 +80,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -185,17 +186,17 @@ class Run:
     def wait_full(self, n: int, timeout: float) -> bool:
         """Wait until ``n`` members run and the last committed step was in a world of ``n``
         ranks (an excluded process may live on for a moment after its world shrank)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.running():
-            if len(self.members()) >= n and self.last_record().get("world_size") == n:
-                return True
-            time.sleep(0.05)
-        return False
+        return self._wait(lambda: len(self.members()) >= n
+                          and self.last_record().get("world_size") == n, timeout)
 
     def wait_members(self, n: int, timeout: float) -> bool:
+        return self._wait(lambda: len(self.members()) >= n, timeout)
+
+    def _wait(self, ok: Callable[[], bool], timeout: float) -> bool:
+        """Poll ``ok()`` until it holds (True), ``timeout`` passes or a launcher exits."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.running():
-            if len(self.members()) >= n:
+            if ok():
                 return True
             time.sleep(0.05)
         return False
@@ -645,16 +646,6 @@ def _report(report: dict[str, Any], args: argparse.Namespace, loss_line: str) ->
     return 1 if bad else 0
 
 
-def _last_size(run: Run) -> int:
-    """The world size of the last step any worker of ``run`` committed (0 before the first)."""
-    last, size = -1, 0
-    for f in run.samples.glob("*.jsonl"):
-        for r in _read_jsonl(f)[-3:]:
-            if r["step"] > last:
-                last, size = r["step"], r["world_size"]
-    return size
-
-
 def soak_mpi(args: argparse.Namespace) -> int:
     """The soak on Open MPI under ULFM: world after world, each shrunk by its faults to
     ``--min-world`` ranks and then stopped (see the module's docstring)."""
@@ -698,7 +689,8 @@ def soak_mpi(args: argparse.Namespace) -> int:
                 placed.append(kind)
                 # the next fault lands on the shrunk world, not on its shrink
                 want, deadline = args.nproc - len(faults), time.monotonic() + 120
-                while _last_size(run) != want and time.monotonic() < deadline \
+                while run.last_record().get("world_size", 0) != want \
+                        and time.monotonic() < deadline \
                         and run.running():
                     time.sleep(0.05)
                 if args.verbose:
