@@ -223,6 +223,35 @@ def die_after_agreeing() -> None:
     final_barrier()
 
 
+def die_while_connecting() -> None:
+    """Rank 3 dies; rank 2 agrees, publishes its Gloo address for the new group, then dies
+    (SIGKILL) before the others connect to it: the others must leave Gloo's connect (which waits
+    up to five times the group's timeout for a dead peer) and agree again, without it."""
+    from plugdist.store.for_torch import PlugdistStoreForTorch
+
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    rank = dist.get_rank()
+    _until_failure({3}, kill_at=2)
+    if rank == 2:
+        publish = PlugdistStoreForTorch.set
+
+        def publish_then_die(self: Any, key: str, value: Any) -> None:
+            publish(self, key, value)
+            _die(_store())
+
+        PlugdistStoreForTorch.set = publish_then_die  # type: ignore[method-assign]
+    start = time.monotonic()
+    dist.shrink_group(timeout=TIMEOUT)
+    shrink_s = time.monotonic() - start
+    from plugdist.world import world
+
+    bad = check_collectives("shrunk")
+    _write(f"survivor-{rank}", {"role": "survivor", "rank": dist.get_rank(),
+                                "size": dist.get_world_size(), "bad": bad, "epoch": world.epoch,
+                                "shrink_s": shrink_s})
+    final_barrier()
+
+
 def torch_ddp() -> None:
     """torch's DDP over plugdist_gloo: rank 2 dies, the survivors shrink and keep training on the
     same torch group object; the parameters stay identical on every survivor."""
@@ -301,4 +330,5 @@ def default_mode() -> None:
 if __name__ == "__main__":
     {"default_mode": default_mode, "kill_shrink_grow": kill_shrink_grow,
      "excluded_alive": excluded_alive, "die_during_shrink": die_during_shrink,
-     "die_after_agreeing": die_after_agreeing, "torch_ddp": torch_ddp}[sys.argv[1]]()
+     "die_after_agreeing": die_after_agreeing, "die_while_connecting": die_while_connecting,
+     "torch_ddp": torch_ddp}[sys.argv[1]]()

@@ -184,6 +184,25 @@ def test_rank_dies_after_agreeing(tmp_path: Path) -> None:
 
 
 @pytest.mark.resilience
+@pytest.mark.timeout(260)
+def test_rank_dies_while_the_others_connect_to_it(tmp_path: Path) -> None:
+    """Rank 2 dies after it published its Gloo address for the new group: the others leave
+    Gloo's connect as soon as liveness names it (not after Gloo's connect timeout, five times
+    the group's 60 s on the listening side) and agree again without it."""
+    found = run_scenario(tmp_path, "die_while_connecting", 4, "gloo", victims="2,3")
+    alive = survivors(found)
+    assert len(alive) == 2
+    for r in alive:
+        assert r["size"] == 2 and r["bad"] == [], r
+        assert r["epoch"] == 2, r
+        assert r["shrink_s"] < 60, f"the shrink waited out a timeout: {r}"
+    for name in ("rank0", "rank1"):
+        log = (tmp_path / f"{name}.log").read_text()
+        retries = [line for line in log.splitlines() if "rebuild_retry" in line]
+        assert retries and all("rank 2 died" in line for line in retries), log[-3000:]
+
+
+@pytest.mark.resilience
 @pytest.mark.timeout(120)
 def test_resilient_groups_are_on_by_default_where_the_store_expires_wills(
         tmp_path: Path) -> None:

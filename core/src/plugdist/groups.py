@@ -264,9 +264,10 @@ def _leave_at_exit(m: _membership.Membership) -> None:
 
 
 def _build_group(backend: str, global_ranks: tuple[int, ...], name: str, timeout: timedelta,
-                 pg_options: Any, made: ProcessGroup | None = None) -> ProcessGroup:
-    """Build this process's member of a group of the world and record it there. ``made``: the
-    backend's group already built natively (``native_shrink``), taken instead of a new one."""
+                 pg_options: Any, factory: Callable[..., ProcessGroup] | None = None
+                 ) -> ProcessGroup:
+    """Build this process's member of a group of the world and record it there. ``factory``:
+    stands in for the backend's constructor (see :func:`build_group`)."""
     assert world.store is not None  # callers hold an initialized world
     prefix = _membership.group_prefix(world.epoch, name)
     m = world.membership
@@ -283,7 +284,7 @@ def _build_group(backend: str, global_ranks: tuple[int, ...], name: str, timeout
 
     return build_group(backend, base, global_ranks, global_ranks.index(world.rank), name,
                        timeout, pg_options, global_rank=world.rank, record=record,
-                       factory=None if made is None else (lambda *_args: made))
+                       factory=factory)
 
 
 def build_group(backend: str, store: Store, global_ranks: tuple[int, ...], group_rank: int,

@@ -319,6 +319,30 @@ class Membership:
                 ranks = tuple(self.failed_ranks(dead))
                 pg.abort(self.describe(dead), ranks)
 
+    def first_failure(self, uids: Sequence[str]) -> DistError | None:
+        """The error to raise when one of ``uids`` is known to have failed (or this process was
+        excluded); None while they all live. Does not block."""
+        with self._lock:
+            dead = [u for u in uids if u in self.failed]
+            if dead:
+                return DistRankFailureError(f"[rank {self.rank}] {self.describe(dead)}",
+                                            self.failed_ranks(dead))
+            if self.excluded_reason is not None:
+                return self._excluded_error()
+            return None
+
+    def wait_for_failure(self, uids: Sequence[str], timeout: float) -> DistError | None:
+        """Block up to ``timeout`` seconds until one of ``uids`` is known to have failed:
+        :meth:`first_failure`'s error then, else None. Wakes as soon as the monitor learns."""
+        deadline = time.monotonic() + timeout
+        with self._events:
+            while True:
+                err = self.first_failure(uids)
+                left = deadline - time.monotonic()
+                if err is not None or left <= 0:
+                    return err
+                self._events.wait(left)
+
     def describe(self, dead: Sequence[str]) -> str:
         """Which ranks failed and how, and what to do."""
         parts = []
@@ -905,13 +929,9 @@ class GuardedPrefixStore(PrefixStore):
                 if now - unavailable_since > _STORE_GRACE or now >= deadline:
                     raise
                 time.sleep(0.05)
-            m = self._membership
-            dead = [u for u in self._uids if u in m.failed]
-            if dead:
-                raise DistRankFailureError(f"[rank {m.rank}] {m.describe(dead)}",
-                                           m.failed_ranks(dead))
-            if m.excluded_reason is not None:
-                raise m._excluded_error()
+            failure = self._membership.first_failure(self._uids)
+            if failure is not None:
+                raise failure
 
     def get(self, key: str) -> bytes:
         self._until_present(self._ks([key]), None)

@@ -13,9 +13,12 @@ Above :mod:`plugdist.groups` and the torch bridge; nothing below imports it.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +34,8 @@ from .world import world
 __all__ = ["shrink_group", "grow_group", "get_failed_ranks", "join_world", "report_failed_ranks"]
 
 _ATTEMPTS = 3  # agreements tried when members keep failing while the new group is built
+_NAMING_GRACE = 5.0  # s a failed build waits for liveness to name a dead member
+_EXIT_GRACE = 2.0  # s the process's exit waits for builds left behind
 
 
 def _membership(what: str) -> Membership:
@@ -175,8 +180,11 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
     info_timeout = timeout if old_default is None else old_default.timeout
     # a natively shrunk group goes through the same steps as a fresh one (plugins wrap it,
     # the world records it, membership watches it)
-    pg = groups._build_group(world.backend, tuple(range(world.size)), name, info_timeout,
-                             world.group_options, made=native)
+    ranks = tuple(range(world.size))
+    factory = ((lambda *_args: native) if native is not None
+               else _abandoned_if_a_member_fails(m, m.uids_of(ranks), world.backend))
+    pg = groups._build_group(world.backend, ranks, name, info_timeout, world.group_options,
+                             factory=factory)
     world.default = pg
     if world.torch_default is not None:
         from . import torch_bridge
@@ -185,6 +193,88 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
     lifecycle("group_shrunk" if why == "shrink_group" else "group_grown", group=name,
               group_rank=world.rank, backend=world.backend, epoch=decision.epoch,
               world_size=world.size, joined=decision.joined)
+
+
+def _abandoned_if_a_member_fails(m: Membership, uids: tuple[str, ...],
+                                 backend: str) -> Callable[..., ProcessGroup] | None:
+    """The backend's constructor, run on a helper thread while the calling thread watches
+    ``uids``: it returns the group, or raises the failure as soon as one of them is known to
+    have failed. A backend's connect to a peer that died after it published its address may
+    wait in C++, where no abort reaches (Gloo's listening side waits five times the group's
+    timeout). The build left behind ends on its own; a group it still makes is shut down.
+
+    A build that fails by itself (a connection refused by the dead peer) waits up to
+    ``_NAMING_GRACE`` for liveness to name the member, so that the survivors agree again.
+    None (build on the calling thread) for a backend whose groups live on an accelerator,
+    whose current device is set per thread."""
+    factory = registry.load(BACKENDS, backend)
+    if any(t != "cpu" for t in getattr(factory, "device_types", ("cpu",))):
+        return None
+
+    def build(*args: Any) -> ProcessGroup:
+        done, lock = threading.Event(), threading.Lock()
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                pg = factory(*args)
+            except BaseException as err:  # the caller's to raise, unless it left already
+                with lock:
+                    if "abandoned" not in outcome:
+                        outcome["error"] = err
+                    done.set()
+                return
+            with lock:
+                outcome["group"] = pg
+                done.set()
+                abandoned = "abandoned" in outcome
+            if abandoned:
+                pg.shutdown()
+
+        name = getattr(args[-1], "group_name", "")
+        thread = threading.Thread(target=run, name=f"plugdist-build-{name}", daemon=True)
+        thread.start()
+        while not done.wait(0.05):
+            failure = m.first_failure(uids)
+            if failure is not None:
+                with lock:
+                    if not done.is_set():
+                        outcome["abandoned"] = True
+                        _left_behind(thread)
+                        raise failure
+        if "error" in outcome:
+            # popped: the error's traceback holds run's frame, which holds outcome; a cycle
+            # would keep the half-built group (a Gloo device and its thread) until a GC at exit
+            error = outcome.pop("error")
+            failure = m.wait_for_failure(uids, _NAMING_GRACE)
+            if failure is not None:
+                raise failure from error
+            raise error
+        group: ProcessGroup = outcome["group"]
+        return group
+
+    return build
+
+
+_abandoned: list[threading.Thread] = []
+
+
+def _left_behind(thread: threading.Thread) -> None:
+    if not _abandoned:
+        atexit.register(_let_builds_left_behind_end)
+    _abandoned[:] = [t for t in _abandoned if t.is_alive()] + [thread]
+
+
+def _let_builds_left_behind_end() -> None:
+    """At exit, wait up to ``_EXIT_GRACE`` for the builds left behind. One that is inside a
+    store call the backend made (its peer's address not yet there) ends within a fraction of a
+    second, as the store or the membership refuses it; left running, it would be a daemon
+    thread with C++ frames below it that Python ends at shutdown, and that aborts the process
+    ("terminate called without an active exception"). One waiting in the backend's own C++
+    (a connect) is safe to leave."""
+    deadline = time.monotonic() + _EXIT_GRACE
+    for thread in _abandoned:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _native_shrink(old: ProcessGroup, keep: list[int],
