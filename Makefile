@@ -45,7 +45,7 @@ lint: $(STAMP)
 # sooner than one even on two cores. TEST_WORKERS=0 runs them in this one process.
 TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 # only the SIGKILL scenarios of resilient groups and fault-tolerant training (make test runs them
 # too)
