@@ -83,7 +83,7 @@ def main() -> None:
 
     cls._shrink = on_shrink  # type: ignore[method-assign]
     cls._transfer_state = on_transfer  # type: ignore[method-assign]
-    cls.run_step = step_and_count  # type: ignore[method-assign]
+    cls.run_step = step_and_count  # type: ignore[method-assign,assignment]
     resilient_train.main()
 
 
