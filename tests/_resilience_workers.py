@@ -201,38 +201,47 @@ def die_during_shrink() -> None:
     final_barrier()
 
 
-def die_after_agreeing() -> None:
-    """Rank 3 dies; rank 2 takes part in the agreement, then dies (SIGKILL) before it builds
-    the new group: the others must notice while building, and agree again without it."""
-    from plugdist import resilience
+def _rank2_dies_in_the_rebuild(arm_rank2: Any) -> None:
+    """Rank 3 dies; rank 2 takes part in the agreement and ``arm_rank2()`` makes it die
+    (SIGKILL) somewhere in the rebuild; the others shrink to 2 and write what they saw."""
+    from plugdist.world import world
 
     dist.init_process_group(os.environ["BACKEND"], timeout=TIMEOUT)
     rank = dist.get_rank()
     _until_failure({3}, kill_at=2)
     if rank == 2:
+        arm_rank2()
+    start = time.monotonic()
+    dist.shrink_group(timeout=TIMEOUT)
+    shrink_s = time.monotonic() - start
+    bad = check_collectives("shrunk")
+    _write(f"survivor-{rank}", {"role": "survivor", "rank": dist.get_rank(),
+                                "size": dist.get_world_size(), "bad": bad, "epoch": world.epoch,
+                                "shrink_s": shrink_s})
+    final_barrier()
+
+
+def die_after_agreeing() -> None:
+    """Rank 2 dies before it builds the new group: the others must notice while building, and
+    agree again without it."""
+    from plugdist import resilience
+
+    def arm() -> None:
         def die_on_entry(*_args: Any, **_kwargs: Any) -> None:
             _die(_store())
 
         resilience._enter = die_on_entry  # type: ignore[assignment]
-    dist.shrink_group(timeout=TIMEOUT)
-    from plugdist.world import world
 
-    bad = check_collectives("shrunk")
-    _write(f"survivor-{rank}", {"role": "survivor", "rank": dist.get_rank(),
-                                "size": dist.get_world_size(), "bad": bad, "epoch": world.epoch})
-    final_barrier()
+    _rank2_dies_in_the_rebuild(arm)
 
 
 def die_while_connecting() -> None:
-    """Rank 3 dies; rank 2 agrees, publishes its Gloo address for the new group, then dies
-    (SIGKILL) before the others connect to it: the others must leave Gloo's connect (which waits
-    up to five times the group's timeout for a dead peer) and agree again, without it."""
+    """Rank 2 publishes its Gloo address for the new group, then dies before the others
+    connect to it: the others must leave Gloo's connect (which waits up to five times the
+    group's timeout for a dead peer) and agree again, without it."""
     from plugdist.store.for_torch import PlugdistStoreForTorch
 
-    dist.init_process_group("gloo", timeout=TIMEOUT)
-    rank = dist.get_rank()
-    _until_failure({3}, kill_at=2)
-    if rank == 2:
+    def arm() -> None:
         publish = PlugdistStoreForTorch.set
 
         def publish_then_die(self: Any, key: str, value: Any) -> None:
@@ -240,16 +249,8 @@ def die_while_connecting() -> None:
             _die(_store())
 
         PlugdistStoreForTorch.set = publish_then_die  # type: ignore[method-assign]
-    start = time.monotonic()
-    dist.shrink_group(timeout=TIMEOUT)
-    shrink_s = time.monotonic() - start
-    from plugdist.world import world
 
-    bad = check_collectives("shrunk")
-    _write(f"survivor-{rank}", {"role": "survivor", "rank": dist.get_rank(),
-                                "size": dist.get_world_size(), "bad": bad, "epoch": world.epoch,
-                                "shrink_s": shrink_s})
-    final_barrier()
+    _rank2_dies_in_the_rebuild(arm)
 
 
 def torch_ddp() -> None:

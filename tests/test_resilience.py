@@ -176,11 +176,17 @@ def test_rank_dies_after_agreeing(tmp_path: Path) -> None:
     """Rank 2 dies after the survivors agreed on a world that holds it, while the new group is
     being built: the build fails fast and the survivors agree again, without it."""
     found = run_scenario(tmp_path, "die_after_agreeing", 4, "gloo", victims="2,3")
+    _two_at_epoch_2(found)
+
+
+def _two_at_epoch_2(found: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The survivors, checked: two, in a group of 2 at epoch 2, every collective right."""
     alive = survivors(found)
     assert len(alive) == 2
     for r in alive:
         assert r["size"] == 2 and r["bad"] == [], r
         assert r["epoch"] == 2, r
+    return alive
 
 
 @pytest.mark.resilience
@@ -190,11 +196,7 @@ def test_rank_dies_while_the_others_connect_to_it(tmp_path: Path) -> None:
     Gloo's connect as soon as liveness names it (not after Gloo's connect timeout, five times
     the group's 60 s on the listening side) and agree again without it."""
     found = run_scenario(tmp_path, "die_while_connecting", 4, "gloo", victims="2,3")
-    alive = survivors(found)
-    assert len(alive) == 2
-    for r in alive:
-        assert r["size"] == 2 and r["bad"] == [], r
-        assert r["epoch"] == 2, r
+    for r in _two_at_epoch_2(found):
         assert r["shrink_s"] < 60, f"the shrink waited out a timeout: {r}"
     for name in ("rank0", "rank1"):
         log = (tmp_path / f"{name}.log").read_text()
