@@ -36,7 +36,10 @@ __all__ = ["EtcdClient", "EtcdError", "EtcdUnavailableError", "TLSConfig", "b64"
 # out: a cluster that is merely slow still gets its time). Short, because a request a member
 # forwarded to a leader that just died is never answered, while the same request sent again
 # once a new leader is elected (1-2 s with etcd's defaults) is; repeating is safe (see
-# plugdist_etcd.store).
+# plugdist_etcd.store). With one endpoint there is no leader elsewhere to wait for, so the wait
+# doubles from the first timeout: a busy member is not sent the same request again every
+# 0.25 s (each one it gave up on adds to its queue, and etcd before 3.5.5 crashes on a
+# read-only transaction whose client gave up: etcd issue 14110).
 _ATTEMPT_READ = 0.25
 _SHORT_TRIES = 8
 _BYTES_PER_S = 50e6  # a large value gets time to travel and be written on top of that
@@ -232,7 +235,7 @@ class EtcdClient:
             if left <= 0:
                 raise self._unavailable(what, attempt)
             read = (_ATTEMPT_READ + len(payload) / _BYTES_PER_S) * 2 ** max(
-                timed_out - _SHORT_TRIES, 0)
+                timed_out - (_SHORT_TRIES if len(self.endpoints) > 1 else 0), 0)
             try:
                 status, raw = self._http[index].post(f"/v3/{path}", payload,
                                                      self._headers(auth), min(_CONNECT, left),

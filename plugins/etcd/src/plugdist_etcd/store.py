@@ -54,6 +54,8 @@ _LOG_BATCH = 16    # entries of a numbered log read in one transaction
 _TXN_OPS = 64      # etcd refuses a transaction of more than 128 operations (its default)
 _SEEN_MAX = 4096   # revisions remembered for add/append guards
 _FOLD_AT = 16      # an add that sees a multiple of this many pending increments folds them
+_ONES = b"1/"      # under a counter's increments: those of 1 (an add counts them, not reads them)
+_OTHERS = b"x/"    # under a counter's increments: any other amount
 # seconds: a will's liveness lease. etcd grants no less than 1.5 election timeouts rounded up
 # (2 s with its defaults: heartbeat 100 ms, election 1000 ms) and revokes expired leases every
 # 0.5 s, so with the defaults a dead holder's will runs 2-2.5 s after its last renewal
@@ -87,6 +89,10 @@ def _kvs(response: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _count(response: dict[str, Any]) -> int:
     return int(response.get("response_range", {}).get("count", 0) or 0)
+
+
+def _sum(deltas: list[dict[str, Any]]) -> int:
+    return sum(int(unb64(x.get("value"))) for x in deltas)
 
 
 def _revision(data: dict[str, Any]) -> int:
@@ -262,12 +268,18 @@ class EtcdStore(Store):
 
     def _add_increment(self, key: str, amount: int, plus: Callable[[bytes | None], bytes],
                        what: str) -> int:
-        """``add`` as its own increment key, summed with the counter in the same transaction."""
+        """``add`` as its own increment key, summed with the counter in the same transaction.
+
+        Increments of 1 (a rendezvous' arrivals) live under their own prefix, so the sum reads
+        only their count: N concurrent adds then cost O(N) bytes in all, where reading every
+        pending increment cost O(N) each."""
         vkey, d = self._vkey(key), self._dkey(key)
+        ones, others = d + _ONES, d + _OTHERS
         slot = self._take_slot()
         marker = self._marker(slot[0])
         rid = f"{self._handle}.{next(self._ids)}".encode()
-        inc = d + f"{self._handle}/{slot[0]}/{next(self._ids)}".encode()
+        inc = (ones if amount == 1 else others) + \
+            f"{self._handle}/{slot[0]}/{next(self._ids)}".encode()
         deadline = self._deadline()
         try:
             while True:
@@ -275,16 +287,19 @@ class EtcdStore(Store):
                 create = {"compare": [{"key": b64(vkey), "target": "CREATE",
                                        "create_revision": "0"}],
                           "success": [_put(vkey, b"0", self._lease_id)], "failure": []}
-                reads = [_range(vkey), _range(d, prefix_end(d))]
+                counted = [_range(vkey), _range(ones, prefix_end(ones), count_only=True),
+                           _range(others, prefix_end(others))]
                 data = self._txn([guard], [_put(inc, str(amount).encode(), self._lease_id),
                                            {"request_txn": create},
-                                           _put(marker, rid, self._lease_id), *reads],
-                                 [*reads, _range(marker)], what, deadline)
+                                           _put(marker, rid, self._lease_id), *counted],
+                                 [_range(vkey), _range(d, prefix_end(d)), _range(marker)],
+                                 what, deadline)
                 responses = data.get("responses", [])
                 if data.get("succeeded"):
                     slot[1] = _revision(data)
-                    value, deltas = _kvs(responses[3]), _kvs(responses[4])
-                    mine = slot[1]
+                    value, deltas = _kvs(responses[3]), _kvs(responses[5])
+                    pending = _count(responses[4]) + len(deltas)
+                    summed = _count(responses[4]) + _sum(deltas)
                 else:
                     value, deltas = _kvs(responses[0]), _kvs(responses[1])
                     mark = _kvs(responses[2])
@@ -295,6 +310,7 @@ class EtcdStore(Store):
                     ours = [x for x in deltas if unb64(x.get("key")) == inc]
                     mine = int(ours[0]["mod_revision"]) if ours else 1 << 62
                     deltas = [x for x in deltas if int(x["mod_revision"]) <= mine]
+                    pending, summed = len(deltas), _sum(deltas)
                 raw = unb64(value[0].get("value")) if value else b""
                 try:
                     plus(raw)
@@ -302,13 +318,22 @@ class EtcdStore(Store):
                     self._txn([], [_delete(inc)], [], what, deadline)  # undo, then say why
                     raise
                 self._remember(vkey, None, 0)
-                if len(deltas) % _FOLD_AT == 0:  # about one adder in _FOLD_AT folds
-                    folded = self._fold(vkey, value, deltas, what, deadline, finished=inc)
-                    if folded and folded[2] == len(deltas):  # the counter is plain again
+                if pending % _FOLD_AT == 0:  # about one adder in _FOLD_AT folds
+                    folded = self._fold(vkey, value, self._oldest_increments(d, what, deadline),
+                                        what, deadline, finished=inc)
+                    if folded and folded[2] == pending:  # the counter is plain again
                         self._remember(vkey, folded[0], folded[1])
-                return int(raw or b"0") + sum(int(unb64(x.get("value"))) for x in deltas)
+                return int(raw or b"0") + summed
         finally:
             self._give_slot(slot)
+
+    def _oldest_increments(self, d: bytes, what: str, deadline: float) -> list[dict[str, Any]]:
+        """Up to ``_TXN_OPS`` pending increments under ``d``, oldest first (a plain range
+        call, not a read-only transaction: see docs/stores.md on etcd before 3.5.5)."""
+        data = self._call("kv/range", {"key": b64(d), "range_end": b64(prefix_end(d)),
+                                       "sort_order": "ASCEND", "sort_target": "MOD",
+                                       "limit": _TXN_OPS}, what, deadline)
+        return list(data.get("kvs", []))
 
     def _fold(self, vkey: bytes, value: list[dict[str, Any]], deltas: list[dict[str, Any]],
               what: str, deadline: float, force: bool = False,
