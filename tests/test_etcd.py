@@ -397,6 +397,51 @@ def test_add_under_contention_counts_each_once(etcd1) -> None:  # type: ignore[n
     s.close()
 
 
+
+@pytest.mark.timeout(120)
+def test_adds_of_one_and_of_others_mix_on_one_counter(etcd1) -> None:  # type: ignore[no-untyped-def]
+    """Adds of 1 (counted by etcd, not read) and of other amounts (read and summed) at once on
+    one counter: the results put every add in one order, each the sum of those before it and
+    its own, and the counter ends at the total."""
+    url = etcd1.url(f"mixed/{os.urandom(6).hex()}")
+    amounts = [1, 1, 3, 1, -2, 1, 7, 1] * 4
+    start = threading.Barrier(len(amounts))
+    results: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def adder(amount: int) -> None:
+        s = plugdist.open_store(url, timedelta(seconds=60))
+        start.wait()
+        got = [s.add("counter", amount) for _ in range(5)]
+        with lock:
+            results.extend((value, amount) for value in got)
+        s.close()
+
+    threads = [threading.Thread(target=adder, args=(a,)) for a in amounts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 5 * len(amounts)
+    # each add is a step from (result - amount) to result; the adds took effect in one order
+    # exactly when these steps form one walk from 0 that takes every step (an Euler path)
+    steps: dict[int, list[int]] = {}
+    for value, amount in results:
+        steps.setdefault(value - amount, []).append(value)
+    walk, stack = [], [0]
+    while stack:
+        if steps.get(stack[-1]):
+            stack.append(steps[stack[-1]].pop())
+        else:
+            walk.append(stack.pop())
+    assert len(walk) == len(results) + 1, f"the adds fit no one order: {sorted(results)}"
+    total = walk[0]
+    s = plugdist.open_store(url, timedelta(seconds=10))
+    assert total == 5 * sum(amounts)
+    assert s.get("counter") == str(total).encode()
+    assert s.add("counter", 0) == total
+    s.close()
+
 def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
 
