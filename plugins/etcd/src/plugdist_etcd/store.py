@@ -328,8 +328,9 @@ class EtcdStore(Store):
             self._give_slot(slot)
 
     def _oldest_increments(self, d: bytes, what: str, deadline: float) -> list[dict[str, Any]]:
-        """Up to ``_TXN_OPS`` pending increments under ``d``, oldest first (a plain range
-        call, not a read-only transaction: see docs/stores.md on etcd before 3.5.5)."""
+        """Up to ``_TXN_OPS`` pending increments under ``d``, oldest first. A plain range, not
+        a read-only transaction, which etcd before 3.5.5 may crash on if this client gives up
+        (README: "Which etcd server")."""
         data = self._call("kv/range", {"key": b64(d), "range_end": b64(prefix_end(d)),
                                        "sort_order": "ASCEND", "sort_target": "MOD",
                                        "limit": _TXN_OPS}, what, deadline)
