@@ -36,12 +36,15 @@ __all__ = ["EtcdClient", "EtcdError", "EtcdUnavailableError", "TLSConfig", "b64"
 # out: a cluster that is merely slow still gets its time). Short, because a request a member
 # forwarded to a leader that just died is never answered, while the same request sent again
 # once a new leader is elected (1-2 s with etcd's defaults) is; repeating is safe (see
-# plugdist_etcd.store). With one endpoint there is no leader elsewhere to wait for, so the wait
-# doubles from the first timeout: a busy member is not sent the same request again every
-# 0.25 s (each one it gave up on adds to its queue, and etcd before 3.5.5 crashes on a
-# read-only transaction whose client gave up: etcd issue 14110).
+# plugdist_etcd.store). With one endpoint there is no other member to turn to, and a member
+# answers a request it holds for a dead leader with an error of its own (after its request
+# timeout, 7 s with etcd's defaults), so an attempt there waits _ONE_ENDPOINT_READ, doubling:
+# a busy member is never sent the same request again and again (each one it gave up on adds to
+# its queue, and etcd before 3.5.5 crashes on a read-only transaction whose client gave up while
+# the member ran it: etcd issue 14110).
 _ATTEMPT_READ = 0.25
 _SHORT_TRIES = 8
+_ONE_ENDPOINT_READ = 30.0
 _BYTES_PER_S = 50e6  # a large value gets time to travel and be written on top of that
 _CONNECT = 1.0
 _RETRYABLE_CODES = {4, 14}  # DeadlineExceeded ("request timed out"), Unavailable (no leader, ...)
@@ -234,8 +237,11 @@ class EtcdClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self._unavailable(what, attempt)
-            read = (_ATTEMPT_READ + len(payload) / _BYTES_PER_S) * 2 ** max(
-                timed_out - (_SHORT_TRIES if len(self.endpoints) > 1 else 0), 0)
+            if len(self.endpoints) > 1:
+                read = (_ATTEMPT_READ + len(payload) / _BYTES_PER_S) * 2 ** max(
+                    timed_out - _SHORT_TRIES, 0)
+            else:
+                read = (_ONE_ENDPOINT_READ + len(payload) / _BYTES_PER_S) * 2 ** timed_out
             try:
                 status, raw = self._http[index].post(f"/v3/{path}", payload,
                                                      self._headers(auth), min(_CONNECT, left),
