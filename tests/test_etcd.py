@@ -221,6 +221,96 @@ def test_will_runs_once_when_its_holder_is_killed_and_not_when_cancelled(etcd1) 
             s.close()
 
 
+_NODE_WORKER = r"""
+import sys
+from datetime import timedelta
+import plugdist
+url, name, ttl = sys.argv[1], sys.argv[2], float(sys.argv[3])
+store = plugdist.open_store(url, timedelta(seconds=20))
+will = store.hold_will("deaths", name, ttl=ttl)
+print("held", flush=True)
+if sys.stdin.readline().strip() == "cancel":
+    will.cancel()
+    print("cancelled", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _liveness_leases(url: str) -> dict[bytes, int]:
+    """The job's will liveness keys at ``url`` and the lease each was put with."""
+    from plugdist_etcd import EtcdClient
+    from plugdist_etcd.client import b64, prefix_end, unb64
+    u = parse_etcd_url(url)
+    client = EtcdClient(list(u.endpoints))
+    live = f"/{u.prefix}/l/".encode()
+    data = client.call("kv/range", {"key": b64(live), "range_end": b64(prefix_end(live))},
+                       time.monotonic() + 10, "test")
+    client.close()
+    return {unb64(kv["key"]): int(kv.get("lease", 0)) for kv in data.get("kvs", [])}
+
+
+@pytest.mark.timeout(150)
+def test_a_node_keeper_renews_its_workers_wills_with_one_lease(etcd1, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """keep_node_wills: workers given the keeper's env put their liveness keys with the node's
+    one lease and grant none of their own; a SIGKILLed worker's will runs at once (the keeper
+    sees its process gone: with a 60 s lease that path is the only one that can run it within
+    30 s), a SIGSTOPped one's after its will's 3 s TTL, a cancelled one's never, and a worker
+    whose keeper names a lease of another cluster renews its own; closing the keeper runs the
+    wills still held. The test process holds a will of its own: the ring's watcher."""
+    url = etcd1.url(f"node/{os.urandom(6).hex()}", live_ttl=60)
+    store = plugdist.open_store(url, timedelta(seconds=30))
+    watcher = store.hold_will("deaths", "watcher")
+    keeper = store.keep_node_wills(str(tmp_path / "node"))
+    workers: dict[str, subprocess.Popen[str]] = {}
+
+    def start(name: str, env: dict[str, str]) -> None:
+        p = subprocess.Popen([sys.executable, "-c", _NODE_WORKER, url, name, "3"],
+                             env=dict(os.environ, **env), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        workers[name] = p
+        assert p.stdout is not None and p.stdout.readline() == "held\n", p.communicate()[1]
+
+    try:
+        assert keeper.lease.ttl == 60 and set(keeper.env) == {
+            "PLUGDIST_ETCD_NODE_LEASE", "PLUGDIST_ETCD_NODE_DIR"}
+        for name in ("killed", "stopped", "polite", "left"):
+            start(name, keeper.env)
+        start("elsewhere", dict(keeper.env, PLUGDIST_ETCD_NODE_LEASE="12345:60"))
+        leases = sorted(_liveness_leases(url).values())
+        assert leases.count(keeper.lease.id) == 4 and len(leases) == 6, leases
+        own = [lease for lease in leases if lease != keeper.lease.id]
+        assert 12345 not in own and len(set(own)) == 2, "the watcher's and 'elsewhere''s own"
+
+        workers["killed"].kill()
+        store.wait(["deaths/1"], timedelta(seconds=30))
+        assert store.get("deaths/1") == b"killed" and keeper.released == 1
+
+        os.kill(workers["stopped"].pid, signal.SIGSTOP)
+        store.wait(["deaths/2"], timedelta(seconds=30))
+        assert store.get("deaths/2") == b"stopped" and keeper.released == 2
+        os.kill(workers["stopped"].pid, signal.SIGCONT)
+
+        polite = workers["polite"]
+        assert polite.stdin is not None and polite.stdout is not None
+        polite.stdin.write("cancel\n")
+        polite.stdin.flush()
+        assert polite.stdout.readline() == "cancelled\n"
+        assert len(os.listdir(tmp_path / "node")) == 1, os.listdir(tmp_path / "node")
+
+        keeper.close()   # 'left' still holds its will: it runs
+        store.wait(["deaths/3"], timedelta(seconds=30))
+        assert store.get("deaths/3") == b"left"
+        time.sleep(1.0)  # a cancelled will, or a second run of one, would be in by now
+        assert store.get("deaths") == b"3", store.get("deaths")
+    finally:
+        keeper.close()
+        for p in workers.values():
+            p.kill()
+            p.communicate()
+        watcher.cancel()
+        store.close()
+
+
 @pytest.mark.timeout(120)
 def test_wills_outlive_the_etcd_leaders_death(etcd3) -> None:  # type: ignore[no-untyped-def]
     """No renewal reaches etcd while it elects a new leader (1-2 s, near the wills' 2 s TTL);

@@ -948,6 +948,28 @@ def test_with_resilient_groups_a_killed_worker_does_not_stop_the_others(tmp_path
 
 
 @pytest.mark.resilience
+@pytest.mark.timeout(150)
+def test_on_etcd_the_agent_keeps_its_workers_wills(tmp_path: Path,
+                                                   request: pytest.FixtureRequest) -> None:
+    """--rdzv-backend etcd with resilient groups: the agent holds one lease for its node's
+    wills; the SIGKILLed worker's will is released by the agent (its process gone), once, and
+    the others shrink and go on."""
+    pytest.importorskip("plugdist_etcd")
+    etcd = request.getfixturevalue("etcd1")
+    env = dict(os.environ, PLUGDIST_RESILIENCE="1", VICTIM="1", PLUGDIST_TORCH_WORLD="0",
+               PLUGDIST_LOG_LEVEL="INFO")
+    res = launch("--nnodes", "1", "--nproc-per-node", "3", "--monitor-interval", "0.05",
+                 "--rdzv-backend", "etcd", "--rdzv-endpoint", ",".join(etcd.endpoints),
+                 "--rdzv-id", f"keeper{os.getpid()}", str(SCRIPTS / "resilient_loop.py"),
+                 str(tmp_path), env=env, timeout=140)
+    assert res.returncode == 0, res.stderr[-4000:]
+    for rank in (0, 2):
+        assert read_json(tmp_path / f"survivor{rank}.json") == {"size": 2, "sum": 2.0}
+    released = [x for x in res.stderr.splitlines() if "node_will_released" in x]
+    assert len(released) == 1 and "its process is gone" in released[0], res.stderr[-4000:]
+
+
+@pytest.mark.resilience
 @pytest.mark.timeout(120)
 def test_a_rank_that_raised_is_reported_with_its_exception(tmp_path: Path) -> None:
     """With resilient groups on, a worker that raises (exit code 1) is the program failing:

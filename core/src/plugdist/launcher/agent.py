@@ -10,7 +10,9 @@ With resilient groups on in the workers (each tells the launcher by creating its
 worker killed by a signal does not end the round: ``--replace-failed`` starts a replacement
 that joins the running world while ``--max-restarts`` allows (replacements and restarts share
 that budget), and otherwise the others go on without it (they shrink). A worker that exits
-with an error code still ends the round: that is the program failing, not a rank lost.
+with an error code still ends the round: that is the program failing, not a rank lost. Where
+the rendezvous store offers it (``Store.keep_node_wills``: etcd), the agent also keeps its
+workers' wills alive with one renewal for the node.
 
 Contract (POSIX): every worker runs in its own session, so a signal reaches its whole process
 tree through ``killpg``. Stopping sends a signal (SIGTERM, or the one the launcher got), then
@@ -34,7 +36,7 @@ import threading
 import time
 from typing import IO, Any
 
-from ..errors import DistExcludedError
+from ..errors import DistError, DistExcludedError
 from .config import LaunchConfig
 from .error_file import ERROR_FILE_VAR, RESILIENT_MARK_VAR, read_error_file
 from .logs import Duplicate, Sink, plan_streams, pump
@@ -46,6 +48,7 @@ __all__ = ["Agent", "LaunchError"]
 
 _TAIL_CHUNKS = 400          # stderr lines kept per worker for the failure summary
 TOKEN_VAR = "PLUGDIST_STORE_TOKEN"
+NODE_KEEPER_VAR = "PLUGDIST_NODE_KEEPER"   # "0": each worker renews its own will
 # The watchdog: reads "+PGID"/"-PGID" lines; at EOF (the launcher is gone, however it ended)
 # SIGKILLs the process groups still listed. Standard library only, started with -I -S: ~10 ms.
 _WATCHDOG = (
@@ -238,6 +241,7 @@ class Agent:
         self.sleeper = _Sleeper()
         self.leftovers: list[int] = []
         self.watchdog: _Watchdog | None = None
+        self.keeper: Any = None
         self.host = socket.gethostname()
         self._tmp: str | None = None
         self._change = ""           # the last membership change, for the summary
@@ -260,6 +264,23 @@ class Agent:
         else:
             root = self._tmp = tempfile.mkdtemp(prefix=f"plugdist-run-{cfg.run_id}-")
         return root
+
+    def _keep_node_wills(self, rdzv: StoreRendezvous) -> Any:
+        """This node's keeper of its workers' wills (``Store.keep_node_wills``) where the
+        rendezvous store offers one (etcd) and ``PLUGDIST_NODE_KEEPER`` is not 0; else None
+        (each worker renews its own will)."""
+        if os.environ.get(NODE_KEEPER_VAR, "1") == "0":
+            return None
+        directory = tempfile.mkdtemp(prefix=f"plugdist-node-{self.cfg.run_id}-")
+        try:
+            return rdzv.store.keep_node_wills(directory)
+        except NotImplementedError:
+            pass
+        except DistError as err:
+            self.err.text(f"{PROG}: no keeper for this node's wills, each worker renews its "
+                          f"own: {err}")
+        os.rmdir(directory)
+        return None
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.signals.append(signum)   # no lock here: the main thread may hold any of them
@@ -298,6 +319,9 @@ class Agent:
             rdzv = StoreRendezvous(cfg, interrupted=lambda: bool(self.signals))
             self.watchdog = _Watchdog()
             base = self._base_env()
+            self.keeper = self._keep_node_wills(rdzv)
+            if self.keeper is not None:
+                base.update(self.keeper.env)
             while True:
                 a = rdzv.next_round(a)
                 outcome = self._round(rdzv, a, base)
@@ -318,6 +342,9 @@ class Agent:
             self._stop(signal.SIGTERM, mark=False)
             for w in self.workers:
                 w.drain(2.0)
+            if self.keeper is not None:
+                self.keeper.close()
+                shutil.rmtree(self.keeper.directory, ignore_errors=True)
             if rdzv is not None:
                 rdzv.close()
             if self.watchdog is not None:

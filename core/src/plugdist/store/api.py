@@ -177,6 +177,20 @@ class Store:
         own connection (a TCPStore's): membership waits on the death log through it."""
         raise self._not_implemented("hold_will")
 
+    def keep_node_wills(self, directory: str) -> Any:
+        """Optional (liveness at scale): renew, from this process, the wills (:meth:`hold_will`)
+        of the processes it starts on its host, so the store serves one renewal per host
+        rather than one per process. Returns a keeper with ``env`` (a dict of environment
+        variables to give each started process: their wills then go through the keeper;
+        ``directory``, an existing or creatable private directory, is where they reach it) and
+        ``close()`` (idempotent; wills still held then run). The contract of the wills does
+        not change: a process that dies or stops running has its will executed within its
+        ``liveness_timeout``. ``plugdist-run``'s agent opens one on its rendezvous store where
+        the store offers it. A store without it raises NotImplementedError: each process then
+        renews its own will (a TCPStore's renewal is one small frame; see the resilience
+        docs for why it offers no keeper)."""
+        raise self._not_implemented("keep_node_wills")
+
     def read_log(self, key: str, start: int, timeout: timedelta | None = None) -> list[bytes]:
         """The entries ``f"{key}/{start}"``, ``f"{key}/{start + 1}"``, ... of the numbered log
         ``key`` (see :meth:`hold_will`), up to the first one missing; blocks until the first

@@ -70,6 +70,9 @@ class PrefixStore(Store):
             return self.underlying_store.hold_will(self._k(key), value)
         return self.underlying_store.hold_will(self._k(key), value, ttl=ttl)
 
+    def keep_node_wills(self, directory: str) -> Any:
+        return self.underlying_store.keep_node_wills(directory)
+
     def read_log(self, key: str, start: int, timeout: timedelta | None = None) -> list[bytes]:
         return self.underlying_store.read_log(self._k(key), start, timeout)
 

@@ -45,6 +45,7 @@ from plugdist.store.api import to_bytes, to_seconds
 
 from .client import EtcdClient, EtcdError, TLSConfig, b64, prefix_end, unb64
 from .lease import Lease, acquire_shared, release_shared, renewed_here
+from .node import NodeKeeper
 from .will import EtcdWill
 
 __all__ = ["EtcdStore"]
@@ -711,6 +712,22 @@ class EtcdStore(Store):
         trips; starts two daemon threads (renewal and watch)."""
         self._vkey(key)
         return EtcdWill(self, key, to_bytes(value), ttl)
+
+    def keep_node_wills(self, directory: str) -> NodeKeeper:
+        """Keep the wills of the processes this one starts on its host (see
+        :meth:`plugdist.store.Store.keep_node_wills`) with one etcd lease of ``live_ttl``
+        seconds for them all, renewed here, instead of a lease per process: give each process
+        the returned keeper's ``env``. Their wills then renew to the keeper through files in
+        ``directory``; a process that dies has its will executed at once, one that stops
+        running after its will's TTL, as before; every will still held runs when the keeper
+        closes or this process dies. Blocks for one round trip; starts two daemon threads."""
+        client = EtcdClient(self.endpoints, **self._config)  # type: ignore[arg-type]
+        try:
+            return NodeKeeper(client, directory, self.live_ttl,
+                              grant_timeout=min(30.0, to_seconds(self.timeout)))
+        except BaseException:
+            client.close()
+            raise
 
     def _will_keys(self, wid: bytes) -> tuple[bytes, bytes]:
         """The record and the liveness key of will ``wid``."""

@@ -4,7 +4,8 @@ A will is two keys under the job's prefix ``P``: its record ``P w/<id>`` (what t
 which log; the job's lease) and its liveness key ``P l/<id>``, put with a lease of the holder's
 own that a thread renews every quarter of its TTL. When the holder dies, or stops running (a
 SIGSTOP, a thread that holds the GIL), for a TTL, etcd revokes the lease and deletes the
-liveness key.
+liveness key. Under ``plugdist-run`` the holder's lease is its node's instead, kept by the agent
+(:mod:`plugdist_etcd.node`): the holder renews to the agent, which deletes the liveness key.
 
 The holders form a ring, ordered by will id: each watches the liveness keys from its
 predecessor's up to its own, and executes the will of a holder that goes there
@@ -32,6 +33,7 @@ from plugdist.log import get_logger
 
 from .client import EtcdClient, b64, prefix_end, unb64
 from .lease import Lease
+from .node import LocalRenewal, node_lease_from_env
 
 __all__ = ["EtcdWill"]
 
@@ -48,6 +50,7 @@ class _WillStore(Protocol):
     def timeout(self) -> timedelta: ...
     def clone(self) -> _WillStore: ...
     def close(self) -> None: ...
+    def _will_keys(self, wid: bytes) -> tuple[bytes, bytes]: ...
     def _put_will(self, wid: bytes, key: str, value: bytes, lease: int) -> None: ...
     def _withdraw_will(self, wid: bytes) -> None: ...
     def _predecessor(self, wid: bytes) -> tuple[bytes | None, int]: ...
@@ -79,10 +82,18 @@ class EtcdWill:
         deadline = min(10.0, store.timeout.total_seconds())
         try:
             live_ttl = store.live_ttl if ttl is None else min(ttl, store.live_ttl)
-            self._lease = Lease(client, live_ttl, period=max(live_ttl / 4, 0.1),
-                                grant_timeout=deadline)
+            node = node_lease_from_env(client, time.monotonic() + deadline)
+            self._lease: Lease | LocalRenewal
+            if node is not None:  # plugdist-run's agent keeps it (see plugdist_etcd.node)
+                self._lease = LocalRenewal(node, self.id, live_ttl)
+                self._lease.write(self._store._will_keys(self.id)[1])
+            else:
+                self._lease = Lease(client, live_ttl, period=max(live_ttl / 4, 0.1),
+                                    grant_timeout=deadline)
             self._store._put_will(self.id, key, value, self._lease.id)
         except BaseException:
+            if isinstance(getattr(self, "_lease", None), LocalRenewal):
+                self._lease.revoke()
             self._store.close()
             raise
         self.liveness_timeout = float(self._lease.ttl) + _EXPIRY_CHECK
