@@ -7,10 +7,11 @@ store), the agent holds one lease for the node and hands its id to the workers
 (``PLUGDIST_ETCD_NODE_LEASE``); a worker's will puts its liveness key with that lease and renews
 it locally instead, by touching a file of its own in the keeper's directory
 (``PLUGDIST_ETCD_NODE_DIR``) every quarter of the will's TTL, from a thread, as it would renew a
-lease. The keeper looks at those files every ``_CHECK`` seconds and deletes the liveness key of a
-worker whose process is gone (at once: no TTL to wait out) or whose file has not been touched
-for the will's TTL (it is stopped, or a thread holds its GIL); the ring of holders then executes
-the will as it does when a lease expires. When the whole node goes (the agent with its
+lease (each touch sets a new mtime; the keeper times how long a file's mtime stays the same on
+its own monotonic clock). The keeper looks at those files every ``_CHECK`` seconds and deletes
+the liveness key of a worker whose process is gone (at once: no TTL to wait out) or whose file
+has not been touched for the will's TTL (it is stopped, or a thread holds its GIL); the ring of
+holders then executes the will as it does when a lease expires. When the whole node goes (the agent with its
 workers), the node's lease expires and takes every liveness key put with it.
 
 A file is ``<will id>.will``: JSON ``{"pid", "ttl", "key"}`` (``key``: the liveness key, base64),
@@ -58,6 +59,9 @@ class NodeKeeper:
         self.env = {NODE_LEASE_VAR: f"{self.lease.id}:{self.lease.ttl}",
                     NODE_DIR_VAR: directory}
         self.released = 0
+        # path -> (its mtime, when that mtime was first seen here: monotonic). Staleness is
+        # timed here, not from the mtime itself, so a step of the wall clock releases nobody.
+        self._seen: dict[str, tuple[float, float]] = {}
         self._stop = threading.Event()
         self._log = get_logger(store="etcd")
         self._thread = threading.Thread(target=self._keep, name=f"etcd-node-{self.lease.id:x}",
@@ -81,20 +85,28 @@ class NodeKeeper:
                 names = [n for n in os.listdir(self.directory) if n.endswith(_SUFFIX)]
             except OSError:
                 continue
-            for name in names:
-                self._look_at(os.path.join(self.directory, name))
+            paths = {os.path.join(self.directory, name) for name in names}
+            for path in paths:
+                self._look_at(path)
+            for gone in self._seen.keys() - paths:
+                del self._seen[gone]
 
     def _look_at(self, path: str) -> None:
         try:
-            touched = os.stat(path).st_mtime
+            mtime = os.stat(path).st_mtime
             with open(path, encoding="utf-8") as f:
                 will = json.load(f)
         except (OSError, ValueError):
             return  # withdrawn just now (or being replaced): nothing to keep
+        now = time.monotonic()
+        last, since = self._seen.get(path, (None, now))
+        if mtime != last:
+            since = now
+        self._seen[path] = (mtime, since)
         pid, ttl = int(will["pid"]), float(will["ttl"])
         if not _alive(pid):
             why = "its process is gone"
-        elif time.time() - touched > ttl:
+        elif now - since > ttl:
             why = f"it renewed nothing for {ttl:g}s (stopped, or its GIL held)"
         else:
             return
@@ -169,9 +181,13 @@ class LocalRenewal:
         return self
 
     def _renew(self) -> None:
+        beat = 0
         while not self._stop.wait(self.period):
+            # the mtime carries a count, not the time: each renewal changes it, whatever the
+            # file system's time granularity (2 s steps, so FAT's too) or the clock does
+            beat += 2
             try:
-                os.utime(self.path)
+                os.utime(self.path, (beat, beat))
             except OSError:
                 return  # the keeper released it (this process was taken for stalled)
 
