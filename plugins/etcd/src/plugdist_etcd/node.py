@@ -11,8 +11,8 @@ lease (each touch sets a new mtime; the keeper times how long a file's mtime sta
 its own monotonic clock). The keeper looks at those files every ``_CHECK`` seconds and deletes
 the liveness key of a worker whose process is gone (at once: no TTL to wait out) or whose file
 has not been touched for the will's TTL (it is stopped, or a thread holds its GIL); the ring of
-holders then executes the will as it does when a lease expires. When the whole node goes (the agent with its
-workers), the node's lease expires and takes every liveness key put with it.
+holders then executes the will as it does when a lease expires. When the whole node goes (the
+agent with its workers), the node's lease expires and takes every liveness key put with it.
 
 A file is ``<will id>.will``: JSON ``{"pid", "ttl", "key"}`` (``key``: the liveness key, base64),
 written before the key is put, removed after the will is withdrawn.
