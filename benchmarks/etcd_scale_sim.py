@@ -9,13 +9,14 @@ client, its key layout and the store's own will transactions:
 * **its will**: a lease of ``--ttl`` seconds, kept alive every quarter TTL, and the will's
   record and liveness key (``EtcdStore._put_will``); with ``--per-node K`` the lease is shared
   by K members, as a node's workers share their agent's under ``plugdist-run``;
-* **the ring**: its predecessor among the wills and a sweep of its span
-  (``_predecessor``, ``_orphans_between``), then a watcher on that span; a deletion there runs
+* **the ring**: its successor among the wills and a sweep of its span
+  (``_successor``, ``_orphans_between``), then a watcher on that span; a deletion there runs
   that will (``_execute_will``), as ``EtcdWill``'s watcher does;
 * **the death log**: a watcher on its next entry; when it fires, the member reads the log
   (``read_log``: one transaction).
 
-A process of ``--victims`` members (a node) is SIGKILLed; their leases lapse after the TTL,
+The steady state is measured once every member's watchers are in place (``watching_s``). A
+process of ``--victims`` members (a node) is SIGKILLed; their leases lapse after the TTL,
 their successors in the ring run their wills, and every survivor's watcher fires. The report
 gives the times from the kill and from the first will's entry (the fan-out), and etcd's CPU.
 
@@ -57,7 +58,6 @@ PREFIX = "sim"
 RDZV_COUNT = "plugdist/sim/rdzv/count"
 RDZV_GO = "plugdist/sim/rdzv/go"
 _STREAM_SPAN = 600.0  # a watch stream of the simulation stays open this long at most
-_PER_STREAM = 8       # watchers per stream (see _Members._stream)
 
 
 def _open(args: argparse.Namespace) -> EtcdStore:
@@ -101,6 +101,8 @@ class _Members:
         self.renewals = 0
         self.lapsed = 0
         self.stop = threading.Event()
+        self.ring_watching = threading.Event()     # every ring watcher created (the first time)
+        self.deaths_watching = threading.Event()   # every death-log watcher created
         self.victims = set(args.victim_uids.split(",")) if args.victim_uids else set()
 
     def _each(self, fn: Any) -> None:
@@ -202,13 +204,14 @@ class _Members:
 
         def look(uid: str) -> None:
             me = self.wids[uid]
-            pred, rev = self.store._predecessor(me)
-            if pred is not None:
-                for wid in self.store._orphans_between(pred, me):
+            succ, rev = self.store._successor(me)
+            if succ is not None:
+                for wid in self.store._orphans_between(me, succ):
                     self._execute(wid)
             span: list[tuple[bytes, bytes | None]] = (
-                [(b"", None)] if pred is None else
-                [(pred, me)] if pred < me else [(pred, None), (b"", me)])
+                [(b"", None)] if succ is None else
+                [(me + b"\0", succ + b"\0")] if me < succ else
+                [(me + b"\0", None), (b"", succ + b"\0")])
             with self.lock:
                 spans[uid], revision[uid] = span, rev
 
@@ -236,7 +239,7 @@ class _Members:
                         low <= wid and (high is None or wid < high) for low, high in spans[uid]))
 
             self._stream(creates, take, lambda changed=changed: bool(changed) or
-                         self.stop.is_set())
+                         self.stop.is_set(), self.ring_watching)
             # the changed ones look again; the others watch again from where they started
             todo = sorted(changed)
 
@@ -269,7 +272,8 @@ class _Members:
                         "start_revision": str(revision + 1)} for uid in self.uids]
             self._stream(creates, lambda result, now, fired=fired: fired.set()
                          if result.get("events") else None,
-                         lambda fired=fired: fired.is_set() or self.stop.is_set())
+                         lambda fired=fired: fired.is_set() or self.stop.is_set(),
+                         self.deaths_watching)
             # what the reads below miss was written after this revision: the next watch sees it
             revision = self._revision()
             for uid, err in zip(self.uids, self.pool.map(self._safe(self._quiet(read)),
@@ -292,24 +296,34 @@ class _Members:
                 pass  # its next entry is not there yet
         return run
 
-    def _stream(self, creates: list[dict[str, Any]], take: Any, done: Any) -> None:
+    def _stream(self, creates: list[dict[str, Any]], take: Any, done: Any,
+                created: threading.Event | None = None) -> None:
         """Watch ``creates``: ``take(result, now)`` for each response but the watchers'
         creation, until ``done()``. etcd's JSON gateway creates only about 16 watchers of one
         stream reliably (more are dropped without an error; at 16, one run in four here still
-        missed one), so they go ``_PER_STREAM`` to a stream, each
+        missed one), so they go ``--per-stream`` to a stream, each
         read by a thread, on a client of their own that is closed at the end (which ends them).
-        Which watcher a response is for is read from its events' keys where it matters."""
+        Which watcher a response is for is read from its events' keys where it matters.
+        ``created`` is set once etcd has created every watcher of the call."""
         if not creates:
+            if created is not None:
+                created.set()
             return
+        acks = [0]
         client = EtcdClient([f"http://{self.args.endpoint}"], pool_size=1)
         cond = threading.Condition()
         ended = [0]
-        chunks = [creates[i:i + _PER_STREAM] for i in range(0, len(creates), _PER_STREAM)]
+        per = self.args.per_stream
+        chunks = [creates[i:i + per] for i in range(0, len(creates), per)]
 
         def read(chunk: list[dict[str, Any]]) -> None:
             try:
                 for result in client.watch(chunk, time.monotonic() + _STREAM_SPAN):
                     if result.get("created"):
+                        with cond:
+                            acks[0] += 1
+                            if created is not None and acks[0] == len(creates):
+                                created.set()
                         continue
                     with cond:
                         take(result, time.monotonic())
@@ -345,8 +359,14 @@ def role_members(args: argparse.Namespace, inp: Any, out: Any) -> None:
             group.hold_wills()
             group.watch_ring()
             group.watch_deaths()
+            watching = (group.ring_watching.wait(args.timeout)
+                        and group.deaths_watching.wait(args.timeout))
             reply = {"met": list(group.met_at.values()), "ready": list(group.ready_at.values()),
-                     "errors": group.errors[:5]}
+                     "watching": time.monotonic() if watching else None,
+                     "errors": group.errors[:5] + ([] if watching else [
+                         f"watchers not all created in {args.timeout}s: ring "
+                         f"{group.ring_watching.is_set()}, deaths "
+                         f"{group.deaths_watching.is_set()}"])}
         elif what == "knew":
             deadline = time.monotonic() + args.timeout
             while len(group.knew_at) < len(group.uids) and time.monotonic() < deadline:
@@ -400,11 +420,14 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         errors = [e for r in readies for e in r["errors"]]
         result["rendezvous_s"] = round(max(met) - t_go, 2) if len(met) == n else None
         result["wills_held_s"] = round(max(ready) - t_go, 2) if len(ready) == n else None
+        watching = [r["watching"] for r in readies]
+        result["watching_s"] = (round(max(watching) - t_go, 2) if None not in watching
+                                else None)
         result["rendezvous_done"] = len(met)
         result["setup_etcd_cpu_s"] = round(_cpu_seconds(etcd_pid) - cpu0, 2)
         if errors:
             result["errors"] = errors[:5]
-        if len(ready) < n:
+        if len(ready) < n or None in watching:
             return result
         # steady state: renewals and idle watchers; a probe times etcd gets
         probe = _open(_args_for(args, endpoint, 0, 0, ""))
@@ -465,6 +488,8 @@ def main() -> None:
     p.add_argument("--per-node", type=int, default=1,
                    help="members that share one lease, as the workers of a node do under "
                         "plugdist-run (its agent renews it); 1: a lease per member")
+    p.add_argument("--per-stream", type=int, default=8,
+                   help="watchers carried by one watch stream (one HTTP connection)")
     p.add_argument("--renewers", type=int, default=4, help="renewal threads per process")
     p.add_argument("--steady", type=float, default=10.0, help="seconds of steady state measured")
     p.add_argument("--probe-rate", type=float, default=100.0, help="probe gets a second")

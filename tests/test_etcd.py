@@ -221,6 +221,70 @@ def test_will_runs_once_when_its_holder_is_killed_and_not_when_cancelled(etcd1) 
             s.close()
 
 
+def test_the_ring_finds_each_successor_near_far_and_around_the_end(etcd1) -> None:  # type: ignore[no-untyped-def]
+    """_successor on real liveness keys: a near successor (within the first lookup's window),
+    a far one (the whole-ring lookup), the first id after the last (around the end), and none
+    for a holder alone."""
+    from plugdist_etcd.client import b64
+    store = EtcdStore(etcd1.endpoints, f"ring/{os.urandom(6).hex()}", timedelta(seconds=20))
+    try:
+        ids = [b"%016x" % v for v in (0x1000, 0x1000 + (1 << 40), 0x9000 << 48)]
+        near, far, last = ids
+        live = store._p + b"l/"
+        store._txn([], [{"request_put": {"key": b64(live + near), "value": b64(b"x")}}], [], "t")
+        assert store._successor(near)[0] is None, "alone"
+        store._txn([], [{"request_put": {"key": b64(live + w), "value": b64(b"x")}}
+                        for w in (far, last)], [], "t")
+        assert store._successor(near)[0] == far          # 2^40 above: inside the window
+        assert store._successor(far)[0] == last          # far above: the whole ring
+        assert store._successor(last)[0] == near         # around the end
+        assert store._successor(b"%016x" % 0x1001)[0] == far  # an id between two holders
+    finally:
+        store.delete_all()
+        store.close()
+
+
+_RING_HOLDER = r"""
+import sys
+from datetime import timedelta
+import plugdist
+url, name, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+stores = [plugdist.open_store(url, timedelta(seconds=20)) for _ in range(count)]
+wills = [s.hold_will("deaths", f"{name}.{i}") for i, s in enumerate(stores)]
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_neighbours_killed_together_each_will_runs_once(etcd1) -> None:  # type: ignore[no-untyped-def]
+    """5 processes hold 3 wills each (16 holders with the test's own, in a random ring order);
+    two processes are SIGKILLed at once, so some of the 6 dead holders are likely neighbours
+    in the ring: every one of their wills runs, exactly once, and no live holder's does."""
+    url = etcd1.url(f"ring/{os.urandom(6).hex()}")
+    store = plugdist.open_store(url, timedelta(seconds=30))
+    watcher = store.hold_will("deaths", "watcher")
+    procs = [subprocess.Popen([sys.executable, "-c", _RING_HOLDER, url, f"p{i}", "3"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(5)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "held\n", p.communicate()[1]
+        procs[1].kill()
+        procs[3].kill()
+        store.wait(["deaths/6"], timedelta(seconds=60))
+        time.sleep(2.0)  # a will run twice, or a live holder's, would be in by now
+        assert store.get("deaths") == b"6"
+        ran = sorted(store.get(f"deaths/{n}").decode() for n in range(1, 7))
+        assert ran == [f"p{i}.{j}" for i in (1, 3) for j in range(3)], ran
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+        watcher.cancel()
+        store.close()
+
+
 _NODE_WORKER = r"""
 import sys
 from datetime import timedelta

@@ -744,20 +744,35 @@ class EtcdStore(Store):
         self._txn([], [_delete(record), _delete(live)], [], "cancel will",
                   time.monotonic() + min(5.0, to_seconds(self.timeout)))
 
-    def _predecessor(self, wid: bytes) -> tuple[bytes | None, int]:
-        """The live will just before ``wid`` in the ring of liveness keys (ordered by id, the
-        last one before the first), None when ``wid`` is alone; and the revision this was read
-        at. One round trip."""
+    def _successor(self, wid: bytes) -> tuple[bytes | None, int]:
+        """The live will just after ``wid`` in the ring of liveness keys (ordered by id, the
+        first one after the last), None when ``wid`` is alone; and the revision this was read
+        at. One round trip in a large ring, two in a small one.
+
+        Only ascending ranges with a limit: etcd sorts any other order in full (a descending
+        lookup read every key below ``wid``: 10 ms at 16,384 holders here, against 0.3 ms).
+        An ascending range still counts the keys it spans, so the first try spans a window
+        above ``wid`` of 1/4096 of the ids (about four holders at 16,384), and only a miss
+        spans the whole ring."""
         live = self._p + b"l/"
-        data = self._txn([], [_range(live, live + wid, keys_only=True, limit=1,
-                                     sort_order="DESCEND", sort_target="KEY"),
-                              _range(live, prefix_end(live), keys_only=True, limit=1,
-                                     sort_order="DESCEND", sort_target="KEY")], [],
+        after = live + wid + b"\0"
+        try:
+            window = int(wid, 16) + (1 << 52)
+        except ValueError:
+            window = 1 << 64  # not a will id of this module: no window
+        if len(wid) == 16 and window < 1 << 64:
+            data = self._txn([], [_range(after, live + b"%016x" % window, keys_only=True,
+                                         limit=1)], [], "will ring")
+            found = _kvs(data.get("responses", [{}])[0])
+            if found:
+                return unb64(found[0].get("key"))[len(live):], _revision(data)
+        data = self._txn([], [_range(after, prefix_end(live), keys_only=True, limit=1),
+                              _range(live, prefix_end(live), keys_only=True, limit=1)], [],
                          "will ring")
-        below, last = (_kvs(r) for r in data.get("responses", [{}, {}]))
-        found = below or last
-        pred = unb64(found[0].get("key"))[len(live):] if found else None
-        return (None if pred == wid else pred), _revision(data)
+        above, first = (_kvs(r) for r in data.get("responses", [{}, {}]))
+        found = above or first
+        succ = unb64(found[0].get("key"))[len(live):] if found else None
+        return (None if succ == wid else succ), _revision(data)
 
     def _orphans_between(self, low: bytes, high: bytes) -> list[bytes]:
         """The wills with ids strictly between ``low`` and ``high`` (around the end of the

@@ -7,15 +7,17 @@ SIGSTOP, a thread that holds the GIL), for a TTL, etcd revokes the lease and del
 liveness key. Under ``plugdist-run`` the holder's lease is its node's instead, kept by the agent
 (:mod:`plugdist_etcd.node`): the holder renews to the agent, which deletes the liveness key.
 
-The holders form a ring, ordered by will id: each watches the liveness keys from its
-predecessor's up to its own, and executes the will of a holder that goes there
+The holders form a ring, ordered by will id: each watches the liveness keys after its own up
+to its successor's, and executes the will of a holder that goes there
 (:meth:`EtcdStore._execute_will`: one guarded transaction, so it runs once even if two
 holders try). A death therefore wakes one watcher, not every holder, and a holder's cost
-does not grow with the world. When its watched span changes (its predecessor died, a new
-holder came between), or every ``_WATCH_SPAN`` seconds, a holder looks up its predecessor again
-and sweeps its span for wills whose holders died unwatched (two neighbours dying together, a
-holder that died before its successor started watching). If a holder's successor is stopped
-too, its will runs when the successor's own lease ends: within two TTLs.
+does not grow with the world. When its watched span changes (its successor died, a new
+holder came between), or every ``_WATCH_SPAN`` seconds, a holder looks up its successor again
+(:meth:`EtcdStore._successor`: ascending ranges only, which etcd serves without reading the
+ring) and sweeps its span for wills whose holders died unwatched (two neighbours dying
+together, a holder that died before its predecessor started watching). If a holder's
+predecessor is stopped too, its will runs when the predecessor's own lease ends: within two
+TTLs.
 
 Nobody runs the will of the last holder standing: there is no one left to read its log.
 """
@@ -53,7 +55,7 @@ class _WillStore(Protocol):
     def _will_keys(self, wid: bytes) -> tuple[bytes, bytes]: ...
     def _put_will(self, wid: bytes, key: str, value: bytes, lease: int) -> None: ...
     def _withdraw_will(self, wid: bytes) -> None: ...
-    def _predecessor(self, wid: bytes) -> tuple[bytes | None, int]: ...
+    def _successor(self, wid: bytes) -> tuple[bytes | None, int]: ...
     def _orphans_between(self, low: bytes, high: bytes) -> list[bytes]: ...
     def _execute_will(self, wid: bytes) -> bool: ...
     def read_log(self, key: str, start: int, timeout: timedelta | None = None) -> list[bytes]: ...
@@ -141,12 +143,13 @@ class EtcdWill:
         me = self.id
         while not self._stop.is_set():
             try:
-                pred, revision = store._predecessor(me)
+                succ, revision = store._successor(me)
                 spans: list[tuple[bytes, bytes | None]]
-                if pred is not None:
-                    for wid in store._orphans_between(pred, me):
+                if succ is not None:  # the span (me, succ], around the end of the ring
+                    for wid in store._orphans_between(me, succ):
                         self._run(wid)
-                    spans = ([(pred, me)] if pred < me else [(pred, None), (b"", me)])
+                    spans = ([(me + b"\0", succ + b"\0")] if me < succ else
+                             [(me + b"\0", None), (b"", succ + b"\0")])
                 else:  # alone: wait for a holder to come
                     spans = [(b"", None)]
                 creates = [{"key": b64(live + low),
