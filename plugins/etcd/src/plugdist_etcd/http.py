@@ -114,12 +114,14 @@ class Endpoint:
         return self._exchange(self._connect(connect_timeout), request, read_timeout)
 
     def stream(self, path: str, body: bytes, headers: dict[str, str], connect_timeout: float,
-               deadline: float) -> Generator[bytes, None, None]:
+               deadline: float, expect: int = 0,
+               expect_by: float = 0.0) -> Generator[bytes, None, None]:
         """POST ``body`` to ``path`` on a connection of its own and return the response body's
         lines, read as they arrive, until the server ends it, the connection breaks or
         ``deadline`` (a ``time.monotonic()`` value) passes: the iterator then ends quietly and
-        the connection is closed. Raises :class:`HTTPFailure` here, before any line, when the
-        response does not start (connection refused, no answer by ``deadline``)."""
+        the connection is closed; also at ``expect_by`` when fewer than ``expect`` lines came
+        by then. Raises :class:`HTTPFailure` here, before any line, when the response does not
+        start (connection refused, no answer by ``deadline``)."""
         conn = self._connect(connect_timeout)
         try:
             conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -131,15 +133,15 @@ class Endpoint:
                               timeout=isinstance(err, TimeoutError)) from None
         with self._lock:
             self._streams.add(conn)
-        return self._lines(conn, length, chunked, deadline)
+        return self._lines(conn, length, chunked, deadline, expect, expect_by)
 
-    def _lines(self, conn: _Connection, length: int, chunked: bool,
-               deadline: float) -> Generator[bytes, None, None]:
+    def _lines(self, conn: _Connection, length: int, chunked: bool, deadline: float,
+               expect: int, expect_by: float) -> Generator[bytes, None, None]:
         reader = conn.reader
         buf = b""
         try:
             while True:
-                left = deadline - time.monotonic()
+                left = (deadline if expect <= 0 else min(deadline, expect_by)) - time.monotonic()
                 if left <= 0:
                     return
                 conn.sock.settimeout(left)
@@ -158,6 +160,7 @@ class Endpoint:
                 buf += data
                 while b"\n" in buf:
                     line, _, buf = buf.partition(b"\n")
+                    expect -= 1
                     yield line
                 if length == 0 and not chunked:
                     return

@@ -535,8 +535,9 @@ class EtcdStore(Store):
                 q = self._qkey(k)
                 creates.append({"key": b64(q), "range_end": b64(prefix_end(q)),
                                 "start_revision": str(revision + 1)})
-        # etcd's JSON gateway drops watchers past about 16 on one stream; the caller waits for
-        # every key, so being woken by the first few missing ones is enough
+        # etcd's JSON gateway may drop the tail of a stream's create requests (the client then
+        # ends the stream: "canceled"); the caller waits for every key, so being woken by the
+        # first few missing ones is enough
         for result in self._client.watch(creates[:_WATCHERS_PER_STREAM], deadline):
             if result.get("events") or result.get("canceled"):
                 return
