@@ -4,8 +4,8 @@ wills and watchers on one etcd member, on this machine.
 Each simulated member does what a rank's membership does on etcd, with plugdist-etcd's real
 client, its key layout and the store's own will transactions:
 
-* **rendezvous**: ``add`` 1 to a counter (the last one ``set``s the go key), then a watcher on
-  the go key;
+* **rendezvous**: ``add`` 1 to a counter (the last one ``set``s the go key), then, as
+  ``wait`` does, a look at the go key and a watcher on it from the revision of the look;
 * **its will**: a lease of ``--ttl`` seconds, kept alive every quarter TTL, and the will's
   record and liveness key (``EtcdStore._put_will``); with ``--per-node K`` the lease is shared
   by K members, as a node's workers share their agent's under ``plugdist-run``;
@@ -127,7 +127,14 @@ class _Members:
             if self.store.add(RDZV_COUNT, 1) == self.args.members:
                 self.store.set(RDZV_GO, b"1")
         self._each(arrive)
-        go = [{"key": b64(self.store._vkey(RDZV_GO)), "start_revision": "1"}
+        # as the store's wait does: look, then watch from the revision of the look
+        missing, revision = self.store._missing([RDZV_GO], "value", time.monotonic() + 30,
+                                                "rendezvous")
+        if not missing:
+            now = time.monotonic()
+            self.met_at.update(dict.fromkeys(self.uids, now))
+            return
+        go = [{"key": b64(self.store._vkey(RDZV_GO)), "start_revision": str(revision + 1)}
               for _ in self.uids]
         self._stream(go, self._met, lambda: len(self.met_at) == len(self.uids))
 
@@ -300,8 +307,9 @@ class _Members:
                 created: threading.Event | None = None) -> None:
         """Watch ``creates``: ``take(result, now)`` for each response but the watchers'
         creation, until ``done()``. etcd's JSON gateway may drop the last create requests of
-        a stream (the client reports them: ``lost_creates``); they are sent again on a stream
-        of their own. Watchers go ``--per-stream`` to a stream, each
+        a stream (the client then ends it: ``lost_creates``); the chunk is watched again on a
+        new stream, and the events it delivers again are skipped. Watchers go
+        ``--per-stream`` to a stream, each
         read by a thread, on a client of their own that is closed at the end (which ends them).
         Which watcher a response is for is read from its events' keys where it matters.
         ``created`` is set once etcd has created every watcher of the call."""
@@ -317,27 +325,36 @@ class _Members:
         chunks = [creates[i:i + per] for i in range(0, len(creates), per)]
 
         def read(chunk: list[dict[str, Any]]) -> None:
+            taken = 0   # event responses handed to take(), over the chunk's streams
+            counted = 0  # this chunk's acknowledgements counted in acks
             try:
-                while chunk:
-                    acked = lost = 0
+                while True:
+                    acked = seen = lost = 0
                     for result in client.watch(chunk, time.monotonic() + _STREAM_SPAN):
                         if result.get("lost_creates"):
                             lost = result["lost_creates"]
                             break
                         if result.get("created"):
                             acked += 1
-                            with cond:
-                                acks[0] += 1
-                                if created is not None and acks[0] == len(creates):
-                                    created.set()
+                            if acked > counted:
+                                counted = acked
+                                with cond:
+                                    acks[0] += 1
+                                    if created is not None and acks[0] == len(creates):
+                                        created.set()
                             continue
+                        seen += 1
+                        if seen <= taken:
+                            continue  # delivered again by the stream that replaced a lost one
+                        taken = seen
                         with cond:
                             take(result, time.monotonic())
                             if done():
                                 cond.notify_all()
                                 return
-                    # the gateway read only the head of the request: watch the rest again
-                    chunk = chunk[acked:] if lost else []
+                    if not lost:
+                        return
+                    # the stream, with the watchers it had, ended: watch the whole chunk again
             except DistError as e:
                 with self.lock:
                     self.errors.append(f"watch: {e!r}"[:300])

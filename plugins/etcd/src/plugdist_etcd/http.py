@@ -115,13 +115,14 @@ class Endpoint:
 
     def stream(self, path: str, body: bytes, headers: dict[str, str], connect_timeout: float,
                deadline: float, expect: int = 0,
-               expect_by: float = 0.0) -> Generator[bytes, None, None]:
+               expect_gap: float = 0.0) -> Generator[bytes, None, None]:
         """POST ``body`` to ``path`` on a connection of its own and return the response body's
         lines, read as they arrive, until the server ends it, the connection breaks or
         ``deadline`` (a ``time.monotonic()`` value) passes: the iterator then ends quietly and
-        the connection is closed; also at ``expect_by`` when fewer than ``expect`` lines came
-        by then. Raises :class:`HTTPFailure` here, before any line, when the response does not
-        start (connection refused, no answer by ``deadline``)."""
+        the connection is closed; also when, after a first line, ``expect_gap`` seconds pass
+        without one while fewer than ``expect`` lines came. Raises :class:`HTTPFailure` here,
+        before any line, when the response does not start (connection refused, no answer by
+        ``deadline``)."""
         conn = self._connect(connect_timeout)
         try:
             conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -133,15 +134,16 @@ class Endpoint:
                               timeout=isinstance(err, TimeoutError)) from None
         with self._lock:
             self._streams.add(conn)
-        return self._lines(conn, length, chunked, deadline, expect, expect_by)
+        return self._lines(conn, length, chunked, deadline, expect, expect_gap)
 
     def _lines(self, conn: _Connection, length: int, chunked: bool, deadline: float,
-               expect: int, expect_by: float) -> Generator[bytes, None, None]:
+               expect: int, expect_gap: float) -> Generator[bytes, None, None]:
         reader = conn.reader
         buf = b""
+        gap_ends = deadline   # until the first line, only the deadline
         try:
             while True:
-                left = (deadline if expect <= 0 else min(deadline, expect_by)) - time.monotonic()
+                left = min(deadline, gap_ends) - time.monotonic()
                 if left <= 0:
                     return
                 conn.sock.settimeout(left)
@@ -161,6 +163,7 @@ class Endpoint:
                 while b"\n" in buf:
                     line, _, buf = buf.partition(b"\n")
                     expect -= 1
+                    gap_ends = time.monotonic() + expect_gap if expect > 0 else deadline
                     yield line
                 if length == 0 and not chunked:
                     return
