@@ -96,21 +96,20 @@ class NodeKeeper:
             mtime = os.stat(path).st_mtime
             with open(path, encoding="utf-8") as f:
                 will = json.load(f)
-        except (OSError, ValueError):
-            return  # withdrawn just now (or being replaced): nothing to keep
+            pid, ttl, live = int(will["pid"]), float(will["ttl"]), unb64(will["key"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # withdrawn just now, being replaced, or not a will's file: nothing to keep
         now = time.monotonic()
         last, since = self._seen.get(path, (None, now))
         if mtime != last:
             since = now
         self._seen[path] = (mtime, since)
-        pid, ttl = int(will["pid"]), float(will["ttl"])
         if not _alive(pid):
             why = "its process is gone"
         elif now - since > ttl:
             why = f"it renewed nothing for {ttl:g}s (stopped, or its GIL held)"
         else:
             return
-        live = unb64(will["key"])
         try:
             self._client.call("kv/deleterange", {"key": b64(live)}, time.monotonic() + 5,
                               "release a worker's will")
