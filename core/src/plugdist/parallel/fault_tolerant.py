@@ -288,12 +288,17 @@ class ResilientTraining:
 
     def _rebind(self, grown: bool) -> None:
         """Point the model at the new default group. After a grow, repeat what the joiners'
-        model constructors do collectively (shape check and state broadcast)."""
+        model constructors do collectively (shape check and state broadcast). After a shrink,
+        torch's DDP gets a fresh reducer: the failed attempt may have ended inside backward,
+        before the reducer finalized it, and the old one then refuses the next forward
+        (an internal assert, or "Expected to have finished reduction")."""
         model = self.model
         if _is_plugdist_ddp(model):
             model._replace_process_group(world.default, resync=grown)  # type: ignore[union-attr, operator]
         elif grown:
             _torch_ddp_resync(model)
+        elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            _torch_ddp_fresh_reducer(model)
 
     def _transfer_state(self, sending: bool, ready: bool = True) -> None:
         """Rank 0 sends the training state to every rank (a joiner keeps it, the others
@@ -375,6 +380,15 @@ def _torch_ddp_resync(model: Any) -> None:
                         broadcast_bucket_size=model.broadcast_bucket_size, src=0,
                         params_and_buffers_to_ignore=model.parameters_to_ignore,
                         broadcast_buffers=True)
+    _torch_ddp_fresh_reducer(model, params, expect_sparse)
+
+
+def _torch_ddp_fresh_reducer(model: Any, params: Any = None, expect_sparse: Any = None) -> None:
+    """A new reducer for torch's DDP ``model``, built as its constructor builds one (no
+    collective here; the first iteration's bucket rebuild is one, on every member alike), with
+    its comm hooks registered again."""
+    if params is None:
+        params, expect_sparse = model._build_params_for_reducer()
     hooks = list(getattr(model, "_comm_hooks", []))
     model._ddp_init_helper(params, expect_sparse,
                            model._build_debug_param_to_name_mapping(params), model.static_graph)
