@@ -44,6 +44,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 HOST = "127.0.0.1"
@@ -363,9 +364,9 @@ def _etcd_failover(impl: str, cluster: Any, writers: int) -> dict[str, Any]:
 def _etcd_panics(cluster: Any) -> int:
     """Panics the cluster's members logged (etcd before 3.5.5 panics on a read-only
     transaction whose client went away: docs/resilience.md)."""
-    logs = [os.path.join(cluster.data_dir, f"{name}.log") for name in cluster.names]
-    return sum(open(log, errors="replace").read().count('"level":"panic"')  # noqa: SIM115
-               for log in logs if os.path.exists(log))
+    logs = [Path(cluster.data_dir) / f"{name}.log" for name in cluster.names]
+    return sum(log.read_text(errors="replace").count('"level":"panic"')
+               for log in logs if log.exists())
 
 
 def etcd_main(a: argparse.Namespace) -> None:

@@ -59,9 +59,10 @@ class NodeKeeper:
         self.env = {NODE_LEASE_VAR: f"{self.lease.id}:{self.lease.ttl}",
                     NODE_DIR_VAR: directory}
         self.released = 0
-        # path -> (its mtime, when that mtime was first seen here: monotonic). Staleness is
-        # timed here, not from the mtime itself, so a step of the wall clock releases nobody.
-        self._seen: dict[str, tuple[float, float]] = {}
+        # path -> its will (pid, ttl, liveness key: written once), its mtime, and when that
+        # mtime was first seen here (monotonic). Staleness is timed here, not from the mtime
+        # itself, so a step of the wall clock releases nobody.
+        self._seen: dict[str, tuple[tuple[int, float, bytes], float, float]] = {}
         self._stop = threading.Event()
         self._log = get_logger(store="etcd")
         self._thread = threading.Thread(target=self._keep, name=f"etcd-node-{self.lease.id:x}",
@@ -92,18 +93,22 @@ class NodeKeeper:
                 del self._seen[gone]
 
     def _look_at(self, path: str) -> None:
+        now = time.monotonic()
         try:
             mtime = os.stat(path).st_mtime
-            with open(path, encoding="utf-8") as f:
-                will = json.load(f)
-            pid, ttl, live = int(will["pid"]), float(will["ttl"]), unb64(will["key"])
+            if path in self._seen:
+                will, last, since = self._seen[path]
+            else:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+                will = (int(data["pid"]), float(data["ttl"]), unb64(data["key"]))
+                last, since = None, now
         except (OSError, ValueError, KeyError, TypeError):
             return  # withdrawn just now, being replaced, or not a will's file: nothing to keep
-        now = time.monotonic()
-        last, since = self._seen.get(path, (None, now))
         if mtime != last:
             since = now
-        self._seen[path] = (mtime, since)
+        self._seen[path] = (will, mtime, since)
+        pid, ttl, live = will
         if not _alive(pid):
             why = "its process is gone"
         elif now - since > ttl:
