@@ -5,9 +5,9 @@ A heap corruption was seen once in that world with resilient groups on (``malloc
 unaligned fastbin chunk detected``, no rank failing); this is the loop that looks for it
 (docs/resilience.md). Each run starts fresh processes through ``plugdist.testing.run_world``
 (TCPStore, so resilient groups are on by default: every wait is sliced). With
-``--malloc-check`` the ranks run with glibc's debugging malloc (``libc_malloc_debug.so`` and
-``MALLOC_CHECK_=3``: a detected corruption aborts the process at once, with glibc's message)
-and may dump core into ``--dir``.
+``--malloc-check`` the ranks run with glibc's debugging malloc (``heap_check_env``: a detected
+corruption aborts the process at once, with glibc's message). A rank that crashes is reported
+with every thread's Python stack and gdb's native backtrace from its core.
 
     python benchmarks/ddp_world_stress.py --runs 50 --malloc-check
 
@@ -18,14 +18,11 @@ any world failed.
 from __future__ import annotations
 
 import argparse
-import os
-import resource
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MALLOC_DEBUG = "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0"
 
 
 def main() -> int:
@@ -33,20 +30,16 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=50, help="runs of the 2- and the 3-rank world")
     ap.add_argument("--malloc-check", action="store_true",
-                    help=f"the ranks use glibc's debugging malloc ({MALLOC_DEBUG})")
-    ap.add_argument("--dir", default=".", help="the ranks' working directory (core dumps)")
+                    help="the ranks use glibc's debugging malloc (libc_malloc_debug.so)")
     args = ap.parse_args()
-    env = {}
-    if args.malloc_check:
-        if not Path(MALLOC_DEBUG).exists():
-            raise SystemExit(f"--malloc-check needs glibc's {MALLOC_DEBUG} (glibc 2.34+)")
-        env = {"LD_PRELOAD": MALLOC_DEBUG, "MALLOC_CHECK_": "3"}
-    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-    os.chdir(args.dir)
     sys.path.insert(0, str(ROOT / "tests"))
     import _ddp_workers as workers
-    from plugdist.testing import WorldError, run_world
+    from plugdist.testing import WorldError, heap_check_env, run_world
     from test_ddp import THREE_RANK_CHECKS
+
+    env = heap_check_env() if args.malloc_check else {}
+    if args.malloc_check and not env:
+        raise SystemExit("--malloc-check needs glibc's libc_malloc_debug.so (glibc 2.34+)")
 
     failed = 0
     for i in range(args.runs):
@@ -54,7 +47,8 @@ def main() -> int:
             began = time.monotonic()
             try:
                 results = run_world(workers.run_suite, size, backend="gloo", timeout=240,
-                                    group_timeout=60, args=checks, env=env)
+                                    group_timeout=60, args=checks, env=env,
+                                    crash_backtraces=True)
                 bad = {rank: [name for name, error in r.items() if error]
                        for rank, r in enumerate(results)}
                 status = "ok" if not any(bad.values()) else f"checks failed: {bad}"

@@ -28,3 +28,19 @@ def first_raises_second_returns_later(rank: int, world_size: int, delay: float) 
         raise ValueError("planted failure on rank 0")
     time.sleep(delay)
     return "finished"
+
+
+def frees_a_block_twice(rank: int, world_size: int) -> str:
+    """The last rank corrupts its C heap for real (frees one malloc block twice: glibc aborts
+    the process); the others return."""
+    if rank == world_size - 1:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+        block = libc.malloc(48)
+        libc.free(block)
+        libc.free(block)
+        return "glibc missed the double free"
+    return "fine"

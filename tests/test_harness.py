@@ -7,6 +7,7 @@ letting them wait for the dead rank until a timeout, and name the failed rank's 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -82,3 +83,24 @@ def test_ddp_bench_runs_over_mpi_and_fails_cleanly() -> None:
     assert "backend mpi (torch: gloo)" in res.stdout and "ratio plugdist/torch" in res.stdout
     res = _run([sys.executable, bench, "--backend", "no-such-backend", *small], timeout=60)
     assert res.returncode == 1 and "ddp_bench: world of 2 ranks failed" in res.stderr, res.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_corrupts_its_heap_is_reported_with_its_stacks() -> None:
+    results = run_world(hw.frees_a_block_twice, 2, timeout=240, expect_errors=True,
+                        crash_backtraces=True)
+    assert results[0].ok and results[0].value == "fine"
+    crashed = results[1]
+    assert crashed.exitcode == -6, crashed  # SIGABRT, raised by glibc's heap check
+    assert "double free" in crashed.stderr_tail
+    # faulthandler: the Python stack of the thread that crashed
+    assert "Fatal Python error: Aborted" in crashed.stderr_tail
+    assert "frees_a_block_twice" in crashed.stderr_tail
+    # the core, read by gdb: the crashing thread's native frames
+    if shutil.which("gdb") is None:
+        assert "gdb is not installed" in crashed.native_backtrace
+    else:
+        frames = crashed.native_backtrace.split("== every thread")[0]
+        assert "== the thread that crashed" in frames, crashed.native_backtrace
+        assert "abort" in frames and "free" in frames, crashed.native_backtrace
+    assert results[0].native_backtrace == ""

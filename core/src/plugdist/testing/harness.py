@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +26,8 @@ from typing import Any
 
 from ..errors import DistError
 
-__all__ = ["run_world", "RankResult", "WorldError", "free_port", "mpiexec_path", "FAILURE_GRACE"]
+__all__ = ["run_world", "RankResult", "WorldError", "free_port", "mpiexec_path", "FAILURE_GRACE",
+           "heap_check_env"]
 
 # seconds the other ranks get, once one failed, to finish or report their own error
 FAILURE_GRACE = 3.0
@@ -40,6 +43,7 @@ class RankResult:
     exception_type: str | None = None
     exitcode: int | None = None   # None: still running when the world was stopped
     stderr_tail: str = ""
+    native_backtrace: str = ""    # gdb's, from the core of a rank that crashed (crash_backtraces)
 
     @property
     def ok(self) -> bool:
@@ -97,6 +101,31 @@ def mpiexec_path() -> str:
     return str(candidate) if candidate.exists() else "mpiexec"
 
 
+def heap_check_env() -> dict[str, str]:
+    """The environment that gives a process glibc's debugging malloc (``libc_malloc_debug.so``,
+    glibc 2.34+, with ``MALLOC_CHECK_=3``): every ``malloc``/``free`` checks the blocks it
+    touches and a corrupted heap aborts the process at once, with glibc's message, near the
+    write that corrupted it rather than at some later ``malloc_consolidate``. Empty where this
+    glibc has no such library. Pass it as ``run_world(env=...)``."""
+    libc = None
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(maxsplit=5)[-1].strip()
+                if os.path.basename(path).startswith("libc.so."):
+                    libc = path
+                    break
+    except OSError:
+        return {}
+    if libc is None:
+        return {}
+    debug = os.path.join(os.path.dirname(libc), "libc_malloc_debug.so.0")
+    if not os.path.exists(debug):
+        return {}
+    preload = " ".join(p for p in (debug, os.environ.get("LD_PRELOAD", "")) if p)
+    return {"LD_PRELOAD": preload, "MALLOC_CHECK_": "3"}
+
+
 def _launcher_for(backend: str | None) -> str:
     if backend is None:
         return "subprocess"
@@ -113,7 +142,8 @@ def run_world(fn: Callable[..., Any], world_size: int, *, backend: str | None = 
               kwargs: dict[str, Any] | None = None, env: dict[str, str] | None = None,
               launcher: str | None = None, expect_errors: bool = False,
               group_timeout: float | None = None,
-              failure_grace: float = FAILURE_GRACE) -> list[Any]:
+              failure_grace: float = FAILURE_GRACE,
+              crash_backtraces: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh processes.
 
     With ``backend``, each rank first calls ``plugdist.init_process_group(backend, ...)`` and
@@ -126,12 +156,20 @@ def run_world(fn: Callable[..., Any], world_size: int, *, backend: str | None = 
     ``timeout``: the caller wants each rank's own outcome) and returns the :class:`RankResult`
     list instead. ``launcher`` is ``"subprocess"`` or ``"mpiexec"``; by default the backend's
     ``launcher`` attribute decides.
+
+    A rank that dies of a signal has every thread's Python stack in its output (faulthandler).
+    With ``crash_backtraces`` its core is dumped as well (each rank then runs in its own
+    directory under the world's scratch directory, where the kernel's default ``core_pattern``
+    writes it) and gdb's native backtrace of every thread goes into its result and the report;
+    the core is deleted with the scratch directory. Needs gdb; where there is none, or the
+    system sends cores elsewhere, the report says so.
     """
     launcher = launcher or _launcher_for(backend)
     with tempfile.TemporaryDirectory(prefix="plugdist-world-") as tmp:
         spec = dict(module=fn.__module__, name=fn.__qualname__, args=tuple(args),
                     kwargs=dict(kwargs or {}), backend=backend, init_method=init_method,
-                    sys_path=list(sys.path), out_dir=tmp, group_timeout=group_timeout)
+                    sys_path=list(sys.path), out_dir=tmp, group_timeout=group_timeout,
+                    core_dir=os.path.join(tmp, "cores") if crash_backtraces else None)
         if fn.__module__ == "__main__":
             raise ValueError("run_world needs a function importable by module name, not one "
                              "defined in __main__")
@@ -177,6 +215,10 @@ def run_world(fn: Callable[..., Any], world_size: int, *, backend: str | None = 
             for f in err_files:
                 f.close()
         results = _collect(tmp, world_size, procs, launcher)
+        if crash_backtraces:
+            for r in results:
+                r.native_backtrace = _native_backtrace(os.path.join(tmp, "cores", f"rank{r.rank}"),
+                                                       r.exitcode)
     failed = [r for r in results if not r.ok]
     if expect_errors:
         return results
@@ -277,6 +319,54 @@ def _collect(tmp: str, world_size: int, procs: list[subprocess.Popen],
     return results
 
 
+# signals whose default action dumps core
+_CORE_SIGNALS = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL,
+                           signal.SIGFPE, signal.SIGQUIT, signal.SIGSYS, signal.SIGTRAP})
+_GDB_TIMEOUT = 180.0  # seconds gdb may take to read a core (torch's libraries are large)
+
+
+def _native_backtrace(directory: str, exitcode: int | None) -> str:
+    """gdb's backtrace of every thread in the core dumped in ``directory`` ("" when the rank
+    left no core and did not die of a signal that dumps one)."""
+    core = _core_file(directory)
+    if core is None:
+        if exitcode is None or -exitcode not in _CORE_SIGNALS:
+            return ""
+        try:
+            pattern = Path("/proc/sys/kernel/core_pattern").read_text().strip()
+        except OSError:
+            pattern = "unknown"
+        return (f"no core was dumped (core_pattern {pattern!r}, hard core limit "
+                f"{_core_limit()}): no native backtrace")
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return f"core dumped ({os.path.getsize(core)} bytes), but gdb is not installed"
+    cmd = [gdb, "-batch", "-nx", "-q", "-ex", "set pagination off",
+           "-ex", "echo \\n== the thread that crashed\\n", "-ex", "bt 40",
+           "-ex", "echo \\n== every thread\\n", "-ex", "thread apply all bt 16",
+           os.path.realpath(sys.executable), core]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
+                              timeout=_GDB_TIMEOUT, check=False)
+    except subprocess.TimeoutExpired:
+        return f"gdb did not read the core within {_GDB_TIMEOUT:.0f} s"
+    keep = [line for line in done.stdout.splitlines()
+            if line.startswith(("#", "==", "Thread ", "Program terminated", "Core was"))]
+    return "\n".join(keep) if keep else f"gdb found no backtrace: {done.stderr.strip()[-500:]}"
+
+
+def _core_file(directory: str) -> str | None:
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    return next((os.path.join(directory, n) for n in names
+                 if n == "core" or n.startswith("core.")), None)
+
+
+def _core_limit() -> str:
+    """The hard limit on core size, which a rank raises its own limit to."""
+    _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    return "unlimited" if hard == resource.RLIM_INFINITY else f"{hard} bytes"
+
+
 def _report(results: list[RankResult], hung: bool, timeout: float, first_failed: int | None,
             grace: float) -> str:
     if hung:
@@ -299,4 +389,7 @@ def _report(results: list[RankResult], hung: bool, timeout: float, first_failed:
         if r.stderr_tail:
             tail = "\n".join("    " + s for s in r.stderr_tail.splitlines())
             lines.append("    output tail:\n" + tail)
+        if r.native_backtrace:
+            lines.append("    native backtrace (gdb, from its core):\n"
+                         + "\n".join("    " + s for s in r.native_backtrace.splitlines()))
     return "\n".join(lines)

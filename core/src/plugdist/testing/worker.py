@@ -6,6 +6,7 @@ import faulthandler
 import importlib
 import os
 import pickle
+import resource
 import signal
 import sys
 import traceback
@@ -21,16 +22,33 @@ def _rank_from_env() -> tuple[int, int]:
     raise RuntimeError("plugdist.testing.worker: no RANK/PMI_RANK in the environment")
 
 
+def _dump_core_into(directory: str) -> None:
+    """Let a fatal signal dump this process's core into ``directory`` (its new working
+    directory: the kernel's default ``core_pattern`` is relative to it), as far as the hard
+    limit allows."""
+    os.makedirs(directory, exist_ok=True)
+    _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))
+    os.chdir(directory)
+
+
 def main(spec_path: str) -> int:
     # a hung rank is stopped with SIGTERM: print where every thread was, for the parent's report
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+    # a rank that crashes (SIGSEGV, SIGABRT from a heap check, ...) prints every thread's Python
+    # stack before it dies; the signal is raised again, so its exit status stays the signal's
+    faulthandler.enable(all_threads=True)
     with open(spec_path, "rb") as f:
         spec = pickle.load(f)
     rank, world_size = _rank_from_env()
     out = os.path.join(spec["out_dir"], f"rank{rank}.pkl")
+    here = os.getcwd()
     for p in reversed(spec["sys_path"]):
+        p = p or here  # "" is the parent's working directory, which a core dump changes
         if p not in sys.path:
             sys.path.insert(0, p)
+    if spec.get("core_dir"):
+        _dump_core_into(os.path.join(spec["core_dir"], f"rank{rank}"))
     try:
         import plugdist as dist
 
