@@ -322,7 +322,7 @@ def _collect(tmp: str, world_size: int, procs: list[subprocess.Popen],
 # signals whose default action dumps core
 _CORE_SIGNALS = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL,
                            signal.SIGFPE, signal.SIGQUIT, signal.SIGSYS, signal.SIGTRAP})
-_GDB_TIMEOUT = 180.0  # seconds gdb may take to read a core (torch's libraries are large)
+_GDB_TIMEOUT = 90.0  # seconds gdb may take to read a core (torch's libraries are large: 10-30 s)
 
 
 def _native_backtrace(directory: str, exitcode: int | None) -> str:
