@@ -334,6 +334,18 @@ def test_rank_killed_by_signal(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_crashed_worker_shows_where_it_crashed(tmp_path: Path) -> None:
+    marker = str(tmp_path)
+    res = launch("--standalone", "--nproc-per-node", "2", WORKER, marker, "segv")
+    assert res.returncode == 128 + signal.SIGSEGV, res.stderr
+    assert "killed by SIGSEGV (signal 11)" in summary_of(res.stderr)
+    # the launcher turns Python's fault handler on: the worker printed its Python stack
+    assert "[rank 1] Fatal Python error: Segmentation fault" in res.stderr, res.stderr
+    assert "in crash_in_native_code" in res.stderr, res.stderr
+    assert not [p for p in pids(tmp_path, "rank*.pid") if alive(p, marker)]
+
+
+@pytest.mark.timeout(60)
 def test_sigterm_to_launcher_leaves_no_process(tmp_path: Path) -> None:
     marker = str(tmp_path)
     proc = subprocess.Popen([*LAUNCHER, "--standalone", "--nproc-per-node", "2",

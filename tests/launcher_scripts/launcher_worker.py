@@ -9,6 +9,8 @@ env         write the launcher's variables and argv to rank<R>.json; ``exit=R:CO
 fail        rank 0 starts a grandchild that ignores SIGTERM, rank 2 ignores SIGTERM itself,
             rank 1 raises ValueError once the others are up; the rest sleep
 sigkill     rank 1 kills itself with SIGKILL once rank 0 is up; rank 0 sleeps
+segv        rank 1 reads address 0 (a real SIGSEGV, in ``crash_in_native_code``) once rank 0 is
+            up; rank 0 sleeps
 hang        every rank starts a grandchild that ignores SIGTERM, records SIGTERM when it
             arrives, and otherwise sleeps
 rendezvous  ranks meet over a socket at MASTER_ADDR:MASTER_PORT (rank 0 listens) and each
@@ -53,6 +55,12 @@ def wait_for(paths: list[Path], timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"never appeared: {[str(p) for p in paths if not p.exists()]}")
         time.sleep(0.02)
+
+
+def crash_in_native_code() -> None:
+    import ctypes
+
+    ctypes.string_at(0)
 
 
 def start_grandchild(out: Path, rank: int) -> None:
@@ -128,6 +136,14 @@ def main() -> None:
         if rank == 1:
             wait_for([out / "rank0.pid"])
             os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(300)
+        return
+
+    if mode == "segv":
+        write_atomic(out / f"rank{rank}.pid", str(os.getpid()))
+        if rank == 1:
+            wait_for([out / "rank0.pid"])
+            crash_in_native_code()
         time.sleep(300)
         return
 

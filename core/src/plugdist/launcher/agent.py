@@ -296,6 +296,9 @@ class Agent:
         if self.cfg.replace_failed:
             base.setdefault("PLUGDIST_RESILIENCE", "1")  # the survivors must shrink, not die
         base.setdefault("PYTHONUNBUFFERED", "1")   # output is relayed line by line
+        # a worker that crashes (SIGSEGV, SIGABRT from a heap check, ...) prints every thread's
+        # Python stack first, so the summary's stderr tail shows where
+        base.setdefault("PYTHONFAULTHANDLER", "1")
         return base
 
     # -- the run ---------------------------------------------------------------------------------
