@@ -24,7 +24,9 @@ rendezvous of ``--etcd-clients`` threads over ``--etcd-procs`` processes (each: 
 add 1, wait for the key the last one sets; every value 1..N must come back once, and the
 members' panics are counted: one contended counter), and ``--etcd-writers`` threads doing
 add+set in a loop while the leader is SIGKILLed: the longest stall, and lost or doubled adds
-(the counter against the adds that returned).
+(the counter against the adds that returned). The fan-out: ``--etcd-waiters`` threads, a store
+handle each, parked on one entry (plugdist: ``read_log``, as members wait on the death log;
+torch: ``wait``), woken by one write: how long until the last has it.
 
     .venv/bin/python benchmarks/store_bench.py --etcd --etcd-clients 1024 --etcd-procs 4
 
@@ -361,6 +363,39 @@ def _etcd_failover(impl: str, cluster: Any, writers: int) -> dict[str, Any]:
     return {"stall": max(longest), "adds": len(done), "counter": counter, "errors": errors}
 
 
+def _etcd_fanout(impl: str, cluster: Any, waiters: int, rounds: int = 3) -> tuple[float, float]:
+    """Median over ``rounds`` of the p50 and the longest time (s) from one write to the moment
+    each of ``waiters`` parked threads (a store handle each) has it: plugdist's ``read_log``,
+    as members wait on the death log (its entry comes with the watch's event), and torch's
+    ``wait`` on the key."""
+    prefix = f"fan-{impl}-{os.getpid()}"
+    writer = _etcd_store(impl, cluster, prefix)
+    handles = [_etcd_store(impl, cluster, prefix) for _ in range(waiters)]
+    p50s, longest = [], []
+    for n in range(1, rounds + 1):
+        woken = [0.0] * waiters
+
+        def wait(i: int, n: int = n, woken: list[float] = woken) -> None:
+            if impl == "plugdist-etcd":
+                handles[i].read_log("news", n, timedelta(seconds=120))
+            else:
+                handles[i].wait([f"news/{n}"], timedelta(seconds=120))
+            woken[i] = time.monotonic()
+
+        threads = [threading.Thread(target=wait, args=(i,)) for i in range(waiters)]
+        for t in threads:
+            t.start()
+        time.sleep(5.0)  # every waiter parked on its watch
+        start = time.monotonic()
+        writer.set(f"news/{n}", b"a death")
+        for t in threads:
+            t.join()
+        took = sorted(w - start for w in woken)
+        p50s.append(took[len(took) // 2])
+        longest.append(took[-1])
+    return statistics.median(p50s), statistics.median(longest)
+
+
 def _etcd_panics(cluster: Any) -> int:
     """Panics the cluster's members logged (etcd before 3.5.5 panics on a read-only
     transaction whose client went away: docs/resilience.md)."""
@@ -399,6 +434,14 @@ def etcd_main(a: argparse.Namespace) -> None:
                                     prefix=f"rdzv-{impl}-{os.getpid()}")
             print(f"  {impl:14} " + (f"{got:.3f} s" if isinstance(got, float) else got)
                   + f"; etcd panics so far: {_etcd_panics(cluster)}")
+        print(f"\nfan-out: {a.etcd_waiters} parked waiters (a store handle each) woken by one "
+              f"write; p50 and the last, median of 3 rounds")
+        fan = {impl: _etcd_fanout(impl, cluster, a.etcd_waiters) for impl in impls}
+        for impl, (p50, last) in fan.items():
+            ratio = ""
+            if len(impls) > 1 and impl == "plugdist-etcd":
+                ratio = f"   ours/torch {last / fan['torch-etcd'][1]:.2f} (the last)"
+            print(f"  {impl:14} p50 {p50 * 1e3:7.1f} ms, last {last * 1e3:7.1f} ms{ratio}")
         print(f"\nleader SIGKILL while {a.etcd_writers} threads add+set in a loop")
         for impl in impls:
             r = _etcd_failover(impl, cluster, a.etcd_writers)
@@ -443,6 +486,8 @@ def main() -> None:
     ap.add_argument("--etcd-procs", type=int, default=4,
                     help="processes the etcd rendezvous clients are spread over")
     ap.add_argument("--etcd-writers", type=int, default=3)
+    ap.add_argument("--etcd-waiters", type=int, default=512,
+                    help="parked waiters woken by one write (the fan-out of a death)")
     a = ap.parse_args()
     if a.etcd:
         etcd_main(a)

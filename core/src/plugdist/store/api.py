@@ -195,8 +195,10 @@ class Store:
         """The entries ``f"{key}/{start}"``, ``f"{key}/{start + 1}"``, ... of the numbered log
         ``key`` (see :meth:`hold_will`), up to the first one missing; blocks until the first
         exists, up to ``timeout`` (default: the store's), then raises DistTimeoutError. A
-        TCPStore answers with one parked request, however many entries; this fallback waits,
-        then reads the counter and the entries one by one."""
+        store that had to wait may return the first entry alone (etcd's comes with the event
+        that woke it); the caller reads on from the next. A TCPStore answers with one parked
+        request, however many entries; this fallback waits, then reads the counter and the
+        entries one by one."""
         first = f"{key}/{start}"
         self.wait([first], timeout)
         total = self.add(key, 0)

@@ -520,9 +520,10 @@ class EtcdStore(Store):
         return missing, revision
 
     def _watch_for(self, keys: list[str], what: str, revision: int, deadline: float, op: str,
-                   limit: float) -> None:
-        """Block until an event on ``keys`` after ``revision`` (the caller then looks again),
-        or raise DistTimeoutError at ``deadline``."""
+                   limit: float) -> list[dict[str, Any]]:
+        """Block until an event on ``keys`` after ``revision`` and return the events (the caller
+        looks again, or takes what they carry), or ``[]`` when the watch ended without one; raise
+        DistTimeoutError at ``deadline``."""
         if time.monotonic() >= deadline:
             raise DistTimeoutError(f"etcd store: {op} timeout after {limit:.3g}s; missing keys "
                                    f"{keys} (under prefix {self.prefix!r} on "
@@ -539,8 +540,10 @@ class EtcdStore(Store):
         # ends the stream: "canceled"); the caller waits for every key, so being woken by the
         # first few missing ones is enough
         for result in self._client.watch(creates[:_WATCHERS_PER_STREAM], deadline):
-            if result.get("events") or result.get("canceled"):
-                return
+            events: list[dict[str, Any]] = result.get("events") or []
+            if events or result.get("canceled"):
+                return events
+        return []
 
     def _await(self, keys: list[str], timeout: timedelta | None, op: str, what: str) -> None:
         limit = to_seconds(timeout if timeout is not None else self.timeout)
@@ -558,12 +561,14 @@ class EtcdStore(Store):
 
     def read_log(self, key: str, start: int, timeout: timedelta | None = None) -> list[bytes]:
         """The numbered log's entries from ``start`` up to the first missing one (see
-        ``Store.read_log``): one transaction reads up to ``_LOG_BATCH`` of them; when the first
-        is missing, one watch waits for it, up to ``timeout`` (DistTimeoutError)."""
+        ``Store.read_log``): one transaction reads up to ``_LOG_BATCH`` of them. When the first
+        is missing, one watch waits for it, up to ``timeout`` (DistTimeoutError), and the entry
+        its event carries is returned alone, with no second read (when a death wakes thousands
+        of members, that read was each member's second request); the next call reads on."""
         limit = to_seconds(timeout if timeout is not None else self.timeout)
         deadline = time.monotonic() + limit
         first = f"{key}/{start}"
-        self._vkey(first)
+        wanted = b64(self._vkey(first))
         entries: list[bytes] = []
         while True:
             n = start + len(entries)
@@ -579,7 +584,11 @@ class EtcdStore(Store):
                 continue  # the whole batch was there: read on
             if entries:
                 return entries
-            self._watch_for([first], "value", _revision(data), deadline, "read_log", limit)
+            for event in self._watch_for([first], "value", _revision(data), deadline,
+                                         "read_log", limit):
+                kv = event.get("kv") or {}
+                if event.get("type", "PUT") == "PUT" and kv.get("key") == wanted:
+                    return [unb64(kv.get("value"))]
 
     def check(self, keys: Sequence[str]) -> bool:
         ks = self._keys(keys)
