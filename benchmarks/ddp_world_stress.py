@@ -23,29 +23,23 @@ from __future__ import annotations
 
 import argparse
 import random
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-
-_GLOO_SIZE_CHECK = "gloo's size check"
-_HEAP_MESSAGES = ("malloc", "free()", "double free", "corrupted", "chunk", "tcache")
+from gloo_out_of_step import GLOO_SIZE_CHECK, crash_kind  # noqa: E402 - found through the path
 
 
 def _crash(result: Any) -> str:
-    """How a rank died of a signal ("" if it did not): Gloo's own abort on mismatched message
-    sizes (what out-of-step collectives are expected to cause), a heap check, or the signal."""
+    """How a rank crashed ("" if it did not die of a signal that dumps core: the harness stops
+    stragglers with SIGTERM); see ``gloo_out_of_step.crash_kind``."""
     if result.exitcode is None or result.exitcode >= 0 or not result.native_backtrace:
-        return ""  # no signal that dumps core (the harness stops stragglers with SIGTERM)
-    if "match expected size" in result.stderr_tail:  # "Received data size doesn't match ..."
-        return _GLOO_SIZE_CHECK
-    if any(m in result.stderr_tail for m in _HEAP_MESSAGES):
-        return "HEAP CHECK"
-    return signal.Signals(-result.exitcode).name
+        return ""
+    return crash_kind(result.exitcode, result.stderr_tail)
 
 
 def main() -> int:
@@ -59,7 +53,6 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="picks the rank and op with --desync")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import _ddp_workers as workers
     import ddp_world_desync
     from plugdist.testing import WorldError, heap_check_env, run_world
@@ -92,7 +85,7 @@ def main() -> int:
             except WorldError as exc:
                 kinds = {r.rank: _crash(r) for r in exc.results}
                 unexplained = {rank: kind for rank, kind in kinds.items()
-                               if kind not in ("", _GLOO_SIZE_CHECK)}
+                               if kind not in ("", GLOO_SIZE_CHECK)}
                 crashed += bool(unexplained)
                 first, _, rest = str(exc).partition("\n")
                 status = (f"CRASHED {unexplained}: {first}\n{rest}" if unexplained else

@@ -29,6 +29,8 @@ from datetime import timedelta
 KINDS = ("all_reduce", "all_reduce", "all_reduce", "all_reduce_int64", "broadcast", "all_gather",
          "all_gather_into_tensor", "reduce_scatter", "all_to_all_single", "barrier")
 SIZES = (1, 3, 7, 64, 1000, 4096, 65536, 300000)
+HEAP = "HEAP"
+GLOO_SIZE_CHECK = "gloo size check"
 _HEAP_MESSAGES = ("malloc", "free()", "double free", "corrupted", "chunk", "tcache")
 
 
@@ -69,13 +71,21 @@ def rank_main(rank: int, size: int, port: int, seed: int, skip: int, ops: int) -
     dist.destroy_process_group()
 
 
-def outcome(code: int, output: str) -> str:
+def crash_kind(code: int, output: str) -> str:
+    """How a process that printed ``output`` and exited with ``code`` crashed: ``HEAP``
+    (glibc's heap check), ``GLOO_SIZE_CHECK`` (Gloo's abort on a message of the wrong size,
+    which out-of-step collectives are expected to cause), ``signal N``; "" if it did not."""
     if any(m in output for m in _HEAP_MESSAGES):
-        return "HEAP"
+        return HEAP
     if "match expected size" in output:  # Gloo's "Received data size doesn't match ..."
-        return "gloo size check"
-    if code < 0:
-        return f"signal {-code}"
+        return GLOO_SIZE_CHECK
+    return f"signal {-code}" if code < 0 else ""
+
+
+def outcome(code: int, output: str) -> str:
+    crash = crash_kind(code, output)
+    if crash:
+        return crash
     if code != 0:
         return f"exit {code}"
     found = re.search(r" raised at op (\d+)", output)
@@ -110,12 +120,12 @@ def main() -> int:
                 p.kill()
                 output = p.communicate()[0] + "\nhung: killed after 300 s"
             ends.append(outcome(p.returncode, output))
-            if ends[-1] == "HEAP" or ends[-1].startswith("signal"):
+            if ends[-1] == HEAP or ends[-1].startswith("signal"):
                 print(output[-4000:], flush=True)
         tally.update(e.split(" at op ")[0] for e in ends)
         print(f"world {i} (op {skip} skipped): " + " | ".join(ends), flush=True)
     print(dict(tally), flush=True)
-    return 1 if tally["HEAP"] or any(k.startswith("signal") for k in tally) else 0
+    return 1 if tally[HEAP] or any(k.startswith("signal") for k in tally) else 0
 
 
 if __name__ == "__main__":

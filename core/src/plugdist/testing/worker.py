@@ -44,7 +44,7 @@ def main(spec_path: str) -> int:
     out = os.path.join(spec["out_dir"], f"rank{rank}.pkl")
     here = os.getcwd()
     for p in reversed(spec["sys_path"]):
-        p = p or here  # "" is the parent's working directory, which a core dump changes
+        p = p or here  # "" is the parent's working directory, which core_dir changes
         if p not in sys.path:
             sys.path.insert(0, p)
     if spec.get("core_dir"):
