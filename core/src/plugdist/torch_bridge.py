@@ -429,7 +429,23 @@ def _as_list(tensors: Any) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else tensors
 
 
-_FUTURE_LOCK = threading.Lock()
+_FUTURE_LOCK = threading.Lock()  # one lock for all: a future is made once per Work at most
+_DEFER_LOCK = threading.Lock()  # orders a future's completion and its backward's final check
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs a backward pass that takes final callbacks (a torch without
+    the query answers no: failures then reach torch as its own RuntimeError)."""
+    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return graph_task_id is not None and graph_task_id() != -1
+
+
+def _after_backward(callback: Any) -> None:
+    """Run ``callback`` at the end of this thread's backward pass, after torch's own final
+    callbacks queued by then (DDP's reducer queues its finalizer once the last bucket is
+    launched): queued now, it queues itself again, behind them."""
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    queue(lambda: queue(callback))
 
 
 class BridgeWork(_TorchWork):
@@ -437,8 +453,20 @@ class BridgeWork(_TorchWork):
 
     ``wait`` is plugdist's (bounded by the group's timeout, or ``timeout`` when positive;
     raises plugdist's error naming rank, group, op and backend). ``get_future`` is a
-    ``torch.futures.Future`` completed with the op's output tensors (or its error) when
-    plugdist's Work completes, made on first request. Thread-safe as plugdist's Work is.
+    ``torch.futures.Future`` completed with the op's output tensors when plugdist's Work
+    completes, made on first request. Thread-safe as plugdist's Work is.
+
+    A failed op never completes the future with the exception as its value (what Python's
+    ``Future.set_exception`` does): torch's C++ readers of the future (DDP's reducer and its
+    comm hooks) would read it as tensors and crash. The future is a ``then`` of plugdist's, so
+    the error is the C++ future's own, which torch raises as a ``RuntimeError`` naming it.
+    Inside a backward pass (DDP's gradient buckets, comm hooks) the op's own error is raised
+    instead, as plugdist raises it (``DistRankFailureError`` with its ``ranks``, when a peer
+    died): the future then completes with the output tensors, unreduced, and a final callback
+    of that backward, run after DDP's own, raises the error, so that ``loss.backward()`` raises
+    it and DDP's reducer finished its iteration (the model can take the next step once the
+    world is shrunk). Should that callback find the op still running, the future keeps the
+    error itself when the op fails.
     """
 
     def __init__(self, work: Work, outputs: list[torch.Tensor]) -> None:
@@ -446,6 +474,7 @@ class BridgeWork(_TorchWork):
         self.plugdist_work = work
         self._outputs = outputs
         self._future: torch.futures.Future | None = None
+        self._failure_deferred = False  # see the class docstring; guarded by _DEFER_LOCK
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if isinstance(timeout, timedelta) and timeout <= timedelta(0):
@@ -478,25 +507,35 @@ class BridgeWork(_TorchWork):
         fut = self._future
         if fut is not None:
             return fut
-        with _FUTURE_LOCK:  # one lock for all: a future is made once per Work at most
+        with _FUTURE_LOCK:
             if self._future is None:
                 self._future = self._make_future()
             return self._future
 
     def _make_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        work, outputs = self.plugdist_work, self._outputs
+        outputs = self._outputs
+        if _in_backward():
+            self._failure_deferred = True
+            _after_backward(self._raise_deferred_failure)
 
-        def done(_inner: torch.futures.Future) -> None:
-            exc = work.exception()
-            if exc is not None:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(outputs)
+        def outcome(fut: torch.futures.Future) -> list[torch.Tensor]:
+            with _DEFER_LOCK:
+                deferred = self._failure_deferred
+            if not deferred:
+                fut.value()  # raises the op's error, which torch's C++ keeps as the future's
+            return outputs
 
-        work.get_future().add_done_callback(done)
-        return fut
+        return self.plugdist_work.get_future().then(outcome)
 
+    def _raise_deferred_failure(self) -> None:
+        """The final callback of the backward pass that asked for the future: raise the op's
+        error if it failed by now; from here on, a failure completes the future with it."""
+        work = self.plugdist_work
+        with _DEFER_LOCK:
+            self._failure_deferred = False
+            failed = work.is_completed() and not work.is_success()
+        if failed:
+            work.wait()  # raises the op's error
 
 
 # -- plugdist's world as torch's ----------------------------------------------------------------
