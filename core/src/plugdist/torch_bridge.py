@@ -39,13 +39,14 @@ from .groups import build_group
 from .process_group import ProcessGroup
 from .reduce_op import ReduceOp
 from .registry import BACKENDS, registry
-from .store import Store, TorchStoreAdapter
+from .store import PrefixStore, Store, TorchStoreAdapter
 from .store.for_torch import PlugdistStoreForTorch
 from .torch_device_map import caller_device_map, other_devices
 from .work import Work, gather_works
 
 __all__ = ["register", "create_group", "BridgeGroup", "RoutingBridgeGroup", "BridgeWork",
-           "share_world", "release_world", "torch_name", "PREFIX", "ENV_SWITCH"]
+           "share_world", "follow_world", "world_store", "release_world", "torch_name", "PREFIX",
+           "ENV_SWITCH"]
 
 PREFIX = autoload.PREFIX
 ENV_SWITCH = autoload.ENV_SWITCH  # "0" keeps ``import torch`` from registering plugdist_* names
@@ -561,14 +562,34 @@ def share_world(group: ProcessGroup, backend: str, store: Store, rank: int, worl
     return shared
 
 
-def swap_group(shared: Any, group: ProcessGroup) -> None:
-    """Make torch's group ``shared`` (a BridgeGroup) run over ``group`` from now on: what
-    ``shrink_group``/``grow_group`` do, so that torch DDP/FSDP keep the object they hold.
-    torch keeps a group's ``rank()`` and ``size()`` in C++, fixed at construction: they keep
-    their old values (read plugdist's ``get_rank()``/``get_world_size()`` for the new ones)."""
+def world_store(store: Store, epoch: int) -> Store:
+    """The store of torch's groups over plugdist's world in ``epoch``: a part of plugdist's
+    world store of its own per epoch, since torch names its groups from the first again when
+    its default group is made anew (:func:`follow_world`)."""
+    return PrefixStore("torch" if epoch == 0 else f"torch/e{epoch}", store)
+
+
+def follow_world(shared: Any, group: ProcessGroup, backend: str, store: Store, rank: int,
+                 world_size: int, timeout: timedelta) -> Any:
+    """After ``shrink_group``/``grow_group``: make torch's default group a new BridgeGroup over
+    ``group`` (the new world's default group, ``rank`` of ``world_size``) and return it, so that
+    ``torch.distributed.get_rank()``/``get_world_size()``, ``group.WORLD`` and what is built on
+    them afterwards (a new DDP, a DistributedSampler) see the new world. torch keeps a group's
+    rank and size in C++, fixed when it is built: only a new group object can carry new ones.
+
+    ``shared``, the default group until now, runs over ``group`` from now on too, so that what
+    holds it (a DDP or FSDP built before) can still issue ops; its ``rank()``/``size()`` keep
+    their old values. torch's other groups are destroyed, as torch's own ``shrink_group`` does.
+    ``store`` must be new to this world's torch groups (their names start again from torch's
+    first). Returns None, leaving torch alone, when the script destroyed or replaced torch's
+    default group itself. Not collective."""
     if not isinstance(shared, BridgeGroup):
-        raise TypeError(f"swap_group: {shared!r} is not a group over a plugdist backend")
+        raise TypeError(f"follow_world: {shared!r} is not a group over a plugdist backend")
     shared.plugdist_group = group
+    if not tdist.is_initialized() or tdist.group.WORLD is not shared:
+        return None
+    tdist.destroy_process_group()
+    return share_world(group, backend, store, rank, world_size, timeout)
 
 
 def release_world(shared: Any) -> None:
