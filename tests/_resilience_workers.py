@@ -117,6 +117,20 @@ def _grow_to(size: int, deadline_s: float = 60.0) -> float:
     return time.monotonic() - start
 
 
+def torch_view() -> dict[str, Any]:
+    """torch's default group as torch reports it (an all_reduce over it included), next to
+    plugdist's world; {} when torch's world is off."""
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        return {}
+    t = torch.ones(1)
+    tdist.all_reduce(t)
+    return {"rank": tdist.get_rank(), "size": tdist.get_world_size(),
+            "world_size": tdist.group.WORLD.size(), "sum": t.item(),
+            "plugdist": [dist.get_rank(), dist.get_world_size()]}
+
+
 def kill_shrink_grow() -> None:
     """Victims die mid-loop; survivors name them, shrink, check, admit joiners, check."""
     victims = {int(v) for v in os.environ["VICTIMS"].split(",")}
@@ -129,7 +143,7 @@ def kill_shrink_grow() -> None:
         bad = check_collectives("joined")
         _write(f"joiner-{os.getpid()}", {"role": "joiner", "rank": dist.get_rank(),
                                          "size": dist.get_world_size(), "bad": bad,
-                                         "init_s": admitted - t0})
+                                         "init_s": admitted - t0, "torch": torch_view()})
         final_barrier()
         return
     # INIT_METHOD: a store URL (etcd://...) instead of env://
@@ -150,11 +164,13 @@ def kill_shrink_grow() -> None:
     result = {"role": "survivor", "old_rank": rank, "error_type": type(err).__name__,
               "error": str(err), "error_ranks": list(err.ranks), "failed_known": failed_known,
               "detect_s": seen - max(killed), "shrink_s": first_op - shrink_start,
-              "rank": dist.get_rank(), "size": dist.get_world_size(), "bad": bad}
+              "rank": dist.get_rank(), "size": dist.get_world_size(), "bad": bad,
+              "torch_shrunk": torch_view()}
     if grow_back:
         result["grow_s"] = _grow_to(grow_back)
         result["bad"] += check_collectives("grown")
         result["grown_size"] = dist.get_world_size()
+        result["torch_grown"] = torch_view()
     _write(f"survivor-{rank}", result)
     final_barrier()
 

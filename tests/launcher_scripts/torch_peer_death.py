@@ -87,7 +87,7 @@ def wrapped(kind: str, net: nn.Module) -> nn.Module:
         for layer in net:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
-        return fully_shard(net)  # type: ignore[no-any-return]
+        return fully_shard(net)
     model = DDP(net, find_unused_parameters=kind == "unused", static_graph=kind == "static")
     if kind == "pyhook":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

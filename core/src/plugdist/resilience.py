@@ -184,7 +184,7 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
     world.group_count = 0
     if os.environ.get("RANK") is not None:  # scripts that read them see the new world
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(world.rank), str(world.size)
-    assert world.backend is not None
+    assert world.backend is not None and world.store is not None
     name = f"e{decision.epoch}"
     info_timeout = timeout if old_default is None else old_default.timeout
     # a natively shrunk group goes through the same steps as a fresh one (plugins wrap it,
