@@ -270,10 +270,10 @@ def die_while_connecting() -> None:
 
 
 def torch_ddp() -> None:
-    """torch's DDP over plugdist_gloo: rank 2 dies, the survivors shrink and keep training with
-    the DDP built before, on the torch group object it holds (run over the new group), while
-    torch's default group becomes a new one of the survivors; the parameters stay identical on
-    every survivor."""
+    """torch's DDP over plugdist_gloo: rank 2 dies, then rank 1; each time the survivors shrink
+    and keep training with the DDP built at the start, on the torch group object it holds (run
+    over each new group), while torch's default group becomes a new one of the survivors; the
+    parameters stay identical on every survivor."""
     import hashlib
 
     import torch.distributed as tdist
@@ -292,7 +292,7 @@ def torch_ddp() -> None:
     failures = 0
     returned: Any = None
     while committed < 12:
-        if committed == 4 and rank == 2:
+        if (committed, rank) in ((4, 2), (8, 1)):  # launch ranks (rank 0 hosts the store)
             _die(_store())
         gen = torch.Generator().manual_seed(1000 * committed + dist.get_rank())
         x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)

@@ -25,6 +25,7 @@ functional collectives fail with "ProcessGroup name not set".
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -150,6 +151,8 @@ class BridgeGroup(_TorchProcessGroup):
         self._name = name
         self._desc = ""
         self._coalesced: list[Work] | None = None
+        # torch's default groups over plugdist's world before this one (follow_world)
+        self._predecessors: weakref.WeakSet[BridgeGroup] = weakref.WeakSet()
 
     # -- identity: what torch keeps on a group's backends, kept here -------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's C++ names, looked up by its binding
@@ -577,19 +580,25 @@ def follow_world(shared: Any, group: ProcessGroup, backend: str, store: Store, r
     them afterwards (a new DDP, a DistributedSampler) see the new world. torch keeps a group's
     rank and size in C++, fixed when it is built: only a new group object can carry new ones.
 
-    ``shared``, the default group until now, runs over ``group`` from now on too, so that what
-    holds it (a DDP or FSDP built before) can still issue ops; its ``rank()``/``size()`` keep
-    their old values. torch's other groups are destroyed, as torch's own ``shrink_group`` does.
-    ``store`` must be new to this world's torch groups (their names start again from torch's
-    first). Returns None, leaving torch alone, when the script destroyed or replaced torch's
-    default group itself. Not collective."""
+    ``shared``, the default group until now, and every default group before it run over
+    ``group`` from now on too, so that what holds one (a DDP or FSDP built before) can still
+    issue ops; their ``rank()``/``size()`` keep their old values. torch's other groups are
+    destroyed, as torch's own ``shrink_group`` does. ``store`` must be new to this world's torch
+    groups (their names start again from torch's first). Returns None, leaving torch alone,
+    when the script destroyed or replaced torch's default group itself. Not collective."""
     if not isinstance(shared, BridgeGroup):
         raise TypeError(f"follow_world: {shared!r} is not a group over a plugdist backend")
-    shared.plugdist_group = group
+    predecessors = shared._predecessors
+    predecessors.add(shared)
+    for old in predecessors:
+        old.plugdist_group = group
     if not tdist.is_initialized() or tdist.group.WORLD is not shared:
         return None
     tdist.destroy_process_group()
-    return share_world(group, backend, store, rank, world_size, timeout)
+    new = share_world(group, backend, store, rank, world_size, timeout)
+    if new is not None:
+        new._predecessors = predecessors
+    return new
 
 
 def release_world(shared: Any) -> None:
