@@ -62,8 +62,9 @@ class World:
 @contextlib.contextmanager
 def busy_loops(count: int) -> Iterator[None]:
     """``count`` processes spinning on a CPU each, for as long as the block runs: the slowed
-    machine (2 cores here)."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    machine (2 cores here). Each also ends when its parent does."""
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    sum(range(10**5))"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
     try:
         yield
     finally:
