@@ -90,9 +90,10 @@ def survivors(found: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 def test_kill_shrink_then_grow(tmp_path: Path, backend: str) -> None:
     """Rank 2 of 4 SIGKILLed mid-way through a loop of collectives: every survivor gets
     DistRankFailureError naming rank 2 within a second, shrinks to 3, runs every collective
-    correctly; a new process joins, grow_group admits it, the 4 ranks run every collective."""
+    correctly; a new process joins, grow_group admits it, the 4 ranks run every collective.
+    torch's default group follows each change (its rank, size and an all_reduce over it)."""
     found = run_scenario(tmp_path, "kill_shrink_grow", 4, backend, victims="2", grow_to=4,
-                         joiners=1)
+                         joiners=1, torch_world=True)
     alive = survivors(found)
     assert sorted(r["old_rank"] for r in alive) == [0, 1, 3]
     for r in alive:
@@ -103,10 +104,16 @@ def test_kill_shrink_then_grow(tmp_path: Path, backend: str) -> None:
         assert r["detect_s"] < 30, f"rank {r['old_rank']} named the failure after {r['detect_s']}s"
         assert r["size"] == 3 and r["bad"] == [], r
         assert r["grown_size"] == 4
+        assert r["torch_shrunk"] == {"rank": r["rank"], "size": 3, "world_size": 3, "sum": 3.0,
+                                     "plugdist": [r["rank"], 3]}, r
+        assert r["torch_grown"] == {"rank": r["rank"], "size": 4, "world_size": 4, "sum": 4.0,
+                                    "plugdist": [r["rank"], 4]}, r
     assert sorted(r["rank"] for r in alive) == [0, 1, 2], "ranks are compacted in the old order"
     joiner = [r for r in found.values() if r["role"] == "joiner"]
     assert len(joiner) == 1 and joiner[0]["rank"] == 3 and joiner[0]["size"] == 4, joiner
     assert joiner[0]["bad"] == []
+    assert joiner[0]["torch"] == {"rank": 3, "size": 4, "world_size": 4, "sum": 4.0,
+                                  "plugdist": [3, 4]}, joiner
 
 
 @pytest.mark.resilience
@@ -236,13 +243,19 @@ def test_excluded_rank_that_is_alive_gets_a_clear_error(tmp_path: Path) -> None:
 
 @pytest.mark.resilience
 @pytest.mark.timeout(260)
-def test_torch_ddp_keeps_training_on_the_same_torch_group(tmp_path: Path) -> None:
-    """torch's own DDP over plugdist_gloo: rank 2 is killed, the survivors shrink and keep
-    training on the torch group object DDP holds; parameters stay identical."""
-    found = run_scenario(tmp_path, "torch_ddp", 4, "gloo", victims="2", torch_world=True)
+def test_torch_ddp_built_before_a_shrink_trains_on_with_the_group_it_holds(
+        tmp_path: Path) -> None:
+    """torch's own DDP over plugdist_gloo: rank 2 is killed, later rank 1; the survivors catch
+    DistRankFailureError from backward, shrink, and keep training with the DDP (and the torch
+    group object) built at the start; torch's default group is a new one of the survivors,
+    which shrink_group returns; parameters stay identical."""
+    found = run_scenario(tmp_path, "torch_ddp", 4, "gloo", victims="2,1", torch_world=True)
     alive = survivors(found)
-    assert len(alive) == 3
-    assert all(r["same_group"] and r["size"] == 3 and r["failures"] == 1 for r in alive), alive
+    assert len(alive) == 2
+    for r in alive:
+        assert r["size"] == 2 and r["failures"] == 2, r
+        assert r["torch_size"] == 2 and r["torch_rank"] == r["rank"], r
+        assert r["world_is_new"] and r["returned_world"], r
     assert len({r["sha1"] for r in alive}) == 1, "parameters differ between survivors"
 
 

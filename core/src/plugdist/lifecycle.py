@@ -16,7 +16,7 @@ from . import groups
 from .errors import where
 from .log import get_logger
 from .process_group import ProcessGroup
-from .store import PrefixStore, Store
+from .store import Store
 from .world import world
 
 __all__ = ["init_process_group", "destroy_process_group", "TORCH_WORLD_ENV", "JOIN_ENV"]
@@ -110,8 +110,8 @@ def _share_with_torch(pg: ProcessGroup, explicit: bool) -> None:
     try:
         from . import torch_bridge  # needs torch built with distributed support
 
-        world.torch_default = torch_bridge.share_world(pg, backend, PrefixStore("torch", store),
-                                                       rank, size, pg.timeout)
+        world.torch_default = torch_bridge.share_world(
+            pg, backend, torch_bridge.world_store(store, world.epoch), rank, size, pg.timeout)
     except Exception as err:
         if explicit:
             destroy_process_group()

@@ -5,8 +5,8 @@ The mechanism is the same on every backend: :mod:`plugdist.membership` names the
 members and records the epoch the survivors agree on; the groups of the old epoch are aborted
 and shut down, and the new world's default group is built through ``build_group`` on a fresh
 store prefix (so plugins such as the debug wrapper apply), unless the backend builds it
-natively (``ProcessGroup.native_shrink``). torch's default group over plugdist's world keeps its
-object: the plugdist group inside it is swapped (:func:`plugdist.torch_bridge.swap_group`).
+natively (``ProcessGroup.native_shrink``). torch's default group over plugdist's world follows:
+a new torch group over the new default group (:func:`plugdist.torch_bridge.follow_world`).
 
 Above :mod:`plugdist.groups` and the torch bridge; nothing below imports it.
 """
@@ -97,9 +97,10 @@ def shrink_group(ranks_to_exclude: Sequence[int] | None = None, group: Any = Non
     to have failed must call this); given: those ranks (torch's meaning; the others call it with
     the same list). Aborts whatever is in flight on the old groups, destroys them (sub-groups
     included), and returns the new default group, ranks compacted in the old order;
-    ``get_rank()``/``get_world_size()`` follow it. ``group`` may be torch's default group over
-    plugdist's world: it is returned, same object, now running over the new group. Blocks up to
-    ``timeout`` (default: the group's); raises DistRankFailureError on an excluded rank."""
+    ``get_rank()``/``get_world_size()`` follow it, and so does torch's default group over
+    plugdist's world: a new torch group, returned when ``group`` is a torch group over the world
+    (the old one runs over the new group too, for whoever holds it). Blocks up to ``timeout``
+    (default: the group's); raises DistRankFailureError on an excluded rank."""
     pg, handle = _resolve(group, "shrink_group")
     m = _membership("shrink_group")
     limit = timeout or world.info(pg).timeout
@@ -113,14 +114,14 @@ def shrink_group(ranks_to_exclude: Sequence[int] | None = None, group: Any = Non
     for g in world.members():
         g.abort(f"shrink_group was called on rank {world.rank}: the group is being replaced")
     _enter_until_built(m, m.agree_shrink(exclude, limit), limit, "shrink_group")
-    return handle if handle is not None else world.default
+    return _returned(handle)
 
 
 def grow_group(group: Any = None, timeout: timedelta | None = None) -> Any:
     """Admit the processes waiting to join (``init_process_group(join=True)``): a collective of
     every member of the default group. Returns the same group at once when nobody waits;
-    otherwise the new default group with the joiners' ranks appended (torch's default group
-    over the world: the same object, running over it). Blocks up to ``timeout``."""
+    otherwise the new default group with the joiners' ranks appended (torch's new default group
+    when ``group`` is a torch group over the world). Blocks up to ``timeout``."""
     pg, handle = _resolve(group, "grow_group")
     m = _membership("grow_group")
     refusal = getattr(pg, "grow_refusal", "")
@@ -130,9 +131,17 @@ def grow_group(group: Any = None, timeout: timedelta | None = None) -> Any:
     limit = timeout or world.info(pg).timeout
     decision = m.agree_grow(limit)
     if decision is None:
-        return handle if handle is not None else pg
+        return _returned(handle)
     _enter_until_built(m, decision, limit, "grow_group")
-    return handle if handle is not None else world.default
+    return _returned(handle)
+
+
+def _returned(torch_group: Any) -> Any:
+    """What a shrink or grow returns: torch's default group when called with a torch group
+    (the new one, or the same when the script had torch's world destroyed), else plugdist's."""
+    if torch_group is None:
+        return world.default
+    return world.torch_default if world.torch_default is not None else torch_group
 
 
 def _enter_until_built(m: Membership, decision: Decision, timeout: timedelta,
@@ -175,7 +184,7 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
     world.group_count = 0
     if os.environ.get("RANK") is not None:  # scripts that read them see the new world
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(world.rank), str(world.size)
-    assert world.backend is not None
+    assert world.backend is not None and world.store is not None
     name = f"e{decision.epoch}"
     info_timeout = timeout if old_default is None else old_default.timeout
     # a natively shrunk group goes through the same steps as a fresh one (plugins wrap it,
@@ -189,7 +198,10 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
     if world.torch_default is not None:
         from . import torch_bridge
 
-        torch_bridge.swap_group(world.torch_default, pg)
+        world.torch_default = torch_bridge.follow_world(
+            world.torch_default, pg, world.backend,
+            torch_bridge.world_store(world.store, world.epoch),
+            world.rank, world.size, pg.timeout)
     lifecycle("group_shrunk" if why == "shrink_group" else "group_grown", group=name,
               group_rank=world.rank, backend=world.backend, epoch=decision.epoch,
               world_size=world.size, joined=decision.joined)

@@ -25,6 +25,7 @@ functional collectives fail with "ProcessGroup name not set".
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -39,13 +40,14 @@ from .groups import build_group
 from .process_group import ProcessGroup
 from .reduce_op import ReduceOp
 from .registry import BACKENDS, registry
-from .store import Store, TorchStoreAdapter
+from .store import PrefixStore, Store, TorchStoreAdapter
 from .store.for_torch import PlugdistStoreForTorch
 from .torch_device_map import caller_device_map, other_devices
 from .work import Work, completed_work, gather_works
 
 __all__ = ["register", "create_group", "BridgeGroup", "RoutingBridgeGroup", "BridgeWork",
-           "share_world", "release_world", "torch_name", "PREFIX", "ENV_SWITCH"]
+           "share_world", "follow_world", "world_store", "release_world", "torch_name", "PREFIX",
+           "ENV_SWITCH"]
 
 PREFIX = autoload.PREFIX
 ENV_SWITCH = autoload.ENV_SWITCH  # "0" keeps ``import torch`` from registering plugdist_* names
@@ -152,6 +154,8 @@ class BridgeGroup(_TorchProcessGroup):
         # what every synchronous op returns: torch only waits on it, and making a torch Work
         # per op costs more than a small op (its destructor releases the GIL)
         self._done = BridgeWork(_DONE, [])
+        # torch's default groups over plugdist's world before this one (follow_world)
+        self._predecessors: weakref.WeakSet[BridgeGroup] = weakref.WeakSet()
 
     # -- identity: what torch keeps on a group's backends, kept here -------------------------
     def getBackendName(self) -> str:  # noqa: N802 - torch's C++ names, looked up by its binding
@@ -455,8 +459,24 @@ def _as_list(tensors: Any) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else tensors
 
 
-_FUTURE_LOCK = threading.Lock()
 _DONE = completed_work()  # what a BridgeWork of an op run through run_blocking stands on
+_FUTURE_LOCK = threading.Lock()  # one lock for all: a future is made once per Work at most
+_DEFER_LOCK = threading.Lock()  # orders a future's completion and its backward's final check
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs a backward pass that takes final callbacks (a torch without
+    the query answers no: failures then reach torch as its own RuntimeError)."""
+    graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return graph_task_id is not None and graph_task_id() != -1
+
+
+def _after_backward(callback: Any) -> None:
+    """Run ``callback`` at the end of this thread's backward pass, after torch's own final
+    callbacks queued by then (DDP's reducer queues its finalizer once the last bucket is
+    launched): queued now, it queues itself again, behind them."""
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    queue(lambda: queue(callback))
 
 
 class BridgeWork(_TorchWork):
@@ -464,8 +484,20 @@ class BridgeWork(_TorchWork):
 
     ``wait`` is plugdist's (bounded by the group's timeout, or ``timeout`` when positive;
     raises plugdist's error naming rank, group, op and backend). ``get_future`` is a
-    ``torch.futures.Future`` completed with the op's output tensors (or its error) when
-    plugdist's Work completes, made on first request. Thread-safe as plugdist's Work is.
+    ``torch.futures.Future`` completed with the op's output tensors when plugdist's Work
+    completes, made on first request. Thread-safe as plugdist's Work is.
+
+    A failed op never completes the future with the exception as its value (what Python's
+    ``Future.set_exception`` does): torch's C++ readers of the future (DDP's reducer and its
+    comm hooks) would read it as tensors and crash. The future is a ``then`` of plugdist's, so
+    the error is the C++ future's own, which torch raises as a ``RuntimeError`` naming it.
+    Inside a backward pass (DDP's gradient buckets, comm hooks) the op's own error is raised
+    instead, as plugdist raises it (``DistRankFailureError`` with its ``ranks``, when a peer
+    died): the future then completes with the output tensors, unreduced, and a final callback
+    of that backward, run after DDP's own, raises the error, so that ``loss.backward()`` raises
+    it and DDP's reducer finished its iteration (the model can take the next step once the
+    world is shrunk). Should that callback find the op still running, the future keeps the
+    error itself when the op fails.
     """
 
     def __init__(self, work: Work, outputs: list[torch.Tensor]) -> None:
@@ -473,6 +505,7 @@ class BridgeWork(_TorchWork):
         self.plugdist_work = work
         self._outputs = outputs
         self._future: torch.futures.Future | None = None
+        self._failure_deferred = False  # see the class docstring; guarded by _DEFER_LOCK
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         if isinstance(timeout, timedelta) and timeout <= timedelta(0):
@@ -505,25 +538,35 @@ class BridgeWork(_TorchWork):
         fut = self._future
         if fut is not None:
             return fut
-        with _FUTURE_LOCK:  # one lock for all: a future is made once per Work at most
+        with _FUTURE_LOCK:
             if self._future is None:
                 self._future = self._make_future()
             return self._future
 
     def _make_future(self) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        work, outputs = self.plugdist_work, self._outputs
+        outputs = self._outputs
+        if _in_backward():
+            self._failure_deferred = True
+            _after_backward(self._raise_deferred_failure)
 
-        def done(_inner: torch.futures.Future) -> None:
-            exc = work.exception()
-            if exc is not None:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(outputs)
+        def outcome(fut: torch.futures.Future) -> list[torch.Tensor]:
+            with _DEFER_LOCK:
+                deferred = self._failure_deferred
+            if not deferred:
+                fut.value()  # raises the op's error, which torch's C++ keeps as the future's
+            return outputs
 
-        work.get_future().add_done_callback(done)
-        return fut
+        return self.plugdist_work.get_future().then(outcome)
 
+    def _raise_deferred_failure(self) -> None:
+        """The final callback of the backward pass that asked for the future: raise the op's
+        error if it failed by now; from here on, a failure completes the future with it."""
+        work = self.plugdist_work
+        with _DEFER_LOCK:
+            self._failure_deferred = False
+            failed = work.is_completed() and not work.is_success()
+        if failed:
+            work.wait()  # raises the op's error
 
 
 # -- plugdist's world as torch's ----------------------------------------------------------------
@@ -549,14 +592,40 @@ def share_world(group: ProcessGroup, backend: str, store: Store, rank: int, worl
     return shared
 
 
-def swap_group(shared: Any, group: ProcessGroup) -> None:
-    """Make torch's group ``shared`` (a BridgeGroup) run over ``group`` from now on: what
-    ``shrink_group``/``grow_group`` do, so that torch DDP/FSDP keep the object they hold.
-    torch keeps a group's ``rank()`` and ``size()`` in C++, fixed at construction: they keep
-    their old values (read plugdist's ``get_rank()``/``get_world_size()`` for the new ones)."""
+def world_store(store: Store, epoch: int) -> Store:
+    """The store of torch's groups over plugdist's world in ``epoch``: a part of plugdist's
+    world store of its own per epoch, since torch names its groups from the first again when
+    its default group is made anew (:func:`follow_world`)."""
+    return PrefixStore("torch" if epoch == 0 else f"torch/e{epoch}", store)
+
+
+def follow_world(shared: Any, group: ProcessGroup, backend: str, store: Store, rank: int,
+                 world_size: int, timeout: timedelta) -> Any:
+    """After ``shrink_group``/``grow_group``: make torch's default group a new BridgeGroup over
+    ``group`` (the new world's default group, ``rank`` of ``world_size``) and return it, so that
+    ``torch.distributed.get_rank()``/``get_world_size()``, ``group.WORLD`` and what is built on
+    them afterwards (a new DDP, a DistributedSampler) see the new world. torch keeps a group's
+    rank and size in C++, fixed when it is built: only a new group object can carry new ones.
+
+    ``shared``, the default group until now, and every default group before it run over
+    ``group`` from now on too, so that what holds one (a DDP or FSDP built before) can still
+    issue ops; their ``rank()``/``size()`` keep their old values. torch's other groups are
+    destroyed, as torch's own ``shrink_group`` does. ``store`` must be new to this world's torch
+    groups (their names start again from torch's first). Returns None, leaving torch alone,
+    when the script destroyed or replaced torch's default group itself. Not collective."""
     if not isinstance(shared, BridgeGroup):
-        raise TypeError(f"swap_group: {shared!r} is not a group over a plugdist backend")
-    shared.plugdist_group = group
+        raise TypeError(f"follow_world: {shared!r} is not a group over a plugdist backend")
+    predecessors = shared._predecessors
+    predecessors.add(shared)
+    for old in predecessors:
+        old.plugdist_group = group
+    if not tdist.is_initialized() or tdist.group.WORLD is not shared:
+        return None
+    tdist.destroy_process_group()
+    new = share_world(group, backend, store, rank, world_size, timeout)
+    if new is not None:
+        new._predecessors = predecessors
+    return new
 
 
 def release_world(shared: Any) -> None:
