@@ -216,17 +216,17 @@ def _checkpoints(out: Path) -> list[tuple[int, Path]]:
 
 
 def _checkpoint_sha1(path: Path) -> str:
+    """The scripts' ``params_sha1``: the state dict's tensors in key order."""
     if path.suffix == ".ckpt":
         import torch
 
-        tensors = list(torch.load(path, map_location="cpu", weights_only=False)
-                       ["state_dict"].values())
+        state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
     else:
         from safetensors.torch import load_file
 
-        tensors = list(load_file(str(path)).values())
+        state = load_file(str(path))
     digest = hashlib.sha1()
-    for t in tensors:
+    for _, t in sorted(state.items()):
         digest.update(t.contiguous().numpy().tobytes())
     return digest.hexdigest()
 

@@ -47,9 +47,10 @@ def make_data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def params_sha1(module: nn.Module) -> str:
+    """Of the state dict in key order (how benchmarks/trainer_faults.py hashes a checkpoint)."""
     digest = hashlib.sha1()
-    for p in module.parameters():
-        digest.update(p.detach().contiguous().numpy().tobytes())
+    for _, t in sorted(module.state_dict().items()):
+        digest.update(t.detach().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
