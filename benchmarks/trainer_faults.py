@@ -3,6 +3,7 @@ matrix of scenarios, every invariant checked, and the pauses the survivors saw.
 
     python benchmarks/trainer_faults.py --trainer lightning     # or huggingface, or both
     python benchmarks/trainer_faults.py --trainer both --repeat 3 --json report.json
+    python benchmarks/trainer_faults.py --overhead 3     # the cost when nothing fails
 
 Each scenario is one run of tests/launcher_scripts/{lightning,hf}_train.py on 3 workers under
 ``plugdist-run`` (gloo, CPU): the victim (rank 0, or the last rank) SIGKILLs itself at a chosen
@@ -18,6 +19,8 @@ rank 0, holding the parameters of their step; with replacement the world back to
 final loss on the whole data set within ``LOSS_TOLERANCE`` of the reference's. Printed per
 scenario: the survivors' pause at the death (the longest gap between two committed steps around
 it, against the median gap), the pause at the joiner's admission, and kill to full size again.
+``--overhead``: what the integrations cost when nothing fails, against the trainers' own DDP on
+torch's gloo in the same run.
 
 tests/test_lightning.py and tests/test_huggingface_faults.py run a few scenarios through the same
 functions.
@@ -58,9 +61,12 @@ class Scenario:
     accumulate: int = 1
     where: str = "backward"       # or "start"
     kill_step: int = 13           # committed steps when the victim dies (mid-epoch 1 or 3)
+    plain: bool = False           # the trainer's own DDP on torch's gloo, for comparison
 
     @property
     def name(self) -> str:
+        if self.plain:
+            return f"no fault, the trainer's own DDP on torch's gloo, accumulate {self.accumulate}"
         if self.victim is None:
             return f"no fault, accumulate {self.accumulate}"
         return (f"kill rank {self.victim} at step {self.kill_step} ({self.where}), "
@@ -90,19 +96,21 @@ def clean_env(tmp: Path) -> dict[str, str]:
 
 
 def run(trainer: str, scenario: Scenario, out: Path, *, timeout: float = 280,
-        step_time: float = 0.02) -> Run:
+        step_time: float = 0.02, epochs: int = EPOCHS) -> Run:
     """One scenario in a fresh world of ``NPROC`` workers; returns what it left behind."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "plugdist_run", "--nproc-per-node", str(NPROC),
            "--monitor-interval", "0.05"]
     if scenario.replace:
         cmd += ["--replace-failed", "--max-restarts", "2"]
-    cmd += [str(SCRIPTS[trainer]), "--out", str(out), "--epochs", str(EPOCHS),
+    cmd += [str(SCRIPTS[trainer]), "--out", str(out), "--epochs", str(epochs),
             "--samples", str(SAMPLES), "--batch-size", str(BATCH),
             "--accumulate", str(scenario.accumulate), "--step-time", str(step_time),
             "--full-streak", str(FULL_STREAK if scenario.replace else 0)]
     if scenario.victim is not None:
         cmd += ["--kill", f"{scenario.victim}:{scenario.kill_step}:{scenario.where}"]
+    if scenario.plain:
+        cmd += ["--plain"]
     start = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=clean_env(out), cwd=out)
@@ -251,6 +259,40 @@ def _pauses(r: Run, steps: dict[int, list[dict[str, Any]]], death: float) -> dic
     return out
 
 
+def step_times(r: Run) -> list[float]:
+    """The gaps between consecutive committed steps (each step's time: its first record)."""
+    times: dict[int, float] = {}
+    for lines in r.records.values():
+        for x in lines:
+            if "step" in x:
+                times[x["step"]] = min(times.get(x["step"], x["time"]), x["time"])
+    order = sorted(times)
+    return [times[b] - times[a] for a, b in zip(order, order[1:], strict=False)]
+
+
+def overhead(trainers: tuple[str, ...], rounds: int, folder: Path) -> list[dict[str, Any]]:
+    """Fault-free runs with the trainer's own DDP on torch's gloo and with the integration,
+    interleaved, no stand-in compute: the median time of a committed step, each ratio."""
+    out = []
+    for trainer in trainers:
+        for accumulate in (1, 2):
+            medians: dict[bool, list[float]] = {False: [], True: []}
+            for round_ in range(rounds):
+                for plain in (True, False):
+                    r = run(trainer, Scenario(accumulate=accumulate, plain=plain),
+                            folder / trainer / f"overhead-{accumulate}-{plain}-{round_}",
+                            step_time=0.0, epochs=10)
+                    check(r)
+                    medians[plain].append(statistics.median(step_times(r)))
+            plain_s, resilient_s = min(medians[True]), min(medians[False])
+            out.append({"trainer": trainer, "accumulate": accumulate,
+                        "plain_step_ms": round(1000 * plain_s, 2),
+                        "resilient_step_ms": round(1000 * resilient_s, 2),
+                        "ratio": round(resilient_s / plain_s, 3), "rounds": rounds})
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def matrix(victims: tuple[int, ...] = (0, NPROC - 1)) -> list[Scenario]:
     """Every combination: victim, replacement, accumulation; where alternates."""
     out = []
@@ -269,8 +311,16 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="run the matrix this many times")
     ap.add_argument("--dir", default="trainer-faults", help="where the runs leave their records")
     ap.add_argument("--json", default=None, help="write every scenario's figures here")
+    ap.add_argument("--overhead", type=int, default=0, metavar="ROUNDS",
+                    help="instead: the step time against the trainer's own DDP on torch's "
+                         "gloo, best of ROUNDS interleaved fault-free runs each")
     args = ap.parse_args()
     trainers = ("lightning", "huggingface") if args.trainer == "both" else (args.trainer,)
+    if args.overhead:
+        figures = overhead(trainers, args.overhead, Path(args.dir))
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=1))
+        return
     results, failures = [], []
     for trainer in trainers:
         reference = {}   # accumulate -> the fault-free run's final loss

@@ -27,9 +27,10 @@ from typing import Any
 
 import plugdist
 import torch
+import torch.distributed as tdist
 from plugdist_transformers import ResilientTrainer
 from torch import nn
-from transformers import TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 RECORDS = Path(".")  # OUT/records: set in main
 
@@ -83,25 +84,30 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class Trainer(ResilientTrainer):
-    """Notes each micro-batch's samples and the epoch; places the kill in a backward."""
+def recorded(base: type[Trainer]) -> type[Trainer]:
+    """``base`` noting each micro-batch's samples and the epoch, and placing the kill in a
+    backward."""
 
-    kill_at: int | None = None
-    kill_where = ""
-    used: list[int] = []
-    epoch_now = 0
+    class Recorded(base):  # type: ignore[valid-type,misc]
+        kill_at: int | None = None
+        kill_where = ""
+        used: list[int] = []
+        epoch_now = 0
 
-    def training_step(self, model: nn.Module, inputs: dict[str, Any],
-                      num_items_in_batch: Any = None) -> torch.Tensor:
-        self.used = inputs["index"].tolist()
-        if self.kill_at == self.state.global_step and self.kill_where == "backward" \
-                and self.accelerator.gradient_state.sync_gradients:
-            self.accelerator.unwrap_model(model).net[2].weight.register_hook(lambda g: _die())
-        return super().training_step(model, inputs, num_items_in_batch)
+        def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                          num_items_in_batch: Any = None) -> torch.Tensor:
+            self.used = inputs["index"].tolist()
+            if self.kill_at == self.state.global_step and self.kill_where == "backward" \
+                    and self.accelerator.gradient_state.sync_gradients:
+                self.accelerator.unwrap_model(model).net[2].weight.register_hook(
+                    lambda g: _die())
+            return super().training_step(model, inputs, num_items_in_batch)
 
-    def _run_epoch(self, model: Any, epoch: int, **kwargs: Any) -> Any:
-        self.epoch_now = epoch
-        return super()._run_epoch(model=model, epoch=epoch, **kwargs)
+        def _run_epoch(self, model: Any, epoch: int, **kwargs: Any) -> Any:
+            self.epoch_now = epoch
+            return super()._run_epoch(model=model, epoch=epoch, **kwargs)
+
+    return Recorded
 
 
 class Record(TrainerCallback):
@@ -109,7 +115,7 @@ class Record(TrainerCallback):
 
     def __init__(self, args: argparse.Namespace, full_size: int) -> None:
         self.args, self.full_size = args, full_size
-        self.trainer: Trainer | None = None
+        self.trainer: Any = None
         self.streak = 0   # committed steps in a row at full size; the same on every rank
         self.file = (RECORDS / f"{os.getpid()}.jsonl").open("a")
 
@@ -134,11 +140,11 @@ class Record(TrainerCallback):
         trainer = self.trainer
         assert trainer is not None
         self._samples(state.global_step)
-        size = plugdist.get_world_size()
+        size = tdist.get_world_size()
         self.streak = self.streak + 1 if size >= self.full_size else 0
         self.file.write(json.dumps({
             "step": state.global_step, "epoch": trainer.epoch_now, "world_size": size,
-            "rank": plugdist.get_rank(), "pid": os.getpid(), "time": time.time(),
+            "rank": tdist.get_rank(), "pid": os.getpid(), "time": time.time(),
             "params_sha1": params_sha1(trainer.accelerator.unwrap_model(trainer.model))}) + "\n")
         self.file.flush()
 
@@ -163,6 +169,8 @@ def main() -> None:
     ap.add_argument("--kill", default="", help="RANK:STEP:WHERE (WHERE: backward or start)")
     ap.add_argument("--full-streak", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--plain", action="store_true",
+                    help="transformers.Trainer on torch's gloo instead (for comparison)")
     args = ap.parse_args()
     global RECORDS
     RECORDS = Path(args.out) / "records"
@@ -173,8 +181,9 @@ def main() -> None:
     launch_rank = int(os.environ.get("RANK", "-1"))   # a replacement has none
     x, y = make_data(args.samples)
     model = Regression()
-    # a replacement joins the running world here (PLUGDIST_JOIN=1, set by --replace-failed)
-    plugdist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    if not args.plain:
+        # a replacement joins the running world here (PLUGDIST_JOIN=1, set by --replace-failed)
+        plugdist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     training_args = TrainingArguments(
         output_dir=str(Path(args.out) / "checkpoints"), use_cpu=True,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=16,
@@ -184,9 +193,10 @@ def main() -> None:
         save_steps=args.checkpoint_every, report_to="none", disable_tqdm=True, seed=0,
         dataloader_num_workers=0, ddp_find_unused_parameters=False)
     record = Record(args, full_size)
-    trainer = Trainer(model=model, args=training_args, train_dataset=Samples(x, y),
-                      eval_dataset=Samples(x, y), callbacks=[record],
-                      on_world_change=record.world_changed)
+    extra = {} if args.plain else {"on_world_change": record.world_changed}
+    trainer = recorded(Trainer if args.plain else ResilientTrainer)(
+        model=model, args=training_args, train_dataset=Samples(x, y),
+        eval_dataset=Samples(x, y), callbacks=[record], **extra)
     record.trainer = trainer
     if args.kill and first_generation and launch_rank == int(args.kill.split(":")[0]):
         trainer.kill_at = int(args.kill.split(":")[1])
@@ -196,11 +206,14 @@ def main() -> None:
     trainer.train()
     with torch.no_grad():
         eval_loss = float(nn.functional.mse_loss(model.net(x), y))
-    print(json.dumps({"final": True, "rank": plugdist.get_rank(),
-                      "step": trainer.state.global_step, "world_size": plugdist.get_world_size(),
+    print(json.dumps({"final": True, "rank": tdist.get_rank(),
+                      "step": trainer.state.global_step, "world_size": tdist.get_world_size(),
                       "params_sha1": params_sha1(model), "eval_loss": eval_loss,
-                      "skipped": trainer.skipped_samples}), flush=True)
-    plugdist.destroy_process_group()
+                      "skipped": getattr(trainer, "skipped_samples", 0)}), flush=True)
+    if plugdist.is_initialized():
+        plugdist.destroy_process_group()
+    elif tdist.is_initialized():   # torch's gloo left to the interpreter's exit at times aborts
+        tdist.destroy_process_group()
 
 
 class _Sleep(TrainerCallback):

@@ -2,18 +2,21 @@
 benchmark (tests/test_lightning.py, benchmarks/trainer_faults.py).
 
 Trains a small MLP on a fixed synthetic regression set with the real ``lightning.Trainer``: SGD
-with momentum (learning rate times the accumulated micro-batches) and a StepLR schedule, ``self.log(..., sync_dist=True)`` in training and
-validation, validation every epoch, a ModelCheckpoint every ``--checkpoint-every`` steps, a
-CSVLogger. Every rank appends one JSON line per committed step to ``OUT/records/<pid>.jsonl``
-(``step``, ``epoch``, ``world_size``, ``rank``, ``params_sha1``, ``time``); at the end every
-rank prints ``{"final": true, ...}`` with the model's loss on the whole set.
+with momentum (learning rate times the accumulated micro-batches) and a StepLR schedule,
+``self.log(..., sync_dist=True)`` in training and validation, validation every epoch, a
+ModelCheckpoint every ``--checkpoint-every`` steps, a CSVLogger. Every rank appends one JSON line
+per committed step to ``OUT/records/<pid>.jsonl`` (``step``, ``epoch``, ``world_size``,
+``rank``, ``params_sha1``, ``time``) and one per micro-batch (``samples_of``: the step it is part
+of, ``indices``); at the end every rank prints ``{"final": true, ...}`` with the model's loss on
+the whole set.
 
 ``--kill RANK:STEP:WHERE``: the first-generation worker of that rank SIGKILLs itself when the
 committed step count reaches STEP: ``backward`` as the step's last backward starts (the others
 are in DDP's all_reduce), ``start`` as the step's first micro-batch starts. Replacements never
 kill themselves. ``--full-streak N``: train at least ``--epochs`` epochs, then on until the world
 had its launch size for the last N committed steps (joiners are admitted at epoch boundaries;
-every rank decides this from the same committed world sizes).
+every rank decides this from the same committed world sizes). ``--plain``: Lightning's own
+DDPStrategy over torch's gloo (no fault tolerance), for the benchmark's overhead comparison.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
 from plugdist_lightning import ResilientDDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -150,6 +154,8 @@ def main() -> None:
     ap.add_argument("--kill", default="", help="RANK:STEP:WHERE (WHERE: backward or start)")
     ap.add_argument("--full-streak", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--plain", action="store_true",
+                    help="Lightning's own DDPStrategy on torch's gloo instead (for comparison)")
     args = ap.parse_args()
     args.kill_where = args.kill.split(":")[2] if args.kill else ""
     global RECORDS
@@ -163,8 +169,10 @@ def main() -> None:
     if args.kill and first_generation and int(os.environ["RANK"]) == int(args.kill.split(":")[0]):
         model.kill_at = int(args.kill.split(":")[1])
     record = Record(args, full_size)
-    strategy = ResilientDDPStrategy(timeout=timedelta(seconds=args.timeout),
-                                    on_world_change=record.world_changed)
+    strategy = (DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=args.timeout))
+                if args.plain else
+                ResilientDDPStrategy(timeout=timedelta(seconds=args.timeout),
+                                     on_world_change=record.world_changed))
     out = Path(args.out)
     trainer = pl.Trainer(
         accelerator="cpu", devices=full_size, strategy=strategy, max_epochs=args.max_epochs,
@@ -182,9 +190,11 @@ def main() -> None:
     print(json.dumps({"final": True, "rank": trainer.global_rank, "step": trainer.global_step,
                       "epoch": trainer.current_epoch, "world_size": trainer.world_size,
                       "params_sha1": params_sha1(model), "eval_loss": eval_loss,
-                      "skipped": strategy.skipped_samples,
+                      "skipped": getattr(strategy, "skipped_samples", 0),
                       "val_loss": float(trainer.callback_metrics.get("val_loss", -1.0))}),
           flush=True)
+    if args.plain:   # torch's gloo left to the interpreter's exit at times aborts the process
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ boundary after a world change, every rank rebuilds its data loaders over the cur
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import plugdist
@@ -37,12 +38,15 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from plugdist import DistExcludedError
 from plugdist.parallel import ResilientTraining, is_rank_failure, resilient_allreduce_hook
 from torch.optim import Optimizer
 
 from .environment import PlugdistEnvironment, joining
 
 __all__ = ["ResilientDDPStrategy", "WorldChangeHook"]
+
+T = TypeVar("T")
 
 # what a ModelCheckpoint decides its next save from, beside its state_dict
 _CHECKPOINT_MARKS = ("_last_global_step_saved", "_last_checkpoint_saved",
@@ -273,6 +277,7 @@ class ResilientDDPStrategy(DDPStrategy):
         earlier, self._window = self._window, []
         self._open = len(earlier)
 
+        @_leave_if_excluded
         def committed_closure() -> Any:
             redo = False
             while True:
@@ -334,7 +339,7 @@ class ResilientDDPStrategy(DDPStrategy):
                     raise
                 self._failed_in_step = True
                 return alone()
-        return training.agree(run)
+        return _leave_if_excluded(training.agree)(run)
 
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         self._collective(lambda: DDPStrategy.barrier(self, name), lambda: None)
@@ -365,6 +370,23 @@ class ResilientDDPStrategy(DDPStrategy):
         return self._collective(
             lambda: DDPStrategy.all_gather(self, tensor, group, sync_grads),
             lambda: torch.stack([tensor] * max(1, self.world_size)))
+
+
+def _leave_if_excluded(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn``, except that when the others have excluded this process from the world (it was
+    stopped or stalled past the hang timeout, and they went on), the process exits with
+    ``DistExcludedError.exit_code``: plugdist-run takes that for a lost rank and, with
+    ``--replace-failed``, starts a new process in its place."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except DistExcludedError as err:
+            print(f"plugdist: {err}; exiting with {err.exit_code} for plugdist-run to replace "
+                  f"this process", file=sys.stderr, flush=True)
+            raise SystemExit(err.exit_code) from err
+    return run
 
 
 def _not_resuming(loop: _Loop) -> None:

@@ -9,10 +9,11 @@ Trainer's own loop (``_run_epoch``) and takes over four points of it:
   gradients zeroed) and redo the whole update step, its earlier micro-batches included, with
   the loss normalisation (``num_items_in_batch``) counted again over the survivors. Clipping,
   ``optimizer.step()`` and the scheduler run after the commit, as Trainer does them.
-- **collectives outside the step** (the token count's gather, the logged loss's gather, the
-  FLOs' broadcast, evaluation, checkpoint saving): each call of the Trainer method that holds
-  them runs until every member completed it (``ResilientTraining.agree``); before a redo the
-  Trainer's logging counters are put back as they were.
+- **collectives outside the step** (the logged loss's gather, the FLOs' broadcast, evaluation
+  and prediction, checkpoint saving, the input-token count): each call of the Trainer method
+  that holds them runs until every member completed it (``ResilientTraining.agree``); before a
+  redo the Trainer's logging counters are put back as they were. The loss normalisation's count
+  (``num_items_in_batch``) is part of the update step: its failure fails the step's attempt.
 - **the world** after a shrink or grow: Accelerate's ``PartialState``/``AcceleratorState``
   (``num_processes``, ``process_index``), hence ``args.world_size``, ``should_save``,
   ``is_world_process_zero``; at the next epoch boundary the data shards
@@ -28,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +38,7 @@ import plugdist
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from accelerate.state import AcceleratorState, PartialState
+from plugdist import DistExcludedError
 from plugdist.parallel import ResilientTraining, is_rank_failure, resilient_allreduce_hook
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState, TrainerState
@@ -80,8 +83,7 @@ class ResilientTrainer(Trainer):
         self._committed_batches = 0   # of those, in committed steps
         self._update_steps = 0        # update steps per epoch at the world size of the last one
         self._window: list[tuple[dict[str, Any], Any]] = []  # the update step's micro-batches
-        self._in_step = False
-        self._failed_in_step = False
+        self._failed_in_step = False  # a collective of the update step's attempt failed
         self._agreeing = False
 
     # -- the run's shape ---------------------------------------------------------------------
@@ -231,6 +233,13 @@ class ResilientTrainer(Trainer):
     # -- the step ----------------------------------------------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
+        try:
+            return self._training_step(model, inputs, num_items_in_batch)
+        except DistExcludedError as err:
+            raise _leave(err) from err
+
+    def _training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                       num_items_in_batch: Any) -> torch.Tensor:
         training = self._training
         if training is None:
             return super().training_step(model, inputs, num_items_in_batch)
@@ -238,7 +247,6 @@ class ResilientTrainer(Trainer):
             # an earlier micro-batch of the update step: no collective, unless the model's own
             # (its buffers' broadcast); if one fails, the update step's attempt has failed
             self._window.append((inputs, num_items_in_batch))
-            self._in_step = True
             try:
                 return super().training_step(model, inputs, num_items_in_batch)
             except Exception as err:
@@ -246,12 +254,9 @@ class ResilientTrainer(Trainer):
                     raise
                 self._failed_in_step = True
                 return torch.zeros((), device=self.args.device)
-            finally:
-                self._in_step = False
         earlier, self._window = self._window, []
         redo = False
         while True:
-            self._in_step = True
             try:
                 if redo:
                     for micro_inputs, micro_items in earlier:
@@ -264,7 +269,7 @@ class ResilientTrainer(Trainer):
                     raise
                 finished = False
             finally:
-                self._in_step = self._failed_in_step = False
+                self._failed_in_step = False
             if training.vote(finished):
                 self._committed_batches += len(earlier) + 1
                 return loss
@@ -294,12 +299,21 @@ class ResilientTrainer(Trainer):
         self._agreeing = True
         try:
             return training.agree(attempt)
+        except DistExcludedError as err:
+            raise _leave(err) from err
         finally:
             self._agreeing = False
 
     def _get_num_items_in_batch(self, batch_samples: list[Any], device: Any) -> Any:
-        return self._agreed(lambda: super(ResilientTrainer, self)._get_num_items_in_batch(
-            batch_samples, device))
+        """Part of the update step: when its gather fails, the step's attempt has failed (its
+        vote discards it) and the count is taken again over the survivors for the redo."""
+        try:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        except Exception as err:
+            if self._training is None or not is_rank_failure(err):
+                raise
+            self._failed_in_step = True
+            return None
 
     def _track_num_input_tokens(self, inputs: Any) -> Any:
         return self._agreed(lambda: super(ResilientTrainer, self)._track_num_input_tokens(inputs))
@@ -313,15 +327,23 @@ class ResilientTrainer(Trainer):
             self.state.total_flos, self.current_flos = total, current
         return back
 
-    def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         if self._silent:   # a joiner's eval_on_start: the members are training
             return {}
-        return self._agreed(lambda: super(ResilientTrainer, self)._evaluate(*args, **kwargs),
+        return self._agreed(lambda: super(ResilientTrainer, self).evaluate(*args, **kwargs),
+                            self._counters_back())
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._agreed(lambda: super(ResilientTrainer, self).predict(*args, **kwargs),
                             self._counters_back())
 
     def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Logging (the loss's gather, the FLOs' broadcast), evaluation and saving, until every
         member completed them all; a redo starts from the same counters on every member."""
+        control = self.control
+        if not (control.should_log or control.should_evaluate or control.should_save):
+            super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)   # nothing collective
+            return
         loss = tr_loss.detach().clone()
         back = self._counters_back()
 
@@ -346,3 +368,12 @@ class ResilientTrainer(Trainer):
             del self.state.log_history[logged:]
             self.control = dataclasses.replace(control)
         return back
+
+
+def _leave(err: DistExcludedError) -> SystemExit:
+    """The others have excluded this process from the world (it was stopped or stalled past the
+    hang timeout, and they went on): exit with ``DistExcludedError.exit_code``, which
+    plugdist-run takes for a lost rank and, with ``--replace-failed``, replaces."""
+    print(f"plugdist: {err}; exiting with {err.exit_code} for plugdist-run to replace this "
+          f"process", file=sys.stderr, flush=True)
+    return SystemExit(err.exit_code)
