@@ -62,8 +62,9 @@ class World:
 @contextlib.contextmanager
 def busy_loops(count: int) -> Iterator[None]:
     """``count`` processes spinning on a CPU each, for as long as the block runs: the slowed
-    machine (2 cores here)."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    machine (2 cores here). Each also ends when its parent does."""
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    sum(range(10**5))"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
     try:
         yield
     finally:
@@ -225,3 +226,39 @@ def test_a_torch_only_script_gets_an_error_never_a_signal(tmp_path: Path) -> Non
             found = json.loads((results / f"survivor-{r}.json").read_text())
             assert found["error_type"] in ("DistNetworkError", "DistRankFailureError"), \
                 f"rank {r}: {found} {where}"
+
+
+def test_a_failed_ops_future_is_torchs_error_and_backward_raises_plugdists() -> None:
+    """The mechanism, in one process: outside a backward pass, the future of a failed op holds
+    torch's own error (a C++ reader, ``collect_all``, sees an error, not a value), raised as
+    torch's RuntimeError naming plugdist's; inside one, the future completes with the op's
+    tensors and ``backward()`` raises plugdist's error itself, ranks included."""
+    import torch
+    from plugdist.errors import DistRankFailureError
+    from plugdist.torch_bridge import BridgeWork
+    from plugdist.work import Work
+
+    out = torch.ones(2)
+    work = Work(op="all_reduce", rank=0, group="g", backend="test")
+    fut = BridgeWork(work, [out]).get_future()
+    work.set_exception(DistRankFailureError("rank 1 died", (1,)))
+    with pytest.raises(RuntimeError, match="DistRankFailureError.*rank 1 died") as raised:
+        torch.futures.collect_all([fut]).wait()[0].wait()
+    assert not isinstance(raised.value, DistRankFailureError)
+
+    work = Work(op="all_reduce", rank=0, group="g", backend="test")
+    bridge = BridgeWork(work, [out])
+    seen: dict[str, Any] = {}
+
+    def fail_during_backward(grad: torch.Tensor) -> torch.Tensor:
+        future = bridge.get_future()
+        work.set_exception(DistRankFailureError("rank 1 died", (1,)))
+        seen["value"] = future.wait()
+        return grad
+
+    x = torch.ones(2, requires_grad=True)
+    x.register_hook(fail_during_backward)
+    with pytest.raises(DistRankFailureError, match="rank 1 died") as caught:
+        (x * 2).sum().backward()
+    assert caught.value.ranks == (1,)
+    assert seen["value"][0] is out
