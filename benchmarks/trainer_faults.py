@@ -5,10 +5,11 @@ matrix of scenarios, every invariant checked, and the pauses the survivors saw.
     python benchmarks/trainer_faults.py --trainer both --repeat 3 --json report.json
     python benchmarks/trainer_faults.py --overhead 3     # the cost when nothing fails
 
-Each scenario is one run of tests/launcher_scripts/{lightning,hf}_train.py on 3 workers under
+Each scenario is one run of tests/launcher_scripts/lightning_train.py or hf_train_faults.py on 3 workers under
 ``plugdist-run`` (gloo, CPU): the victim (rank 0, or the last rank) SIGKILLs itself at a chosen
-committed step, in its last backward of the step (the others are in DDP's all_reduce) or as the
-step's first micro-batch starts; with and without ``--replace-failed``; with and without gradient
+committed step, in its last backward of the step (the others are in DDP's all_reduce), as the
+step's first micro-batch starts, or (``outside``) right after a step, as the others go into the
+collectives of its checkpoint; with and without ``--replace-failed``; with and without gradient
 accumulation (2 micro-batches a step). A fault-free run of the same configuration is the
 reference. Checked from every worker's records (:func:`check`): launcher exit 0; every committed
 step recorded by every rank of the world that committed it, once and in order, with one parameter
@@ -59,7 +60,7 @@ class Scenario:
     victim: int | None = None     # None: no fault (the reference)
     replace: bool = False
     accumulate: int = 1
-    where: str = "backward"       # or "start"
+    where: str = "backward"       # or "start", or "outside" (after the step, in a checkpoint's)
     kill_step: int = 13           # committed steps when the victim dies (mid-epoch 1 or 3)
     plain: bool = False           # the trainer's own DDP on torch's gloo, for comparison
 
@@ -294,13 +295,16 @@ def overhead(trainers: tuple[str, ...], rounds: int, folder: Path) -> list[dict[
 
 
 def matrix(victims: tuple[int, ...] = (0, NPROC - 1)) -> list[Scenario]:
-    """Every combination: victim, replacement, accumulation; where alternates."""
+    """Every combination of victim, replacement and accumulation, killed inside the step (in
+    backward or as it starts, alternately); and each victim, with and without replacement,
+    killed outside a step, in the collectives of a checkpoint (and the log, for Hugging Face)."""
     out = []
     for victim in victims:
         for replace in (False, True):
             for accumulate in (1, 2):
                 where = "backward" if (victim + accumulate + replace) % 2 else "start"
                 out.append(Scenario(victim, replace, accumulate, where))
+            out.append(Scenario(victim, replace, 2 if replace else 1, "outside", kill_step=14))
     return out
 
 

@@ -2,10 +2,12 @@
 ResilientDDPStrategy under plugdist-run (3 workers, gloo, CPU).
 
 Four worlds, the scenarios where the most can go wrong: rank 0 killed in its last backward of
-an accumulated step and replaced (the joiner gets the Lightning checkpoint over the group and is
-admitted at the next epoch boundary); the last rank killed as a step starts, no replacement (the
-survivors finish the run with its shard of that epoch reported as skipped); and a fault-free run
-of each as the reference for the final loss. Every check is benchmarks/trainer_faults.py's
+an accumulated step and replaced (the survivors redo every micro-batch of the step; the joiner
+gets the Lightning checkpoint over the group and is admitted at the next epoch boundary); the
+last rank killed right after a step, as the others go into that step's checkpoint collectives,
+no replacement (they agree again without it, the new world writes the checkpoint, and they finish
+the run with the dead rank's shard of that epoch reported as skipped); and a fault-free run of
+each as the reference for the final loss. Every check is benchmarks/trainer_faults.py's
 :func:`check`, which runs the whole matrix (both victims, with and without replacement and
 accumulation, for Lightning and Hugging Face) with the figures for docs/lightning.md.
 """
@@ -45,8 +47,8 @@ def reference_loss(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("scenario", [
     tf.Scenario(victim=0, replace=True, accumulate=2, where="backward"),
-    tf.Scenario(victim=2, replace=False, accumulate=1, where="start"),
-], ids=["rank0-backward-replaced-accumulate2", "rank2-start-no-replacement"])
+    tf.Scenario(victim=2, replace=False, accumulate=1, where="outside", kill_step=14),
+], ids=["rank0-backward-replaced-accumulate2", "rank2-checkpoint-no-replacement"])
 def test_a_killed_rank_does_not_end_a_lightning_run(
         tmp_path: Path, reference_loss: Callable[[int], float], scenario: tf.Scenario) -> None:
     run = tf.run("lightning", scenario, tmp_path)

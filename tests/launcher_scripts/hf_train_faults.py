@@ -10,7 +10,9 @@ checkpoint every ``--checkpoint-every`` steps. Every rank appends one JSON line 
 to ``OUT/records/<pid>.jsonl``; at the end every rank prints ``{"final": true, ...}``.
 
 ``--kill RANK:STEP:WHERE`` (``backward``: as the update step's last backward computes its first
-gradient; ``start``: as the update step begins) and ``--full-streak N``: as in lightning_train.py.
+gradient; ``start``: as the update step begins; ``outside``: as step STEP is logged, the others
+going on into the collectives of its logging and saving) and ``--full-streak N``: as in
+lightning_train.py.
 """
 
 from __future__ import annotations
@@ -148,6 +150,12 @@ class Record(TrainerCallback):
             "params_sha1": params_sha1(trainer.accelerator.unwrap_model(trainer.model))}) + "\n")
         self.file.flush()
 
+    def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer
+        assert trainer is not None
+        if trainer.kill_at == state.global_step and trainer.kill_where == "outside":
+            _die()   # the others go on into the log's, evaluation's and save's collectives
+
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         assert self.trainer is not None
         if self.trainer.epoch_now + 1 >= self.args.epochs \
@@ -166,7 +174,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.08)
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--checkpoint-every", type=int, default=2)
-    ap.add_argument("--kill", default="", help="RANK:STEP:WHERE (WHERE: backward or start)")
+    ap.add_argument("--kill", default="",
+                    help="RANK:STEP:WHERE (WHERE: backward, start or outside)")
     ap.add_argument("--full-streak", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--plain", action="store_true",

@@ -12,11 +12,13 @@ the whole set.
 
 ``--kill RANK:STEP:WHERE``: the first-generation worker of that rank SIGKILLs itself when the
 committed step count reaches STEP: ``backward`` as the step's last backward starts (the others
-are in DDP's all_reduce), ``start`` as the step's first micro-batch starts. Replacements never
-kill themselves. ``--full-streak N``: train at least ``--epochs`` epochs, then on until the world
-had its launch size for the last N committed steps (joiners are admitted at epoch boundaries;
-every rank decides this from the same committed world sizes). ``--plain``: Lightning's own
-DDPStrategy over torch's gloo (no fault tolerance), for the benchmark's overhead comparison.
+are in DDP's all_reduce), ``start`` as the step's first micro-batch starts, ``outside`` right
+after the step committed, as the others go into the ModelCheckpoint's collectives of that step
+(with ``--checkpoint-every`` dividing STEP). Replacements never kill themselves.
+``--full-streak N``: train at least ``--epochs`` epochs, then on until the world had its launch
+size for the last N committed steps (joiners are admitted at epoch boundaries; every rank
+decides this from the same committed world sizes). ``--plain``: Lightning's own DDPStrategy over
+torch's gloo (no fault tolerance), for the benchmark's overhead comparison.
 """
 
 from __future__ import annotations
@@ -133,6 +135,8 @@ class Record(Callback):
             "rank": trainer.global_rank, "pid": os.getpid(), "time": time.time(),
             "params_sha1": params_sha1(module)}) + "\n")
         self.file.flush()
+        if module.kill_at == trainer.global_step and self.args.kill_where == "outside":
+            _die()   # the others go on into the checkpoint's collectives (callbacks after this)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, module: Any) -> None:
         epochs = trainer.fit_loop.epoch_progress.current.processed
@@ -151,7 +155,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.08)
     ap.add_argument("--step-time", type=float, default=0.0)
     ap.add_argument("--checkpoint-every", type=int, default=2)
-    ap.add_argument("--kill", default="", help="RANK:STEP:WHERE (WHERE: backward or start)")
+    ap.add_argument("--kill", default="",
+                    help="RANK:STEP:WHERE (WHERE: backward, start or outside)")
     ap.add_argument("--full-streak", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--plain", action="store_true",

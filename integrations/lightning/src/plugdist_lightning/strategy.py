@@ -209,9 +209,10 @@ class ResilientDDPStrategy(DDPStrategy):
         batches = trainer.num_training_batches
         if batches != float("inf"):
             shard = min(shard, int(batches) * batch_size)
-        progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        # completed micro-batches of a step not yet committed: those before its last
-        committed = progress.completed - (len(self._window) if self._open is None else self._open)
+        # processed micro-batches (the one running a step is not yet) less those of a step not
+        # yet committed
+        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        committed = processed - (len(self._window) if self._open is None else self._open)
         return max(0, shard - committed * batch_size)
 
     # -- the state a joiner receives ---------------------------------------------------------
