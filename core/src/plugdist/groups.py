@@ -210,7 +210,6 @@ def init_world(backend: str | None = None, init_method: str | None = None,
             m = _membership.Membership(store, str(rank), [str(r) for r in range(world_size)])
             if m.start(only_with_store_liveness=resilience == "auto"):
                 start_membership(m, started=True)
-                store.compare_set(_membership.CURRENT, b"", b"0")
         pg = _build_group(name, tuple(range(world_size)), group_name or "0", timeout, pg_options)
     except BaseException:
         _stop_membership()
@@ -376,9 +375,10 @@ def _close_store() -> None:
         world.store.close()
 
 
-def _leave() -> None:
+def _leave(closed_by_store: bool = False) -> None:
     """Tell the others this rank is done; the rank that serves the store waits (at most
-    ``_LEAVE_WAIT``) for the rest, so peers still reading their last messages are not cut off."""
+    ``_LEAVE_WAIT``) for the rest, so peers still reading their last messages are not cut off.
+    ``closed_by_store``: the store owns the world's membership and marks it closed itself."""
     store = world.store
     if store is None or not world.owned_store or world.size <= 1:
         return
@@ -386,7 +386,7 @@ def _leave() -> None:
         tag = "" if world.epoch == 0 else f"@{world.epoch}"
         if store.add(f"plugdist/leaving{tag}", 1) == world.size:
             store.set(f"plugdist/left{tag}", b"1")
-            if world.membership is not None or world.epoch:
+            if world.epoch and not closed_by_store:
                 store.set(_membership.CLOSED, str(world.epoch))  # tells waiting joiners
         if getattr(store, "is_master", False):
             store.wait([f"plugdist/left{tag}"], _LEAVE_WAIT)
@@ -402,12 +402,13 @@ def destroy(group: ProcessGroup | None = None) -> None:
         return
     hook = registry.plugins().hook
     if group is None or group is world.default:
+        closed_by_store = world.membership is not None and world.membership.protected
         _stop_membership()
         for pg in reversed(world.members()):
             hook.plugdist_group_destroyed(group=pg)
             pg.shutdown()
             _retire(pg)
-        _leave()
+        _leave(closed_by_store)
         _close_store()
         world.reset()
         return

@@ -7,9 +7,12 @@ WAIT_WORKERS) until a write or their deadline answers them, is the key space's
 
 A client that disconnects, fails authentication, or sends anything that is not a well-formed
 protocol frame is dropped and logged; nothing it does reaches other clients. Bounds
-(:class:`TCPStoreLimits`): frame size, time to finish the handshake, time a half-sent frame may
-sit, number of connections, bytes a client may send while its request is parked, and bytes of
-replies a client may leave unread before the server stops reading its requests.
+(:class:`TCPStoreLimits`): frame size, keys per request, bytes per value, time to prove itself
+(the handshake; without a token, its first request), the pace a frame must arrive at, partly
+received bytes across all connections, number of connections, bytes a client may send while
+its request is parked, bytes of replies a client may leave unread before the server stops
+reading its requests, and requests one connection gets served per turn of the loop. Warnings
+about refused and dropped clients are rate-limited, each line counting those held back.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import hmac
+import ipaddress
 import math
 import resource
 import secrets
@@ -46,9 +50,16 @@ class TCPStoreLimits:
     """Per-server bounds that keep one client from hurting the others.
 
     ``max_frame_bytes``: the largest request body (a larger announced length drops the client).
-    ``handshake_timeout``: a new connection must finish its handshake within this time.
-    ``frame_stall_timeout``: a half-received frame that gets no new byte for this long drops the
-    client. ``max_connections``: connections beyond it are told so (the client retries, then
+    ``max_keys_per_request``: keys of one CHECK, WAIT, MULTI_GET or MULTI_SET (more: refused
+    with an error, the connection kept). ``max_value_bytes``: one value (a SET's, an APPEND's
+    result, ...; more: refused). ``handshake_timeout``: a new connection must prove itself
+    within this time: finish its handshake, and, on a server without a token (where the
+    handshake proves nothing), send its first request. ``frame_timeout`` and
+    ``min_frame_bytes_per_second``: a frame must arrive whole within ``frame_timeout`` plus its
+    size at that pace, counted from its first byte (a trickle cannot keep it alive).
+    ``max_partial_bytes``: bytes of partly received frames held across all connections; the
+    connection whose frame would pass it is dropped. ``max_connections``: connections beyond
+    it are told so (the client retries, then
     raises DistNetworkError saying so) and closed, with one log line per second; the server
     also caps it to the process's open-file limit (less 256), which it raises towards it
     first, and its log line then names that limit (a member of a resilient world holds two
@@ -59,14 +70,49 @@ class TCPStoreLimits:
     """
 
     max_frame_bytes: int = w.MAX_FRAME
+    max_keys_per_request: int = 131072
+    max_value_bytes: int = 32 * 1024 * 1024
     handshake_timeout: timedelta = timedelta(seconds=10)
-    frame_stall_timeout: timedelta = timedelta(seconds=30)
+    frame_timeout: timedelta = timedelta(seconds=10)
+    min_frame_bytes_per_second: int = 1024 * 1024
+    max_partial_bytes: int = 256 * 1024 * 1024
     max_connections: int = 65536
     max_parked_inbound_bytes: int = 64 * 1024
     max_unread_reply_bytes: int = 1024 * 1024
 
 
 _MAX_EVENTS = 1024  # readiness events taken from the kernel per turn of the loop
+# requests of one connection served per turn of the loop: a client that pipelines thousands
+# waits for the others' turns between its batches
+_TURN_REQUESTS = 32
+_LOG_BURST = 10  # lines of one warning logged at once before the rate limit applies
+_LOG_EVERY = 10.0  # seconds between lines of one warning past the burst
+
+
+class _Throttle:
+    """Rate-limited warnings: per event, ``_LOG_BURST`` lines, then one per ``_LOG_EVERY``
+    seconds carrying ``suppressed``, the count of lines held back since the last one."""
+
+    def __init__(self, log: Any) -> None:
+        self._log = log
+        self._tokens: dict[str, float] = {}
+        self._stamp: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def __call__(self, event: str, level: str = "warning", **fields: Any) -> None:
+        now = time.monotonic()
+        tokens = min(float(_LOG_BURST), self._tokens.get(event, float(_LOG_BURST))
+                     + (now - self._stamp.get(event, now)) / _LOG_EVERY)
+        self._stamp[event] = now
+        if tokens < 1.0:
+            self._tokens[event] = tokens
+            self._held[event] = self._held.get(event, 0) + 1
+            return
+        self._tokens[event] = tokens - 1.0
+        held = self._held.pop(event, 0)
+        if held:
+            fields["suppressed"] = held
+        getattr(self._log, level)(event, **fields)
 
 
 if hasattr(selectors, "EpollSelector"):
@@ -106,8 +152,9 @@ class _ProtocolError(Exception):
 
 
 class _Conn:
-    __slots__ = ("sock", "peer", "inbuf", "need", "out", "handshaken", "nonce", "waiter",
-                 "closed", "since", "paused", "will", "will_ttl", "will_deadline")
+    __slots__ = ("sock", "peer", "inbuf", "need", "out", "handshaken", "proven", "nonce",
+                 "waiter", "closed", "since", "started", "held", "paused", "will", "will_ttl",
+                 "will_deadline", "identity")
 
     def __init__(self, sock: socket.socket, peer: str, nonce: bytes) -> None:
         self.sock = sock
@@ -116,14 +163,18 @@ class _Conn:
         self.need = 0             # length inbuf must reach before parsing is worth trying
         self.out = bytearray()    # bytes the kernel has not taken yet
         self.handshaken = False
+        self.proven = False       # proved its token, or (no token) sent a first request
         self.nonce = nonce        # the server nonce sent in this connection's greeting
         self.waiter: Any = None   # the parked request (the key space's), if any
         self.closed = False
-        self.since = 0.0          # when the pending handshake / half-sent frame last progressed
+        self.since = 0.0          # when it connected (its deadline to prove itself runs from it)
+        self.started = 0.0        # when the first byte of its partly received frame came
+        self.held = 0             # bytes of a partly received frame, counted in the total
         self.paused = False       # reading stopped: too many unread replies
         self.will: tuple[bytes, bytes] | None = None  # (log key, value) written on close
         self.will_ttl = 0.0       # > 0: the will also runs when no RENEW came for this long
         self.will_deadline = 0.0  # when it runs unless renewed (monotonic seconds)
+        self.identity: Any = None  # (world, uid) of the member identity it holds, if any
 
 
 # descriptors the process keeps for everything but the server's clients (its own files, the
@@ -164,7 +215,10 @@ class StoreServer:
         self.token = token or None
         self.limits = limits or TCPStoreLimits()
         self.port = 0
-        self._keys = KeySpace(self._answer, self.limits.max_frame_bytes, self._arm_will)
+        self._log = get_logger(component="tcp_store_server")
+        self._warn = _Throttle(self._log)
+        self._keys = KeySpace(self._answer, self.limits.max_value_bytes, self._arm_will,
+                              max_keys=self.limits.max_keys_per_request, notice=self._warn)
         # wills with a ttl, by deadline; a RENEW moves a connection's deadline without touching
         # the heap, and an entry found early is pushed again at the new deadline (lazy), so a
         # renewal costs O(1) and the heap O(log n) per connection per ttl
@@ -175,18 +229,32 @@ class StoreServer:
         self.fd_limit = 0
         self._accept_paused_until = 0.0
         self._conns: dict[int, _Conn] = {}
-        self._pending: set[_Conn] = set()  # mid-handshake or mid-frame: watched for stalls
+        self._pending: set[_Conn] = set()  # unproven or mid-frame: watched for deadlines
         self._resume: list[_Conn] = []
+        self._later: list[_Conn] = []  # served their turn's requests; more wait for the next
+        self._partial_total = 0  # bytes of partly received frames, all connections
         self._refused_busy = 0
         self._busy_logged_at = 0.0
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
-        self._log = get_logger(component="tcp_store_server")
 
     @property
     def alive(self) -> bool:
         """True while the serving thread runs."""
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def listening_on(self) -> str:
+        """The address the server listens on (``0.0.0.0``/``::``: every interface)."""
+        return str(self._lsock.getsockname()[0])
+
+    @property
+    def loopback_only(self) -> bool:
+        """Whether only this host can reach the server (it listens on a loopback address)."""
+        try:
+            return ipaddress.ip_address(self.listening_on.split("%")[0]).is_loopback
+        except ValueError:
+            return False
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -265,6 +333,10 @@ class StoreServer:
                 if self._will_deadlines:
                     due = max(0.0, self._will_deadlines[0][0] - time.monotonic())
                     delay = due if delay is None else min(delay, due)
+                if self._later:  # connections with requests left over from the last turn
+                    delay = 0.0
+                    self._resume.extend(self._later)
+                    self._later = []
                 for key, mask in sel.select(delay):
                     conn = key.data
                     if conn is None:
@@ -349,20 +421,30 @@ class StoreServer:
 
     def _sweep_interval(self) -> float:
         lim = self.limits
-        shortest = min(lim.handshake_timeout, lim.frame_stall_timeout).total_seconds()
+        shortest = min(lim.handshake_timeout, lim.frame_timeout).total_seconds()
         return min(max(shortest / 4, 0.01), 1.0)
 
     def _sweep_stalled(self, now: float) -> None:
-        hs = self.limits.handshake_timeout.total_seconds()
-        fs = self.limits.frame_stall_timeout.total_seconds()
+        lim = self.limits
+        hs = lim.handshake_timeout.total_seconds()
+        grace = lim.frame_timeout.total_seconds()
+        rate = max(1, lim.min_frame_bytes_per_second)
         for conn in list(self._pending):
             if conn.closed or conn.paused or conn.waiter is not None:
                 self._pending.discard(conn)
             elif not conn.handshaken and now - conn.since > hs:
                 self._drop(conn, f"no complete handshake within {hs:.3g}s")
-            elif conn.handshaken and now - conn.since > fs:
-                self._drop(conn, f"half-sent frame stalled for more than {fs:.3g}s "
-                                 f"({len(conn.inbuf)} of {conn.need} bytes)")
+            elif not conn.proven and not conn.inbuf and now - conn.since > hs:
+                # info: a client's pooled connection may simply sit unused (it reconnects)
+                self._drop(conn, f"no request within {hs:.3g}s of connecting (a server "
+                                 f"without a token lets a connection prove itself no other way)",
+                           gone=True)
+            elif conn.inbuf and now - conn.started > grace + conn.need / rate:
+                self._drop(conn, f"frame arriving too slowly: {len(conn.inbuf)} of {conn.need} "
+                                 f"bytes in {now - conn.started:.3g}s (a frame gets "
+                                 f"{grace:.3g}s plus its size at {rate} bytes/s)")
+            elif conn.handshaken and conn.proven and not conn.inbuf:
+                self._pending.discard(conn)
 
     def _accept(self) -> None:
         while True:
@@ -451,8 +533,7 @@ class StoreServer:
             # a large frame arrives in many reads: append (amortised O(1)) until it is whole
             conn.inbuf += data
             if len(conn.inbuf) < conn.need and not force:
-                if conn.handshaken:  # a frame may sit idle; a handshake's clock never resets
-                    conn.since = time.monotonic()
+                self._hold(conn, len(conn.inbuf))
                 return
             buf = bytes(conn.inbuf)
         else:
@@ -470,10 +551,13 @@ class StoreServer:
                 pos = self._handshake(conn, buf)
                 if conn.closed:
                     return
+            served = 0
             while conn.waiter is None and end - pos >= 5:
                 if len(conn.out) > max_unread:
                     self._pause(conn)
                     break
+                if served == _TURN_REQUESTS:
+                    break  # the others' turn; the rest waits in inbuf for the next one
                 length, op = w.HEADER.unpack_from(buf, pos)
                 if length > max_frame:
                     raise _ProtocolError(f"frame of {length} bytes exceeds the limit of "
@@ -483,6 +567,8 @@ class StoreServer:
                     break
                 if not self._keys.knows(op):
                     raise _ProtocolError(f"unknown command {op}")
+                conn.proven = True
+                served += 1
                 try:
                     reply = self._keys.handle(conn, op, buf, pos + 5, stop)
                 except (ValueError, IndexError, struct.error, UnicodeDecodeError,
@@ -507,12 +593,16 @@ class StoreServer:
             if conn.inbuf:
                 conn.inbuf = bytearray()
             conn.need = 0
-            self._pending.discard(conn)
+            self._hold(conn, 0)
+            if conn.proven:
+                self._pending.discard(conn)
             return
         need = 5
         if end - pos >= 5:
             need = 5 + w.HEADER.unpack_from(buf, pos)[0]
         self._keep(conn, buf, pos, need)
+        if end - pos >= need and conn.waiter is None and not conn.paused:
+            self._later.append(conn)  # whole requests left: served at the next turn
 
     def _control_frames(self, conn: _Conn) -> None:
         """Run the RENEW and WILL_DROP frames at the front of a parked connection's input (its
@@ -529,12 +619,24 @@ class StoreServer:
             del buf[:pos]
 
     def _keep(self, conn: _Conn, buf: bytes, pos: int, need: int) -> None:
+        was_partial = bool(conn.inbuf) and pos == 0
         conn.inbuf = bytearray(memoryview(buf)[pos:])
         conn.need = need
         if conn.waiter is None and not conn.paused:
-            if conn.handshaken:
-                conn.since = time.monotonic()
+            if not was_partial:  # a new frame's clock starts with its first byte
+                conn.started = time.monotonic()
             self._pending.add(conn)
+        self._hold(conn, len(conn.inbuf) if len(conn.inbuf) < need else 0)
+
+    def _hold(self, conn: _Conn, held: int) -> None:
+        """``conn`` holds ``held`` bytes of a partly received frame; past the servers's total
+        (``max_partial_bytes``) it is dropped."""
+        self._partial_total += held - conn.held
+        conn.held = held
+        if held and self._partial_total > self.limits.max_partial_bytes:
+            self._drop(conn, f"partly received frames of all clients would hold more than "
+                             f"{self.limits.max_partial_bytes} bytes (this one: {held} of "
+                             f"{conn.need})")
 
     def _handshake(self, conn: _Conn, buf: bytes) -> int:
         magic, version, flags, client_nonce, proof = w.HELLO.unpack_from(buf, 0)
@@ -556,14 +658,16 @@ class StoreServer:
                 return 0
             reply_proof = w.server_proof(self.token, conn.nonce, client_nonce)
         conn.handshaken = True
-        self._pending.discard(conn)
+        conn.proven = self.token is not None
+        if conn.proven:
+            self._pending.discard(conn)
         self._send(conn, w.WELCOME.pack(w.MAGIC, w.VERSION, w.HELLO_OK, reply_proof))
         if flags & w.FLAG_JOIN:
             self._keys.join()
         return w.HELLO.size
 
     def _refuse_auth(self, conn: _Conn, why: str) -> None:
-        self._log.warning("tcp_store_auth_failed", port=self.port, peer=conn.peer, reason=why)
+        self._warn("tcp_store_auth_failed", port=self.port, peer=conn.peer, reason=why)
         self._send(conn, w.WELCOME.pack(w.MAGIC, w.VERSION, w.HELLO_AUTH_FAILED, w.NO_PROOF))
         self._close(conn)
 
@@ -626,8 +730,8 @@ class StoreServer:
         will, through membership, so the store host need not warn too)."""
         if conn.closed:
             return
-        log = self._log.info if gone else self._log.warning
-        log("tcp_store_client_dropped", port=self.port, peer=conn.peer, reason=why)
+        self._warn("tcp_store_client_dropped", "info" if gone else "warning", port=self.port,
+                   peer=conn.peer, reason=why)
         self._close(conn)
 
     def _close(self, conn: _Conn) -> None:
@@ -635,12 +739,15 @@ class StoreServer:
             return
         conn.closed = True
         self._pending.discard(conn)
+        self._hold(conn, 0)
         if conn.waiter is not None:
             self._keys.forget(conn.waiter)
             conn.waiter = None
         if conn.will is not None:
             self._dying.append(conn.will)  # executed together at the end of this loop turn
             conn.will = None
+        if conn.identity is not None:
+            self._keys.worlds.released(conn)
         self._conns.pop(conn.sock.fileno(), None)
         try:
             self._sel.unregister(conn.sock)
