@@ -56,9 +56,12 @@ class TCPStoreLimits:
     within this time: finish its handshake, and, on a server without a token (where the
     handshake proves nothing), send its first request. ``frame_timeout`` and
     ``min_frame_bytes_per_second``: a frame must arrive whole within ``frame_timeout`` plus its
-    size at that pace, counted from its first byte (a trickle cannot keep it alive).
-    ``max_partial_bytes``: bytes of partly received frames held across all connections; the
-    connection whose frame would pass it is dropped. ``max_connections``: connections beyond
+    size at that pace, counted from its first byte, and, once ``frame_timeout`` has passed,
+    must have come at least at that pace on average (a trickle cannot keep it alive, nor a
+    frame sent in part and then left to sit).
+    ``max_partial_bytes``: bytes of partly received frames held across all connections; past
+    it, the connections whose frames came slowest (bytes per second since their first byte)
+    are dropped until the rest fit. ``max_connections``: connections beyond
     it are told so (the client retries, then
     raises DistNetworkError saying so) and closed, with one log line per second; the server
     also caps it to the process's open-file limit (less 256), which it raises towards it
@@ -73,9 +76,9 @@ class TCPStoreLimits:
     max_keys_per_request: int = 131072
     max_value_bytes: int = 32 * 1024 * 1024
     handshake_timeout: timedelta = timedelta(seconds=10)
-    frame_timeout: timedelta = timedelta(seconds=10)
-    min_frame_bytes_per_second: int = 1024 * 1024
-    max_partial_bytes: int = 256 * 1024 * 1024
+    frame_timeout: timedelta = timedelta(seconds=5)
+    min_frame_bytes_per_second: int = 4 * 1024 * 1024
+    max_partial_bytes: int = 128 * 1024 * 1024
     max_connections: int = 65536
     max_parked_inbound_bytes: int = 64 * 1024
     max_unread_reply_bytes: int = 1024 * 1024
@@ -90,29 +93,49 @@ _LOG_EVERY = 10.0  # seconds between lines of one warning past the burst
 
 
 class _Throttle:
-    """Rate-limited warnings: per event, ``_LOG_BURST`` lines, then one per ``_LOG_EVERY``
-    seconds carrying ``suppressed``, the count of lines held back since the last one."""
+    """Rate-limited log lines: per event, ``_LOG_BURST`` lines, then one per ``_LOG_EVERY``
+    seconds; a line held back is counted, and the next line of that event (or, when none comes,
+    the last one held, logged by :meth:`flush` once its turn comes) carries ``suppressed``, how
+    many were held back since the last line."""
 
     def __init__(self, log: Any) -> None:
         self._log = log
         self._tokens: dict[str, float] = {}
         self._stamp: dict[str, float] = {}
-        self._held: dict[str, int] = {}
+        self._held: dict[str, tuple[int, str, dict[str, Any]]] = {}
 
     def __call__(self, event: str, level: str = "warning", **fields: Any) -> None:
         now = time.monotonic()
         tokens = min(float(_LOG_BURST), self._tokens.get(event, float(_LOG_BURST))
                      + (now - self._stamp.get(event, now)) / _LOG_EVERY)
         self._stamp[event] = now
+        self._tokens[event] = tokens
         if tokens < 1.0:
-            self._tokens[event] = tokens
-            self._held[event] = self._held.get(event, 0) + 1
+            count = self._held.get(event, (0, "", {}))[0] + 1
+            self._held[event] = (count, level, fields)
             return
-        self._tokens[event] = tokens - 1.0
-        held = self._held.pop(event, 0)
+        self._emit(event, level, fields)
+
+    def _emit(self, event: str, level: str, fields: dict[str, Any]) -> None:
+        self._tokens[event] -= 1.0
+        held = self._held.pop(event, None)
         if held:
-            fields["suppressed"] = held
+            fields = {**fields, "suppressed": held[0] - (held[2] is fields)}
         getattr(self._log, level)(event, **fields)
+
+    def next_flush(self) -> float | None:
+        """When :meth:`flush` has a held line to log (monotonic seconds), or None."""
+        if not self._held:
+            return None
+        return min(self._stamp[e] + (1.0 - self._tokens[e]) * _LOG_EVERY for e in self._held)
+
+    def flush(self, now: float) -> None:
+        """Log the last line held back of each event whose turn has come."""
+        for event, (_, level, fields) in list(self._held.items()):
+            tokens = self._tokens[event] + (now - self._stamp[event]) / _LOG_EVERY
+            if tokens >= 1.0:
+                self._tokens[event], self._stamp[event] = min(float(_LOG_BURST), tokens), now
+                self._emit(event, level, fields)
 
 
 if hasattr(selectors, "EpollSelector"):
@@ -233,6 +256,7 @@ class StoreServer:
         self._resume: list[_Conn] = []
         self._later: list[_Conn] = []  # served their turn's requests; more wait for the next
         self._partial_total = 0  # bytes of partly received frames, all connections
+        self._holders: set[_Conn] = set()  # the connections holding them
         self._refused_busy = 0
         self._busy_logged_at = 0.0
         self._stop_event = threading.Event()
@@ -333,6 +357,10 @@ class StoreServer:
                 if self._will_deadlines:
                     due = max(0.0, self._will_deadlines[0][0] - time.monotonic())
                     delay = due if delay is None else min(delay, due)
+                flush = self._warn.next_flush()
+                if flush is not None:
+                    wait = max(0.0, flush - time.monotonic())
+                    delay = wait if delay is None else min(delay, wait)
                 if self._later:  # connections with requests left over from the last turn
                     delay = 0.0
                     self._resume.extend(self._later)
@@ -356,6 +384,8 @@ class StoreServer:
                         self._on_readable(conn)
                 now = time.monotonic()
                 self._keys.expire(now)
+                if self._warn.next_flush() is not None:
+                    self._warn.flush(now)
                 if self._will_deadlines and self._will_deadlines[0][0] <= now:
                     self._lapse_wills(now)
                 if self._dying:
@@ -439,10 +469,12 @@ class StoreServer:
                 self._drop(conn, f"no request within {hs:.3g}s of connecting (a server "
                                  f"without a token lets a connection prove itself no other way)",
                            gone=True)
-            elif conn.inbuf and now - conn.started > grace + conn.need / rate:
+            elif conn.inbuf and (now - conn.started > grace + conn.need / rate
+                                 or len(conn.inbuf) < rate * (now - conn.started - grace)):
                 self._drop(conn, f"frame arriving too slowly: {len(conn.inbuf)} of {conn.need} "
                                  f"bytes in {now - conn.started:.3g}s (a frame gets "
-                                 f"{grace:.3g}s plus its size at {rate} bytes/s)")
+                                 f"{grace:.3g}s plus its size at {rate} bytes/s, and must come "
+                                 f"at that pace after {grace:.3g}s)")
             elif conn.handshaken and conn.proven and not conn.inbuf:
                 self._pending.discard(conn)
 
@@ -629,14 +661,25 @@ class StoreServer:
         self._hold(conn, len(conn.inbuf) if len(conn.inbuf) < need else 0)
 
     def _hold(self, conn: _Conn, held: int) -> None:
-        """``conn`` holds ``held`` bytes of a partly received frame; past the servers's total
-        (``max_partial_bytes``) it is dropped."""
+        """``conn`` holds ``held`` bytes of a partly received frame; past the server's total
+        (``max_partial_bytes``) the slowest frames' connections are dropped (see
+        :class:`TCPStoreLimits`)."""
         self._partial_total += held - conn.held
         conn.held = held
-        if held and self._partial_total > self.limits.max_partial_bytes:
-            self._drop(conn, f"partly received frames of all clients would hold more than "
-                             f"{self.limits.max_partial_bytes} bytes (this one: {held} of "
-                             f"{conn.need})")
+        if held:
+            self._holders.add(conn)
+        else:
+            self._holders.discard(conn)
+        cap = self.limits.max_partial_bytes
+        if held and self._partial_total > cap:
+            now = time.monotonic()
+            by_pace = sorted(self._holders, key=lambda c: c.held / max(now - c.started, 1e-3))
+            for slowest in by_pace:
+                if self._partial_total <= cap:
+                    break
+                self._drop(slowest, f"partly received frames of all clients held more than "
+                                    f"{cap} bytes; this one came slowest ({slowest.held} of "
+                                    f"{slowest.need} bytes in {now - slowest.started:.3g}s)")
 
     def _handshake(self, conn: _Conn, buf: bytes) -> int:
         magic, version, flags, client_nonce, proof = w.HELLO.unpack_from(buf, 0)

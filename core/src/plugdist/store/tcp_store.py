@@ -31,7 +31,7 @@ from ._tcp_client import clamp_seconds as to_seconds
 from ._tcp_server import StoreServer, TCPStoreLimits
 from ._util import check_amount, check_key, check_keys
 from .api import DEFAULT_STORE_TIMEOUT, Store, to_bytes
-from .tokens import TOKEN_ENV, is_loopback, resolve_token, tokenless_exposure
+from .tokens import TOKEN_ENV, TOKEN_FILE_ENV, is_loopback, resolve_token, tokenless_exposure
 from .worldkeys import DEATHS
 
 __all__ = ["TCPStore", "TCPStoreLimits", "TOKEN_ENV"]
@@ -389,16 +389,19 @@ class TCPStore(Store):
             if greet & w.GREET_TOKEN and token is None:
                 raise self._auth_error(
                     f"the server requires a token and this client has none; set {TOKEN_ENV} "
-                    f"(or pass token=) to the master's token") from None
+                    f"or {TOKEN_FILE_ENV} (or pass token=) to the master's token, or this is "
+                    f"another job's store: check MASTER_PORT") from None
             raise
         if status == w.HELLO_AUTH_FAILED:
             if token is None:
                 raise self._auth_error(
                     f"the server requires a token and this client has none; set {TOKEN_ENV} "
-                    f"(or pass token=) to the master's token")
+                    f"or {TOKEN_FILE_ENV} (or pass token=) to the master's token, or this is "
+                    f"another job's store: check MASTER_PORT")
             raise self._auth_error(
                 f"the server refused this client's token; every store of the job needs the "
-                f"same token ({TOKEN_ENV} or token=)")
+                f"same token ({TOKEN_ENV}, {TOKEN_FILE_ENV} or token=), or this is another "
+                f"job's store: check MASTER_PORT")
         if status != w.HELLO_OK:
             raise DistStoreError(f"TCPStore: server at {self.host}:{self.port} speaks protocol "
                                  f"version {version}, this client {w.VERSION}; install the same "
