@@ -251,7 +251,8 @@ def test_replace_failed_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
             "--hidden", "32", "--step-time", "0.05", "--kill-rank", "2", "--kill-at-step", "5",
             "--steps-after-full", "10", "--max-steps", "100000"]   # ends once the
     # replacement joined, however slow it is to start
-    procs = [hosts.popen(h, argv) for h in (0, 1)]
+    token = {"PLUGDIST_STORE_TOKEN": os.urandom(24).hex()}  # every node's, by environment
+    procs = [hosts.popen(h, argv, token) for h in (0, 1)]
     results = _finish(procs, 180)
     for p, (_out, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-4000:]
@@ -317,7 +318,7 @@ def test_a_host_cut_off_by_a_partition_is_excluded_then_replaced(hosts: Hosts,
             "--replace-failed", "--max-restarts", "2", "--monitor-interval", "0.05", example,
             "--steps", "100000", "--max-steps", "100000", "--stop-file", str(stop),
             "--hidden", "32", "--step-time", "0.05"]
-    env = {"PLUGDIST_HEARTBEAT_TIMEOUT": "3"}
+    env = {"PLUGDIST_HEARTBEAT_TIMEOUT": "3", "PLUGDIST_STORE_TOKEN": os.urandom(24).hex()}
     procs = [hosts.popen(h, argv, env) for h in (0, 1)]
     out = [_Lines(p.stdout) for p in procs]
     err = [_Lines(p.stderr) for p in procs]

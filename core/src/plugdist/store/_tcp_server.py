@@ -85,9 +85,16 @@ class TCPStoreLimits:
 
 
 _MAX_EVENTS = 1024  # readiness events taken from the kernel per turn of the loop
-# requests of one connection served per turn of the loop: a client that pipelines thousands
-# waits for the others' turns between its batches
+# what one connection is served per turn of the loop (at least one request): a client that
+# pipelines thousands of requests waits for the others' turns between its batches
 _TURN_REQUESTS = 32
+_TURN_SECONDS = 50e-6
+_TURN_ACCEPTS = 64  # connections accepted per turn
+# a request that took the server longer than this is heavy (thousands of keys): its connection
+# is not read again for _HEAVY_REST times as long, counted on one timeline for every heavy
+# connection, so heavy requests get at most about 1 / (1 + _HEAVY_REST) of the server
+_HEAVY = 1e-3
+_HEAVY_REST = 3.0
 _LOG_BURST = 10  # lines of one warning logged at once before the rate limit applies
 _LOG_EVERY = 10.0  # seconds between lines of one warning past the burst
 
@@ -176,8 +183,8 @@ class _ProtocolError(Exception):
 
 class _Conn:
     __slots__ = ("sock", "peer", "inbuf", "need", "out", "handshaken", "proven", "nonce",
-                 "waiter", "closed", "since", "started", "held", "paused", "will", "will_ttl",
-                 "will_deadline", "identity")
+                 "waiter", "closed", "since", "started", "held", "paused", "resting",
+                 "unwatched", "will", "will_ttl", "will_deadline", "identity")
 
     def __init__(self, sock: socket.socket, peer: str, nonce: bytes) -> None:
         self.sock = sock
@@ -194,6 +201,8 @@ class _Conn:
         self.started = 0.0        # when the first byte of its partly received frame came
         self.held = 0             # bytes of a partly received frame, counted in the total
         self.paused = False       # reading stopped: too many unread replies
+        self.resting = False      # reading stopped: its heavy requests had their share
+        self.unwatched = False    # out of the selector (neither read nor written for now)
         self.will: tuple[bytes, bytes] | None = None  # (log key, value) written on close
         self.will_ttl = 0.0       # > 0: the will also runs when no RENEW came for this long
         self.will_deadline = 0.0  # when it runs unless renewed (monotonic seconds)
@@ -256,6 +265,9 @@ class StoreServer:
         self._resume: list[_Conn] = []
         self._later: list[_Conn] = []  # served their turn's requests; more wait for the next
         self._partial_total = 0  # bytes of partly received frames, all connections
+        self._resting: list[tuple[float, int, _Conn]] = []  # (until, seq, conn)
+        self._rest_seq = 0
+        self._heavy_next = 0.0  # when heavy requests have had their share (monotonic)
         self._holders: set[_Conn] = set()  # the connections holding them
         self._refused_busy = 0
         self._busy_logged_at = 0.0
@@ -361,6 +373,9 @@ class StoreServer:
                 if flush is not None:
                     wait = max(0.0, flush - time.monotonic())
                     delay = wait if delay is None else min(delay, wait)
+                if self._resting:
+                    wait = max(0.0, self._resting[0][0] - time.monotonic())
+                    delay = wait if delay is None else min(delay, wait)
                 if self._later:  # connections with requests left over from the last turn
                     delay = 0.0
                     self._resume.extend(self._later)
@@ -380,9 +395,12 @@ class StoreServer:
                         continue
                     if mask & _WRITE:
                         self._flush(conn)
-                    if mask & _READ and not conn.closed and not conn.paused:
+                    if mask & _READ and not conn.closed and not conn.paused \
+                            and not conn.resting:
                         self._on_readable(conn)
                 now = time.monotonic()
+                while self._resting and self._resting[0][0] <= now:
+                    self._wake(heapq.heappop(self._resting)[2])
                 self._keys.expire(now)
                 if self._warn.next_flush() is not None:
                     self._warn.flush(now)
@@ -400,6 +418,7 @@ class StoreServer:
                 while self._resume:
                     conn = self._resume.pop()
                     if (not conn.closed and conn.waiter is None and not conn.paused
+                            and not conn.resting
                             and conn.inbuf):
                         self._process(conn, b"", force=True)
         except Exception as e:  # a bug here must not leave clients hanging silently
@@ -460,7 +479,7 @@ class StoreServer:
         grace = lim.frame_timeout.total_seconds()
         rate = max(1, lim.min_frame_bytes_per_second)
         for conn in list(self._pending):
-            if conn.closed or conn.paused or conn.waiter is not None:
+            if conn.closed or conn.paused or conn.resting or conn.waiter is not None:
                 self._pending.discard(conn)
             elif not conn.handshaken and now - conn.since > hs:
                 self._drop(conn, f"no complete handshake within {hs:.3g}s")
@@ -479,7 +498,7 @@ class StoreServer:
                 self._pending.discard(conn)
 
     def _accept(self) -> None:
-        while True:
+        for _ in range(_TURN_ACCEPTS):  # the others' turn comes between bursts of connects
             try:
                 sock, addr = self._lsock.accept()
             except (BlockingIOError, InterruptedError):
@@ -553,7 +572,7 @@ class StoreServer:
         self._process(conn, data)
 
     def _process(self, conn: _Conn, data: bytes, force: bool = False) -> None:
-        if conn.waiter is not None or conn.paused:
+        if conn.waiter is not None or conn.paused or conn.resting:
             conn.inbuf += data
             if conn.waiter is not None:
                 self._control_frames(conn)
@@ -583,12 +602,14 @@ class StoreServer:
                 pos = self._handshake(conn, buf)
                 if conn.closed:
                     return
-            served = 0
+            served, heavy = 0, 0.0
+            turn = time.perf_counter()
             while conn.waiter is None and end - pos >= 5:
                 if len(conn.out) > max_unread:
                     self._pause(conn)
                     break
-                if served == _TURN_REQUESTS:
+                if served == _TURN_REQUESTS or (served and time.perf_counter() - turn
+                                                > _TURN_SECONDS):
                     break  # the others' turn; the rest waits in inbuf for the next one
                 length, op = w.HEADER.unpack_from(buf, pos)
                 if length > max_frame:
@@ -601,12 +622,16 @@ class StoreServer:
                     raise _ProtocolError(f"unknown command {op}")
                 conn.proven = True
                 served += 1
+                began = time.perf_counter()
                 try:
                     reply = self._keys.handle(conn, op, buf, pos + 5, stop)
                 except (ValueError, IndexError, struct.error, UnicodeDecodeError,
                         OverflowError) as e:
                     raise _ProtocolError(f"malformed {w.Op(op).name} request: {e}") from None
                 pos = stop
+                took = time.perf_counter() - began
+                if took > _HEAVY:
+                    heavy += took
                 if reply is None:  # parked: its clock is the request's timeout now
                     self._pending.discard(conn)
                 elif reply:  # RENEW and WILL_DROP have no reply
@@ -621,6 +646,8 @@ class StoreServer:
                             error=repr(e))
             self._close(conn)
             return
+        if heavy:
+            self._rest(conn, heavy)
         if pos >= end:
             if conn.inbuf:
                 conn.inbuf = bytearray()
@@ -633,8 +660,27 @@ class StoreServer:
         if end - pos >= 5:
             need = 5 + w.HEADER.unpack_from(buf, pos)[0]
         self._keep(conn, buf, pos, need)
-        if end - pos >= need and conn.waiter is None and not conn.paused:
+        if end - pos >= need and conn.waiter is None and not conn.paused and not conn.resting:
             self._later.append(conn)  # whole requests left: served at the next turn
+
+    def _rest(self, conn: _Conn, spent: float) -> None:
+        """``conn`` had ``spent`` seconds of heavy requests: read it again only once every
+        heavy connection's work has been followed by ``_HEAVY_REST`` times as long."""
+        now = time.monotonic()
+        self._heavy_next = max(now, self._heavy_next) + spent * _HEAVY_REST
+        conn.resting = True
+        self._pending.discard(conn)
+        self._rest_seq += 1
+        heapq.heappush(self._resting, (self._heavy_next, self._rest_seq, conn))
+        self._watch(conn)
+
+    def _wake(self, conn: _Conn) -> None:
+        if conn.closed or not conn.resting:
+            return
+        conn.resting = False
+        self._watch(conn)
+        if conn.inbuf:
+            self._resume.append(conn)
 
     def _control_frames(self, conn: _Conn) -> None:
         """Run the RENEW and WILL_DROP frames at the front of a parked connection's input (its
@@ -654,7 +700,7 @@ class StoreServer:
         was_partial = bool(conn.inbuf) and pos == 0
         conn.inbuf = bytearray(memoryview(buf)[pos:])
         conn.need = need
-        if conn.waiter is None and not conn.paused:
+        if conn.waiter is None and not conn.paused and not conn.resting:
             if not was_partial:  # a new frame's clock starts with its first byte
                 conn.started = time.monotonic()
             self._pending.add(conn)
@@ -739,11 +785,18 @@ class StoreServer:
             self._watch(conn)
 
     def _watch(self, conn: _Conn) -> None:
-        events = (0 if conn.paused else _READ) | (_WRITE if conn.out else 0)
-        if events:
+        if conn.closed:
+            return
+        events = (0 if conn.paused or conn.resting else _READ) | (_WRITE if conn.out else 0)
+        if not events:  # resting with nothing to send
+            if not conn.unwatched:
+                self._sel.unregister(conn.sock)
+                conn.unwatched = True
+        elif conn.unwatched:
+            self._sel.register(conn.sock, events, conn)
+            conn.unwatched = False
+        else:
             self._sel.modify(conn.sock, events, conn)
-        else:  # never happens: a paused connection has unread replies
-            self._sel.modify(conn.sock, _READ, conn)
 
     def _pause(self, conn: _Conn) -> None:
         conn.paused = True

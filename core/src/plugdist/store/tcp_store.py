@@ -13,7 +13,6 @@ import hmac
 import ipaddress
 import os
 import secrets
-import select
 import socket
 import struct
 import threading
@@ -36,9 +35,6 @@ from .worldkeys import DEATHS
 
 __all__ = ["TCPStore", "TCPStoreLimits", "TOKEN_ENV"]
 
-# a connection that never carried a request and sat idle this long is looked at before use: a
-# server without a token drops one that sends nothing (TCPStoreLimits.handshake_timeout)
-_FRESH_IDLE = 1.0
 _JOIN_REPLY = struct.Struct("!qq")
 _OP_SET, _OP_GET, _OP_ADD = int(w.Op.SET), int(w.Op.GET), int(w.Op.ADD)
 
@@ -70,7 +66,7 @@ class _Connection:
     """One client socket. Not thread-safe for requests: the store hands it to one request at a
     time; :meth:`send_control` (a will's renewal) may come from another thread meanwhile."""
 
-    __slots__ = ("sock", "buf", "view", "sock_timeout", "send_lock", "fresh_since")
+    __slots__ = ("sock", "buf", "view", "sock_timeout", "send_lock", "fresh")
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
         self.sock = sock
@@ -78,19 +74,7 @@ class _Connection:
         self.view = memoryview(self.buf)
         self.sock_timeout = timeout
         self.send_lock = threading.Lock()  # a request's bytes never interleave a renewal's
-        self.fresh_since = time.monotonic()  # 0 once it carried a request
-
-    def dropped_while_fresh(self) -> bool:
-        """Whether the server closed this connection before it carried any request (a server
-        without a token drops an idle new connection): then it is safe to open another."""
-        if not self.fresh_since or time.monotonic() - self.fresh_since < _FRESH_IDLE:
-            return False
-        try:
-            if not select.select([self.sock], [], [], 0)[0]:
-                return False  # nothing to read: the server has not closed it
-            return self.sock.recv(1, socket.MSG_PEEK) == b""
-        except OSError:
-            return True
+        self.fresh = True  # it has not carried a request yet
 
     def send_control(self, frame: bytes) -> None:
         """Send a frame that has no reply (RENEW, WILL_DROP). Raises OSError."""
@@ -98,15 +82,25 @@ class _Connection:
             self.sock.sendall(frame)
 
     def roundtrip(self, frame: bytes, timeout: float) -> tuple[int, bytes]:
-        """Send one request frame, read one response frame. Raises OSError/ConnectionError."""
+        """Send one request frame, read one response frame. Raises OSError/ConnectionError;
+        _DroppedUnused when the server had closed this connection before its first request (a
+        server without a token drops a new connection that sends nothing for a while), so the
+        request never ran and may go on another connection."""
         sock = self.sock
-        self.fresh_since = 0.0
+        fresh, self.fresh = self.fresh, False
         if timeout != self.sock_timeout:
             sock.settimeout(timeout)
             self.sock_timeout = timeout
-        with self.send_lock:
-            sock.sendall(frame)
-        n = sock.recv_into(self.buf)
+        try:
+            with self.send_lock:
+                sock.sendall(frame)
+            n = sock.recv_into(self.buf)
+        except (ConnectionResetError, BrokenPipeError) as e:
+            if fresh:
+                raise _DroppedUnused(str(e)) from e
+            raise
+        if n == 0 and fresh:
+            raise _DroppedUnused("the server closed it before its first request")
         while n < 5:
             if n == 0 or (got := sock.recv_into(self.view[n:])) == 0:
                 raise ConnectionError("server closed the connection")
@@ -132,6 +126,10 @@ class _Connection:
             self.sock.close()
         except OSError:
             pass
+
+
+class _DroppedUnused(ConnectionError):
+    """A connection the server closed before it carried any request."""
 
 
 class _Tenancy:
@@ -430,9 +428,6 @@ class TCPStore(Store):
             if self._closed:
                 raise DistStoreError(f"{self!r} is closed; {op} needs an open store")
             conn = self._idle.pop() if self._idle else None
-        if conn is not None and conn.dropped_while_fresh():
-            conn.close()
-            conn = None
         io_timeout = (max(to_seconds(self._timeout), _MIN_IO_TIMEOUT) if wait is None
                       else max(wait, 0.0) + _REPLY_GRACE)
         try:
@@ -445,7 +440,13 @@ class TCPStore(Store):
                 # dump after a mismatch report.)
                 conn = self._connect(join=False, timeout=max(to_seconds(self._timeout), 1.0),
                                      refused_is_final=True)
-            status, body = conn.roundtrip(frame, io_timeout)
+            try:
+                status, body = conn.roundtrip(frame, io_timeout)
+            except _DroppedUnused:
+                conn.close()
+                conn = self._connect(join=False, timeout=max(to_seconds(self._timeout), 1.0),
+                                     refused_is_final=True)
+                status, body = conn.roundtrip(frame, io_timeout)
         except DistStoreError:
             raise
         except (OSError, ConnectionError) as e:
