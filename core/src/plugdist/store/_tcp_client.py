@@ -6,6 +6,7 @@ world's members (see :mod:`plugdist.store._tcp_worlds`). Also the client's timin
 
 from __future__ import annotations
 
+import copy
 import heapq
 import os
 import socket
@@ -226,6 +227,14 @@ class MemberSession:
 
     def __repr__(self) -> str:
         return f"MemberSession({self.uid!r}, {self.will!r})"
+
+    def using(self, store: Any) -> MemberSession:
+        """This identity's writes through the connections of ``store``, another TCPStore client
+        of the same server (a process whose members share a few connections); the identity
+        itself stays on its own connection."""
+        twin = copy.copy(self)
+        twin._request = store._request
+        return twin
 
     def _member(self, what: str, op: w.Op, body: bytes) -> bytes:
         return self._request(what, w.request(w.Op.MEMBER, self._head + w.U8.pack(op) + body))
