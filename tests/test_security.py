@@ -207,8 +207,9 @@ def test_env_world_without_token(tmp: Path) -> None:
         slow = [subprocess.Popen([sys.executable, WORKERS, "stranger", addr, root, attack],
                                  stdout=subprocess.PIPE, text=True)
                 for attack in ("trickle", "partial_frames")]
-        got = stranger(addr, root, MEMBERSHIP_ATTACKS + WIPE)
+        got = stranger(addr, root, MEMBERSHIP_ATTACKS + WIPE + ["check_flood", "garbage"])
         assert_membership_attacks_refused(got)
+        assert "at most 131072 keys per request" in got["check_flood"], got
         world.trains_on()
 
         # a stray second job: same MASTER_PORT, RANK=1 of 3, and one of another size
@@ -227,9 +228,6 @@ def test_env_world_without_token(tmp: Path) -> None:
                    for e in refusals), refusals
         world.trains_on()
 
-        got = stranger(addr, root, ["check_flood", "garbage"])
-        assert "at most 131072 keys per request" in got["check_flood"], got
-        world.trains_on()
         trickle = json.loads(slow[0].communicate(timeout=90)[0])["trickle"]
         partial = json.loads(slow[1].communicate(timeout=90)[0])["partial_frames"]
         # 1 MiB announced, a byte every 0.5 s: dropped once the 5 s grace is over (or before,

@@ -282,8 +282,10 @@ class Worlds:
 
     def _check_value(self, world: _World, rel: str, kind: str, value: bytes) -> None:
         try:
-            if kind in ("int",):
-                int(value)
+            if kind == "int":
+                number = int(value)
+                if rel == CURRENT and number and number not in world.members:
+                    raise _Refused(f"epoch {number} has no members record; it cannot be current")
                 return
             if kind == "uid":
                 self._check_uids(world, [value.decode()])
