@@ -137,6 +137,11 @@ def test_members_writes_are_checked(master: TCPStore) -> None:
     while not c.check(["plugdist/closed"]) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert c.get("plugdist/closed") == b"1"  # every member of epoch 1 left
+    # a world built again on the same store (init_process_group after destroy) starts afresh
+    again = c.claim_member("", "0", 2, 10.0)
+    assert not c.check(["plugdist/closed", f"{DEATHS}/1", "plugdist/epoch/1/members"])
+    assert c.get("plugdist/epoch/current") == b"0"
+    again.will.cancel()
     c.close()
 
 

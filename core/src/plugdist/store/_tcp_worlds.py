@@ -98,8 +98,16 @@ class Worlds:
 
     # ---- identities --------------------------------------------------------------------------
 
-    def _world(self, root: bytes) -> _World:
+    def _world(self, root: bytes, afresh_if_closed: bool = False) -> _World:
+        """The world under ``root``, made (with its control keys) when there is none, or, with
+        ``afresh_if_closed``, when every member of the last one left (a process that builds a
+        world again on the same store: nobody needs the old one's membership any more)."""
         world = self._worlds.get(root)
+        if world is not None and afresh_if_closed \
+                and self._keys.value(root + CLOSED.encode()) is not None:
+            for name in (b"plugdist/live/", b"plugdist/epoch/", b"plugdist/join/", CLOSED.encode()):
+                self._keys.delete_prefix(root + name, reserved_too=True)
+            world = None
         if world is None:
             world = self._worlds[root] = _World(root)
             keys = self._keys
@@ -123,7 +131,6 @@ class Worlds:
         conn.identity = (world, uid)
         conn.will = (world.root + DEATHS.encode(),
                      json.dumps({"uid": uid, "cause": "died"}).encode())
-        conn.will_ttl = ttl
         self._keys.arm(conn, ttl)
         return secret
 
@@ -137,7 +144,7 @@ class Worlds:
             if size < 1 or not uid.isdigit() or int(uid) >= size:
                 raise _Refused(f"claim of member {uid!r} in a world of {size} ranks: the rank is "
                                f"out of range")
-            world = self._world(root)
+            world = self._world(root, afresh_if_closed=True)
             self._check_claim(conn, world, uid, size)
         except _Refused as e:
             return self._refuse(conn, "claim", str(e))
