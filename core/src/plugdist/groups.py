@@ -206,6 +206,8 @@ def init_world(backend: str | None = None, init_method: str | None = None,
     world.group_options = pg_options
     try:
         resilience = _membership.resilience_mode()
+        if world_size > 1 and resilience != "off" and _store_exposed(store, resilience):
+            resilience = "off"
         if world_size > 1 and resilience != "off":
             m = _membership.Membership(store, str(rank), [str(r) for r in range(world_size)])
             if m.start(only_with_store_liveness=resilience == "auto"):
@@ -218,6 +220,25 @@ def init_world(backend: str | None = None, init_method: str | None = None,
         raise
     world.default = pg
     return pg
+
+
+_exposure_warned: set[str] = set()
+
+
+def _store_exposed(store: Store, resilience: str) -> bool:
+    """Whether resilient groups stay off on ``store`` because any process that reaches it could
+    forge the world's membership (``Store.membership_exposure``): off in ``auto`` mode, on when
+    asked for explicitly; one warning either way, naming why and the fix."""
+    why = store.membership_exposure()
+    if why is None:
+        return False
+    off = resilience == "auto"
+    if why not in _exposure_warned:
+        _exposure_warned.add(why)
+        then = ("off (PLUGDIST_RESILIENCE=1 turns them on regardless)" if off else
+                "on, as PLUGDIST_RESILIENCE=1 asks, though such a process could exclude ranks")
+        warnings.warn(f"resilient groups are {then}: {why}", UserWarning, stacklevel=3)
+    return off
 
 
 def start_membership(m: _membership.Membership, started: bool = False) -> None:

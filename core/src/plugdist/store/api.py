@@ -199,6 +199,14 @@ class Store:
         length before the announcement) besides what :meth:`claim_member`'s has."""
         raise self._not_implemented("join_member")
 
+    def membership_exposure(self) -> str | None:
+        """Optional: why any process that reaches this store could forge a world's membership
+        in it (it does not own those keys, as :meth:`claim_member` does, and it is reachable
+        beyond loopback without authentication), or None (it owns them, it is not exposed, or
+        it cannot tell). Where it says so, resilient groups stay off unless turned on
+        explicitly (``PLUGDIST_RESILIENCE=1``), with one warning naming why and the fix."""
+        return None
+
     def keep_node_wills(self, directory: str) -> Any:
         """Optional (liveness at scale): renew, from this process, the wills (:meth:`hold_will`)
         of the processes it starts on its host, so the store serves one renewal per host

@@ -76,6 +76,9 @@ class PrefixStore(Store):
     def join_member(self, root: str, ttl: float) -> Any:
         return self.underlying_store.join_member(self._k(root), ttl)
 
+    def membership_exposure(self) -> str | None:
+        return self.underlying_store.membership_exposure()
+
     def keep_node_wills(self, directory: str) -> Any:
         return self.underlying_store.keep_node_wills(directory)
 
