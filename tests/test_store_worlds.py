@@ -158,3 +158,27 @@ def test_request_limits_answer_with_an_error_and_keep_the_connection(master: TCP
     assert c.multi_get(["fits"] * 100) == [b"x" * 1000] * 100
     assert len(master._server._conns) == 2  # type: ignore[union-attr]  # nobody was dropped
     c.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_large_value_from_another_process_arrives_at_full_pace() -> None:
+    """A 30 MiB value sent by another process: the server charges heavy work to the connection
+    (it rests between), yet the frame arrives well within the pace rule, whole, more than once."""
+    import subprocess
+    import sys
+
+    m = TCPStore(HOST, 0, is_master=True, timeout=T, token="")
+    code = ("import sys, time; from datetime import timedelta; "
+            "from plugdist.store import TCPStore; "
+            f"c = TCPStore('{HOST}', {m.port}, timeout=timedelta(seconds=20), token=''); "
+            "t = time.monotonic(); "
+            "[c.set(f'big{i}', bytes([i]) * (30 << 20)) for i in range(3)]; "
+            "print(time.monotonic() - t)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=50)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout) < 15, done.stdout  # three frames at 4 MiB/s would take 22 s
+    for i in range(3):
+        value = m.get(f"big{i}")
+        assert len(value) == 30 << 20 and value[:1] == value[-1:] == bytes([i])
+    m.close()

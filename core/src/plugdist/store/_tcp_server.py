@@ -89,10 +89,11 @@ _MAX_EVENTS = 1024  # readiness events taken from the kernel per turn of the loo
 # pipelines thousands of requests waits for the others' turns between its batches
 _TURN_REQUESTS = 32
 _TURN_SECONDS = 50e-6
-_TURN_ACCEPTS = 64  # connections accepted per turn
-# a request that took the server longer than this is heavy (thousands of keys): its connection
-# is not read again for _HEAVY_REST times as long, counted on one timeline for every heavy
-# connection, so heavy requests get at most about 1 / (1 + _HEAVY_REST) of the server
+_TURN_ACCEPTS = 8  # connections accepted per turn: a flood of connects waits in the backlog
+# a connection whose bytes took the server longer than this in one go (a request of thousands
+# of keys, a frame of megabytes) is heavy: it is not read again for _HEAVY_REST times as long,
+# counted on one timeline for every heavy connection, so heavy work gets at most about
+# 1 / (1 + _HEAVY_REST) of the server
 _HEAVY = 1e-3
 _HEAVY_REST = 3.0
 _LOG_BURST = 10  # lines of one warning logged at once before the rate limit applies
@@ -397,7 +398,7 @@ class StoreServer:
                         self._flush(conn)
                     if mask & _READ and not conn.closed and not conn.paused \
                             and not conn.resting:
-                        self._on_readable(conn)
+                        self._serve_conn(conn)
                 now = time.monotonic()
                 while self._resting and self._resting[0][0] <= now:
                     self._wake(heapq.heappop(self._resting)[2])
@@ -417,10 +418,12 @@ class StoreServer:
                     sel.register(lsock, _READ, None)
                 while self._resume:
                     conn = self._resume.pop()
+                    # only a whole frame is worth running again: a partial one waits for its
+                    # bytes (copying it each turn would cost as much as it holds)
                     if (not conn.closed and conn.waiter is None and not conn.paused
                             and not conn.resting
-                            and conn.inbuf):
-                        self._process(conn, b"", force=True)
+                            and conn.inbuf and len(conn.inbuf) >= conn.need):
+                        self._serve_conn(conn, force=True)
         except Exception as e:  # a bug here must not leave clients hanging silently
             self._log.error("tcp_store_server_crashed", port=self.port, error=repr(e))
             raise
@@ -551,6 +554,18 @@ class StoreServer:
             self._busy_logged_at = now
             self._refused_busy = 0
 
+    def _serve_conn(self, conn: _Conn, force: bool = False) -> None:
+        """Read from ``conn`` (or, ``force``, run the requests left in its buffer), charging the
+        time it took: past ``_HEAVY`` the connection rests (see :meth:`_rest`)."""
+        began = time.perf_counter()
+        if force:
+            self._process(conn, b"", force=True)
+        else:
+            self._on_readable(conn)
+        took = time.perf_counter() - began
+        if took > _HEAVY and not conn.closed:
+            self._rest(conn, took)
+
     def _on_readable(self, conn: _Conn) -> None:
         try:
             data = conn.sock.recv(_RECV_SIZE)
@@ -602,7 +617,7 @@ class StoreServer:
                 pos = self._handshake(conn, buf)
                 if conn.closed:
                     return
-            served, heavy = 0, 0.0
+            served = 0
             turn = time.perf_counter()
             while conn.waiter is None and end - pos >= 5:
                 if len(conn.out) > max_unread:
@@ -622,16 +637,12 @@ class StoreServer:
                     raise _ProtocolError(f"unknown command {op}")
                 conn.proven = True
                 served += 1
-                began = time.perf_counter()
                 try:
                     reply = self._keys.handle(conn, op, buf, pos + 5, stop)
                 except (ValueError, IndexError, struct.error, UnicodeDecodeError,
                         OverflowError) as e:
                     raise _ProtocolError(f"malformed {w.Op(op).name} request: {e}") from None
                 pos = stop
-                took = time.perf_counter() - began
-                if took > _HEAVY:
-                    heavy += took
                 if reply is None:  # parked: its clock is the request's timeout now
                     self._pending.discard(conn)
                 elif reply:  # RENEW and WILL_DROP have no reply
@@ -646,8 +657,6 @@ class StoreServer:
                             error=repr(e))
             self._close(conn)
             return
-        if heavy:
-            self._rest(conn, heavy)
         if pos >= end:
             if conn.inbuf:
                 conn.inbuf = bytearray()
