@@ -154,6 +154,11 @@ def test_request_limits_answer_with_an_error_and_keep_the_connection(master: TCP
         c.multi_get([f"k{i}" for i in range(101)])
     with pytest.raises(DistStoreError, match="exceeds this server's limit of 1000"):
         c.set("big", b"x" * 1001)
+    # refused as soon as its first bytes tell, the rest dropped as it comes (never held)
+    with pytest.raises(DistStoreError, match="exceeds this server's limit of 1000"):
+        c.set("huge", b"x" * (4 << 20))
+    with pytest.raises(DistStoreError, match="at most 100 keys per request"):
+        c.check([f"key{i:06d}" for i in range(100_000)])
     c.set("fits", b"x" * 1000)
     assert c.multi_get(["fits"] * 100) == [b"x" * 1000] * 100
     assert len(master._server._conns) == 2  # type: ignore[union-attr]  # nobody was dropped

@@ -363,6 +363,34 @@ class KeySpace:
             f"limit of {self._max_value_bytes} (TCPStoreLimits.max_value_bytes); store large "
             f"data elsewhere and put its location in the store").encode())
 
+    def refusal_ahead(self, conn: Any, op: int, buf: bytes | bytearray, pos: int,
+                      end: int) -> bytes | None:
+        """For a request of which only ``buf[pos:end]`` (its body's start) arrived: its ERROR
+        reply when what arrived already decides it (too many keys, a value too big), ``b""``
+        when it will not be refused for its size, None while the fields that tell are still to
+        come. Lets the server answer and drop a huge frame without holding it."""
+        if op == w.Op.CHECK or op == w.Op.MULTI_SET:
+            if end - pos < 4:
+                return None
+            n = int(w.U32.unpack_from(buf, pos)[0])
+            return self._too_many(w.Op(op).name.lower(), n // 2 if op == w.Op.MULTI_SET
+                                  else n) or b""
+        if op == w.Op.WAIT or op == w.Op.MULTI_GET:
+            if end - pos < 12:
+                return None
+            return self._too_many(w.Op(op).name.lower(), int(w.U32.unpack_from(buf, pos + 8)[0])) \
+                or b""
+        if op in (w.Op.SET, w.Op.APPEND, w.Op.QUEUE_PUSH):
+            if end - pos < 4:
+                return None
+            klen = int(w.U32.unpack_from(buf, pos)[0])
+            if end - pos < 8 + klen:
+                return None
+            key = bytes(buf[pos + 4:pos + 4 + klen])
+            vlen = int(w.U32.unpack_from(buf, pos + 4 + klen)[0])
+            return self._too_big(w.Op(op).name.lower(), key, vlen) or b""
+        return b""
+
     def _count(self, buf: bytes, pos: int, end: int) -> int:
         """The blob count at ``pos`` (a keyed request's n), read before its blobs are."""
         if pos + 4 > end:

@@ -89,6 +89,8 @@ _MAX_EVENTS = 1024  # readiness events taken from the kernel per turn of the loo
 # pipelines thousands of requests waits for the others' turns between its batches
 _TURN_REQUESTS = 32
 _TURN_SECONDS = 50e-6
+# a partial frame larger than this is looked at for a refusal as soon as its fields tell
+_EARLY = 64 * 1024
 _TURN_ACCEPTS = 8  # connections accepted per turn: a flood of connects waits in the backlog
 # a connection whose bytes took the server longer than this in one go (a request of thousands
 # of keys, a frame of megabytes) is heavy: it is not read again for _HEAVY_REST times as long,
@@ -184,8 +186,8 @@ class _ProtocolError(Exception):
 
 class _Conn:
     __slots__ = ("sock", "peer", "inbuf", "need", "out", "handshaken", "proven", "nonce",
-                 "waiter", "closed", "since", "started", "held", "paused", "resting",
-                 "unwatched", "will", "will_ttl", "will_deadline", "identity")
+                 "waiter", "closed", "since", "started", "held", "skip", "vetted", "paused",
+                 "resting", "unwatched", "will", "will_ttl", "will_deadline", "identity")
 
     def __init__(self, sock: socket.socket, peer: str, nonce: bytes) -> None:
         self.sock = sock
@@ -201,6 +203,8 @@ class _Conn:
         self.since = 0.0          # when it connected (its deadline to prove itself runs from it)
         self.started = 0.0        # when the first byte of its partly received frame came
         self.held = 0             # bytes of a partly received frame, counted in the total
+        self.skip = 0             # bytes still to drop of a frame refused before it was whole
+        self.vetted = False       # its partial frame was looked at for an early refusal
         self.paused = False       # reading stopped: too many unread replies
         self.resting = False      # reading stopped: its heavy requests had their share
         self.unwatched = False    # out of the selector (neither read nor written for now)
@@ -491,14 +495,21 @@ class StoreServer:
                 self._drop(conn, f"no request within {hs:.3g}s of connecting (a server "
                                  f"without a token lets a connection prove itself no other way)",
                            gone=True)
-            elif conn.inbuf and (now - conn.started > grace + conn.need / rate
-                                 or len(conn.inbuf) < rate * (now - conn.started - grace)):
-                self._drop(conn, f"frame arriving too slowly: {len(conn.inbuf)} of {conn.need} "
+            elif (conn.inbuf or conn.skip) and (
+                    now - conn.started > grace + conn.need / rate
+                    or self._received(conn) < rate * (now - conn.started - grace)):
+                self._drop(conn, f"frame arriving too slowly: {self._received(conn)} of "
+                                 f"{conn.need} "
                                  f"bytes in {now - conn.started:.3g}s (a frame gets "
                                  f"{grace:.3g}s plus its size at {rate} bytes/s, and must come "
                                  f"at that pace after {grace:.3g}s)")
-            elif conn.handshaken and conn.proven and not conn.inbuf:
+            elif conn.handshaken and conn.proven and not conn.inbuf and not conn.skip:
                 self._pending.discard(conn)
+
+    @staticmethod
+    def _received(conn: _Conn) -> int:
+        """Bytes of its current frame ``conn`` has sent (held, or dropped as refused)."""
+        return conn.need - conn.skip if conn.skip else len(conn.inbuf)
 
     def _accept(self) -> None:
         for _ in range(_TURN_ACCEPTS):  # the others' turn comes between bursts of connects
@@ -587,6 +598,15 @@ class StoreServer:
         self._process(conn, data)
 
     def _process(self, conn: _Conn, data: bytes, force: bool = False) -> None:
+        if conn.skip and data:  # the rest of a frame refused early: dropped as it comes
+            n = min(conn.skip, len(data))
+            conn.skip -= n
+            if conn.skip:
+                return
+            conn.need = 0
+            data = data[n:]
+            if not data:
+                return
         if conn.waiter is not None or conn.paused or conn.resting:
             conn.inbuf += data
             if conn.waiter is not None:
@@ -600,6 +620,7 @@ class StoreServer:
             conn.inbuf += data
             if len(conn.inbuf) < conn.need and not force:
                 self._hold(conn, len(conn.inbuf))
+                self._refuse_early(conn)
                 return
             buf = bytes(conn.inbuf)
         else:
@@ -709,11 +730,36 @@ class StoreServer:
         was_partial = bool(conn.inbuf) and pos == 0
         conn.inbuf = bytearray(memoryview(buf)[pos:])
         conn.need = need
+        if not was_partial:
+            conn.vetted = False
         if conn.waiter is None and not conn.paused and not conn.resting:
             if not was_partial:  # a new frame's clock starts with its first byte
                 conn.started = time.monotonic()
             self._pending.add(conn)
         self._hold(conn, len(conn.inbuf) if len(conn.inbuf) < need else 0)
+        if len(conn.inbuf) < need:
+            self._refuse_early(conn)
+
+    def _refuse_early(self, conn: _Conn) -> None:
+        """A large partial frame whose request is already known to be refused (more keys than
+        ``max_keys_per_request``, a value over ``max_value_bytes``): answer its ERROR now and
+        drop its bytes as they come instead of holding them (``skip``), still at the pace
+        frames must keep."""
+        buf = conn.inbuf
+        if conn.need <= _EARLY or conn.vetted or len(buf) < 5 or conn.waiter is not None:
+            return
+        length, op = w.HEADER.unpack_from(buf, 0)
+        verdict = self._keys.refusal_ahead(conn, op, buf, 5, len(buf))
+        if verdict is None:
+            return  # the fields that tell are not here yet
+        conn.vetted = True
+        if not verdict:
+            return
+        conn.proven = True
+        conn.skip = 5 + length - len(buf)
+        conn.inbuf = bytearray()
+        self._hold(conn, 0)
+        self._send(conn, verdict)
 
     def _hold(self, conn: _Conn, held: int) -> None:
         """``conn`` holds ``held`` bytes of a partly received frame; past the server's total
