@@ -91,6 +91,9 @@ _TURN_REQUESTS = 32
 _TURN_SECONDS = 50e-6
 # a partial frame larger than this is looked at for a refusal as soon as its fields tell
 _EARLY = 64 * 1024
+# the bytes of a refused frame are dropped as they come, and charged to their connection as if
+# it took this long per byte (so one who streams refused frames rests like any heavy client)
+_SKIP_COST = 1.0 / (64 * 1024 * 1024)
 _TURN_ACCEPTS = 8  # connections accepted per turn: a flood of connects waits in the backlog
 # a connection whose bytes took the server longer than this in one go (a request of thousands
 # of keys, a frame of megabytes) is heavy: it is not read again for _HEAVY_REST times as long,
@@ -103,10 +106,10 @@ _LOG_EVERY = 10.0  # seconds between lines of one warning past the burst
 
 
 class _Throttle:
-    """Rate-limited log lines: per event, ``_LOG_BURST`` lines, then one per ``_LOG_EVERY``
-    seconds; a line held back is counted, and the next line of that event (or, when none comes,
-    the last one held, logged by :meth:`flush` once its turn comes) carries ``suppressed``, how
-    many were held back since the last line."""
+    """Rate-limited log lines: per event and level, ``_LOG_BURST`` lines, then one per
+    ``_LOG_EVERY`` seconds; a line held back is counted, and the next line of that event (or,
+    when none comes, the last one held, logged by :meth:`flush` once its turn comes) carries
+    ``suppressed``, how many were held back since the last line."""
 
     def __init__(self, log: Any) -> None:
         self._log = log
@@ -116,22 +119,23 @@ class _Throttle:
 
     def __call__(self, event: str, level: str = "warning", **fields: Any) -> None:
         now = time.monotonic()
-        tokens = min(float(_LOG_BURST), self._tokens.get(event, float(_LOG_BURST))
-                     + (now - self._stamp.get(event, now)) / _LOG_EVERY)
-        self._stamp[event] = now
-        self._tokens[event] = tokens
+        kind = f"{level}:{event}"  # a client that simply went away never silences a warning
+        tokens = min(float(_LOG_BURST), self._tokens.get(kind, float(_LOG_BURST))
+                     + (now - self._stamp.get(kind, now)) / _LOG_EVERY)
+        self._stamp[kind] = now
+        self._tokens[kind] = tokens
         if tokens < 1.0:
-            count = self._held.get(event, (0, "", {}))[0] + 1
-            self._held[event] = (count, level, fields)
+            count = self._held.get(kind, (0, "", {}))[0] + 1
+            self._held[kind] = (count, event, fields)
             return
-        self._emit(event, level, fields)
+        self._emit(kind, event, fields)
 
-    def _emit(self, event: str, level: str, fields: dict[str, Any]) -> None:
-        self._tokens[event] -= 1.0
-        held = self._held.pop(event, None)
+    def _emit(self, kind: str, event: str, fields: dict[str, Any]) -> None:
+        self._tokens[kind] -= 1.0
+        held = self._held.pop(kind, None)
         if held:
             fields = {**fields, "suppressed": held[0] - (held[2] is fields)}
-        getattr(self._log, level)(event, **fields)
+        getattr(self._log, kind.partition(":")[0])(event, **fields)
 
     def next_flush(self) -> float | None:
         """When :meth:`flush` has a held line to log (monotonic seconds), or None."""
@@ -141,11 +145,11 @@ class _Throttle:
 
     def flush(self, now: float) -> None:
         """Log the last line held back of each event whose turn has come."""
-        for event, (_, level, fields) in list(self._held.items()):
-            tokens = self._tokens[event] + (now - self._stamp[event]) / _LOG_EVERY
+        for kind, (_, event, fields) in list(self._held.items()):
+            tokens = self._tokens[kind] + (now - self._stamp[kind]) / _LOG_EVERY
             if tokens >= 1.0:
-                self._tokens[event], self._stamp[event] = min(float(_LOG_BURST), tokens), now
-                self._emit(event, level, fields)
+                self._tokens[kind], self._stamp[kind] = min(float(_LOG_BURST), tokens), now
+                self._emit(kind, event, fields)
 
 
 if hasattr(selectors, "EpollSelector"):
@@ -273,6 +277,7 @@ class StoreServer:
         self._resting: list[tuple[float, int, _Conn]] = []  # (until, seq, conn)
         self._rest_seq = 0
         self._heavy_next = 0.0  # when heavy requests have had their share (monotonic)
+        self._charged = 0.0  # work charged to the connection being served, beyond its time
         self._holders: set[_Conn] = set()  # the connections holding them
         self._refused_busy = 0
         self._busy_logged_at = 0.0
@@ -569,11 +574,12 @@ class StoreServer:
         """Read from ``conn`` (or, ``force``, run the requests left in its buffer), charging the
         time it took: past ``_HEAVY`` the connection rests (see :meth:`_rest`)."""
         began = time.perf_counter()
+        self._charged = 0.0
         if force:
             self._process(conn, b"", force=True)
         else:
             self._on_readable(conn)
-        took = time.perf_counter() - began
+        took = time.perf_counter() - began + self._charged
         if took > _HEAVY and not conn.closed:
             self._rest(conn, took)
 
@@ -601,6 +607,7 @@ class StoreServer:
         if conn.skip and data:  # the rest of a frame refused early: dropped as it comes
             n = min(conn.skip, len(data))
             conn.skip -= n
+            self._charged += n * _SKIP_COST
             if conn.skip:
                 return
             conn.need = 0
