@@ -94,7 +94,9 @@ _EARLY = 64 * 1024
 # the bytes of a refused frame are dropped as they come, and charged to their connection as if
 # it took this long per byte (so one who streams refused frames rests like any heavy client)
 _SKIP_COST = 1.0 / (64 * 1024 * 1024)
-_TURN_ACCEPTS = 8  # connections accepted per turn: a flood of connects waits in the backlog
+# time spent accepting new connections per turn (at least one): a flood of connects waits in
+# the kernel's backlog rather than in front of the connected clients
+_TURN_ACCEPT_SECONDS = 200e-6
 # a connection whose bytes took the server longer than this in one go (a request of thousands
 # of keys, a frame of megabytes) is heavy: it is not read again for _HEAVY_REST times as long,
 # counted on one timeline for every heavy connection, so heavy work gets at most about
@@ -517,7 +519,8 @@ class StoreServer:
         return conn.need - conn.skip if conn.skip else len(conn.inbuf)
 
     def _accept(self) -> None:
-        for _ in range(_TURN_ACCEPTS):  # the others' turn comes between bursts of connects
+        began = time.perf_counter()
+        while time.perf_counter() - began < _TURN_ACCEPT_SECONDS:  # then the others' turn
             try:
                 sock, addr = self._lsock.accept()
             except (BlockingIOError, InterruptedError):
