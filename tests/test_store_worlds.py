@@ -1,5 +1,6 @@
 """A TCPStore's worlds, client against server in one process: reserved keys refuse plain
-writes; an identity is held once and its death is written by the server; members' writes are
+writes; an identity is held once and its death is written by the server (its writes after that
+raise DistExcludedError); members' writes are
 checked; per-request limits answer with an error. (A stranger process against real worlds:
 tests/test_security.py.)"""
 
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-from plugdist.errors import DistStoreError, DistTimeoutError
+from plugdist.errors import DistExcludedError, DistStoreError, DistTimeoutError
 from plugdist.store import PrefixStore, TCPStore, TCPStoreLimits
 from plugdist.store._tcp_client import MemberSession
 from plugdist.store.worldkeys import is_reserved
@@ -88,6 +89,13 @@ def test_an_identity_is_held_once_and_its_death_written_by_the_server(master: TC
     one.will._conn.close()  # rank 1's process dies: its connection drops
     assert master.read_log(DEATHS, 1, timedelta(seconds=10)) == [
         json.dumps({"uid": "1", "cause": "died"}).encode()]
+    # a process cut off long enough for its will to run learns, at its next write, that it is
+    # out of the world (the others went on without it)
+    for write in (lambda: one.set("plugdist/epoch/0/next", json.dumps({"excluded": ["2"]})),
+                  lambda: one.record(json.dumps({"uid": "2", "cause": "reported"}))):
+        with pytest.raises(DistExcludedError, match="member '1' is no longer in this store's "
+                                                    "world.*join=True"):
+            write()
     two.will.cancel()  # a clean exit writes nothing
     with pytest.raises(DistTimeoutError):
         master.read_log(DEATHS, 2, timedelta(seconds=0.5))

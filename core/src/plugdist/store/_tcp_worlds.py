@@ -79,6 +79,15 @@ class KeyPrimitives(Protocol):
 class _Refused(Exception):
     """A world operation refused; its message is the ERROR reply."""
 
+    status = w.Status.ERROR
+
+
+class _Gone(_Refused):
+    """A member's write with the credential of an identity whose holder left (the server ran
+    its will): the writer is no longer in the world; answered GONE."""
+
+    status = w.Status.GONE
+
 
 class _World:
     """One world's identities. ``size``: ranks of its first epoch (0 until the first claim)."""
@@ -235,6 +244,10 @@ class Worlds:
         uid = uid_b.decode(errors="replace")
         world = self._worlds.get(root)
         held = world.secrets.get(uid) if world is not None else None
+        if world is not None and held is None and uid in world.left:
+            raise _Gone(f"member {uid!r} is no longer in {world.where()}: its identity's holder "
+                        f"left (its connection to the store dropped, or its will lapsed), and "
+                        f"the store wrote its death")
         if world is None or held is None or not hmac.compare_digest(held, secret):
             raise _Refused(f"member {uid!r} holds no identity in this world with that credential "
                            f"(its holder left, or this is not one of the world's processes)")
@@ -288,7 +301,7 @@ class Worlds:
                 return _ok(w.I64.pack(keys.delete_prefix(root + rel.encode(), reserved)))
             raise _Refused(f"command {op} is not a member's write")
         except _Refused as e:
-            return self._refuse(conn, "member write", str(e))
+            return self._refuse(conn, "member write", str(e), e.status)
 
     def _check_key(self, rel: str, want: str) -> str:
         """The kind of ``rel``, a key a member may write (a counter for ADD, a value else)."""
@@ -369,15 +382,16 @@ class Worlds:
                 raise _Refused(f"a record with cause {cause!r} about {target!r} is not one "
                                f"member {uid} may append")
         except _Refused as e:
-            return self._refuse(conn, "record", str(e))
+            return self._refuse(conn, "record", str(e), e.status)
         self._keys.append_entry(world.root + DEATHS.encode(), raw)
         return _ok(b"\x01")
 
-    def _refuse(self, conn: Any, op: str, why: str) -> bytes:
+    def _refuse(self, conn: Any, op: str, why: str,
+                status: w.Status = w.Status.ERROR) -> bytes:
         self._notice("tcp_store_world_refused", peer=getattr(conn, "peer", "?"), op=op,
                      reason=why[:300])
         body = f"{op} refused: {why}".encode()
-        return w.HEADER.pack(len(body), w.Status.ERROR) + body
+        return w.HEADER.pack(len(body), status) + body
 
 
 

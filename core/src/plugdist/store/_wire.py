@@ -47,11 +47,11 @@ value, message) is a u32 length and that many bytes; timeouts are f64 seconds. R
     CLAIM        blob root, blob uid, i64 size, f64 ttl    -> OK blob secret | ERROR msg
     JOIN         blob root, f64 ttl                        -> OK i64 ticket, i64 start,
                                                               blob secret | ERROR msg
-    MEMBER       blob root, blob uid, blob secret, u8 op,  -> the reply of op | ERROR msg
-                 op's body (keys relative to root; op: SET, ADD, COMPARE_SET, DELETE_KEY,
-                 DELETE_PREFIX)
-    RECORD       blob root, blob uid, blob secret,         -> OK u8 appended | ERROR msg
-                 blob record (JSON)
+    MEMBER       blob root, blob uid, blob secret, u8 op,  -> the reply of op | ERROR msg |
+                 op's body (keys relative to root; op:        GONE msg
+                 SET, ADD, COMPARE_SET, DELETE_KEY, DELETE_PREFIX)
+    RECORD       blob root, blob uid, blob secret,         -> OK u8 appended | ERROR msg |
+                 blob record (JSON)                           GONE msg
 
 WILL leaves a will on this connection: when the connection closes without WILL_DROP (or a WILL
 with an empty key), the server appends ``value`` to the numbered log ``key`` (the counter
@@ -73,7 +73,8 @@ any connection. JOIN does the same for a process that asks to join: the server t
 (``uid`` ``j<ticket>``), writes it, and announces it in the death log. MEMBER runs a write on the
 world's reserved keys for a current member, after the server checked the credential, the key and
 the value; RECORD appends a checked record (a decision, a declared failure, a joiner leaving) to
-the death log. The server refuses a claim on an identity another live connection holds, one
+the death log. Both answer GONE to the credential of an identity whose holder left: that process
+was cut off from the store long enough for its will to run, and is out of the world. The server refuses a claim on an identity another live connection holds, one
 whose holder has left, or one that disagrees with the world's size: that is another job's
 process reaching this store.
 """
@@ -164,6 +165,7 @@ class Status(enum.IntEnum):
     ERROR = 1
     TIMEOUT = 2
     QUEUE_EMPTY = 3
+    GONE = 4  # MEMBER/RECORD with the credential of an identity whose holder left
 
 
 RENEW_FRAME = HEADER.pack(0, Op.RENEW)

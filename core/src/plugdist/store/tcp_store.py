@@ -21,7 +21,13 @@ import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 
-from ..errors import DistNetworkError, DistStoreError, DistTimeoutError, QueueEmptyError
+from ..errors import (
+    DistExcludedError,
+    DistNetworkError,
+    DistStoreError,
+    DistTimeoutError,
+    QueueEmptyError,
+)
 from . import _wire as w
 from ._tcp_client import MIN_IO_TIMEOUT as _MIN_IO_TIMEOUT
 from ._tcp_client import REPLY_GRACE as _REPLY_GRACE
@@ -477,6 +483,10 @@ class TCPStore(Store):
             raise DistTimeoutError(f"TCPStore {self.host}:{self.port}: {op}: {msg}")
         if status == w.Status.QUEUE_EMPTY:
             raise QueueEmptyError(f"TCPStore {self.host}:{self.port}: {op}: {msg}")
+        if status == w.Status.GONE:
+            raise DistExcludedError(f"TCPStore {self.host}:{self.port}: {op}: {msg}; this "
+                                    f"process can come back only as a new member, with "
+                                    f"init_process_group(join=True)")
         raise DistStoreError(f"TCPStore {self.host}:{self.port}: {op}: {msg}")
 
     def _wait_workers(self, count: int, timeout: float) -> None:
