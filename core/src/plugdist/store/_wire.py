@@ -65,18 +65,19 @@ entries.
 
 Worlds (version 3). Keys that :mod:`plugdist.store.worldkeys` reserves for a world's membership
 are written only by the server: a plain write to one is answered ERROR. CLAIM makes this
-connection the identity ``uid`` (a rank of the world's first epoch, ``size`` ranks) of the
-world under ``root`` and leaves its will (the server appends ``{"uid": uid, "cause": "died"}``
-to the world's death log when the connection drops, or lapses as WILL's ttl); the reply's
-secret is the credential of that identity's later MEMBER and RECORD requests, which may come on
-any connection. JOIN does the same for a process that asks to join: the server takes a ticket
-(``uid`` ``j<ticket>``), writes it, and announces it in the death log. MEMBER runs a write on the
-world's reserved keys for a current member, after the server checked the credential, the key and
-the value; RECORD appends a checked record (a decision, a declared failure, a joiner leaving) to
-the death log. Both answer GONE to the credential of an identity whose holder left: that process
-was cut off from the store long enough for its will to run, and is out of the world. The server refuses a claim on an identity another live connection holds, one
-whose holder has left, or one that disagrees with the world's size: that is another job's
-process reaching this store.
+connection the identity ``uid`` (a rank of the world's first epoch, ``size`` ranks) of the world
+under ``root`` and leaves its will (the server appends ``{"uid": uid, "cause": "died"}`` to the
+world's death log when the connection drops, or lapses as WILL's ttl); the reply's secret is the
+credential of that identity's later MEMBER and RECORD requests, which may come on any
+connection. JOIN does the same for a process that asks to join: the server takes a ticket
+(``uid`` ``j<ticket>``), writes it, and announces it in the death log. MEMBER runs a write on
+the world's reserved keys for a current member, after the server checked the credential, the key
+and the value; RECORD appends a checked record (a decision, a declared failure, a joiner
+leaving) to the death log. Both answer GONE to the credential of an identity whose holder left:
+that process was cut off from the store long enough for its will to run, and is out of the
+world. The server refuses a claim on an identity another live connection holds, one whose holder
+has left, or one that disagrees with the world's size: that is another job's process reaching
+this store.
 """
 
 from __future__ import annotations
