@@ -926,3 +926,50 @@ def test_fuzz_wire_protocol() -> None:
     fresh.close()
     watcher.close()
     m.close()
+
+
+@pytest.mark.timeout(60)
+def test_requests_of_many_keys_are_read_in_slices_while_others_are_served(
+        master: TCPStore) -> None:
+    """CHECK, WAIT and MULTI_GET of 20,000 keys (read a slice a turn) answer as a whole; a
+    WAIT parked after its slices wakes when its last key comes; another client's requests are
+    answered, in order, through a flood of such CHECKs (the latency: store_abuse_bench.py)."""
+    keys = [f"k/{i}" for i in range(20_000)]
+    master.multi_set(keys, [str(i) for i in range(20_000)])
+    c = TCPStore(HOST, master.port, timeout=timedelta(seconds=30))
+    assert c.check(keys) is True
+    assert c.check([*keys, "k/missing"]) is False
+    assert c.check(["k/missing", *keys]) is False
+    values = c.multi_get(keys)
+    assert values[0] == b"0" and values[-1] == b"19999" and len(values) == 20_000
+
+    def late() -> None:
+        time.sleep(0.3)
+        master.set("k/late", "x")
+
+    setter = threading.Thread(target=late)
+    setter.start()
+    c.wait([*keys, "k/late"], timedelta(seconds=20))  # parked after its slices, then woken
+    setter.join()
+    assert c.get("k/late") == b"x"
+
+    stop = threading.Event()
+    checks = [0]
+
+    def flood() -> None:
+        s = TCPStore(HOST, master.port, timeout=timedelta(seconds=30))
+        while not stop.is_set():
+            assert s.check(keys)
+            checks[0] += 1
+        s.close()
+
+    flooder = threading.Thread(target=flood)
+    flooder.start()
+    assert eventually(lambda: checks[0] >= 1)
+    for i in range(50):
+        c.set(f"small/{i}", str(i))
+        assert c.get(f"small/{i}") == str(i).encode()
+    stop.set()
+    flooder.join(30)
+    assert not flooder.is_alive() and checks[0] >= 1
+    c.close()

@@ -25,10 +25,13 @@ from . import _wire as w
 from ._tcp_worlds import Worlds
 from .worldkeys import RESERVED_NAMES, is_reserved
 
-__all__ = ["KeySpace"]
+__all__ = ["KeySpace", "Sliced"]
 
 _INIT_KEY_COUNT = 1  # num_keys counts the worker counter once someone joined (as torch does)
 _MAX_TIMEOUT = 1e7  # seconds; longer ones are clamped (the deadline heap needs finite numbers)
+# a request naming more keys than this is read this many keys a turn of the server's loop, so a
+# request of 131,072 keys (about 60 ms of Python) does not hold every other client that long
+SLICE_KEYS = 1024
 
 
 def _seconds(timeout: float) -> float:
@@ -54,6 +57,49 @@ class _Waiter:
         self.count = count  # WAIT_WORKERS: clients wanted; LOG_READ: the first entry wanted
         self.log = log  # LOG_READ: the log's counter key
         self.done = False
+
+
+class Sliced:
+    """A request of many keys, read ``SLICE_KEYS`` at a time: the server calls :meth:`step`
+    once a turn of its loop until it returns the reply (bytes, or None when the request was
+    parked, as :meth:`KeySpace.handle` does), serving the other clients in between. Each slice
+    is looked at as it is read (``each``, whose falsy result stops the reading early: a CHECK
+    whose key is missing); ``finish(keys)`` makes the reply."""
+
+    __slots__ = ("buf", "pos", "end", "left", "keys", "each", "finish", "keep")
+
+    def __init__(self, buf: bytes, pos: int, end: int, n: int,
+                 each: Callable[[list[bytes]], bool] | None,
+                 finish: Callable[[list[bytes]], bytes | None]) -> None:
+        self.buf, self.pos, self.end, self.left = buf, pos, end, n
+        self.keys: list[bytes] = []
+        self.each, self.finish = each, finish
+        self.keep = each is None  # a slice looked at by ``each`` need not be kept
+
+    def step(self) -> bytes | None | Sliced:
+        """Read the next slice; the reply once the last is read (or ``each`` stopped early),
+        else ``self``. Raises ValueError for a malformed body, like a handler."""
+        buf, pos, end, unpack = self.buf, self.pos, self.end, w.U32.unpack_from
+        take = min(self.left, SLICE_KEYS)
+        part = []
+        for _ in range(take):
+            if pos + 4 > end:
+                raise ValueError("truncated blob length")
+            (ln,) = unpack(buf, pos)
+            pos += 4
+            if pos + ln > end:
+                raise ValueError("blob runs past the frame")
+            part.append(buf[pos:pos + ln])
+            pos += ln
+        self.pos, self.left = pos, self.left - take
+        if self.keep:
+            self.keys.extend(part)
+        elif self.each is not None and not self.each(part):
+            self.left = 0
+        if self.left:
+            return self
+        self.buf = b""
+        return self.finish(self.keys)
 
 
 class KeySpace:
@@ -84,7 +130,7 @@ class KeySpace:
         self._seq = itertools.count()
         self._joined = 0
         self._parked = 0
-        self._handlers: dict[int, Callable[[Any, bytes, int, int], bytes | None]] = {
+        self._handlers: dict[int, Callable[[Any, bytes, int, int], bytes | None | Sliced]] = {
             w.Op.SET: self._op_set, w.Op.GET: self._op_get, w.Op.ADD: self._op_add,
             w.Op.COMPARE_SET: self._op_compare_set, w.Op.WAIT: self._op_wait,
             w.Op.CHECK: self._op_check, w.Op.NUM_KEYS: self._op_num_keys,
@@ -112,11 +158,13 @@ class KeySpace:
     def knows(self, op: int) -> bool:
         return op in self._handlers
 
-    def handle(self, conn: Any, op: int, buf: bytes, pos: int, end: int) -> bytes | None:
+    def handle(self, conn: Any, op: int, buf: bytes, pos: int,
+               end: int) -> bytes | None | Sliced:
         """Run command ``op`` (one it :meth:`knows`) on its body ``buf[pos:end]``: the reply
         frame (empty for RENEW and WILL_DROP, which have none), or None when the request was
-        parked (``conn.waiter`` is set until it is answered through ``answer``). Raises
-        ValueError (and the like) for a malformed body."""
+        parked (``conn.waiter`` is set until it is answered through ``answer``), or a
+        :class:`Sliced` for a request of more than ``SLICE_KEYS`` keys. Raises ValueError (and
+        the like) for a malformed body."""
         return self._handlers[op](conn, buf, pos, end)
 
     def _present(self, op: w.Op, key: bytes) -> bool:
@@ -544,29 +592,42 @@ class KeySpace:
             return refusal
         return _ok(self.compare_set(key, expected, desired))
 
-    def _op_wait(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
-        (timeout,) = w.F64.unpack_from(buf, pos)
-        refusal = self._too_many("wait", self._count(buf, pos + 8, end))
+    def _keyed(self, op: w.Op, buf: bytes, pos: int, end: int,
+               each: Callable[[list[bytes]], bool] | None,
+               finish: Callable[[list[bytes]], bytes | None]) -> bytes | None | Sliced:
+        """A request whose body at ``pos`` is its keys (u32 n, n blobs): refused past
+        ``max_keys``, answered at once up to ``SLICE_KEYS`` keys, else read in slices."""
+        n = self._count(buf, pos, end)
+        refusal = self._too_many(op.name.lower(), n)
         if refusal:
             return refusal
-        keys, _ = w.unpack_blobs(buf, pos + 8, end)
-        return self._wait_for(conn, w.Op.WAIT, keys, timeout)
+        if n > (end - pos - 4) // 4:
+            raise ValueError(f"blob count {n} does not fit the frame")
+        return Sliced(buf, pos + 4, end, n, each, finish).step()
 
-    def _op_multi_get(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
+    def _op_wait(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None | Sliced:
         (timeout,) = w.F64.unpack_from(buf, pos)
-        refusal = self._too_many("multi_get", self._count(buf, pos + 8, end))
-        if refusal:
-            return refusal
-        keys, _ = w.unpack_blobs(buf, pos + 8, end)
-        return self._wait_for(conn, w.Op.MULTI_GET, keys, timeout)
+        return self._keyed(w.Op.WAIT, buf, pos + 8, end, None,
+                           lambda keys: self._wait_for(conn, w.Op.WAIT, keys, timeout))
 
-    def _op_check(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
-        refusal = self._too_many("check", self._count(buf, pos, end))
-        if refusal:
-            return refusal
-        keys, _ = w.unpack_blobs(buf, pos, end)
-        present = all(self._present(w.Op.WAIT, k) for k in keys)
-        return _ok(b"\x01" if present else b"\x00")
+    def _op_multi_get(self, conn: Any, buf: bytes, pos: int,
+                      end: int) -> bytes | None | Sliced:
+        (timeout,) = w.F64.unpack_from(buf, pos)
+        return self._keyed(w.Op.MULTI_GET, buf, pos + 8, end, None,
+                           lambda keys: self._wait_for(conn, w.Op.MULTI_GET, keys, timeout))
+
+    def _op_check(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None | Sliced:
+        """Whether every key is present; a CHECK read in slices looks at each slice as it is
+        read (a key deleted meanwhile, in a slice already read, still counts as present)."""
+        found = [True]
+
+        def each(keys: list[bytes]) -> bool:
+            data, queues = self._data, self._queues
+            found[0] = all([k in data or bool(queues.get(k)) for k in keys])
+            return found[0]
+
+        return self._keyed(w.Op.CHECK, buf, pos, end, each,
+                           lambda _: _ok(b"\x01" if found[0] else b"\x00"))
 
     def _op_num_keys(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         extra = _INIT_KEY_COUNT if self._joined else 0

@@ -36,7 +36,7 @@ from typing import Any
 from ..errors import DistNetworkError
 from ..log import get_logger
 from . import _wire as w
-from ._tcp_keyspace import KeySpace
+from ._tcp_keyspace import KeySpace, Sliced
 
 __all__ = ["StoreServer", "TCPStoreLimits"]
 
@@ -94,9 +94,15 @@ _EARLY = 64 * 1024
 # the bytes of a refused frame are dropped as they come, and charged to their connection as if
 # it took this long per byte (so one who streams refused frames rests like any heavy client)
 _SKIP_COST = 1.0 / (64 * 1024 * 1024)
-# time spent accepting new connections per turn (at least one): a flood of connects waits in
-# the kernel's backlog rather than in front of the connected clients
-_TURN_ACCEPT_SECONDS = 200e-6
+# the lobby: accepting new connections and serving those that have not proven themselves (the
+# handshake, or without a token a first request). It runs after the members' requests of a turn,
+# for at most _LOBBY_TURN; while members use the store (a request in the last _MEMBERS_ACTIVE),
+# it then waits _LOBBY_REST times as long, so a flood of connects or of a stranger's bytes gets at
+# most about 1 / (1 + _LOBBY_REST) of the server, in short slices, and waits in the kernel's
+# backlog rather than in front of the members
+_LOBBY_TURN = 200e-6
+_LOBBY_REST = 4.0
+_MEMBERS_ACTIVE = 0.05
 # a connection whose bytes took the server longer than this in one go (a request of thousands
 # of keys, a frame of megabytes) is heavy: it is not read again for _HEAVY_REST times as long,
 # counted on one timeline for every heavy connection, so heavy work gets at most about
@@ -193,7 +199,8 @@ class _ProtocolError(Exception):
 class _Conn:
     __slots__ = ("sock", "peer", "inbuf", "need", "out", "handshaken", "proven", "nonce",
                  "waiter", "closed", "since", "started", "held", "skip", "vetted", "paused",
-                 "resting", "unwatched", "will", "will_ttl", "will_deadline", "identity")
+                 "resting", "unwatched", "will", "will_ttl", "will_deadline", "identity",
+                 "sliced", "spent")
 
     def __init__(self, sock: socket.socket, peer: str, nonce: bytes) -> None:
         self.sock = sock
@@ -218,6 +225,8 @@ class _Conn:
         self.will_ttl = 0.0       # > 0: the will also runs when no RENEW came for this long
         self.will_deadline = 0.0  # when it runs unless renewed (monotonic seconds)
         self.identity: Any = None  # (world, uid) of the member identity it holds, if any
+        self.sliced: Sliced | None = None  # its request of many keys, being read
+        self.spent = 0.0          # seconds the server spent on that request so far
 
 
 # descriptors the process keeps for everything but the server's clients (its own files, the
@@ -270,7 +279,10 @@ class StoreServer:
         self._dying: list[tuple[bytes, bytes]] = []  # wills of connections closed this turn
         self.max_clients = self.limits.max_connections  # lowered to fit the fd limit at start
         self.fd_limit = 0
-        self._accept_paused_until = 0.0
+        self._accept_paused_until = 0.0  # the listener is out of the selector until then
+        self._lobby_open_at = 0.0  # the lobby's next turn (monotonic)
+        self._lobby_parked: list[_Conn] = []  # unproven connections waiting for it
+        self._members_at = 0.0  # when a proven connection was last served
         self._conns: dict[int, _Conn] = {}
         self._pending: set[_Conn] = set()  # unproven or mid-frame: watched for deadlines
         self._resume: list[_Conn] = []
@@ -392,11 +404,13 @@ class StoreServer:
                     delay = 0.0
                     self._resume.extend(self._later)
                     self._later = []
+                lobby: list[_Conn] = []
+                accept = False
                 for key, mask in sel.select(delay):
                     conn = key.data
                     if conn is None:
                         if key.fileobj is lsock:
-                            self._accept()
+                            accept = True
                         elif key.fileobj is wake:
                             try:
                                 wake.recv(64)
@@ -409,7 +423,13 @@ class StoreServer:
                         self._flush(conn)
                     if mask & _READ and not conn.closed and not conn.paused \
                             and not conn.resting:
-                        self._serve_conn(conn)
+                        if conn.proven:
+                            self._serve_conn(conn)
+                            self._members_at = time.monotonic()
+                        else:
+                            lobby.append(conn)
+                if lobby or accept:
+                    self._serve_lobby(lobby, accept)
                 now = time.monotonic()
                 while self._resting and self._resting[0][0] <= now:
                     self._wake(heapq.heappop(self._resting)[2])
@@ -427,13 +447,20 @@ class StoreServer:
                 if self._accept_paused_until and now >= self._accept_paused_until:
                     self._accept_paused_until = 0.0
                     sel.register(lsock, _READ, None)
+                    parked, self._lobby_parked = self._lobby_parked, []
+                    for conn in parked:
+                        if not conn.closed and conn.resting:
+                            conn.resting = False
+                            self._watch(conn)
+                            self._mind_deadlines(conn)
                 while self._resume:
                     conn = self._resume.pop()
                     # only a whole frame is worth running again: a partial one waits for its
                     # bytes (copying it each turn would cost as much as it holds)
                     if (not conn.closed and conn.waiter is None and not conn.paused
                             and not conn.resting
-                            and conn.inbuf and len(conn.inbuf) >= conn.need):
+                            and (conn.sliced is not None
+                                 or conn.inbuf and len(conn.inbuf) >= conn.need)):
                         self._serve_conn(conn, force=True)
         except Exception as e:  # a bug here must not leave clients hanging silently
             self._log.error("tcp_store_server_crashed", port=self.port, error=repr(e))
@@ -493,7 +520,8 @@ class StoreServer:
         grace = lim.frame_timeout.total_seconds()
         rate = max(1, lim.min_frame_bytes_per_second)
         for conn in list(self._pending):
-            if conn.closed or conn.paused or conn.resting or conn.waiter is not None:
+            if conn.closed or conn.paused or conn.resting or conn.waiter is not None \
+                    or conn.sliced is not None:
                 self._pending.discard(conn)
             elif not conn.handshaken and now - conn.since > hs:
                 self._drop(conn, f"no complete handshake within {hs:.3g}s")
@@ -518,9 +546,47 @@ class StoreServer:
         """Bytes of its current frame ``conn`` has sent (held, or dropped as refused)."""
         return conn.need - conn.skip if conn.skip else len(conn.inbuf)
 
-    def _accept(self) -> None:
+    def _serve_lobby(self, lobby: list[_Conn], accept: bool) -> None:
+        """The lobby's turn (see ``_LOBBY_TURN``): serve the unproven connections in ``lobby``
+        and, with ``accept``, accept new ones, for about ``_LOBBY_TURN``; what is left waits,
+        out of the selector, for its next turn."""
+        if time.monotonic() < self._lobby_open_at:
+            for conn in lobby:
+                self._lobby_park(conn)
+            return
         began = time.perf_counter()
-        while time.perf_counter() - began < _TURN_ACCEPT_SECONDS:  # then the others' turn
+        for i, conn in enumerate(lobby):
+            if time.perf_counter() - began > _LOBBY_TURN:
+                for rest in lobby[i:]:
+                    self._lobby_park(rest)
+                break
+            self._serve_conn(conn)
+        if accept:  # at least a quarter of the turn, so served strangers cannot starve it
+            self._accept(max(_LOBBY_TURN - (time.perf_counter() - began), _LOBBY_TURN / 4))
+        now = time.monotonic()
+        if now - self._members_at < _MEMBERS_ACTIVE:
+            self._lobby_open_at = now + (time.perf_counter() - began) * _LOBBY_REST
+            self._pause_accepts(self._lobby_open_at)
+
+    def _lobby_park(self, conn: _Conn) -> None:
+        if conn.closed or conn.resting:
+            return
+        conn.resting = True  # watched again when the listener is (see _serve)
+        self._pending.discard(conn)
+        self._watch(conn)
+        self._lobby_parked.append(conn)
+        self._pause_accepts(max(self._lobby_open_at, time.monotonic()))
+
+    def _pause_accepts(self, until: float) -> None:
+        """Take the listener out of the selector until ``until`` (monotonic)."""
+        if not self._accept_paused_until:
+            self._sel.unregister(self._lsock)
+        self._accept_paused_until = max(self._accept_paused_until, until)
+
+    def _accept(self, budget: float) -> None:
+        """Accept connections for about ``budget`` seconds (at least one)."""
+        began = time.perf_counter()
+        while time.perf_counter() - began < budget:  # then the others' turn
             try:
                 sock, addr = self._lsock.accept()
             except (BlockingIOError, InterruptedError):
@@ -529,8 +595,7 @@ class StoreServer:
                 # e.g. EMFILE: the pending connection stays in the backlog and would make the
                 # listener readable forever; stop watching it briefly instead of spinning
                 self._log.warning("tcp_store_accept_failed", port=self.port, error=str(e))
-                self._sel.unregister(self._lsock)
-                self._accept_paused_until = time.monotonic() + 0.1
+                self._pause_accepts(time.monotonic() + 0.1)
                 return
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
             flags = w.GREET_TOKEN if self.token else 0
@@ -583,6 +648,10 @@ class StoreServer:
         else:
             self._on_readable(conn)
         took = time.perf_counter() - began + self._charged
+        if conn.sliced is not None or conn.spent:  # a request read in slices: its whole cost
+            conn.spent = took = conn.spent + took
+            if conn.sliced is None or took > _HEAVY:
+                conn.spent = 0.0
         if took > _HEAVY and not conn.closed:
             self._rest(conn, took)
 
@@ -617,7 +686,10 @@ class StoreServer:
             data = data[n:]
             if not data:
                 return
-        if conn.waiter is not None or conn.paused or conn.resting:
+        if conn.sliced is not None and force and not (conn.paused or conn.resting):
+            if not self._next_slice(conn):
+                return
+        if conn.waiter is not None or conn.paused or conn.resting or conn.sliced is not None:
             conn.inbuf += data
             if conn.waiter is not None:
                 self._control_frames(conn)
@@ -674,6 +746,11 @@ class StoreServer:
                         OverflowError) as e:
                     raise _ProtocolError(f"malformed {w.Op(op).name} request: {e}") from None
                 pos = stop
+                if isinstance(reply, Sliced):  # read on at the next turns
+                    conn.sliced = reply
+                    self._pending.discard(conn)
+                    self._later.append(conn)
+                    break
                 if reply is None:  # parked: its clock is the request's timeout now
                     self._pending.discard(conn)
                 elif reply:  # RENEW and WILL_DROP have no reply
@@ -700,8 +777,28 @@ class StoreServer:
         if end - pos >= 5:
             need = 5 + w.HEADER.unpack_from(buf, pos)[0]
         self._keep(conn, buf, pos, need)
-        if end - pos >= need and conn.waiter is None and not conn.paused and not conn.resting:
+        if end - pos >= need and conn.waiter is None and not conn.paused and not conn.resting \
+                and conn.sliced is None:
             self._later.append(conn)  # whole requests left: served at the next turn
+
+    def _next_slice(self, conn: _Conn) -> bool:
+        """Read the next slice of ``conn``'s request of many keys; True once it was answered
+        (or parked) and the requests behind it may run."""
+        assert conn.sliced is not None
+        try:
+            reply = conn.sliced.step()
+        except (ValueError, IndexError, struct.error, UnicodeDecodeError, OverflowError) as e:
+            self._drop(conn, f"malformed request: {e}")
+            return False
+        if isinstance(reply, Sliced):
+            self._later.append(conn)
+            return False
+        conn.sliced = None
+        if reply is None:
+            self._pending.discard(conn)
+        else:
+            self._send(conn, reply)
+        return not conn.closed
 
     def _rest(self, conn: _Conn, spent: float) -> None:
         """``conn`` had ``spent`` seconds of heavy requests: read it again only once every
@@ -720,14 +817,15 @@ class StoreServer:
         conn.resting = False
         self._watch(conn)
         self._mind_deadlines(conn)
-        if conn.inbuf:
+        if conn.inbuf or conn.sliced is not None:
             self._resume.append(conn)
 
     def _mind_deadlines(self, conn: _Conn) -> None:
         """Watch ``conn``'s deadlines again (its proof, its partial frame's pace) after a rest or
         a pause, during which they were not watched; a sender that sits still from then on is
         dropped all the same."""
-        if conn.waiter is None and (not conn.proven or conn.inbuf or conn.skip):
+        if conn.waiter is None and conn.sliced is None and (
+                not conn.proven or conn.inbuf or conn.skip):
             self._pending.add(conn)
 
     def _control_frames(self, conn: _Conn) -> None:
@@ -750,7 +848,7 @@ class StoreServer:
         conn.need = need
         if not was_partial:
             conn.vetted = False
-        if conn.waiter is None and not conn.paused and not conn.resting:
+        if conn.waiter is None and not conn.paused and not conn.resting and conn.sliced is None:
             if not was_partial:  # a new frame's clock starts with its first byte
                 conn.started = time.monotonic()
             self._pending.add(conn)
@@ -908,6 +1006,7 @@ class StoreServer:
         if conn.closed:
             return
         conn.closed = True
+        conn.sliced = None
         self._pending.discard(conn)
         self._hold(conn, 0)
         if conn.waiter is not None:
