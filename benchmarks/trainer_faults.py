@@ -332,7 +332,8 @@ def main() -> None:
             figures = check(run(trainer, Scenario(accumulate=accumulate),
                                 Path(args.dir) / trainer / f"reference-{accumulate}"))
             reference[accumulate] = figures["loss"]
-            print(json.dumps({"trainer": trainer, **figures}), flush=True)
+            results.append({"trainer": trainer, **figures})
+            print(json.dumps(results[-1]), flush=True)
         for round_ in range(args.repeat):
             for i, scenario in enumerate(matrix()):
                 out = Path(args.dir) / trainer / f"{round_}-{i}"
@@ -348,7 +349,8 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "failures": failures},
                                               indent=1))
-    print(f"{len(results)} scenarios passed, {len(failures)} failed")
+    print(f"{len(results)} runs passed (the fault-free references among them), "
+          f"{len(failures)} failed")
     sys.exit(1 if failures else 0)
 
 
