@@ -9,13 +9,14 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.plugdist-installed
 ULFM := $(VENV)/ulfm
 # every distribution of the repo: the core, each plugin (the example backend plugins/toy among
-# them), the test-only toy store, the workspace
+# them), each trainer integration, the test-only toy store, the workspace
 DISTS := core/pyproject.toml $(sort $(wildcard plugins/*/pyproject.toml)) \
+         $(sort $(wildcard integrations/*/pyproject.toml)) \
          tests/plugins/plugdist-toystore/pyproject.toml pyproject.toml
 EDITABLES := $(foreach d,$(filter-out pyproject.toml,$(DISTS:/pyproject.toml=)),-e $(d)) -e ".[dev]"
 
-# what mypy checks: the core and every plugin's sources
-TYPED := core/src/plugdist $(sort $(wildcard plugins/*/src))
+# what mypy checks: the core's, every plugin's and every integration's sources
+TYPED := core/src/plugdist $(sort $(wildcard plugins/*/src)) $(sort $(wildcard integrations/*/src))
 
 .PHONY: test test-resilience lint demo bench info clean venv
 

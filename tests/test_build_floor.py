@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / ".gpu-wheels"  # filled by `make gpu-wheels`
 PROJECTS = sorted([ROOT / "pyproject.toml", *ROOT.glob("core/pyproject.toml"),
                    *ROOT.glob("plugins/*/pyproject.toml"),
+                   *ROOT.glob("integrations/*/pyproject.toml"),
                    *ROOT.glob("tests/plugins/*/pyproject.toml")])
 
 

@@ -11,7 +11,8 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCE_ROOTS = [REPO / "core" / "src", *sorted((REPO / "plugins").glob("*/src"))]
+SOURCE_ROOTS = [REPO / "core" / "src", *sorted((REPO / "plugins").glob("*/src")),
+                *sorted((REPO / "integrations").glob("*/src"))]
 
 
 def _modules() -> dict[str, Path]:

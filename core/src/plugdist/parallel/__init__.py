@@ -7,7 +7,8 @@
 from .bucketing import DEFAULT_FIRST_BUCKET_BYTES, compute_bucket_assignment
 from .comm_hooks import CommHook, GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .ddp import DistributedDataParallel
-from .fault_tolerant import BelowMinWorldSizeError, ElasticSampler, ResilientTraining
+from .elastic_sampler import ElasticSampler
+from .fault_tolerant import BelowMinWorldSizeError, ResilientTraining, is_rank_failure
 from .join import Join, Joinable, JoinHook
 from .logging_data import DDPLogger
 from .reducer import BucketedReducer, Reducer, ReducerOptions
@@ -18,4 +19,5 @@ __all__ = [
     "CommHook", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "Join", "Joinable",
     "JoinHook", "DDPLogger", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES",
     "resilient_allreduce_hook", "ResilientTraining", "ElasticSampler", "BelowMinWorldSizeError",
+    "is_rank_failure",
 ]

@@ -16,6 +16,10 @@
    the epoch's permutation, shared out by the ranks of the world that committed it, so when the
    world size changes no sample of the epoch is skipped or seen twice by committed steps.
 
+:meth:`ResilientTraining.run_step` does all three for a step function. A trainer that owns the
+optimizer step itself (Lightning, Hugging Face's Trainer) calls the parts instead:
+``vote``, ``recover`` and ``admit``, and ``agree`` for collectives outside the step.
+
 All members and joiners call the same methods in the same order; see docs/fault_tolerance.md.
 """
 
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import random
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -34,8 +37,9 @@ from ..errors import DistError, DistRankFailureError
 from ..log import get_logger
 from ..membership import off_hint
 from ..world import world
+from .elastic_sampler import ElasticSampler
 
-__all__ = ["ResilientTraining", "ElasticSampler", "BelowMinWorldSizeError"]
+__all__ = ["ResilientTraining", "ElasticSampler", "BelowMinWorldSizeError", "is_rank_failure"]
 
 _VOTE_BLOCK = 64  # the vote outcomes of this many steps are dropped from the store at once
 _FORGOTTEN = "plugdist/ft/forgotten"  # the votes of the epochs up to this one were dropped
@@ -47,9 +51,9 @@ class BelowMinWorldSizeError(DistError):
     """The world lost so many ranks that it fell below ``min_world_size``."""
 
 
-def _rank_failure(err: BaseException) -> bool:
-    """Whether ``err`` (or what it wraps: torch's DDP re-raises hook errors as RuntimeError)
-    is a rank failure."""
+def is_rank_failure(err: BaseException) -> bool:
+    """Whether ``err`` (or what it wraps: torch's DDP re-raises hook errors as RuntimeError,
+    trainers wrap what a step raised) is a rank failure (:class:`plugdist.DistRankFailureError`)."""
     seen = 0
     while err is not None and seen < 8:
         if isinstance(err, DistRankFailureError):
@@ -61,94 +65,38 @@ def _rank_failure(err: BaseException) -> bool:
     return False
 
 
-class ElasticSampler:
-    """The sample indices of each step, for a world whose size changes mid-epoch.
-
-    Each epoch is one permutation of ``range(num_samples)`` (``seed`` + epoch; in order without
-    ``shuffle``). A step takes the next ``batch_size * world_size`` samples of it (fewer at the
-    epoch's end), and rank r of the world at that step takes its r-th share; :meth:`commit`
-    moves past them only when the step is committed. So the committed steps of an epoch cover
-    each sample exactly once, whatever the world size did meanwhile. Not thread-safe."""
-
-    def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False) -> None:
-        if num_samples < 1 or batch_size < 1:
-            raise ValueError(f"ElasticSampler needs num_samples >= 1 and batch_size >= 1, got "
-                             f"{num_samples} and {batch_size}")
-        self.num_samples, self.batch_size = num_samples, batch_size
-        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        self.epoch = 0
-        self.consumed = 0  # samples of this epoch taken by committed steps
-        self._order: list[int] | None = None
-
-    def _permutation(self) -> list[int]:
-        if self._order is None:
-            order = list(range(self.num_samples))
-            if self.shuffle:
-                random.Random(self.seed + self.epoch).shuffle(order)
-            self._order = order
-        return self._order
-
-    def _global_batch(self, world_size: int) -> tuple[int, int]:
-        """[start, end) of the next step's samples in the permutation."""
-        end = min(self.consumed + self.batch_size * world_size, self.num_samples)
-        return self.consumed, end
-
-    def indices(self, rank: int | None = None, world_size: int | None = None) -> list[int]:
-        """This rank's samples for the next step (default: plugdist's current rank and world
-        size). At an epoch's end the last global batch is shared out as evenly as it goes."""
-        rank = world.rank if rank is None else rank
-        world_size = world.size if world_size is None else world_size
-        start, end = self._global_batch(world_size)
-        share = (end - start) // world_size
-        extra = (end - start) % world_size
-        lo = start + rank * share + min(rank, extra)
-        hi = lo + share + (1 if rank < extra else 0)
-        return self._permutation()[lo:hi]
-
-    def commit(self, world_size: int) -> None:
-        """The step taken at ``world_size`` was committed: move past its samples, and on to the
-        next epoch once the permutation is used up (or can no longer fill a global batch with
-        ``drop_last``)."""
-        self.consumed = self._global_batch(world_size)[1]
-        left = self.num_samples - self.consumed
-        if left <= 0 or (self.drop_last and left < self.batch_size * world_size):
-            self.epoch += 1
-            self.consumed = 0
-            self._order = None
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "consumed": self.consumed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
-        self._order = None
-
-
 class ResilientTraining:
     """Run training steps that commit only when every member finished them.
 
     ``model``: plugdist's DistributedDataParallel, or torch's over a ``plugdist_X`` group
     (register :func:`plugdist.parallel.resilient_allreduce_hook` on it). ``optimizer``: stepped
-    on commit only. ``state_dict``/``load_state_dict``: the training state sent to a joiner
+    on commit by :meth:`run_step` (None where the caller steps it: a trainer that calls
+    :meth:`vote` itself). ``state_dict``/``load_state_dict``: the training state sent to a joiner
     (default: model, optimizer, step and sampler). ``min_world_size``: below it, stop with
     :class:`BelowMinWorldSizeError`. ``timeout``: for shrink, grow and the state transfer
-    (default: the group's).
+    (default: the group's). ``on_world_change``: called with no argument after every shrink and
+    grow this object makes (``get_rank()``/``get_world_size()`` already give the new world; after
+    a grow, the joiners have the state).
 
     Constructed by every member after the model, and by a joiner right after it built its model
     (the joiner then receives the state here, blocking until it has it).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 sampler: ElasticSampler | None = None,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 *, sampler: ElasticSampler | None = None,
                  state_dict: Callable[[], dict[str, Any]] | None = None,
                  load_state_dict: Callable[[dict[str, Any]], None] | None = None,
-                 min_world_size: int = 1, timeout: timedelta | None = None) -> None:
+                 min_world_size: int = 1, timeout: timedelta | None = None,
+                 on_world_change: Callable[[], None] | None = None) -> None:
         pg = world.require("ResilientTraining")
         if world.membership is None:
             raise DistError(off_hint("ResilientTraining"))
+        if optimizer is None and (state_dict is None or load_state_dict is None):
+            raise ValueError("ResilientTraining without an optimizer needs state_dict and "
+                             "load_state_dict: a joiner's state would lack the optimizer's")
         self.model, self.optimizer, self.sampler = model, optimizer, sampler
         self._user_state, self._user_load = state_dict, load_state_dict
+        self._on_world_change = on_world_change
         self.min_world_size = min_world_size
         self.timeout = timeout or pg.timeout
         self.step = 0          # committed steps
@@ -156,6 +104,8 @@ class ResilientTraining:
         self.stopping = False  # a stop was agreed (request_stop): the same on every member
         self._stop_asked = False
         self._grow_due = False
+        self._agreements = 0   # agree() calls since the last commit or world change
+        self._agreed_epoch = world.epoch
         self._torch_group = getattr(model, "process_group", None) \
             if not _is_plugdist_ddp(model) else None
         self._log = get_logger(rank=world.rank)
@@ -174,28 +124,88 @@ class ResilientTraining:
     def run_step(self, step_fn: Callable[[], T]) -> T:
         """Run ``step_fn`` (forward and backward, with DDP's gradient synchronisation) until
         an attempt is committed, then step the optimizer; returns that attempt's result.
-        Blocks; every member calls it once per step."""
+        Blocks; every member calls it once per step. The parts, for a trainer that steps its
+        optimizer itself: ``admit(); step_fn(); vote() and optimizer.step() or recover()``."""
+        if self.optimizer is None:
+            raise ValueError("run_step steps the optimizer: construct ResilientTraining with "
+                             "one, or call admit(), vote() and recover() yourself")
         while True:
-            if self._grow_due:
-                self._grow()
+            self.admit()
             try:
                 result = step_fn()
-                ok, waiting, stop = self._vote(finished=True)
+                finished = True
             except Exception as err:
-                if not _rank_failure(err):
+                if not is_rank_failure(err):
                     raise
-                ok, waiting, stop = self._vote(finished=False)
-            if ok:
+                finished = False
+            if self.vote(finished):
                 self.optimizer.step()
-                size = world.size
-                self.step += 1
-                if self.sampler is not None:
-                    self.sampler.commit(size)
-                self._grow_due = waiting > 0
-                self.stopping = self.stopping or stop > 0
                 return result
-            self.redone += 1
+            self.recover()
+
+    def vote(self, finished: bool = True) -> bool:
+        """Whether the current attempt of the step is committed: every member finished it
+        (``finished``: this member's forward and backward completed; False when they raised a
+        rank failure). True: the caller applies the step (steps its optimizer); :attr:`step`
+        has gone up by one, the sampler has moved past the step's samples, a waiting joiner
+        and a stop request are noted. False: a member failed; call :meth:`recover`, then run the
+        attempt again. Blocks for one small all_reduce and one store compare-and-set; the same
+        outcome on every member. Every member calls it once per attempt."""
+        ok, waiting, stop = self._vote(finished)
+        if ok:
+            self.step += 1
+            if self.sampler is not None:
+                self.sampler.commit(world.size)
+            self._grow_due = waiting > 0
+            self.stopping = self.stopping or stop > 0
+            self._agreements = 0
+        return ok
+
+    def recover(self) -> None:
+        """After a vote that did not commit: discard the attempt's gradients (a partially
+        reduced one is never applied), shrink the world to the survivors and give the model a
+        fresh reducer. The caller then runs the whole attempt again, every micro-batch of an
+        accumulated step included. Blocks up to ``timeout``; raises
+        :class:`BelowMinWorldSizeError` when too few are left."""
+        self.redone += 1
+        if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.model.zero_grad(set_to_none=True)
+        self._shrink()
+
+    def admit(self) -> bool:
+        """At a step boundary: if the last committed vote saw a process waiting to join, admit
+        it (``grow_group``), bring the model's replicas in line and send the joiners the
+        training state. Returns whether the world changed (it may also have shrunk, when a
+        member or the joiner died meanwhile). Blocks; every member calls it at the same step."""
+        if not self._grow_due:
+            return False
+        before = world.epoch
+        self._grow()
+        return world.epoch != before
+
+    def agree(self, fn: Callable[[], T]) -> T:
+        """Run ``fn``, collectives outside a step (a metric's all_reduce, a checkpoint's
+        barrier or broadcast, an evaluation), until every member completed it: after each run
+        the members vote as for a step; when a member failed, the survivors shrink and run
+        ``fn`` again. Returns the result of the run that every member completed; raises what
+        ``fn`` raises other than a rank failure. Every member calls it at the same point."""
+        while True:
+            try:
+                result = fn()
+                finished = True
+            except Exception as err:
+                if not is_rank_failure(err):
+                    raise
+                finished = False
+            if world.epoch != self._agreed_epoch:
+                self._agreements, self._agreed_epoch = 0, world.epoch
+            self._agreements += 1
+            block = self.step // _VOTE_BLOCK
+            key = f"plugdist/ft/{world.epoch}/step/{block}/{self.step}/{self._agreements}"
+            if self._decide(key, finished)[0]:
+                return result
             self._shrink()
 
     def _vote(self, finished: bool) -> tuple[bool, float, float]:
@@ -233,7 +243,7 @@ class ResilientTraining:
                 pg.run_blocking("all_reduce", votes)
                 agreed = int(votes[0].item()) == world.size
             except DistError as err:
-                if not _rank_failure(err):
+                if not is_rank_failure(err):
                     raise
         # the committing member writes the sums with the outcome, so a member whose all_reduce
         # failed after another's completed still reads the same sums
@@ -252,6 +262,8 @@ class ResilientTraining:
         self._check_size()
         self._rebind(grown=False)
         self._log.info("resilient_training_shrunk", step=self.step, world_size=world.size)
+        if self._on_world_change is not None:
+            self._on_world_change()
 
     def _grow(self) -> None:
         from .. import resilience
@@ -268,10 +280,12 @@ class ResilientTraining:
             self._rebind(grown=True)
             rebound = True
         except Exception as err:
-            if not _rank_failure(err):
+            if not is_rank_failure(err):
                 raise
             rebound = False
         self._transfer_state(sending=True, ready=rebound)
+        if self._on_world_change is not None:
+            self._on_world_change()
 
     def _forget_old_epoch(self) -> None:
         """Rank 0 drops the votes of the epochs before last (a member may still read the last),
@@ -314,7 +328,7 @@ class ResilientTraining:
                 try:
                     broadcast_object_list(payload, src=0)
                 except Exception as err:
-                    if not _rank_failure(err):
+                    if not is_rank_failure(err):
                         raise
                     done = False
             if self._decide(f"plugdist/ft/{world.epoch}/state", done)[0]:
@@ -326,11 +340,13 @@ class ResilientTraining:
             world.state_received = True
 
     def _state(self) -> bytes:
-        state = {"step": self.step,
-                 "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-                 "user": (self._user_state() if self._user_state is not None else
-                          {"model": self.model.state_dict(),
-                           "optimizer": self.optimizer.state_dict()})}
+        if self._user_state is not None:
+            user = self._user_state()
+        else:
+            assert self.optimizer is not None  # checked at construction
+            user = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        state = {"step": self.step, "user": user,
+                 "sampler": self.sampler.state_dict() if self.sampler is not None else None}
         return pickle.dumps(state)
 
     def _load(self, blob: bytes) -> None:
@@ -341,6 +357,7 @@ class ResilientTraining:
         if self._user_load is not None:
             self._user_load(state["user"])
         else:
+            assert self.optimizer is not None  # checked at construction
             self.model.load_state_dict(state["user"]["model"])
             self.optimizer.load_state_dict(state["user"]["optimizer"])
 
