@@ -211,7 +211,8 @@ class ResilientDDPStrategy(DDPStrategy):
             shard = min(shard, int(batches) * batch_size)
         # processed micro-batches (the one running a step is not yet) less those of a step not
         # yet committed
-        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        # a _ProcessedTracker at run time; Lightning annotates the field with its base class
+        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
         committed = processed - (len(self._window) if self._open is None else self._open)
         return max(0, shard - committed * batch_size)
 
