@@ -522,7 +522,9 @@ def test_token_authentication(monkeypatch: pytest.MonkeyPatch) -> None:
     try:
         for p in workers:
             wait_ready(p)
-        assert eventually(lambda: master.num_keys() > 50)  # the clients are at work
+        # every client is at work (its second round begun) before the attacks
+        master.wait([f"client/{p.pid}-{i}/1" for p in workers for i in range(25)],
+                    timedelta(seconds=60))
 
         def refused(**kw: object) -> str:
             start = time.monotonic()

@@ -719,8 +719,16 @@ class StoreServer:
             return
         conn.resting = False
         self._watch(conn)
+        self._mind_deadlines(conn)
         if conn.inbuf:
             self._resume.append(conn)
+
+    def _mind_deadlines(self, conn: _Conn) -> None:
+        """Watch ``conn``'s deadlines again (its proof, its partial frame's pace) after a rest or
+        a pause, during which they were not watched; a sender that sits still from then on is
+        dropped all the same."""
+        if conn.waiter is None and (not conn.proven or conn.inbuf or conn.skip):
+            self._pending.add(conn)
 
     def _control_frames(self, conn: _Conn) -> None:
         """Run the RENEW and WILL_DROP frames at the front of a parked connection's input (its
@@ -879,6 +887,7 @@ class StoreServer:
         del conn.out[:n]
         if conn.paused and len(conn.out) <= self.limits.max_unread_reply_bytes // 2:
             conn.paused = False
+            self._mind_deadlines(conn)
             if conn.inbuf:
                 self._resume.append(conn)
         if not conn.out or not conn.paused:

@@ -27,13 +27,10 @@ import re
 import secrets
 import struct
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import _wire as w
 from .worldkeys import CLOSED, CURRENT, DEATHS, JOIN, JOIN_COUNT, JOIN_DONE, NO_TRIM, TRIM
-
-if TYPE_CHECKING:
-    from ._tcp_keyspace import KeySpace
 
 __all__ = ["Worlds"]
 
@@ -64,6 +61,21 @@ _DECLARING = frozenset(("excluded", "reported", "hung"))
 _MAX_RECORD = 64 * 1024
 
 
+class KeyPrimitives(Protocol):
+    """What the worlds need of the key space (:class:`~plugdist.store._tcp_keyspace.KeySpace`,
+    which owns them): its writes, each waking whoever waits on the key."""
+
+    def value(self, key: bytes) -> bytes | None: ...
+    def put(self, key: bytes, value: bytes) -> None: ...
+    def add_to(self, key: bytes, amount: int) -> int | bytes: ...
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes: ...
+    def delete(self, key: bytes) -> bool: ...
+    def delete_prefix(self, prefix: bytes, reserved_too: bool) -> int: ...
+    def append_entry(self, log: bytes, value: bytes) -> int: ...
+    def read_counter(self, key: bytes) -> bytes: ...
+    def arm(self, conn: Any, ttl: float) -> None: ...
+
+
 class _Refused(Exception):
     """A world operation refused; its message is the ERROR reply."""
 
@@ -91,7 +103,7 @@ class _World:
 class Worlds:
     """Every world of one server's key space (see the module docstring)."""
 
-    def __init__(self, keys: KeySpace, notice: Callable[..., None]) -> None:
+    def __init__(self, keys: KeyPrimitives, notice: Callable[..., None]) -> None:
         self._keys = keys
         self._notice = notice
         self._worlds: dict[bytes, _World] = {}
