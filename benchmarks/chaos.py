@@ -151,6 +151,8 @@ class Run:
         env = dict(os.environ, CHAOS_DIR=str(work), PLUGDIST_TORCH_WORLD="0",
                    PLUGDIST_HEARTBEAT_TIMEOUT=str(args.hang_timeout),
                    CHAOS_GIL_S=str(args.hang_timeout + 2))
+        if hosts is not None:  # the store listens beyond loopback: every node the same token
+            env["PLUGDIST_STORE_TOKEN"] = os.urandom(24).hex()
         self.files = []
         self.procs = []
         for host in range(1 if hosts is None else 2):

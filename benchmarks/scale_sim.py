@@ -6,8 +6,8 @@ plugdist's real client (``TCPStore``, its ``Will`` and renewal thread), the real
 the real key layout of ``plugdist.membership``:
 
 * **rendezvous**: open a store client, ``add`` 1 to a counter, the last one ``set``s the go key,
-  ``wait`` for it; then leave its will (``hold_will(..., ttl=)``: one connection, renewed by the
-  process's renewal thread every quarter ttl);
+  ``wait`` for it; then claim its identity (``claim_member(..., ttl=)``: one connection whose
+  will the server writes itself, renewed by the process's renewal thread every quarter ttl);
 * **liveness**: park one ``read_log`` on the death log, on the will's connection, as
   membership's monitor does, and note when it has learnt of every victim. By default the
   process's members park their reads through one epoll loop (``--monitor loop``: the same
@@ -17,7 +17,8 @@ the real key layout of ``plugdist.membership``:
   process) does not have;
 * **shrink**: append its uid to the epoch's arrival log; the coordinator (the first member)
   reads that log with parked waits until every survivor arrived, writes the decision with one
-  compare-and-set and announces it in the death log, where every survivor's wait sees it.
+  compare-and-set and announces it in the death log, where every survivor's wait sees it; each
+  write is a member's checked write (its credential, checked by the server), as membership's.
 
 The store's server runs in a process of its own (its CPU is read from /proc). Members run in
 ``--procs`` processes of threads; one more process hosts a "node" of ``--victims`` members,
@@ -145,6 +146,7 @@ class _Members:
         self.decided_at: dict[str, float] = {}
         self.errors: list[str] = []
         self.wills: dict[str, Any] = {}
+        self.sessions: dict[str, Any] = {}  # each member's identity, for its checked writes
         self.stopping = False
         self.victims = set(args.victim_uids.split(",")) if args.victim_uids else set()
         # the process's few shared connections (a real member has its own main connection)
@@ -169,12 +171,13 @@ class _Members:
                     store.set(RDZV_GO, b"1")
             store.wait([RDZV_GO])
             met = time.monotonic()
-            with self.gate:  # membership's start: the will, on a connection of its own
-                will = store.hold_will(DEATHS, json.dumps({"uid": uid, "cause": "died"}),
-                                       ttl=self.args.ttl)
+            with self.gate:  # membership's start: the identity, on a connection of its own
+                session = store.claim_member("", uid, self.args.members, self.args.ttl)
+                will = session.will
             store.close()  # see the module docstring: the fd limit of one server process
             with self.lock:
                 self.wills[uid] = will
+                self.sessions[uid] = session
                 self.met_at[uid] = met
                 self.ready_at[uid] = time.monotonic()
                 self.lock.notify_all()
@@ -258,7 +261,7 @@ class _Members:
                         uid = todo.get_nowait()
                     except queue.Empty:
                         return
-                    _append_log(store, arrivals, uid)
+                    _append_log(self.sessions[uid].using(store), arrivals, uid)
             finally:
                 self.shared.put(store)
 
@@ -282,9 +285,10 @@ class _Members:
                 next_entry += len(entries)
                 arrived.update(e.decode() for e in entries)
             ours = json.dumps({"excluded": sorted(self.victims)})
-            if store.compare_set(decided, b"", ours) == ours.encode():
-                _append_log(store, DEATHS, json.dumps({"uid": self.uids[0], "cause": "decided",
-                                                       "key": decided, **json.loads(ours)}))
+            me = self.sessions[self.uids[0]].using(store)
+            if me.compare_set(decided, b"", ours) == ours.encode():
+                me.record(json.dumps({"uid": self.uids[0], "cause": "decided", "key": decided,
+                                      **json.loads(ours)}))
         finally:
             self.shared.put(store)
 

@@ -14,7 +14,9 @@
 # Usage: scripts/gpu_check.sh [RESULTS_DIR]   (default: $OUT if set, else gpu-check-results)
 # Environment: PYTHON (default python3), GPU_WHEELS (.gpu-wheels), GPU_VENV (.gpu-venv),
 # GPU_CHECK_DRY_RUN=1 (run every step without a GPU: the GPU tests skip; verdict DRY-RUN),
-# GPU_CHECK_SETUP_ONLY=1 (stop after the install, verdict SETUP: to run other GPU scripts).
+# GPU_CHECK_SETUP_ONLY=1 (stop after the install, verdict SETUP: to run other GPU scripts),
+# GPU_CHECK_WORKERS=N (run tests/test_nccl.py on N pytest-xdist workers, when the image has
+# pytest-xdist: the tests share the GPU; a few minutes become about one).
 # Exit status: 0 PASS (or a clean dry run), 1 FAIL, 2 cannot run here (no CUDA device, ...).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -105,7 +107,12 @@ run() {  # run NAME PYTEST-ARGS...: one pytest session with its own junit file
   timeout "${GPU_CHECK_STEP_TIMEOUT:-1500}" "$vpy" -m pytest -q -rfEs -p no:cacheprovider \
     --junitxml="$results/$name.xml" "$@" 2>&1 | tee -a "$log" | tail -25
 }
-run nccl-tests tests/test_nccl.py -k "not conformance_on_gpus"
+workers=${GPU_CHECK_WORKERS:-1}
+parallel=()
+if [ "$workers" -gt 1 ] && "$vpy" -c "import xdist" 2>/dev/null; then
+  parallel=(-n "$workers")
+fi
+run nccl-tests "${parallel[@]}" tests/test_nccl.py -k "not conformance_on_gpus"
 run conformance-nccl --pyargs plugdist.testing.conformance --plugdist-backend nccl \
   --plugdist-world-sizes 1,2
 

@@ -4,6 +4,10 @@ modulo the GPU count)."""
 
 from __future__ import annotations
 
+import functools
+import time
+from typing import Any
+
 import plugdist as dist
 import torch
 from plugdist.testing.checks import check_device
@@ -308,3 +312,327 @@ def torch_over_plugdist_nccl(rank: int, ws: int, ports: list[int]) -> list[str]:
         finally:
             tdist.destroy_process_group()
     return problems
+
+
+# -- CUDA graphs -------------------------------------------------------------------------------
+def _capture_cases(rank: int, ws: int, dev: torch.device) -> tuple[Any, Any, Any]:
+    """Every op torch's NCCL lets you capture, on plugdist's group and through torch over it:
+    ``fill(k)`` sets the inputs for trial k, ``issue()`` runs the ops (eagerly or inside a
+    capture), ``check(k)`` lists wrong outputs. Every value is linear in k, so a replay after
+    fill(k) must give k times the k=1 results."""
+    import torch.distributed as tdist
+
+    full = functools.partial(torch.full, device=dev)
+    t: dict[str, Any] = {
+        "ar": full((4,), 0.0), "ar_async": full((4,), 0.0), "avg": full((4,), 0.0),
+        "max": full((4,), 0.0), "bc": full((3,), 0.0), "red": full((3,), 0.0),
+        "agt_in": full((2,), 0.0), "agt": full((2 * ws,), -1.0),
+        "ag_in": full((2,), 0.0), "ag": [full((2,), -1.0) for _ in range(ws)],
+        "rst_in": full((2 * ws,), 0.0), "rst": full((2,), -1.0),
+        "rs_in": [full((2,), 0.0) for _ in range(ws)], "rs": full((2,), -1.0),
+        "a2a_in": full((ws,), 0.0), "a2a": full((ws,), -1.0),
+        "a2al_in": [full((1,), 0.0) for _ in range(ws)], "a2al": [full((1,), -1.0)
+                                                                  for _ in range(ws)],
+        "g_in": full((2,), 0.0), "g": [full((2,), -1.0) for _ in range(ws)] if rank == 0 else None,
+        "s": full((2,), -1.0), "s_in": [full((2,), 0.0) for _ in range(ws)] if rank == 0 else None,
+        "p2p_out": full((2,), 0.0), "p2p_in": full((2,), -1.0),
+        "torch_ar": full((4,), 0.0), "torch_async": full((4,), 0.0), "torch_agt": full((ws,), -1.0),
+    }
+
+    def fill(k: float) -> None:
+        v = float(rank + 1) * k
+        for name in ("ar", "ar_async", "avg", "max", "bc", "red", "agt_in", "ag_in", "torch_ar",
+                     "torch_async", "p2p_out"):
+            t[name].fill_(v)
+        for i in range(ws):
+            t["rst_in"][2 * i:2 * i + 2].fill_(v + 10 * i * k)
+            t["rs_in"][i].fill_(v + 10 * i * k)
+            t["a2a_in"][i] = (100 * rank + i) * k
+            t["a2al_in"][i].fill_((100 * rank + i) * k)
+            if t["s_in"] is not None:
+                t["s_in"][i].fill_((7 * i + 1) * k)
+        t["g_in"].fill_(v)
+
+    def issue() -> None:
+        dist.all_reduce(t["ar"])
+        dist.all_reduce(t["ar_async"], async_op=True).wait()
+        dist.all_reduce(t["avg"], op=dist.ReduceOp.AVG)
+        dist.all_reduce(t["max"], op=dist.ReduceOp.MAX)
+        dist.broadcast(t["bc"], src=ws - 1)
+        dist.reduce(t["red"], dst=0)
+        dist.all_gather_into_tensor(t["agt"], t["agt_in"])
+        dist.all_gather(t["ag"], t["ag_in"])
+        dist.reduce_scatter_tensor(t["rst"], t["rst_in"])
+        dist.reduce_scatter(t["rs"], t["rs_in"])
+        dist.all_to_all_single(t["a2a"], t["a2a_in"])
+        dist.all_to_all(t["a2al"], t["a2al_in"])
+        dist.gather(t["g_in"], t["g"], dst=0)
+        dist.scatter(t["s"], t["s_in"], src=0)
+        if ws > 1:
+            works = [dist.isend(t["p2p_out"], dst=(rank + 1) % ws),
+                     dist.irecv(t["p2p_in"], src=(rank - 1) % ws)]
+            for w in works:
+                w.wait()
+        tdist.all_reduce(t["torch_ar"])  # torch over plugdist_nccl: its synchronous path
+        tdist.all_reduce(t["torch_async"], async_op=True).wait()
+        tdist.all_gather_into_tensor(t["torch_agt"], t["torch_ar"][:1].contiguous())
+
+    def check(k: float) -> list[str]:
+        total = ws * (ws + 1) / 2 * k
+        want: dict[str, Any] = {
+            "ar": [total] * 4, "ar_async": [total] * 4, "avg": [total / ws] * 4,
+            "max": [ws * k] * 4, "bc": [ws * k] * 3,
+            "red": [total if rank == 0 else (rank + 1) * k] * 3,
+            "agt": [(r + 1) * k for r in range(ws) for _ in range(2)],
+            "ag": [[(r + 1) * k] * 2 for r in range(ws)],
+            "rst": [total + ws * 10 * rank * k] * 2, "rs": [total + ws * 10 * rank * k] * 2,
+            "a2a": [(100 * r + rank) * k for r in range(ws)],
+            "a2al": [[(100 * r + rank) * k] for r in range(ws)],
+            "g": [[(r + 1) * k] * 2 for r in range(ws)] if rank == 0 else None,
+            "s": [(7 * rank + 1) * k] * 2,
+            "torch_ar": [total] * 4, "torch_async": [total] * 4, "torch_agt": [total] * ws,
+        }
+        if ws > 1:
+            want["p2p_in"] = [((rank - 1) % ws + 1) * k] * 2
+        bad = []
+        for name, expected in want.items():
+            got = t[name]
+            got = [x.tolist() for x in got] if isinstance(got, list) else \
+                None if got is None else got.tolist()
+            if got != expected:
+                bad.append(f"{name}: got {got}, want {expected}")
+        return bad
+
+    return fill, issue, check
+
+
+def graph_capture(rank: int, ws: int) -> list[str]:
+    """Every capturable op captured in one CUDA graph (torch's default, global capture mode)
+    on plugdist's group and through torch over it, then replayed twice with new inputs; the
+    results must equal the eager ones. While the graph is captured, another thread keeps eager
+    ops of a second group in flight, so that group's watchdog queries events throughout the
+    capture (it must not disturb it). A captured Work refuses is_completed() clearly, a barrier
+    refuses to be captured, and the group works eagerly afterwards."""
+    import threading
+
+    dev = _gpu()
+    problems: list[str] = []
+    fill, issue, check = _capture_cases(rank, ws, dev)
+    fill(1.0)
+    issue()  # eagerly first: the communicator, p2p connections, torch's lazy state
+    torch.cuda.synchronize(dev)
+    problems += [f"eager: {p}" for p in check(1.0)]
+
+    other = dist.new_group(list(range(ws)))
+    busy = torch.ones(1 << 20, device=dev)
+    dist.all_reduce(busy, group=other)
+    torch.cuda.synchronize(dev)
+    capturing, captured = threading.Event(), threading.Event()
+    eager_errors: list[str] = []
+    side = torch.cuda.Stream(dev)  # not the legacy default stream, which a capture forbids
+
+    def eager_traffic() -> None:
+        torch.cuda.set_device(dev)
+        try:
+            with torch.cuda.stream(side):
+                capturing.wait(60)
+                for _ in range(20):
+                    dist.all_reduce(busy, group=other, async_op=True).wait()
+                captured.wait(60)
+            side.synchronize()
+        except Exception as exc:  # noqa: BLE001 - reported as a problem
+            eager_errors.append(f"{type(exc).__name__}: {exc}")
+
+    traffic = threading.Thread(target=eager_traffic)
+    traffic.start()
+    graph = torch.cuda.CUDAGraph()
+    refusals = []
+    try:
+        with torch.cuda.graph(graph):
+            capturing.set()
+            issue()
+            work = dist.all_reduce(torch.ones(1, device=dev), async_op=True)
+            try:
+                work.is_completed()
+                refusals.append("is_completed() of a captured op answered")
+            except dist.DistBackendError as err:
+                if "captured in a CUDA graph" not in str(err):
+                    refusals.append(f"is_completed(): {err}")
+            work.wait()
+            time.sleep(0.3)  # the other thread's ops stay in flight, watched, meanwhile
+    finally:
+        captured.set()
+        traffic.join(120)
+    problems += refusals + [f"eager ops on another thread: {e}" for e in eager_errors]
+    if busy[0].item() != float(ws ** 21):
+        problems.append(f"the other group's eager ops gave {busy[0].item()}, want {ws ** 21}")
+    for k in (2.0, 3.0):
+        fill(k)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        problems += [f"replay k={k}: {p}" for p in check(k)]
+
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            dist.barrier()
+        problems.append("a barrier was captured without an error")
+    except dist.DistBackendError as err:
+        if "barrier cannot be captured in a CUDA graph" not in str(err):
+            problems.append(f"barrier in a capture: {err}")
+    fill(5.0)
+    issue()
+    torch.cuda.synchronize(dev)
+    problems += [f"eager after the captures: {p}" for p in check(5.0)]
+    return problems
+
+
+def graph_training_step(rank: int, ws: int, through: str) -> list[str]:
+    """A training step (forward, backward, all_reduce of every gradient, SGD with momentum)
+    captured in a CUDA graph as torch's docs capture a whole network, replayed for 5 steps,
+    against the same steps run eagerly on an identical model: parameters equal after every
+    step. ``through``: "plugdist" (plugdist.all_reduce) or "bridge" (torch.distributed over
+    plugdist_nccl)."""
+    import torch.distributed as tdist
+
+    dev = _gpu()
+    all_reduce = dist.all_reduce if through == "plugdist" else tdist.all_reduce
+
+    def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4)).to(dev)
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+             y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        for p in model.parameters():
+            all_reduce(p.grad)
+            p.grad.div_(ws)
+        opt.step()
+        return loss.detach()
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batches = [(torch.randn(8, 16, generator=gen).to(dev), torch.randn(8, 4, generator=gen).to(dev))
+               for _ in range(8)]
+    eager_model, eager_opt = model_and_optimizer()
+    graph_model, graph_opt = model_and_optimizer()
+    static_x, static_y = batches[0][0].clone(), batches[0][1].clone()
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up, as torch's docs do it: 3 steps on a side stream
+        for x, y in batches[:3]:
+            for model, opt in ((eager_model, eager_opt), (graph_model, graph_opt)):
+                opt.zero_grad(set_to_none=True)
+                static_x.copy_(x)
+                static_y.copy_(y)
+                step(model, opt, static_x, static_y)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    graph_opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = step(graph_model, graph_opt, static_x, static_y)
+    problems = []
+    for i, (x, y) in enumerate(batches[3:]):
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+        eager_opt.zero_grad(set_to_none=True)
+        eager_loss = step(eager_model, eager_opt, x, y)
+        torch.cuda.synchronize(dev)
+        diff = max((a - b).abs().max().item() for a, b in
+                   zip(graph_model.parameters(), eager_model.parameters(), strict=True))
+        if diff > 1e-6 or abs(static_loss.item() - eager_loss.item()) > 1e-6:
+            problems.append(f"{through} step {i}: parameters differ by {diff}, loss "
+                            f"{static_loss.item()} (graph) vs {eager_loss.item()} (eager)")
+    params = torch.cat([p.detach().reshape(-1) for p in graph_model.parameters()])
+    everyone = [torch.zeros_like(params) for _ in range(ws)]
+    dist.all_gather(everyone, params)
+    if not all(torch.equal(everyone[0], p) for p in everyone):
+        problems.append(f"{through}: parameters differ across ranks after the replays")
+    return problems
+
+
+def graph_replay_hang(rank: int, ws: int) -> str:
+    """Both ranks capture an all_reduce and replay it once together; then rank 0 replays it
+    again while rank 1 never does. Rank 0's watchdog must name the stuck replay after the group
+    timeout and end the process (NCCL_ASYNC_ERROR_HANDLING's default)."""
+    dev = _gpu()
+    t = torch.ones(4, device=dev)
+    dist.all_reduce(t)
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dist.all_reduce(t)
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    if rank == 1:
+        time.sleep(25)
+        return "slept"
+    graph.replay()  # rank 1 never joins this one
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.1)  # the watchdog ends this process
+    return "the stuck replay was not named"
+
+
+def sync_ops_on_caller_stream(rank: int, ws: int) -> list[str]:
+    """Synchronous ops (the lean route) run on the caller's current stream: queued after a long
+    kernel there, seen by the next kernel there, with the host never blocked; each lean op."""
+    dev = _gpu()
+    problems = []
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    big = torch.randn(4096, 4096, device=dev)
+    with torch.cuda.stream(side):
+        t = torch.zeros(1 << 16, device=dev)
+        for _ in range(4):
+            big = big @ big / 4096  # keeps the stream busy: a missing dependency would show
+        t.add_(rank + 1)
+        dist.all_reduce(t)
+        t.add_(100)
+        out = torch.empty(ws * 4, device=dev)
+        dist.all_gather_into_tensor(out, torch.full((4,), float(rank), device=dev))
+        rs = torch.empty(2, device=dev)
+        dist.reduce_scatter_tensor(rs, torch.ones(2 * ws, device=dev))
+        b = torch.full((3,), float(rank), device=dev)
+        dist.broadcast(b, src=ws - 1)
+        r = torch.full((3,), 1.0, device=dev)
+        dist.reduce(r, dst=0)
+        a2a = torch.empty(ws, device=dev)
+        dist.all_to_all_single(a2a, torch.arange(float(ws), device=dev) + 10 * rank)
+    side.synchronize()
+    want = ws * (ws + 1) / 2 + 100
+    if not torch.all(t == want).item():
+        problems.append(f"all_reduce on the caller's stream: {t[:3].tolist()}, want {want}")
+    checks = {"all_gather_into_tensor": (out.tolist(), [float(r) for r in range(ws)
+                                                        for _ in range(4)]),
+              "reduce_scatter_tensor": (rs.tolist(), [float(ws)] * 2),
+              "broadcast": (b.tolist(), [float(ws - 1)] * 3),
+              "reduce": (r.tolist(), [float(ws) if rank == 0 else 1.0] * 3),
+              "all_to_all_single": (a2a.tolist(), [10.0 * s + rank for s in range(ws)])}
+    problems += [f"{op}: {got}, want {expected}" for op, (got, expected) in checks.items()
+                 if got != expected]
+    return problems
+
+
+def sync_op_timeout(rank: int, ws: int) -> str:
+    """A synchronous all_reduce (no Work: the lean route) whose peer never comes is still
+    bounded: the watchdog times it out (NCCL_ASYNC_ERROR_HANDLING=2: abort, the process lives),
+    and the group's next op raises naming it."""
+    dev = _gpu()
+    t = torch.ones(4, device=dev)
+    dist.all_reduce(t)
+    torch.cuda.synchronize(dev)
+    if rank == 1:
+        time.sleep(10)
+        return "slept"
+    dist.all_reduce(t)  # returns at once: queued, never completed by rank 1
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            dist.all_reduce(torch.ones(1, device=dev))
+        except dist.DistBackendError as err:
+            return f"error: {err}"
+        time.sleep(0.2)
+    return "no error"

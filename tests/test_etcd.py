@@ -662,3 +662,25 @@ def test_tls_with_client_certificates(tmp_path) -> None:  # type: ignore[no-unty
         s.close()
         with pytest.raises(DistStoreError, match="no etcd endpoint"):
             plugdist.open_store(cluster.url("tls", cacert=f"{d}/ca.pem"), timedelta(seconds=2))
+
+
+def test_an_unauthenticated_remote_etcd_says_its_membership_is_exposed() -> None:
+    """The core's membership keys are plain keys in etcd: a store reached beyond loopback with
+    neither a user nor a client certificate says so (resilient groups then stay off unless
+    turned on explicitly, with one warning); with authentication, or on loopback, it does not.
+    No etcd is contacted (ttl=0: no job lease)."""
+    import warnings
+
+    from plugdist import groups
+
+    remote = EtcdStore(["10.255.255.1:2379"], "job", ttl=0)
+    why = remote.membership_exposure()
+    assert why is not None and "without authentication" in why and "10.255.255.1" in why
+    assert EtcdStore(["127.0.0.1:2379"], "job", ttl=0).membership_exposure() is None
+    assert EtcdStore(["10.255.255.1:2379"], "job", ttl=0, user="job",
+                     password="x").membership_exposure() is None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert groups._store_exposed(remote, "auto") is True      # off by default
+        assert groups._store_exposed(remote, "on") is False       # on when asked for
+    assert len(seen) == 1 and "resilient groups are off" in str(seen[0].message)

@@ -59,6 +59,14 @@ def hosts() -> Iterator[Hosts]:
         h.remove()
 
 
+def token_file(tmp_path: Path) -> str:
+    """A secret in a file only its owner reads: how every node gets the store's token."""
+    path = tmp_path / "store.token"
+    path.write_text(os.urandom(32).hex() + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
 def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[str, str]]:
     try:
         return [p.communicate(timeout=timeout) for p in procs]
@@ -74,7 +82,9 @@ def test_ddp_across_two_hosts_matches_one_host(hosts: Hosts, tmp_path: Path) -> 
     train = str(SCRIPTS / "ddp_train.py")
     endpoint = f"{hosts.addr[0]}:29400"
     argv = [*LAUNCHER, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", "ddp", train, str(tmp_path), "two_hosts"]
+            "--rdzv-endpoint", endpoint, "--rdzv-id", "ddp",
+            "--rdzv-conf", f"token_file={token_file(tmp_path)}", train, str(tmp_path),
+            "two_hosts"]
     procs = [hosts.popen(h, argv) for h in (0, 1)]
     one = subprocess.Popen([*LAUNCHER, "--standalone", "--nproc-per-node", "4", train,
                             str(tmp_path), "one_host"],
@@ -91,7 +101,8 @@ def test_ddp_across_two_hosts_matches_one_host(hosts: Hosts, tmp_path: Path) -> 
 def test_lost_host_then_the_world_reforms(hosts: Hosts, tmp_path: Path) -> None:
     """--nnodes 1:2 across the two hosts; SIGKILL the second host's launcher: the first sees
     the node lost, re-forms alone and finishes."""
-    conf = "last_call_timeout=1,keep_alive_interval=0.2,keep_alive_max_attempt=5,join_timeout=10"
+    conf = (f"last_call_timeout=1,keep_alive_interval=0.2,keep_alive_max_attempt=5,"
+            f"join_timeout=10,token_file={token_file(tmp_path)}")
     argv = [*LAUNCHER, "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{hosts.addr[0]}:29401", "--rdzv-conf", conf,
             "--grace-period", "1", WORKER, str(tmp_path), "elastic", "4"]
@@ -240,7 +251,8 @@ def test_replace_failed_across_two_hosts(hosts: Hosts, tmp_path: Path) -> None:
             "--hidden", "32", "--step-time", "0.05", "--kill-rank", "2", "--kill-at-step", "5",
             "--steps-after-full", "10", "--max-steps", "100000"]   # ends once the
     # replacement joined, however slow it is to start
-    procs = [hosts.popen(h, argv) for h in (0, 1)]
+    token = {"PLUGDIST_STORE_TOKEN": os.urandom(24).hex()}  # every node's, by environment
+    procs = [hosts.popen(h, argv, token) for h in (0, 1)]
     results = _finish(procs, 180)
     for p, (_out, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err[-4000:]
@@ -306,7 +318,7 @@ def test_a_host_cut_off_by_a_partition_is_excluded_then_replaced(hosts: Hosts,
             "--replace-failed", "--max-restarts", "2", "--monitor-interval", "0.05", example,
             "--steps", "100000", "--max-steps", "100000", "--stop-file", str(stop),
             "--hidden", "32", "--step-time", "0.05"]
-    env = {"PLUGDIST_HEARTBEAT_TIMEOUT": "3"}
+    env = {"PLUGDIST_HEARTBEAT_TIMEOUT": "3", "PLUGDIST_STORE_TOKEN": os.urandom(24).hex()}
     procs = [hosts.popen(h, argv, env) for h in (0, 1)]
     out = [_Lines(p.stdout) for p in procs]
     err = [_Lines(p.stderr) for p in procs]

@@ -322,6 +322,12 @@ class _Event:
             raise self.error
         return self.fired
 
+    def wait_on(self, stream: int) -> None:
+        raise AssertionError("no stream to wait on in a state-machine test")
+
+    def release(self) -> None:
+        self.released = True
+
 
 def _work(op: str = "all_reduce", value: Any = "out") -> NCCLWork:
     return NCCLWork(device=torch.device("cpu"), blocking=False, tensors=[], flush=lambda: None,
@@ -551,9 +557,7 @@ def test_dtype_views() -> None:
 @pytest.mark.timeout(WORLD_TIMEOUT + 60)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8], ids=lambda n: f"world{n}")
 def test_conformance_on_gpus(world_size: int) -> None:
-    short = _gpu_shortfall("nccl", world_size)
-    if short:
-        pytest.skip(short)
+    _ranks_or_skip(world_size)
     results = run_world(run_checks, world_size, backend="nccl", timeout=WORLD_TIMEOUT,
                         group_timeout=60.0)
     failures = [r[name] for r in results for name in check_names() if r.get(name)]
@@ -563,9 +567,7 @@ def test_conformance_on_gpus(world_size: int) -> None:
 @needs_gpu
 @pytest.mark.parametrize("world_size", [1, 2], ids=lambda n: f"world{n}")
 def test_results_ordered_for_another_stream_after_wait(world_size: int) -> None:
-    short = _gpu_shortfall("nccl", world_size)
-    if short:
-        pytest.skip(short)
+    _ranks_or_skip(world_size)
     results = run_world(workers.stream_ordering, world_size, backend="nccl", timeout=120,
                         group_timeout=60.0)
     assert results == [[]] * world_size, results
@@ -583,10 +585,15 @@ def test_ddp_on_cuda_one_rank() -> None:
     assert max(diffs) < 1e-6, diffs
 
 
-def _two_ranks() -> None:
-    short = _gpu_shortfall("nccl", 2)
+def _ranks_or_skip(world_size: int) -> None:
+    """Skip, with the reason, where this machine cannot run ``world_size`` NCCL ranks."""
+    short = _gpu_shortfall("nccl", world_size)
     if short:
         pytest.skip(short)
+
+
+def _two_ranks() -> None:
+    _ranks_or_skip(2)
 
 
 @needs_gpu
@@ -663,3 +670,122 @@ def test_gpu_tests_skip_with_the_reason() -> None:
         pytest.skip("GPU present: the GPU tests run")
     assert reason and REASON
     assert needs_gpu.kwargs["reason"] == f"nccl unavailable: {reason}"
+
+
+# -- the lean route and CUDA graphs --------------------------------------------------------------
+@needs_gpu
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world_size", [1, 2], ids=lambda n: f"world{n}")
+def test_synchronous_ops_run_on_the_callers_stream(world_size: int) -> None:
+    _ranks_or_skip(world_size)
+    results = run_world(workers.sync_ops_on_caller_stream, world_size, backend="nccl",
+                        timeout=120, group_timeout=60.0)
+    assert results == [[]] * world_size, results
+
+
+@needs_gpu
+@pytest.mark.timeout(120)
+def test_a_synchronous_op_whose_peer_never_comes_is_timed_out() -> None:
+    _two_ranks()
+    results = run_world(workers.sync_op_timeout, 2, backend="nccl", timeout=90,
+                        group_timeout=3.0, env={"NCCL_ASYNC_ERROR_HANDLING": "2"},
+                        expect_errors=True)
+    assert results[0].value is not None and results[0].value.startswith("error:"), results[0]
+    assert "all_reduce" in results[0].value and "3000ms" in results[0].value, results[0].value
+
+
+@needs_gpu
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world_size", [1, 2], ids=lambda n: f"world{n}")
+def test_every_capturable_op_replays_in_a_cuda_graph(world_size: int) -> None:
+    _ranks_or_skip(world_size)
+    results = run_world(workers.graph_capture, world_size, backend="nccl", timeout=170,
+                        group_timeout=60.0)
+    assert results == [[]] * world_size, results
+
+
+@needs_gpu
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world_size", [1, 2], ids=lambda n: f"world{n}")
+@pytest.mark.parametrize("through", ["plugdist", "bridge"])
+def test_a_captured_training_step_replays_as_eager(world_size: int, through: str) -> None:
+    _ranks_or_skip(world_size)
+    results = run_world(workers.graph_training_step, world_size, backend="nccl", timeout=170,
+                        group_timeout=60.0, args=(through,))
+    assert results == [[]] * world_size, results
+
+
+@needs_gpu
+@pytest.mark.timeout(150)
+def test_a_stuck_replay_is_named_after_the_group_timeout() -> None:
+    _two_ranks()
+    results = run_world(workers.graph_replay_hang, 2, backend="nccl", timeout=120,
+                        group_timeout=3.0, expect_errors=True)
+    stuck = results[0]
+    assert stuck.exitcode == 6, stuck
+    assert "captured in a CUDA graph, replay 2" in stuck.stderr_tail, stuck.stderr_tail
+    assert "Timed out waiting 3000ms" in stuck.stderr_tail, stuck.stderr_tail
+    assert results[1].value == "slept", results[1]
+
+
+# -- the lean route's watchdog feed and the replay watch, without a GPU -------------------------
+class _Launch:
+    """What the watchdog tracks for a synchronous op (stand-in: no CUDA event)."""
+
+    urgent = False
+
+    def __init__(self) -> None:
+        self.issued_at, self.launched, self.done, self._settled = time.monotonic(), True, \
+            False, False
+
+    def settled(self) -> bool:
+        return self._settled
+
+    def gpu_done(self) -> bool:
+        return self.done
+
+    def finish(self) -> None:
+        self._settled = True
+
+    def finish_or_fail(self, exc: BaseException) -> None:
+        self._settled = True
+
+
+def test_watchdog_feed_without_a_lock_loses_no_launch() -> None:
+    """track() appends without a lock unless the thread sleeps: launches fed by two threads
+    while the watchdog keeps falling idle and waking are all settled, none stranded."""
+    dog, seen = _watchdog()
+    launches = [_Launch() for _ in range(4000)]
+    for launch in launches:
+        launch.done = True
+
+    def feed(part: list[_Launch]) -> None:
+        for i, launch in enumerate(part):
+            dog.track(launch)
+            if i % 97 == 0:
+                time.sleep(0.003)  # long enough for the thread to go idle in between
+
+    _ranks([functools.partial(feed, launches[:2000]), functools.partial(feed, launches[2000:])])
+    _until(lambda: all(launch.settled() for launch in launches))
+    assert dog.pending() == 0 and seen == []
+    dog.stop()
+
+
+def test_replay_watch_names_a_stuck_replay_once_and_never_a_moving_one() -> None:
+    """The replay watch's verdict on the counters the GPU copies (no GPU: the rows given)."""
+    from plugdist_nccl.replays import ReplayWatch
+
+    watch = ReplayWatch.__new__(ReplayWatch)
+    watch._ops, watch._pending, watch._reported = ["all_reduce", "broadcast"], {}, set()
+    watch._lock = threading.Lock()
+    # slot 0 finished every replay; slot 1's third replay began at t=0 and never ended
+    assert watch._judge([3, 3], [3, 2], now=0.0, limit=1.0) == []
+    assert watch._judge([3, 3], [3, 2], now=0.9, limit=1.0) == []
+    late = watch._judge([4, 3], [4, 2], now=1.5, limit=1.0)
+    assert [(x.op, x.replay) for x in late] == [("broadcast", 3)]
+    assert watch._judge([5, 3], [5, 2], now=9.0, limit=1.0) == []  # reported once
+    # a host far ahead of the GPU: always a replay in flight, but each poll sees it move on
+    moving = ReplayWatch.__new__(ReplayWatch)
+    moving._ops, moving._pending, moving._reported = ["all_reduce"], {}, set()
+    for step in range(10):
+        assert moving._judge([step + 1], [step], now=float(step), limit=1.0) == []

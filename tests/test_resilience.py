@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from plugdist.errors import DistStoreError
 from plugdist.testing.harness import free_port
 
 WORKER = str(Path(__file__).with_name("_resilience_workers.py"))
@@ -412,10 +413,13 @@ def test_a_failure_reported_by_a_backend_reaches_every_member() -> None:
 def test_the_stores_keys_stay_bounded_over_many_shrinks_and_grows(monkeypatch, kind) -> None:  # type: ignore[no-untyped-def]
     """Membership on a real store (a TCPStore, whose wills and parked reads serve liveness; a
     HashStore, with heartbeats), one thread per member, through rounds of: a member dies (its
-    will's record is appended), the survivors shrink, a joiner is admitted. The death log keeps
-    counting, but its old entries, the join tickets, the claims and the heartbeats go: the
-    store's keys stay flat. Every member learns every death, and a process excluded long ago,
-    whose next entry was deleted, skips to what is left and learns that it is out."""
+    will's record is appended: a TCPStore's server writes it when the member's connection drops),
+    the survivors shrink, a joiner is admitted. The death log keeps counting, but its old
+    entries, the join tickets, the claims and the heartbeats go: the store's keys stay flat.
+    Every member learns every death, and a process excluded long ago, whose next entry was
+    deleted, skips to what is left and learns that it is out (a TCPStore refuses it outright:
+    its identity's holder left)."""
+    import socket
     import threading
     from datetime import timedelta
 
@@ -468,9 +472,15 @@ def test_the_stores_keys_stay_bounded_over_many_shrinks_and_grows(monkeypatch, k
         keys, logged, victims = [], [], []
         for round_ in range(8):
             victim = world.pop(round_ % len(world))
-            victim.stop()
             victims.append(victim.uid)
-            mm._append_log(master, mm.DEATHS, json.dumps({"uid": victim.uid, "cause": "died"}))
+            if tcp is not None:  # its connection drops, as when its process dies
+                victim._stop.set()
+                victim._will._conn.sock.shutdown(socket.SHUT_RDWR)
+                victim.stop(withdraw=False)
+            else:
+                victim.stop()
+                mm._append_log(master, mm.DEATHS, json.dumps({"uid": victim.uid,
+                                                              "cause": "died"}))
             concurrently([lambda m=m: m.enter(m.agree_shrink(None, limit)) for m in world])
             for m in world:
                 assert eventually(lambda m=m, v=victim.uid: v in m.failed), (m.uid, victim.uid)
@@ -493,6 +503,11 @@ def test_the_stores_keys_stay_bounded_over_many_shrinks_and_grows(monkeypatch, k
         assert not [k for k in gone if master.check([k])]
         # member "0" was stopped (and declared dead) in round 0; it comes back as it was then
         stale = mm.Membership(client(), "0", first)
+        if tcp is not None:
+            with pytest.raises(DistStoreError, match="already left"):
+                stale.start()
+            stale = None
+            return
         stale.start()
         assert eventually(lambda: stale.excluded_reason is not None
                           and stale._seen_deaths >= trim["log"]), (stale._seen_deaths, trim)

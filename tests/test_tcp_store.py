@@ -522,7 +522,9 @@ def test_token_authentication(monkeypatch: pytest.MonkeyPatch) -> None:
     try:
         for p in workers:
             wait_ready(p)
-        assert eventually(lambda: master.num_keys() > 50)  # the clients are at work
+        # every client is at work (its second round begun) before the attacks
+        master.wait([f"client/{p.pid}-{i}/1" for p in workers for i in range(25)],
+                    timedelta(seconds=60))
 
         def refused(**kw: object) -> str:
             start = time.monotonic()
@@ -627,13 +629,27 @@ def limited_master(**limits: object) -> TCPStore:
 
 @pytest.mark.timeout(60)
 def test_limits_on_frames_handshakes_and_stalls() -> None:
-    """A frame over the configured limit, a handshake never finished, and a frame half sent
-    then left to sit each drop that client (logged with the reason); others carry on."""
+    """A frame over the configured limit, a handshake never finished, a connection that never
+    sends a request (no token: nothing else proves it), a frame half sent then left to sit, and
+    one trickled a byte at a time each drop that client (logged with the reason); others carry
+    on."""
     get_logger()
     m = limited_master(max_frame_bytes=1024, handshake_timeout=timedelta(seconds=0.3),
-                       frame_stall_timeout=timedelta(seconds=0.3))
+                       frame_timeout=timedelta(seconds=0.3), min_frame_bytes_per_second=1000)
     port = m.port
     with capture_logs() as logs:
+        # a trickle: 1000 bytes get 0.3 s + 1 s, whatever the pace of single bytes
+        trickle = raw_client(port)
+        trickle.sendall(wire.HEADER.pack(995, wire.Op.SET))
+        start = time.monotonic()
+        while time.monotonic() - start < 8:
+            try:
+                trickle.sendall(b"x")
+            except OSError:
+                break
+            time.sleep(0.05)
+        assert closed_by_server(trickle) and time.monotonic() - start < 4
+        idle = raw_client(port)  # handshaken, never a request
         big = raw_client(port)
         big.sendall(wire.HEADER.pack(1025, wire.Op.SET))
         assert closed_by_server(big)
@@ -645,7 +661,7 @@ def test_limits_on_frames_handshakes_and_stalls() -> None:
         half = raw_client(port)
         half.sendall(wire.request(wire.Op.SET, b"\0\0\0\x03abc\0\0\0\x05hello")[:9])
         start = time.monotonic()
-        for s in (silent, half_hello, half):
+        for s in (silent, half_hello, half, idle):
             assert closed_by_server(s)
         assert time.monotonic() - start < 8
         # the limit is the frame's body; a value that fits goes through
@@ -657,8 +673,11 @@ def test_limits_on_frames_handshakes_and_stalls() -> None:
     reasons = [e["reason"] for e in logs if e["event"] == "tcp_store_client_dropped"]
     assert sum("exceeds the limit of 1024" in r for r in reasons) == 2, reasons
     assert sum("no complete handshake" in r for r in reasons) == 2, reasons
-    assert sum("half-sent frame stalled" in r for r in reasons) == 1, reasons
-    for s in (big, silent, half_hello, half):
+    assert sum("frame arriving too slowly" in r for r in reasons) == 2, reasons
+    # the idle raw client, and the master store's own first connection, which its set then
+    # replaced without a word (a connection that never carried a request is looked at first)
+    assert sum("no request within" in r for r in reasons) == 2, reasons
+    for s in (big, silent, half_hello, half, idle, trickle):
         s.close()
     m.close()
 

@@ -206,11 +206,12 @@ def init_world(backend: str | None = None, init_method: str | None = None,
     world.group_options = pg_options
     try:
         resilience = _membership.resilience_mode()
+        if world_size > 1 and resilience != "off" and _store_exposed(store, resilience):
+            resilience = "off"
         if world_size > 1 and resilience != "off":
             m = _membership.Membership(store, str(rank), [str(r) for r in range(world_size)])
             if m.start(only_with_store_liveness=resilience == "auto"):
                 start_membership(m, started=True)
-                store.compare_set(_membership.CURRENT, b"", b"0")
         pg = _build_group(name, tuple(range(world_size)), group_name or "0", timeout, pg_options)
     except BaseException:
         _stop_membership()
@@ -219,6 +220,25 @@ def init_world(backend: str | None = None, init_method: str | None = None,
         raise
     world.default = pg
     return pg
+
+
+_exposure_warned: set[str] = set()
+
+
+def _store_exposed(store: Store, resilience: str) -> bool:
+    """Whether resilient groups stay off on ``store`` because any process that reaches it could
+    forge the world's membership (``Store.membership_exposure``): off in ``auto`` mode, on when
+    asked for explicitly; one warning either way, naming why and the fix."""
+    why = store.membership_exposure()
+    if why is None:
+        return False
+    off = resilience == "auto"
+    if why not in _exposure_warned:
+        _exposure_warned.add(why)
+        then = ("off (PLUGDIST_RESILIENCE=1 turns them on regardless)" if off else
+                "on, as PLUGDIST_RESILIENCE=1 asks, though such a process could exclude ranks")
+        warnings.warn(f"resilient groups are {then}: {why}", UserWarning, stacklevel=3)
+    return off
 
 
 def start_membership(m: _membership.Membership, started: bool = False) -> None:
@@ -376,9 +396,10 @@ def _close_store() -> None:
         world.store.close()
 
 
-def _leave() -> None:
+def _leave(closed_by_store: bool = False) -> None:
     """Tell the others this rank is done; the rank that serves the store waits (at most
-    ``_LEAVE_WAIT``) for the rest, so peers still reading their last messages are not cut off."""
+    ``_LEAVE_WAIT``) for the rest, so peers still reading their last messages are not cut off.
+    ``closed_by_store``: the store owns the world's membership and marks it closed itself."""
     store = world.store
     if store is None or not world.owned_store or world.size <= 1:
         return
@@ -386,7 +407,7 @@ def _leave() -> None:
         tag = "" if world.epoch == 0 else f"@{world.epoch}"
         if store.add(f"plugdist/leaving{tag}", 1) == world.size:
             store.set(f"plugdist/left{tag}", b"1")
-            if world.membership is not None or world.epoch:
+            if world.epoch and not closed_by_store:
                 store.set(_membership.CLOSED, str(world.epoch))  # tells waiting joiners
         if getattr(store, "is_master", False):
             store.wait([f"plugdist/left{tag}"], _LEAVE_WAIT)
@@ -402,12 +423,13 @@ def destroy(group: ProcessGroup | None = None) -> None:
         return
     hook = registry.plugins().hook
     if group is None or group is world.default:
+        closed_by_store = world.membership is not None and world.membership.protected
         _stop_membership()
         for pg in reversed(world.members()):
             hook.plugdist_group_destroyed(group=pg)
             pg.shutdown()
             _retire(pg)
-        _leave()
+        _leave(closed_by_store)
         _close_store()
         world.reset()
         return

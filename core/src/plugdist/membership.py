@@ -35,11 +35,19 @@ parked waits until every member it does not know failed has arrived, writes the 
 (one compare-and-set; a member that sees the coordinator fail takes over), and announces it in
 the death log. The others wait for that announcement: O(N) messages in all.
 
-Store keys (under the world's store): ``plugdist/live/deaths[/n]``, ``plugdist/live/hb/<uid>``
-(fallback only), ``plugdist/live/declared/<uid>``, ``plugdist/live/trim``,
-``plugdist/epoch/current``, ``plugdist/epoch/forgotten``, ``plugdist/epoch/<e>/...`` (agreement,
-and how far each member had read the death log when it entered; removed two epochs later),
-``plugdist/join/...``.
+Store keys (under the world's store; names in :mod:`plugdist.store.worldkeys`):
+``plugdist/live/deaths[/n]``, ``plugdist/live/hb/<uid>`` (fallback only),
+``plugdist/live/declared/<uid>``, ``plugdist/live/trim``, ``plugdist/epoch/current``,
+``plugdist/epoch/forgotten``, ``plugdist/epoch/<e>/...`` (agreement, and how far each member had
+read the death log when it entered; removed two epochs later), ``plugdist/join/...``.
+
+Who writes them: where the store owns membership (``Store.claim_member``: a TCPStore), this
+process holds its identity with the store, which writes its death itself, takes join tickets
+itself, and checks every other write (``_writes``, the member session) against the world's
+current members; a stranger, or a stray process of another job, cannot write any of them.
+Elsewhere (etcd, a FileStore, a third party's store) membership writes them with the store's
+plain operations (:class:`_PlainWrites`): the store's own access control is all that guards
+them. A death-log record that cannot be read is logged and skipped, never the end of the log.
 
 What the members no longer need is deleted as epochs go by (``Membership._trim``, by the first
 rank of each new epoch): the death log's entries that every member had read when it entered the
@@ -59,9 +67,23 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .errors import DistError, DistExcludedError, DistRankFailureError, DistTimeoutError, timed_out
+from .errors import (
+    DistError,
+    DistExcludedError,
+    DistRankFailureError,
+    DistStoreError,
+    DistTimeoutError,
+    timed_out,
+)
 from .log import get_logger, lifecycle
 from .store import PrefixStore, Store
+from .store.worldkeys import CLOSED, CURRENT, DEATHS, epoch_key
+from .store.worldkeys import DECLARED as _DECLARED
+from .store.worldkeys import FORGOTTEN as _FORGOTTEN
+from .store.worldkeys import HEARTBEATS as _HB
+from .store.worldkeys import JOIN as _JOIN
+from .store.worldkeys import NO_TRIM as _NO_TRIM
+from .store.worldkeys import TRIM as _TRIM
 
 if TYPE_CHECKING:
     from .process_group import ProcessGroup
@@ -74,18 +96,6 @@ RESILIENCE_ENV = "PLUGDIST_RESILIENCE"
 INTERVAL_ENV = "PLUGDIST_HEARTBEAT_INTERVAL"
 HANG_TIMEOUT_ENV = "PLUGDIST_HEARTBEAT_TIMEOUT"
 
-DEATHS = "plugdist/live/deaths"
-_HB = "plugdist/live/hb"
-CURRENT = "plugdist/epoch/current"
-_FORGOTTEN = "plugdist/epoch/forgotten"  # the epochs up to this one were forgotten
-CLOSED = "plugdist/closed"  # set when every member of the last epoch left
-_DECLARED = "plugdist/live/declared"
-# what was deleted so far (see Membership._trim): the epoch whose first rank did it, the death
-# log's entries up to ``log``, the join tickets up to ``tickets``, and ``done``: the tickets the
-# next trim may delete (decided by grows that admitted them to that epoch or an earlier one)
-_TRIM = "plugdist/live/trim"
-_NO_TRIM = json.dumps({"epoch": -1, "log": 0, "tickets": 0, "done": 0})
-_JOIN = "plugdist/join"
 _POLL = 0.05  # seconds between looks at the store while agreeing, where nothing wakes us
 _kept_wills: list[Any] = []  # wills of stopped members left to run at this process's exit
 _COORDINATOR_SLICE = 0.25  # longest wait of the coordinator on the arrival log at a time
@@ -146,8 +156,7 @@ def group_prefix(epoch: int, name: str) -> str:
     return f"plugdist/group/{name}" if epoch == 0 else f"plugdist/egroup/{epoch}/{name}"
 
 
-def _epoch_key(epoch: int, tail: str) -> str:
-    return f"plugdist/epoch/{epoch}/{tail}"
+_epoch_key = epoch_key
 
 
 class WorldClosedError(DistError):
@@ -190,6 +199,10 @@ class Membership:
         # processes waiting to join, as of the monitor's last look (every ``interval``)
         self.joiners_waiting = 0
         self._will: Any = None
+        # how this process writes the world's keys: the store's checked member operations, or
+        # plain writes (set in start)
+        self._writes: Any = _PlainWrites(store, uid)
+        self.ticket = 0  # a joiner's ticket (set in start)
         # seconds within which the store's will notices a dead or stalled process; None: it
         # notices deaths only, and heartbeats catch hangs
         self.store_liveness: float | None = None
@@ -207,17 +220,26 @@ class Membership:
         self._log = get_logger(rank=self.rank_of(uid) if uid in self.members else -1)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self, only_with_store_liveness: bool = False) -> bool:
-        """Leave the will (with a ttl of ``hang_timeout``) and start the monitor. Blocks for a
-        few store round trips. ``only_with_store_liveness``: where the store's wills do not
-        expire (no will, or one without ``liveness_timeout``), start nothing and return False
-        instead of falling back to heartbeats. True when started."""
-        try:
-            self._will = _hold_will(self.store, DEATHS,
-                                    json.dumps({"uid": self.uid, "cause": "died"}),
-                                    self.hang_timeout)
-        except NotImplementedError:
-            self._will = None  # heartbeats alone
+    def start(self, only_with_store_liveness: bool = False, joining: bool = False) -> bool:
+        """Hold this member's identity and will (with a ttl of ``hang_timeout``) and start the
+        monitor. Blocks for a few store round trips. ``only_with_store_liveness``: where the
+        store's wills do not expire (no will, or one without ``liveness_timeout``), start
+        nothing and return False instead of falling back to heartbeats. ``joining``: this
+        process asks to join (its uid, ``j<ticket>``, comes from the ticket it takes here).
+        True when started. Raises DistStoreError when the store refuses the identity (another
+        job's process reaching this store, see ``Store.claim_member``)."""
+        if joining:
+            self._take_ticket()
+        else:
+            try:
+                self._writes = self.store.claim_member("", self.uid, len(self.members),
+                                                       self.hang_timeout)
+                self._will = self._writes.will
+            except NotImplementedError:
+                self._will = self._plain_will()
+            except DistStoreError as err:
+                raise DistStoreError(f"[rank {self.uid}, op init_process_group] the world's "
+                                     f"store refused this process: {err}") from None
         self.store_liveness = getattr(self._will, "liveness_timeout", None)
         if only_with_store_liveness and self.store_liveness is None:
             if self._will is not None:
@@ -236,18 +258,52 @@ class Membership:
             except NotImplementedError:
                 self._monitor_store = self.store
             self._reader = _store_reader(self._monitor_store)
-        # a member of the first epoch reads the whole log (a peer may have died before this
-        # process started looking); a joiner cares only about deaths from now on
-        self._seen_deaths = 0 if self.admitted else self.store.add(DEATHS, 0)
-        if self.store_liveness is None:
-            self.store.add(f"{_HB}/{self.uid}", 1)
-        for counter in (f"{_JOIN}/count", f"{_JOIN}/done"):  # read together (multi_get)
-            self.store.add(counter, 0)
-        self.store.compare_set(_TRIM, b"", _NO_TRIM)
+        if not self._writes.protected:
+            if self.store_liveness is None:
+                self.store.add(f"{_HB}/{self.uid}", 1)
+            for counter in (f"{_JOIN}/count", f"{_JOIN}/done"):  # read together (multi_get)
+                self.store.add(counter, 0)
+            self.store.compare_set(_TRIM, b"", _NO_TRIM)
+            self.store.compare_set(CURRENT, b"", b"0")
         self._thread = threading.Thread(target=self._run, name=f"plugdist-membership-{self.uid}",
                                         daemon=True)
         self._thread.start()
         return True
+
+    def _plain_will(self) -> Any:
+        """The will of a store that does not own membership (heartbeats alone without one)."""
+        try:
+            return _hold_will(self.store, DEATHS, json.dumps({"uid": self.uid, "cause": "died"}),
+                              self.hang_timeout)
+        except NotImplementedError:
+            return None
+
+    def _take_ticket(self) -> None:
+        """A joiner's start: its ticket, identity and will, and its announcement in the death
+        log (by the store itself where it owns membership). A joiner reads the death log from
+        where it ran at its ticket: it cares only about deaths from then on."""
+        store = self.store
+        try:
+            session = store.join_member("", self.hang_timeout)
+        except NotImplementedError:
+            session = None
+        if session is not None:
+            self._writes, self._will = session, session.will
+            self.uid, self.ticket, self._seen_deaths = session.uid, session.ticket, session.start
+            self.epoch = int(store.get(CURRENT))
+            return
+        self.ticket = store.add(f"{_JOIN}/count", 1)
+        self.uid = f"j{self.ticket}"
+        self._writes = _PlainWrites(store, self.uid)
+        self.epoch = int(store.compare_set(CURRENT, b"", b"0") or 0)
+        self._will = self._plain_will()
+        self._seen_deaths = store.add(DEATHS, 0)
+        # where this joiner started reading the death log: a trim keeps what comes after
+        store.set(f"{_JOIN}/{self.ticket}", json.dumps({"uid": self.uid,
+                                                         "start": self._seen_deaths}))
+        # the members learn of it from the wait they hold on the log, not by polling
+        self._writes.record(json.dumps({"uid": self.uid, "cause": "joining",
+                                        "ticket": self.ticket}))
 
     def stop(self, withdraw: bool = True) -> None:
         """Withdraw the will and stop the monitor. Idempotent; blocks up to a second.
@@ -269,6 +325,11 @@ class Membership:
             mon.close()
 
     # -- queries -----------------------------------------------------------------------------
+    @property
+    def protected(self) -> bool:
+        """Whether the store owns this world's membership keys (no client can forge them)."""
+        return bool(self._writes.protected)
+
     def rank_of(self, uid: str) -> int:
         """``uid``'s rank in the current epoch, or -1."""
         try:
@@ -407,18 +468,25 @@ class Membership:
         news: dict[str, str] = {}
         for raw in entries:
             self._seen_deaths += 1
-            record = json.loads(raw)
-            cause = record.get("cause")
-            if cause == "joining":
-                with self._lock:
-                    self._join_tickets.add(int(record["ticket"]))
-                    self._count_joiners()
-            elif cause == "decided":
-                with self._events:
-                    self._decided[record["key"]] = record
-                    self._events.notify_all()
-            else:
-                news[record["uid"]] = self._how(record)
+            try:
+                record = json.loads(raw)
+                cause = record.get("cause")
+                if cause == "joining":
+                    ticket = int(record["ticket"])
+                    with self._lock:
+                        self._join_tickets.add(ticket)
+                        self._count_joiners()
+                elif cause == "decided":
+                    key = str(record["key"])
+                    with self._events:
+                        self._decided[key] = record
+                        self._events.notify_all()
+                else:
+                    news[str(record["uid"])] = self._how(record)
+            except (ValueError, TypeError, KeyError, AttributeError) as err:
+                # a store that does not own membership can hold anything a client wrote
+                self._log.warning("death_log_record_skipped", entry=self._seen_deaths,
+                                  record=bytes(raw[:200]), error=repr(err))
         if news:
             self._learn(news)
 
@@ -476,7 +544,7 @@ class Membership:
             epoch = self.epoch
         if self.store_liveness is None:
             if self.excluded_reason is None:
-                store.add(f"{_HB}/{self.uid}", 1)
+                self._writes.add(f"{_HB}/{self.uid}", 1)
         else:
             others = []  # the store's liveness covers hangs: nothing to beat or watch
         control = [CURRENT, f"{_JOIN}/count", f"{_JOIN}/done", _TRIM]
@@ -511,14 +579,11 @@ class Membership:
         self._seen_deaths = trimmed
 
     def _declare_hung(self, store: Store, uid: str, silent: float) -> None:
-        self._declare(store, uid, {"cause": "hung", "after": round(silent, 1)})
+        self._declare(uid, {"cause": "hung", "after": round(silent, 1)})
 
-    def _declare(self, store: Store, uid: str, record: dict[str, Any]) -> None:
+    def _declare(self, uid: str, record: dict[str, Any]) -> None:
         """Write ``uid`` into the death log, once across every member that declares it."""
-        claim = f"{_DECLARED}/{uid}"
-        if store.compare_set(claim, b"", self.uid.encode()) != self.uid.encode():
-            return
-        _append_log(store, DEATHS, json.dumps({"uid": uid, **record}))
+        self._writes.record(json.dumps({"uid": uid, **record}))
 
     def report(self, ranks: Iterable[int], how: str) -> None:
         """A backend's transport saw these current-epoch ranks fail (an MPI error, a closed
@@ -535,7 +600,7 @@ class Membership:
         self._learn({u: self._how({"cause": "reported", "how": how}) for u in fresh})
         for u in fresh:
             try:
-                self._declare(self.store, u, {"cause": "reported", "how": how})
+                self._declare(u, {"cause": "reported", "how": how})
             except DistError as err:  # the store's host may be what died
                 self._log.warning("membership_report_unwritten", uid=u, error=str(err))
 
@@ -582,16 +647,16 @@ class Membership:
         deadline = time.monotonic() + limit
         if exclude is not None:
             record = {"excluded": [u for u in self.members if u in exclude]}
-            record = json.loads(store.compare_set(decided, b"", json.dumps(record)))
+            record = json.loads(self._writes.compare_set(decided, b"", json.dumps(record)))
         else:
             arrivals = _epoch_key(e, f"shrink/{retry}/arrived")
-            _append_log(store, arrivals, self.uid)
+            _append_log(self._writes, arrivals, self.uid)
             record = self._await_decision(store, decided, arrivals, deadline, limit)
         members = self._members_after(record)
         with self._lock:
             left_alive = [u for u in self.members if u not in members and u not in self.failed]
         for uid in left_alive:  # told through the death log, so they learn it at once
-            self._declare(store, uid, {"cause": "excluded", "epoch": e + 1})
+            self._declare(uid, {"cause": "excluded", "epoch": e + 1})
         if self.uid not in members:
             with self._lock:
                 self.excluded_reason = (f"this process was excluded from the world by "
@@ -635,9 +700,9 @@ class Membership:
                 pending = [u for u in alive if u not in arrived]
                 if not pending:
                     ours = json.dumps({"excluded": [u for u in self.members if u not in alive]})
-                    won = store.compare_set(decided, b"", ours)
+                    won = self._writes.compare_set(decided, b"", ours)
                     if won == ours.encode():  # tell everyone, through the wait they hold
-                        _append_log(store, DEATHS, json.dumps(
+                        self._writes.record(json.dumps(
                             {"uid": self.uid, "cause": "decided", "key": decided,
                              **json.loads(ours)}))
                     return dict(json.loads(won))
@@ -688,15 +753,15 @@ class Membership:
                     joiners.append((n, uid))
                 done = n
             ours = json.dumps({"joiners": joiners, "done": done})
-            if store.compare_set(decided, b"", ours) == ours.encode() and joiners:
+            if self._writes.compare_set(decided, b"", ours) == ours.encode() and joiners:
                 # the joiners read the new epoch's members as soon as they are admitted
-                store.compare_set(_epoch_key(e + 1, "members"), b"", json.dumps(
+                self._writes.compare_set(_epoch_key(e + 1, "members"), b"", json.dumps(
                     self.members + [uid for _, uid in joiners]))
         record = json.loads(store.get(decided))
         joiners = [(int(n), uid) for n, uid in record["joiners"]]
         done_now = store.add(f"{_JOIN}/done", 0)
         if record["done"] > done_now:  # the same value from every member: one write wins
-            store.compare_set(f"{_JOIN}/done", str(done_now), str(record["done"]))
+            self._writes.compare_set(f"{_JOIN}/done", str(done_now), str(record["done"]))
         with self._lock:
             self._join_done = max(self._join_done, int(record["done"]))
             self._count_joiners()
@@ -704,7 +769,7 @@ class Membership:
             return None
         members = self.members + [uid for _, uid in joiners]
         for n, _ in joiners:
-            store.set(f"{_JOIN}/{n}/admitted", str(e + 1))
+            self._writes.set(f"{_JOIN}/{n}/admitted", str(e + 1))
         return Decision(e + 1, members, [uid for _, uid in joiners])
 
     def enter(self, decision: Decision) -> Decision:
@@ -715,9 +780,9 @@ class Membership:
         joiner) both propose the next one; every process follows the one recorded first (one
         compare-and-set each: O(N) messages for the epoch), so no two of them build different
         worlds under one epoch. Raises DistExcludedError when that one leaves this process out."""
-        store = self.store
+        store, writes = self.store, self._writes
         mine = json.dumps(decision.members)
-        recorded = store.compare_set(_epoch_key(decision.epoch, "members"), b"", mine)
+        recorded = writes.compare_set(_epoch_key(decision.epoch, "members"), b"", mine)
         if recorded and recorded != mine.encode():
             members = json.loads(recorded)
             self._log.warning("epoch_decided_elsewhere", epoch=decision.epoch,
@@ -735,15 +800,15 @@ class Membership:
             self.epoch = decision.epoch
             self._grow_seq = 0
             self._last_beat.clear()
-        current = int(store.compare_set(CURRENT, b"", str(decision.epoch)) or 0)
+        current = int(writes.compare_set(CURRENT, b"", str(decision.epoch)) or 0)
         if current < decision.epoch:
-            store.compare_set(CURRENT, str(current), str(decision.epoch))
+            writes.compare_set(CURRENT, str(current), str(decision.epoch))
         self._log = get_logger(rank=self.rank)
         # how far this member had read the death log: the next epoch's first rank trims up to
         # what every member of its epoch had read when it entered this one
-        store.set(_epoch_key(decision.epoch, f"seen/{self.uid}"), str(self._seen_deaths))
+        writes.set(_epoch_key(decision.epoch, f"seen/{self.uid}"), str(self._seen_deaths))
         if first:
-            _forget_epochs(store, decision.epoch - 2)
+            _forget_epochs(writes, decision.epoch - 2)
             self._trim(store, decision.epoch)
         return decision
 
@@ -773,17 +838,18 @@ class Membership:
                     return
                 floor = min(floor, *(json.loads(t)["start"] for t in store.multi_get(tickets)))
             trimmed = max(state["log"], floor)
+            writes = self._writes
             if floor > state["log"]:
                 self._forget_failed(store, state["log"] + 1, floor)
                 for n in range(state["log"] + 1, floor + 1):
-                    store.delete_key(f"{DEATHS}/{n}")
+                    writes.delete_key(f"{DEATHS}/{n}")
             for n in range(state["tickets"] + 1, state["done"] + 1):
-                store.delete_key(f"{_JOIN}/{n}")
-                store.delete_key(f"{_JOIN}/{n}/admitted")
+                writes.delete_key(f"{_JOIN}/{n}")
+                writes.delete_key(f"{_JOIN}/{n}/admitted")
             # the grows this member took part in admitted their joiners into this epoch at
             # the latest: the next trim, from a later epoch, finds them entered or gone
             done = max(state["done"], self._join_done)
-            store.compare_set(_TRIM, raw, json.dumps({
+            writes.compare_set(_TRIM, raw, json.dumps({
                 "epoch": epoch, "log": trimmed, "tickets": state["done"], "done": done}))
         except (DistError, NotImplementedError, ValueError, KeyError):
             pass  # the next epoch's trim deletes it all
@@ -795,15 +861,45 @@ class Membership:
             entries = store.read_log(DEATHS, first, timedelta(0))[:last - first + 1]
         except DistTimeoutError:
             return  # deleted meanwhile by another epoch's trim
+        if self._writes.protected:
+            return  # the store keeps no claims, and its liveness needs no heartbeats
         for raw in entries:
-            record = json.loads(raw)
-            if record.get("cause") in ("hung", "excluded", "reported"):
-                store.delete_key(f"{_DECLARED}/{record['uid']}")
-            if record.get("cause") not in ("joining", "decided") and self.store_liveness is None:
-                store.delete_key(f"{_HB}/{record['uid']}")
+            try:
+                record = json.loads(raw)
+                cause, uid = record.get("cause"), str(record["uid"])
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue  # skipped when it was read
+            if cause in ("hung", "excluded", "reported"):
+                store.delete_key(f"{_DECLARED}/{uid}")
+            if cause not in ("joining", "decided") and self.store_liveness is None:
+                store.delete_key(f"{_HB}/{uid}")
 
 
-def _append_log(store: Store, key: str, value: str) -> None:
+class _PlainWrites:
+    """Membership's writes through a store's plain operations: for a store that does not own
+    membership (no ``claim_member``), where any client of the store could write them too."""
+
+    protected = False
+
+    def __init__(self, store: Store, uid: str) -> None:
+        self._store = store
+        self._uid = uid
+        self.set, self.add, self.compare_set = store.set, store.add, store.compare_set
+        self.delete_key, self.delete_prefix = store.delete_key, store.delete_prefix
+
+    def record(self, record: str) -> bool:
+        """Append ``record`` to the death log; one that declares a member failed only once
+        across every member that declares it (a claim first). False when another's came first."""
+        parsed = json.loads(record)
+        if parsed.get("cause") in ("excluded", "reported", "hung"):
+            claim = f"{_DECLARED}/{parsed['uid']}"
+            if self._store.compare_set(claim, b"", self._uid) != self._uid.encode():
+                return False
+        _append_log(self._store, DEATHS, record)
+        return True
+
+
+def _append_log(store: Any, key: str, value: str) -> None:
     """Append ``value`` to the numbered log ``key`` (counted first, then written: a reader
     that finds the count ahead of the entry waits for the entry)."""
     n = store.add(key, 1)
@@ -823,7 +919,7 @@ def _store_reader(store: Store) -> Any:
     return lambda start, wait: store.read_log(DEATHS, start, timedelta(seconds=wait))
 
 
-def _forget_epochs(store: Store, last: int) -> None:
+def _forget_epochs(store: Any, last: int) -> None:
     """Drop the keys of every epoch up to ``last`` not dropped yet (the first rank of an epoch
     that died before entering it left the epoch before last behind)."""
     if last < 0:
@@ -846,16 +942,10 @@ def request_join(store: Store, timeout: timedelta,
     that gives up (the timeout, any error) says so in the death log before it withdraws its
     will, so that no later grow admits it: a will withdrawn in silence left its ticket looking
     alive, and a grow that admitted such a ticket built a group that waited for it in vain."""
-    n = store.add(f"{_JOIN}/count", 1)
-    uid = f"j{n}"
-    current = int(store.compare_set(CURRENT, b"", b"0") or 0)
-    me = Membership(store, uid, [], current, interval=interval)
-    me.start()
+    me = Membership(store, "", [], 0, interval=interval)
+    me.start(joining=True)
+    n, uid = me.ticket, me.uid
     try:
-        # where this joiner started reading the death log: a trim keeps what comes after
-        store.set(f"{_JOIN}/{n}", json.dumps({"uid": uid, "start": me._seen_deaths}))
-        # the members learn of it from the wait they hold on the log, not by polling
-        _append_log(store, DEATHS, json.dumps({"uid": uid, "cause": "joining", "ticket": n}))
         admitted = f"{_JOIN}/{n}/admitted"
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
@@ -878,7 +968,7 @@ def request_join(store: Store, timeout: timedelta,
         members = json.loads(_wait_get(store, _epoch_key(epoch, "members"), timeout))
     except BaseException as err:
         try:
-            _append_log(store, DEATHS, json.dumps({
+            me._writes.record(json.dumps({
                 "uid": uid, "cause": "left", "how": f"it gave up joining: {type(err).__name__}"}))
         except DistError:
             pass  # a store that is gone: nobody is left to admit it either

@@ -9,10 +9,11 @@ Two layers in one class (the template-method pattern):
   (:mod:`plugdist.composition`). Every public op returns a :class:`~plugdist.work.Work`.
 * **The blocking path** (``run_blocking(op, ...)``): what the synchronous frontend calls. It
   validates exactly as the public op does, then runs the backend's ``native_<op>_blocking``
-  (the hot ops on plain CPU tensors, checks cached) or ``native_blocking``, which finish the op
-  on the calling thread with no Work at all (a Work costs tens of microseconds, the whole
-  budget of a small message). Without those hooks, for composed ops, and for any op whose public
-  method a class overrides (a wrapper), it waits on the public op's Work.
+  (the hot ops on plain tensors of its ``lean_device_types``, checks cached) or
+  ``native_blocking``, which finish the op on the calling thread with no Work at all (a Work
+  costs tens of microseconds, the whole budget of a small message). Without those hooks, for
+  composed ops, and for any op whose public method a class overrides (a wrapper), it waits on
+  the public op's Work.
 * **Native hooks** (``native_all_reduce``, ...): what a backend overrides. Each receives already
   validated arguments in *group* ranks and returns a Work, or ``NotImplemented`` for arguments it
   cannot handle (e.g. uneven all_to_all lists), in which case the core composes the op. A backend
@@ -76,7 +77,8 @@ _LEAN_OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
 # two in step, and checks every method here has a docstring). Class attributes first, then the
 # optional members the base class lacks (the core asks with getattr), then methods.
 BACKEND_HOOKS: tuple[str, ...] = (
-    "backend_name", "device_types", "native_reduce_ops", "supports_any_source",
+    "backend_name", "device_types", "lean_device_types", "native_reduce_ops",
+    "supports_any_source",
     "refused_reduce_ops", "rebuild_refusal", "grow_refusal",
     "plugin_api", "default_for", "launcher", "is_available", "rendezvous",
     "__init__", "static_capabilities", "capabilities", "shutdown", "native_abort",
@@ -136,6 +138,8 @@ class ProcessGroup:
 
     backend_name: ClassVar[str] = "unknown"
     device_types: ClassVar[tuple[str, ...]] = ("cpu",)
+    # the device types whose tensors the lean blocking hooks (native_<op>_blocking) accept
+    lean_device_types: ClassVar[tuple[str, ...]] = ("cpu",)
     native_reduce_ops: ClassVar[frozenset[ReduceOp]] = ALL_REDUCE_OPS
     supports_any_source: ClassVar[bool] = False
     refused_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset()
@@ -167,8 +171,9 @@ class ProcessGroup:
         self._rank = rank
         self._size = size
         self.options = options or GroupOptions(global_ranks=tuple(range(size)))
-        # (op, reduction, dtype) -> whether that op on a plain CPU tensor is native (_native_cpu)
-        self._lean_checked: dict[tuple[str, ReduceOp | None, torch.dtype], bool] = {}
+        # (op, reduction, dtype, device type) -> whether the lean route takes that op on a plain
+        # tensor (_native_lean)
+        self._lean_checked: dict[tuple[str, ReduceOp | None, torch.dtype, str], bool] = {}
         self.abort_signal = AbortSignal()
 
     # -- identity ----------------------------------------------------------------------------
@@ -394,23 +399,28 @@ class ProcessGroup:
             _waiting.call = outer
         work.wait()
 
-    def _native_cpu(self, op: str, tensor: Any, red: ReduceOp | None = None,
-                    name: str = "tensor") -> bool:
-        """Whether ``op`` (with reduction ``red``) on ``tensor`` is native here and ``tensor`` a
-        plain contiguous CPU tensor; raises what the public op's checks of ``tensor`` and
-        ``red`` would. For such tensors those checks depend only on (op, red, dtype): cached."""
-        if (type(tensor) is not torch.Tensor or not tensor.is_cpu or not tensor.is_contiguous()
-                or tensor.is_conj() or tensor.is_neg()):
+    def _native_lean(self, op: str, tensor: Any, red: ReduceOp | None = None,
+                     name: str = "tensor") -> bool:
+        """Whether the lean route takes ``op`` (with reduction ``red``) on ``tensor``: a plain
+        contiguous tensor of a device type in ``lean_device_types`` on which the op is native;
+        raises what the public op's checks of ``tensor`` and ``red`` would. For such tensors
+        those checks depend only on (op, red, dtype, device type): cached."""
+        if (type(tensor) is not torch.Tensor or not tensor.is_contiguous() or tensor.is_conj()
+                or tensor.is_neg()):
             return False  # the public op checks (and refuses) the rest
-        key = (op, red, tensor.dtype)
+        device = "cpu" if tensor.is_cpu else tensor.device.type
+        key = (op, red, tensor.dtype, device)
         native = self._lean_checked.get(key)
         if native is None:
-            self._check_tensor(op, tensor, name)
-            if red is not None:
-                self._check_reduce(op, red, tensor)
-            caps = self.capabilities()
-            native = self._lean_checked[key] = caps.is_native(op, "cpu") and (
-                red is None or red in caps.reduce_ops)
+            if device in self.lean_device_types:
+                self._check_tensor(op, tensor, name)
+                if red is not None:
+                    self._check_reduce(op, red, tensor)
+                caps = self.capabilities()
+                native = caps.is_native(op, device) and (red is None or red in caps.reduce_ops)
+            else:
+                native = False
+            self._lean_checked[key] = native
         return native
 
     def _sparse_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
@@ -460,13 +470,15 @@ class ProcessGroup:
         alive). Never asked for send or recv."""
         return NotImplemented
 
-    # The lean hooks for the ops called synchronously most: the op on plain contiguous CPU
-    # tensors (no lazy conj/neg bit), checked as the public op checks them (ranks are group
-    # ranks), run to completion on the calling thread. Same contract as native_blocking;
-    # NotImplemented leaves the call to native_blocking, then to a Work. Only hooks a backend
-    # overrides are ever called.
+    # The lean hooks for the ops called synchronously most: the op on plain contiguous tensors
+    # (no lazy conj/neg bit) of a device type in ``lean_device_types`` (CPU by default), checked
+    # as the public op checks them (ranks are group ranks), run to completion on the calling
+    # thread — for a stream-ordered device (CUDA), to the point a Work's ``wait()`` would reach:
+    # queued so that the caller's current stream sees the result. Same contract as
+    # native_blocking; NotImplemented leaves the call to native_blocking, then to a Work. Only
+    # hooks a backend overrides are ever called.
     def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> Any:
-        """Optional lean route of a synchronous all_reduce on a plain CPU tensor (see
+        """Optional lean route of a synchronous all_reduce on a plain tensor (see
         ``native_blocking``): reduce ``tensor`` in place; None when done, or NotImplemented."""
         return NotImplemented
 
@@ -726,33 +738,36 @@ class ProcessGroup:
 # -- the lean routes of run_blocking ---------------------------------------------------------
 # Each takes the public op's arguments and returns True once the backend's native_<op>_blocking
 # did the op, or False (nothing done) for anything off its narrow case: a tensor that is not a
-# plain contiguous CPU one, a rank or shape the public op would have to check, an op that is not
-# native. run_blocking then takes the general route, which validates (and refuses) in full.
+# plain contiguous one of the backend's lean_device_types, a rank or shape the public op would
+# have to check, an op that is not native. run_blocking then takes the general route, which
+# validates (and refuses) in full.
 
 
 def _same_kind(t: Any, like: torch.Tensor) -> bool:
-    """``t`` is a plain contiguous CPU tensor of ``like``'s dtype (see _native_cpu)."""
-    return (type(t) is torch.Tensor and t.is_cpu and t.is_contiguous() and t.dtype == like.dtype
+    """``t`` is a plain contiguous tensor of ``like``'s dtype on ``like``'s device (see
+    _native_lean)."""
+    return (type(t) is torch.Tensor and t.is_cpu == like.is_cpu and t.is_contiguous()
+            and t.dtype == like.dtype and t.get_device() == like.get_device()
             and not t.is_conj() and not t.is_neg())
 
 
 def _lean_all_reduce(pg: ProcessGroup, tensor: Any, op: Any = ReduceOp.SUM) -> bool:
-    return (pg._native_cpu("all_reduce", tensor, op)
+    return (pg._native_lean("all_reduce", tensor, op)
             and pg.native_all_reduce_blocking(tensor=tensor, op=op) is not NotImplemented)
 
 
 def _lean_broadcast(pg: ProcessGroup, tensor: Any, src: Any = 0) -> bool:
-    return (type(src) is int and 0 <= src < pg._size and pg._native_cpu("broadcast", tensor)
+    return (type(src) is int and 0 <= src < pg._size and pg._native_lean("broadcast", tensor)
             and pg.native_broadcast_blocking(tensor=tensor, src=src) is not NotImplemented)
 
 
 def _lean_reduce(pg: ProcessGroup, tensor: Any, dst: Any = 0, op: Any = ReduceOp.SUM) -> bool:
-    return (type(dst) is int and 0 <= dst < pg._size and pg._native_cpu("reduce", tensor, op)
+    return (type(dst) is int and 0 <= dst < pg._size and pg._native_lean("reduce", tensor, op)
             and pg.native_reduce_blocking(tensor=tensor, dst=dst, op=op) is not NotImplemented)
 
 
 def _lean_all_gather_into_tensor(pg: ProcessGroup, output: Any, tensor: Any) -> bool:
-    return (pg._native_cpu("all_gather_into_tensor", tensor) and _same_kind(output, tensor)
+    return (pg._native_lean("all_gather_into_tensor", tensor) and _same_kind(output, tensor)
             and output.numel() == tensor.numel() * pg._size
             and pg.native_all_gather_into_tensor_blocking(output=output, tensor=tensor)
             is not NotImplemented)
@@ -760,7 +775,7 @@ def _lean_all_gather_into_tensor(pg: ProcessGroup, output: Any, tensor: Any) -> 
 
 def _lean_reduce_scatter_tensor(pg: ProcessGroup, output: Any, input: Any,
                                 op: Any = ReduceOp.SUM) -> bool:
-    return (pg._native_cpu("reduce_scatter_tensor", output, op, "output")
+    return (pg._native_lean("reduce_scatter_tensor", output, op, "output")
             and _same_kind(input, output) and input.numel() == output.numel() * pg._size
             and pg.native_reduce_scatter_tensor_blocking(output=output, input=input, op=op)
             is not NotImplemented)
@@ -769,7 +784,7 @@ def _lean_reduce_scatter_tensor(pg: ProcessGroup, output: Any, input: Any,
 def _lean_all_to_all_single(pg: ProcessGroup, output: Any, input: Any,
                             output_split_sizes: Any = None, input_split_sizes: Any = None) -> bool:
     """Only even splits (none given) of two tensors of one shape."""
-    if output_split_sizes or input_split_sizes or not pg._native_cpu("all_to_all_single", input):
+    if output_split_sizes or input_split_sizes or not pg._native_lean("all_to_all_single", input):
         return False
     shape = input.shape
     return (_same_kind(output, input) and len(shape) > 0 and output.shape == shape

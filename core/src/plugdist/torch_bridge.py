@@ -43,7 +43,7 @@ from .registry import BACKENDS, registry
 from .store import PrefixStore, Store, TorchStoreAdapter
 from .store.for_torch import PlugdistStoreForTorch
 from .torch_device_map import caller_device_map, other_devices
-from .work import Work, gather_works
+from .work import Work, completed_work, gather_works
 
 __all__ = ["register", "create_group", "BridgeGroup", "RoutingBridgeGroup", "BridgeWork",
            "share_world", "follow_world", "world_store", "release_world", "torch_name", "PREFIX",
@@ -151,6 +151,9 @@ class BridgeGroup(_TorchProcessGroup):
         self._name = name
         self._desc = ""
         self._coalesced: list[Work] | None = None
+        # what every synchronous op returns: torch only waits on it, and making a torch Work
+        # per op costs more than a small op (its destructor releases the GIL)
+        self._done = BridgeWork(_DONE, [])
         # torch's default groups over plugdist's world before this one (follow_world)
         self._predecessors: weakref.WeakSet[BridgeGroup] = weakref.WeakSet()
 
@@ -214,11 +217,24 @@ class BridgeGroup(_TorchProcessGroup):
             self._coalesced.append(work)
         return BridgeWork(work, outputs)
 
+    def _synchronous(self, opts: Any) -> bool:
+        """Whether torch called with ``async_op=False`` (torch >= 2.8 says so in ``asyncOp``) and
+        waits on the returned work at once: then the op runs through plugdist's blocking path
+        (``run_blocking``: no plugdist Work; on CUDA, queued on the caller's stream)."""
+        return (opts is not None and getattr(opts, "asyncOp", True) is False
+                and self._coalesced is None)
+
+    def _blocking(self, op: str, *args: Any) -> BridgeWork:
+        self.plugdist_group.run_blocking(op, *args)
+        return self._done
+
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None) -> BridgeWork:
         tensors = _as_list(tensors)
         red = self._reduction(opts, "all_reduce") if opts is not None else ReduceOp.SUM
         if len(tensors) == 1:
+            if self._synchronous(opts):
+                return self._blocking("all_reduce", tensors[0], red)
             return self._work(self.plugdist_group.all_reduce(tensors[0], red), tensors)
         return self._gathered([self.plugdist_group.all_reduce(t, red) for t in tensors], tensors,
                               "all_reduce")
@@ -234,12 +250,16 @@ class BridgeGroup(_TorchProcessGroup):
     def broadcast(self, tensors: Any, opts: Any = None) -> BridgeWork:
         tensors = _as_list(tensors)
         root = opts.rootRank if opts is not None else 0
+        if self._synchronous(opts):
+            return self._blocking("broadcast", tensors[0], root)
         return self._work(self.plugdist_group.broadcast(tensors[0], root), tensors)
 
     def reduce(self, tensors: Any, opts: Any = None) -> BridgeWork:
         tensors = _as_list(tensors)
         red = self._reduction(opts, "reduce") if opts is not None else ReduceOp.SUM
         root = opts.rootRank if opts is not None else 0
+        if self._synchronous(opts):
+            return self._blocking("reduce", tensors[0], root, red)
         return self._work(self.plugdist_group.reduce(tensors[0], root, red), tensors)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: Any,
@@ -258,6 +278,8 @@ class BridgeGroup(_TorchProcessGroup):
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> BridgeWork:
+        if self._synchronous(opts):
+            return self._blocking("all_gather_into_tensor", output, input)
         return self._work(self.plugdist_group.all_gather_into_tensor(output, input), [output])
 
     all_gather_single = _allgather_base
@@ -295,6 +317,8 @@ class BridgeGroup(_TorchProcessGroup):
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
                              opts: Any = None) -> BridgeWork:
         red = self._reduction(opts, "reduce_scatter_tensor") if opts is not None else ReduceOp.SUM
+        if self._synchronous(opts):
+            return self._blocking("reduce_scatter_tensor", output, input, red)
         return self._work(self.plugdist_group.reduce_scatter_tensor(output, input, red), [output])
 
     reduce_scatter_single = _reduce_scatter_base
@@ -317,9 +341,11 @@ class BridgeGroup(_TorchProcessGroup):
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: Sequence[int], input_split_sizes: Sequence[int],
                       opts: Any = None) -> BridgeWork:
-        work = self.plugdist_group.all_to_all_single(
-            output, input, list(output_split_sizes) or None, list(input_split_sizes) or None)
-        return self._work(work, [output])
+        out_splits, in_splits = list(output_split_sizes) or None, list(input_split_sizes) or None
+        if self._synchronous(opts):
+            return self._blocking("all_to_all_single", output, input, out_splits, in_splits)
+        return self._work(self.plugdist_group.all_to_all_single(output, input, out_splits,
+                                                                in_splits), [output])
 
     all_to_all_single = alltoall_base
 
@@ -433,6 +459,7 @@ def _as_list(tensors: Any) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else tensors
 
 
+_DONE = completed_work()  # what a BridgeWork of an op run through run_blocking stands on
 _FUTURE_LOCK = threading.Lock()  # one lock for all: a future is made once per Work at most
 _DEFER_LOCK = threading.Lock()  # orders a future's completion and its backward's final check
 

@@ -36,7 +36,7 @@ import threading
 import time
 from typing import IO, Any
 
-from ..errors import DistError, DistExcludedError
+from ..errors import DistError, DistExcludedError, DistStoreError
 from .config import LaunchConfig
 from .error_file import ERROR_FILE_VAR, RESILIENT_MARK_VAR, read_error_file
 from .logs import Duplicate, Sink, plan_streams, pump
@@ -229,6 +229,43 @@ class _Worker:
             replaced=self.replaced, left_behind=self.left_behind)
 
 
+def _choose_token(cfg: LaunchConfig) -> None:
+    """Put the store's token where this launcher's stores and its workers read it (their
+    environment; a secret never goes on a command line). One node: a fresh random one per run.
+    Several: ``--rdzv-conf token_file=PATH`` or the launcher's own ``PLUGDIST_STORE_TOKEN`` /
+    ``PLUGDIST_STORE_TOKEN_FILE``; ``token=`` (empty) turns it off. A run whose store listens
+    beyond loopback with none of these is refused (RendezvousError saying how to give one)."""
+    from ..store.tokens import TOKEN_FILE_ENV, is_loopback, read_token_file, resolve_token
+    if cfg.max_nodes == 1:
+        os.environ.pop(TOKEN_FILE_ENV, None)
+        os.environ[TOKEN_VAR] = os.urandom(16).hex()   # fresh per single-node run (CSPRNG)
+        return
+    try:
+        if cfg.rdzv.token_file:
+            read_token_file(cfg.rdzv.token_file)  # readable, and not empty: say so now
+            os.environ.pop(TOKEN_VAR, None)
+            os.environ[TOKEN_FILE_ENV] = cfg.rdzv.token_file
+        elif cfg.rdzv.token == "":
+            os.environ[TOKEN_VAR] = ""   # off, explicitly: the store then says so once
+        chosen = resolve_token()[1]
+    except DistStoreError as exc:
+        raise RendezvousError(str(exc)) from exc
+    if cfg.rdzv_backend == "c10d":
+        host = cfg.rdzv_endpoint.rpartition(":")[0].strip("[]")
+    elif cfg.rdzv_backend == "static":
+        host = cfg.master_addr or "127.0.0.1"
+    else:
+        return  # a store plugin's (etcd): its own access control
+    if not chosen and not is_loopback(host):
+        raise RendezvousError(
+            f"a run of several nodes serves its store on {host}, beyond loopback, where any "
+            f"process that reaches the port could change the run: give every node the same "
+            f"secret with --rdzv-conf token_file=PATH (a file only you can read, on every node) "
+            f"or PLUGDIST_STORE_TOKEN / PLUGDIST_STORE_TOKEN_FILE in the launcher's "
+            f"environment (docs/launcher.md shows Slurm, Kubernetes and mpiexec), or turn "
+            f"tokens off explicitly with --rdzv-conf token=")
+
+
 class Agent:
     """One launch on this node. Not reusable; ``run`` must be called from one thread."""
 
@@ -312,13 +349,10 @@ class Agent:
             # the sleeper's wakeup fd: the handler itself has nothing to do)
             previous[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda signum, frame: None)
             self.sleeper.install()
-        if cfg.max_nodes == 1:
-            os.environ[TOKEN_VAR] = os.urandom(16).hex()   # fresh per single-node run (CSPRNG)
-        elif cfg.rdzv.token:
-            os.environ[TOKEN_VAR] = cfg.rdzv.token
         rdzv: StoreRendezvous | None = None
         a: Assignment | None = None
         try:
+            _choose_token(cfg)
             rdzv = StoreRendezvous(cfg, interrupted=lambda: bool(self.signals))
             self.watchdog = _Watchdog()
             base = self._base_env()

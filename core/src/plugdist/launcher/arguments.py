@@ -85,7 +85,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str], list[str]]:
              "node, 'none' on several)")
     opt("--rdzv-conf", default="", metavar="K=V,...",
         help="join_timeout, last_call_timeout, close_timeout, read_timeout (seconds), "
-             "keep_alive_interval, keep_alive_max_attempt, token")
+             "keep_alive_interval, keep_alive_max_attempt, token_file (a file holding the "
+             "store's secret, the same on every node), token= (empty: no token)")
     opt("--max-restarts", type=int, default=0, metavar="N",
         help="restart every worker of every node up to N times after a failure (default 0)")
     opt("--replace-failed", action="store_true",

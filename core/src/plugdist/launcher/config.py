@@ -93,7 +93,9 @@ class RendezvousOptions:
     round closes. ``close_timeout``: how long a node that is done waits for the others to be done
     (the store's host keeps serving meanwhile). ``read_timeout``: one store operation.
     ``keep_alive_interval`` x ``keep_alive_max_attempt``: a node whose heartbeat stops for that
-    long is taken as lost. ``token``: the store's shared secret for several nodes.
+    long is taken as lost. ``token_file``: a file holding the store's shared secret for several
+    nodes (the same secret on every node). ``token``: only ``token=`` (empty) is taken, turning
+    tokens off; a secret on the command line is refused (every local user can read it).
     """
 
     join_timeout: timedelta = timedelta(seconds=600)
@@ -103,6 +105,7 @@ class RendezvousOptions:
     keep_alive_interval: timedelta = timedelta(seconds=1)
     keep_alive_max_attempt: int = 3
     token: str | None = None
+    token_file: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> RendezvousOptions:
@@ -119,6 +122,18 @@ class RendezvousOptions:
             if key not in known:
                 raise ValueError(f"--rdzv-conf: unknown key {key!r} (known: {', '.join(known)})")
             if key == "token":
+                if value:
+                    raise ValueError(
+                        "--rdzv-conf token=SECRET would put the store's secret on the command "
+                        "line, where every local user can read it: write it into a file only "
+                        "you can read and pass --rdzv-conf token_file=PATH (or set "
+                        "PLUGDIST_STORE_TOKEN_FILE or PLUGDIST_STORE_TOKEN in the environment); "
+                        "token= (empty) turns tokens off")
+                kw[key] = value
+            elif key == "token_file":
+                if not value:
+                    raise ValueError("--rdzv-conf token_file= needs the path of a file holding "
+                                     "the store's secret")
                 kw[key] = value
             elif key == "keep_alive_max_attempt":
                 kw[key] = int(value)

@@ -4,6 +4,10 @@ calls :meth:`KeySpace.handle`, and sends what it returns; a parked request is an
 through the ``answer`` callback, when a write creates its key (or fills its queue) or its
 deadline passes (:meth:`KeySpace.expire`). A request waits on one missing key at a time, so a
 WAIT on n keys costs one index entry, not n. Only the serving thread uses it.
+
+Keys reserved for worlds' membership (:func:`plugdist.store.worldkeys.is_reserved`) refuse
+every plain write: they change only through :class:`~plugdist.store._tcp_worlds.Worlds`, which
+uses this key space's primitives (:meth:`KeySpace.put`, :meth:`KeySpace.append_entry`, ...).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import Any
 
 from ..errors import store_timeout
 from . import _wire as w
+from ._tcp_worlds import Worlds
+from .worldkeys import RESERVED_NAMES, is_reserved
 
 __all__ = ["KeySpace"]
 
@@ -52,16 +58,23 @@ class _Waiter:
 
 class KeySpace:
     """The data and the parked requests of one server. ``answer(conn, reply)`` sends a parked
-    request's reply (after ``conn.waiter`` was cleared); ``max_value_bytes`` bounds what APPEND
-    may grow a value to (a GET could not return more in one frame); ``arm_will(conn)`` is called
-    when ``conn`` leaves a will with a ttl (``conn.will_ttl``/``conn.will_deadline`` set), so the
-    server can watch the deadline, which RENEW moves without calling it again."""
+    request's reply (after ``conn.waiter`` was cleared); ``max_value_bytes`` bounds a value (a
+    SET, a MULTI_SET's, a COMPARE_SET's, what APPEND or QUEUE_PUSH may store);
+    ``max_keys`` bounds the keys of one request (CHECK, WAIT, MULTI_GET, MULTI_SET);
+    ``arm_will(conn)`` is called when ``conn`` leaves a will with a ttl
+    (``conn.will_ttl``/``conn.will_deadline`` set), so the server can watch the deadline, which
+    RENEW moves without calling it again. ``notice(event, **fields)`` logs a refusal (the server
+    rate-limits it)."""
 
     def __init__(self, answer: Callable[[Any, bytes], None], max_value_bytes: int,
-                 arm_will: Callable[[Any], None] | None = None) -> None:
+                 arm_will: Callable[[Any], None] | None = None, *,
+                 max_keys: int = 1 << 20,
+                 notice: Callable[..., None] | None = None) -> None:
         self._answer = answer
         self._arm_will = arm_will
         self._max_value_bytes = max_value_bytes
+        self._max_keys = max_keys
+        self._notice = notice or (lambda event, **fields: None)
         self._data: dict[bytes, bytes] = {}
         self._queues: dict[bytes, deque[bytes]] = {}
         self._waiting: dict[bytes, list[_Waiter]] = {}
@@ -83,6 +96,10 @@ class KeySpace:
             w.Op.LOG_READ: self._op_log_read, w.Op.RENEW: self._op_renew,
             w.Op.WILL_DROP: self._op_will_drop,
         }
+        self.worlds = Worlds(self, self._notice)
+        self._handlers.update({w.Op.CLAIM: self.worlds.op_claim, w.Op.JOIN: self.worlds.op_join,
+                               w.Op.MEMBER: self.worlds.op_member,
+                               w.Op.RECORD: self.worlds.op_record})
 
     def join(self) -> None:
         """A client joined (its handshake carried the join flag): count it for WAIT_WORKERS and
@@ -252,15 +269,145 @@ class KeySpace:
         if key in self._waiting:
             self._key_created(key)
 
+    # ---- primitives (also the worlds' way to write their reserved keys) ----------------------
+
+    def value(self, key: bytes) -> bytes | None:
+        return self._data.get(key)
+
+    def put(self, key: bytes, value: bytes) -> None:
+        """Set ``key``, waking the requests waiting for it."""
+        created = key not in self._data
+        self._data[key] = value
+        if created:
+            self._created_value(key)
+
+    def add_to(self, key: bytes, amount: int) -> int | bytes:
+        """Add ``amount`` to the counter ``key``: the sum, or an ERROR reply."""
+        old = self._data.get(key)
+        if old is None:
+            total = amount
+        else:
+            try:
+                total = int(old) + amount
+            except ValueError:
+                return _reply(w.Status.ERROR, (
+                    f"add({_name(key)!r}) met a value that is not an integer ({old[:32]!r}): "
+                    f"the key was written by set(); use a separate key for counters").encode())
+        if not -(2**63) <= total < 2**63:
+            return _reply(w.Status.ERROR, f"add({_name(key)!r}) overflows a 64-bit counter "
+                                          f"({total})".encode())
+        self._data[key] = str(total).encode()
+        if old is None:
+            self._created_value(key)
+        return total
+
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
+        """Compare-and-set (see ``Store.compare_set``): the value now held."""
+        current = self._data.get(key)
+        if current is None:
+            if expected:
+                return expected
+            self._data[key] = desired
+            self._created_value(key)
+            return desired
+        if current == expected:
+            self._data[key] = desired
+            return desired
+        return current
+
+    def delete(self, key: bytes) -> bool:
+        had_value = self._data.pop(key, None) is not None
+        had_queue = bool(self._queues.pop(key, None))
+        return had_value or had_queue
+
+    def delete_prefix(self, prefix: bytes, reserved_too: bool) -> int:
+        """Delete every key and queue starting with ``prefix`` (the reserved ones only with
+        ``reserved_too``); how many."""
+        doomed = [k for k in self._data if k.startswith(prefix)
+                  and (reserved_too or not is_reserved(k))]
+        for k in doomed:
+            del self._data[k]
+        queues = [k for k in self._queues if k.startswith(prefix)
+                  and (reserved_too or not is_reserved(k))]
+        for k in queues:
+            del self._queues[k]
+        return len(set(doomed) | set(queues))
+
+    def append_entry(self, log: bytes, value: bytes) -> int:
+        """Append ``value`` to the numbered log ``log`` (its counter becomes n, the value lands
+        at ``log/n``) and wake its readers; returns n. The server's own appends only."""
+        self.execute_wills([(log, value)])
+        return int(self._data[log])
+
+    def _refused(self, conn: Any, op: str, key: bytes) -> bytes:
+        """The reply to a plain write on a reserved key (and a rate-limited log line)."""
+        self._notice("tcp_store_reserved_write_refused", peer=getattr(conn, "peer", "?"), op=op,
+                     key=_name(key)[:200])
+        return _reply(w.Status.ERROR, (
+            f"{op}({_name(key)[:200]!r}) refused: this key belongs to a world's membership "
+            f"(keys holding {RESERVED_NAMES}), which only the store and the world's members, "
+            f"through checked operations, change; use other key names").encode())
+
+    def _too_many(self, op: str, n: int) -> bytes | None:
+        if n <= self._max_keys:
+            return None
+        return _reply(w.Status.ERROR, (
+            f"{op} of {n} keys refused: this server takes at most {self._max_keys} keys per "
+            f"request (TCPStoreLimits.max_keys_per_request); split it").encode())
+
+    def _too_big(self, op: str, key: bytes, size: int) -> bytes | None:
+        if size <= self._max_value_bytes:
+            return None
+        return _reply(w.Status.ERROR, (
+            f"{op}({_name(key)[:200]!r}) refused: a value of {size} bytes exceeds this server's "
+            f"limit of {self._max_value_bytes} (TCPStoreLimits.max_value_bytes); store large "
+            f"data elsewhere and put its location in the store").encode())
+
+    def refusal_ahead(self, conn: Any, op: int, buf: bytes | bytearray, pos: int,
+                      end: int) -> bytes | None:
+        """For a request of which only ``buf[pos:end]`` (its body's start) arrived: its ERROR
+        reply when what arrived already decides it (too many keys, a value too big), ``b""``
+        when it will not be refused for its size, None while the fields that tell are still to
+        come. Lets the server answer and drop a huge frame without holding it."""
+        if op == w.Op.CHECK or op == w.Op.MULTI_SET:
+            if end - pos < 4:
+                return None
+            n = int(w.U32.unpack_from(buf, pos)[0])
+            return self._too_many(w.Op(op).name.lower(), n // 2 if op == w.Op.MULTI_SET
+                                  else n) or b""
+        if op == w.Op.WAIT or op == w.Op.MULTI_GET:
+            if end - pos < 12:
+                return None
+            return self._too_many(w.Op(op).name.lower(), int(w.U32.unpack_from(buf, pos + 8)[0])) \
+                or b""
+        if op in (w.Op.SET, w.Op.APPEND, w.Op.QUEUE_PUSH):
+            if end - pos < 4:
+                return None
+            klen = int(w.U32.unpack_from(buf, pos)[0])
+            if end - pos < 8 + klen:
+                return None
+            key = bytes(buf[pos + 4:pos + 4 + klen])
+            vlen = int(w.U32.unpack_from(buf, pos + 4 + klen)[0])
+            return self._too_big(w.Op(op).name.lower(), key, vlen) or b""
+        return b""
+
+    def _count(self, buf: bytes, pos: int, end: int) -> int:
+        """The blob count at ``pos`` (a keyed request's n), read before its blobs are."""
+        if pos + 4 > end:
+            raise ValueError("truncated blob count")
+        return int(w.U32.unpack_from(buf, pos)[0])
+
     # ---- commands: (conn, buf, body start, body end) -> reply frame or None when parked
 
     def _op_set(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)
         value, _ = _blob(buf, pos, end)
-        created = key not in self._data
-        self._data[key] = value
-        if created:
-            self._created_value(key)
+        if is_reserved(key):
+            return self._refused(conn, "set", key)
+        refusal = self._too_big("set", key, len(value))
+        if refusal:
+            return refusal
+        self.put(key, value)
         return _OK_EMPTY
 
     def _op_get(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
@@ -278,23 +425,22 @@ class KeySpace:
         if pos + 12 + kl != end:
             raise ValueError("key length does not match the frame")
         key = bytes(buf[pos + 12:end])
+        if is_reserved(key):
+            if amount:
+                return self._refused(conn, "add", key)
+            return self.read_counter(key)  # add(key, 0) reads a counter, creating nothing
+        total = self.add_to(key, amount)
+        return total if isinstance(total, bytes) else _ok(w.I64.pack(total))
+
+    def read_counter(self, key: bytes) -> bytes:
+        """The reply to ``add(key, 0)`` on a counter the caller may not create: its value, or 0
+        while it does not exist."""
         old = self._data.get(key)
-        if old is None:
-            total = amount
-        else:
-            try:
-                total = int(old) + amount
-            except ValueError:
-                return _reply(w.Status.ERROR, (
-                    f"add({_name(key)!r}) met a value that is not an integer ({old[:32]!r}): "
-                    f"the key was written by set(); use a separate key for counters").encode())
-        if not -(2**63) <= total < 2**63:
-            return _reply(w.Status.ERROR, f"add({_name(key)!r}) overflows a 64-bit counter "
-                                          f"({total})".encode())
-        self._data[key] = str(total).encode()
-        if old is None:
-            self._created_value(key)
-        return _ok(w.I64.pack(total))
+        try:
+            return _ok(w.I64.pack(int(old) if old is not None else 0))
+        except ValueError:
+            return _reply(w.Status.ERROR, f"add({_name(key)!r}) met a value that is not an "
+                                          f"integer".encode())
 
     def _op_will(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)
@@ -303,13 +449,22 @@ class KeySpace:
         if pos < end:
             (ttl,) = w.F64.unpack_from(buf, pos)
             ttl = _seconds(ttl)
+        if is_reserved(key):
+            return self._refused(conn, "hold_will", key)
+        if getattr(conn, "identity", None) is not None:
+            return _reply(w.Status.ERROR, b"hold_will refused: this connection holds a member "
+                                          b"identity, whose will is the server's")
         conn.will = (key, value) if key else None
-        conn.will_ttl = ttl if key else 0.0
+        self.arm(conn, ttl if key else 0.0)
+        return _OK_EMPTY
+
+    def arm(self, conn: Any, ttl: float) -> None:
+        """Start the ttl of ``conn``'s will (none with ``ttl`` 0)."""
+        conn.will_ttl = _seconds(ttl)
         if conn.will_ttl > 0:
-            conn.will_deadline = time.monotonic() + ttl
+            conn.will_deadline = time.monotonic() + conn.will_ttl
             if self._arm_will is not None:
                 self._arm_will(conn)
-        return _OK_EMPTY
 
     def _op_renew(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         if conn.will_ttl > 0:
@@ -350,6 +505,8 @@ class KeySpace:
             try:
                 n = (int(old) if old is not None else 0) + 1
             except ValueError:
+                self._notice("tcp_store_will_unwritten", log=_name(key)[:200],
+                             reason="its counter holds a value set() wrote, not a number")
                 continue
             self._data[key] = str(n).encode()
             if old is None:
@@ -364,11 +521,13 @@ class KeySpace:
     def _op_append(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)
         tail, _ = _blob(buf, pos, end)
+        if is_reserved(key):
+            return self._refused(conn, "append", key)
         old = self._data.get(key)
-        if old is not None and len(old) + len(tail) > self._max_value_bytes:
+        if len(old or b"") + len(tail) > self._max_value_bytes:
             return _reply(w.Status.ERROR, (
-                f"append({_name(key)!r}) would grow the value past the frame limit of "
-                f"{self._max_value_bytes} bytes; a get could never return it").encode())
+                f"append({_name(key)!r}) would grow the value past this server's limit of "
+                f"{self._max_value_bytes} bytes (TCPStoreLimits.max_value_bytes)").encode())
         self._data[key] = tail if old is None else old + tail
         if old is None:
             self._created_value(key)
@@ -378,29 +537,33 @@ class KeySpace:
         key, pos = _blob(buf, pos, end)
         expected, pos = _blob(buf, pos, end)
         desired, _ = _blob(buf, pos, end)
-        current = self._data.get(key)
-        if current is None:
-            if expected:
-                return _ok(expected)
-            self._data[key] = desired
-            self._created_value(key)
-            return _ok(desired)
-        if current == expected:
-            self._data[key] = desired
-            return _ok(desired)
-        return _ok(current)
+        if is_reserved(key):
+            return self._refused(conn, "compare_set", key)
+        refusal = self._too_big("compare_set", key, len(desired))
+        if refusal:
+            return refusal
+        return _ok(self.compare_set(key, expected, desired))
 
     def _op_wait(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
         (timeout,) = w.F64.unpack_from(buf, pos)
+        refusal = self._too_many("wait", self._count(buf, pos + 8, end))
+        if refusal:
+            return refusal
         keys, _ = w.unpack_blobs(buf, pos + 8, end)
         return self._wait_for(conn, w.Op.WAIT, keys, timeout)
 
     def _op_multi_get(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
         (timeout,) = w.F64.unpack_from(buf, pos)
+        refusal = self._too_many("multi_get", self._count(buf, pos + 8, end))
+        if refusal:
+            return refusal
         keys, _ = w.unpack_blobs(buf, pos + 8, end)
         return self._wait_for(conn, w.Op.MULTI_GET, keys, timeout)
 
     def _op_check(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        refusal = self._too_many("check", self._count(buf, pos, end))
+        if refusal:
+            return refusal
         keys, _ = w.unpack_blobs(buf, pos, end)
         present = all(self._present(w.Op.WAIT, k) for k in keys)
         return _ok(b"\x01" if present else b"\x00")
@@ -411,35 +574,42 @@ class KeySpace:
 
     def _op_delete_key(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, _ = _blob(buf, pos, end)
-        had_value = self._data.pop(key, None) is not None
-        had_queue = bool(self._queues.pop(key, None))
-        return _ok(b"\x01" if had_value or had_queue else b"\x00")
+        if is_reserved(key):
+            return self._refused(conn, "delete_key", key)
+        return _ok(b"\x01" if self.delete(key) else b"\x00")
 
     def _op_delete_prefix(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         prefix, _ = _blob(buf, pos, end)
-        doomed = [k for k in self._data if k.startswith(prefix)]
-        for k in doomed:
-            del self._data[k]
-        queues = [k for k in self._queues if k.startswith(prefix)]
-        for k in queues:
-            del self._queues[k]
-        return _ok(w.I64.pack(len(set(doomed) | set(queues))))
+        if is_reserved(prefix):
+            return self._refused(conn, "delete_prefix", prefix)
+        # a plain client's prefix that spans a world (e.g. "") leaves that world's keys alone
+        return _ok(w.I64.pack(self.delete_prefix(prefix, reserved_too=False)))
 
     def _op_multi_set(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        refusal = self._too_many("multi_set", self._count(buf, pos, end) // 2)
+        if refusal:
+            return refusal
         items, _ = w.unpack_blobs(buf, pos, end)
         if len(items) % 2:
             raise ValueError("odd number of blobs")
+        for i in range(0, len(items), 2):  # all or nothing
+            if is_reserved(items[i]):
+                return self._refused(conn, "multi_set", items[i])
+            refusal = self._too_big("multi_set", items[i], len(items[i + 1]))
+            if refusal:
+                return refusal
         for i in range(0, len(items), 2):
-            key = items[i]
-            created = key not in self._data
-            self._data[key] = items[i + 1]
-            if created:
-                self._created_value(key)
+            self.put(items[i], items[i + 1])
         return _OK_EMPTY
 
     def _op_queue_push(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)
         value, _ = _blob(buf, pos, end)
+        if is_reserved(key):
+            return self._refused(conn, "queue_push", key)
+        refusal = self._too_big("queue_push", key, len(value))
+        if refusal:
+            return refusal
         poppers = self._poppers.get(key)
         if poppers:
             # a parked pop takes the value directly, oldest pop first
@@ -459,6 +629,8 @@ class KeySpace:
         if pos + 13 + kl != end:
             raise ValueError("key length does not match the frame")
         key = bytes(buf[pos + 13:end])
+        if is_reserved(key):
+            return self._refused(conn, "queue_pop", key)
         q = self._queues.get(key)
         if q:
             value = q.popleft()

@@ -7,9 +7,12 @@ WAIT_WORKERS) until a write or their deadline answers them, is the key space's
 
 A client that disconnects, fails authentication, or sends anything that is not a well-formed
 protocol frame is dropped and logged; nothing it does reaches other clients. Bounds
-(:class:`TCPStoreLimits`): frame size, time to finish the handshake, time a half-sent frame may
-sit, number of connections, bytes a client may send while its request is parked, and bytes of
-replies a client may leave unread before the server stops reading its requests.
+(:class:`TCPStoreLimits`): frame size, keys per request, bytes per value, time to prove itself
+(the handshake; without a token, its first request), the pace a frame must arrive at, partly
+received bytes across all connections, number of connections, bytes a client may send while
+its request is parked, bytes of replies a client may leave unread before the server stops
+reading its requests, and requests one connection gets served per turn of the loop. Warnings
+about refused and dropped clients are rate-limited, each line counting those held back.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import hmac
+import ipaddress
 import math
 import resource
 import secrets
@@ -46,9 +50,19 @@ class TCPStoreLimits:
     """Per-server bounds that keep one client from hurting the others.
 
     ``max_frame_bytes``: the largest request body (a larger announced length drops the client).
-    ``handshake_timeout``: a new connection must finish its handshake within this time.
-    ``frame_stall_timeout``: a half-received frame that gets no new byte for this long drops the
-    client. ``max_connections``: connections beyond it are told so (the client retries, then
+    ``max_keys_per_request``: keys of one CHECK, WAIT, MULTI_GET or MULTI_SET (more: refused
+    with an error, the connection kept). ``max_value_bytes``: one value (a SET's, an APPEND's
+    result, ...; more: refused). ``handshake_timeout``: a new connection must prove itself
+    within this time: finish its handshake, and, on a server without a token (where the
+    handshake proves nothing), send its first request. ``frame_timeout`` and
+    ``min_frame_bytes_per_second``: a frame must arrive whole within ``frame_timeout`` plus its
+    size at that pace, counted from its first byte, and, once ``frame_timeout`` has passed,
+    must have come at least at that pace on average (a trickle cannot keep it alive, nor a
+    frame sent in part and then left to sit).
+    ``max_partial_bytes``: bytes of partly received frames held across all connections; past
+    it, the connections whose frames came slowest (bytes per second since their first byte)
+    are dropped until the rest fit. ``max_connections``: connections beyond
+    it are told so (the client retries, then
     raises DistNetworkError saying so) and closed, with one log line per second; the server
     also caps it to the process's open-file limit (less 256), which it raises towards it
     first, and its log line then names that limit (a member of a resilient world holds two
@@ -59,14 +73,85 @@ class TCPStoreLimits:
     """
 
     max_frame_bytes: int = w.MAX_FRAME
+    max_keys_per_request: int = 131072
+    max_value_bytes: int = 32 * 1024 * 1024
     handshake_timeout: timedelta = timedelta(seconds=10)
-    frame_stall_timeout: timedelta = timedelta(seconds=30)
+    frame_timeout: timedelta = timedelta(seconds=5)
+    min_frame_bytes_per_second: int = 4 * 1024 * 1024
+    max_partial_bytes: int = 128 * 1024 * 1024
     max_connections: int = 65536
     max_parked_inbound_bytes: int = 64 * 1024
     max_unread_reply_bytes: int = 1024 * 1024
 
 
 _MAX_EVENTS = 1024  # readiness events taken from the kernel per turn of the loop
+# what one connection is served per turn of the loop (at least one request): a client that
+# pipelines thousands of requests waits for the others' turns between its batches
+_TURN_REQUESTS = 32
+_TURN_SECONDS = 50e-6
+# a partial frame larger than this is looked at for a refusal as soon as its fields tell
+_EARLY = 64 * 1024
+# the bytes of a refused frame are dropped as they come, and charged to their connection as if
+# it took this long per byte (so one who streams refused frames rests like any heavy client)
+_SKIP_COST = 1.0 / (64 * 1024 * 1024)
+# time spent accepting new connections per turn (at least one): a flood of connects waits in
+# the kernel's backlog rather than in front of the connected clients
+_TURN_ACCEPT_SECONDS = 200e-6
+# a connection whose bytes took the server longer than this in one go (a request of thousands
+# of keys, a frame of megabytes) is heavy: it is not read again for _HEAVY_REST times as long,
+# counted on one timeline for every heavy connection, so heavy work gets at most about
+# 1 / (1 + _HEAVY_REST) of the server
+_HEAVY = 1e-3
+_HEAVY_REST = 3.0
+_LOG_BURST = 10  # lines of one warning logged at once before the rate limit applies
+_LOG_EVERY = 10.0  # seconds between lines of one warning past the burst
+
+
+class _Throttle:
+    """Rate-limited log lines: per event and level, ``_LOG_BURST`` lines, then one per
+    ``_LOG_EVERY`` seconds; a line held back is counted, and the next line of that event (or,
+    when none comes, the last one held, logged by :meth:`flush` once its turn comes) carries
+    ``suppressed``, how many were held back since the last line."""
+
+    def __init__(self, log: Any) -> None:
+        self._log = log
+        self._tokens: dict[str, float] = {}
+        self._stamp: dict[str, float] = {}
+        self._held: dict[str, tuple[int, str, dict[str, Any]]] = {}
+
+    def __call__(self, event: str, level: str = "warning", **fields: Any) -> None:
+        now = time.monotonic()
+        kind = f"{level}:{event}"  # a client that simply went away never silences a warning
+        tokens = min(float(_LOG_BURST), self._tokens.get(kind, float(_LOG_BURST))
+                     + (now - self._stamp.get(kind, now)) / _LOG_EVERY)
+        self._stamp[kind] = now
+        self._tokens[kind] = tokens
+        if tokens < 1.0:
+            count = self._held.get(kind, (0, "", {}))[0] + 1
+            self._held[kind] = (count, event, fields)
+            return
+        self._emit(kind, event, fields)
+
+    def _emit(self, kind: str, event: str, fields: dict[str, Any]) -> None:
+        self._tokens[kind] -= 1.0
+        held = self._held.pop(kind, None)
+        if held:
+            fields = {**fields, "suppressed": held[0] - (held[2] is fields)}
+        getattr(self._log, kind.partition(":")[0])(event, **fields)
+
+    def next_flush(self) -> float | None:
+        """When :meth:`flush` has a held line to log (monotonic seconds), or None."""
+        if not self._held:
+            return None
+        return min(self._stamp[e] + (1.0 - self._tokens[e]) * _LOG_EVERY for e in self._held)
+
+    def flush(self, now: float) -> None:
+        """Log the last line held back of each event whose turn has come."""
+        for kind, (_, event, fields) in list(self._held.items()):
+            tokens = self._tokens[kind] + (now - self._stamp[kind]) / _LOG_EVERY
+            if tokens >= 1.0:
+                self._tokens[kind], self._stamp[kind] = min(float(_LOG_BURST), tokens), now
+                self._emit(kind, event, fields)
 
 
 if hasattr(selectors, "EpollSelector"):
@@ -106,8 +191,9 @@ class _ProtocolError(Exception):
 
 
 class _Conn:
-    __slots__ = ("sock", "peer", "inbuf", "need", "out", "handshaken", "nonce", "waiter",
-                 "closed", "since", "paused", "will", "will_ttl", "will_deadline")
+    __slots__ = ("sock", "peer", "inbuf", "need", "out", "handshaken", "proven", "nonce",
+                 "waiter", "closed", "since", "started", "held", "skip", "vetted", "paused",
+                 "resting", "unwatched", "will", "will_ttl", "will_deadline", "identity")
 
     def __init__(self, sock: socket.socket, peer: str, nonce: bytes) -> None:
         self.sock = sock
@@ -116,14 +202,22 @@ class _Conn:
         self.need = 0             # length inbuf must reach before parsing is worth trying
         self.out = bytearray()    # bytes the kernel has not taken yet
         self.handshaken = False
+        self.proven = False       # proved its token, or (no token) sent a first request
         self.nonce = nonce        # the server nonce sent in this connection's greeting
         self.waiter: Any = None   # the parked request (the key space's), if any
         self.closed = False
-        self.since = 0.0          # when the pending handshake / half-sent frame last progressed
+        self.since = 0.0          # when it connected (its deadline to prove itself runs from it)
+        self.started = 0.0        # when the first byte of its partly received frame came
+        self.held = 0             # bytes of a partly received frame, counted in the total
+        self.skip = 0             # bytes still to drop of a frame refused before it was whole
+        self.vetted = False       # its partial frame was looked at for an early refusal
         self.paused = False       # reading stopped: too many unread replies
+        self.resting = False      # reading stopped: its heavy requests had their share
+        self.unwatched = False    # out of the selector (neither read nor written for now)
         self.will: tuple[bytes, bytes] | None = None  # (log key, value) written on close
         self.will_ttl = 0.0       # > 0: the will also runs when no RENEW came for this long
         self.will_deadline = 0.0  # when it runs unless renewed (monotonic seconds)
+        self.identity: Any = None  # (world, uid) of the member identity it holds, if any
 
 
 # descriptors the process keeps for everything but the server's clients (its own files, the
@@ -164,7 +258,10 @@ class StoreServer:
         self.token = token or None
         self.limits = limits or TCPStoreLimits()
         self.port = 0
-        self._keys = KeySpace(self._answer, self.limits.max_frame_bytes, self._arm_will)
+        self._log = get_logger(component="tcp_store_server")
+        self._warn = _Throttle(self._log)
+        self._keys = KeySpace(self._answer, self.limits.max_value_bytes, self._arm_will,
+                              max_keys=self.limits.max_keys_per_request, notice=self._warn)
         # wills with a ttl, by deadline; a RENEW moves a connection's deadline without touching
         # the heap, and an entry found early is pushed again at the new deadline (lazy), so a
         # renewal costs O(1) and the heap O(log n) per connection per ttl
@@ -175,18 +272,37 @@ class StoreServer:
         self.fd_limit = 0
         self._accept_paused_until = 0.0
         self._conns: dict[int, _Conn] = {}
-        self._pending: set[_Conn] = set()  # mid-handshake or mid-frame: watched for stalls
+        self._pending: set[_Conn] = set()  # unproven or mid-frame: watched for deadlines
         self._resume: list[_Conn] = []
+        self._later: list[_Conn] = []  # served their turn's requests; more wait for the next
+        self._partial_total = 0  # bytes of partly received frames, all connections
+        self._resting: list[tuple[float, int, _Conn]] = []  # (until, seq, conn)
+        self._rest_seq = 0
+        self._heavy_next = 0.0  # when heavy requests have had their share (monotonic)
+        self._charged = 0.0  # work charged to the connection being served, beyond its time
+        self._holders: set[_Conn] = set()  # the connections holding them
         self._refused_busy = 0
         self._busy_logged_at = 0.0
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
-        self._log = get_logger(component="tcp_store_server")
 
     @property
     def alive(self) -> bool:
         """True while the serving thread runs."""
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def listening_on(self) -> str:
+        """The address the server listens on (``0.0.0.0``/``::``: every interface)."""
+        return str(self._lsock.getsockname()[0])
+
+    @property
+    def loopback_only(self) -> bool:
+        """Whether only this host can reach the server (it listens on a loopback address)."""
+        try:
+            return ipaddress.ip_address(self.listening_on.split("%")[0]).is_loopback
+        except ValueError:
+            return False
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -265,6 +381,17 @@ class StoreServer:
                 if self._will_deadlines:
                     due = max(0.0, self._will_deadlines[0][0] - time.monotonic())
                     delay = due if delay is None else min(delay, due)
+                flush = self._warn.next_flush()
+                if flush is not None:
+                    wait = max(0.0, flush - time.monotonic())
+                    delay = wait if delay is None else min(delay, wait)
+                if self._resting:
+                    wait = max(0.0, self._resting[0][0] - time.monotonic())
+                    delay = wait if delay is None else min(delay, wait)
+                if self._later:  # connections with requests left over from the last turn
+                    delay = 0.0
+                    self._resume.extend(self._later)
+                    self._later = []
                 for key, mask in sel.select(delay):
                     conn = key.data
                     if conn is None:
@@ -280,10 +407,15 @@ class StoreServer:
                         continue
                     if mask & _WRITE:
                         self._flush(conn)
-                    if mask & _READ and not conn.closed and not conn.paused:
-                        self._on_readable(conn)
+                    if mask & _READ and not conn.closed and not conn.paused \
+                            and not conn.resting:
+                        self._serve_conn(conn)
                 now = time.monotonic()
+                while self._resting and self._resting[0][0] <= now:
+                    self._wake(heapq.heappop(self._resting)[2])
                 self._keys.expire(now)
+                if self._warn.next_flush() is not None:
+                    self._warn.flush(now)
                 if self._will_deadlines and self._will_deadlines[0][0] <= now:
                     self._lapse_wills(now)
                 if self._dying:
@@ -297,9 +429,12 @@ class StoreServer:
                     sel.register(lsock, _READ, None)
                 while self._resume:
                     conn = self._resume.pop()
+                    # only a whole frame is worth running again: a partial one waits for its
+                    # bytes (copying it each turn would cost as much as it holds)
                     if (not conn.closed and conn.waiter is None and not conn.paused
-                            and conn.inbuf):
-                        self._process(conn, b"", force=True)
+                            and not conn.resting
+                            and conn.inbuf and len(conn.inbuf) >= conn.need):
+                        self._serve_conn(conn, force=True)
         except Exception as e:  # a bug here must not leave clients hanging silently
             self._log.error("tcp_store_server_crashed", port=self.port, error=repr(e))
             raise
@@ -349,23 +484,43 @@ class StoreServer:
 
     def _sweep_interval(self) -> float:
         lim = self.limits
-        shortest = min(lim.handshake_timeout, lim.frame_stall_timeout).total_seconds()
+        shortest = min(lim.handshake_timeout, lim.frame_timeout).total_seconds()
         return min(max(shortest / 4, 0.01), 1.0)
 
     def _sweep_stalled(self, now: float) -> None:
-        hs = self.limits.handshake_timeout.total_seconds()
-        fs = self.limits.frame_stall_timeout.total_seconds()
+        lim = self.limits
+        hs = lim.handshake_timeout.total_seconds()
+        grace = lim.frame_timeout.total_seconds()
+        rate = max(1, lim.min_frame_bytes_per_second)
         for conn in list(self._pending):
-            if conn.closed or conn.paused or conn.waiter is not None:
+            if conn.closed or conn.paused or conn.resting or conn.waiter is not None:
                 self._pending.discard(conn)
             elif not conn.handshaken and now - conn.since > hs:
                 self._drop(conn, f"no complete handshake within {hs:.3g}s")
-            elif conn.handshaken and now - conn.since > fs:
-                self._drop(conn, f"half-sent frame stalled for more than {fs:.3g}s "
-                                 f"({len(conn.inbuf)} of {conn.need} bytes)")
+            elif not conn.proven and not conn.inbuf and now - conn.since > hs:
+                # info: a client's pooled connection may simply sit unused (it reconnects)
+                self._drop(conn, f"no request within {hs:.3g}s of connecting (a server "
+                                 f"without a token lets a connection prove itself no other way)",
+                           gone=True)
+            elif (conn.inbuf or conn.skip) and (
+                    now - conn.started > grace + conn.need / rate
+                    or self._received(conn) < rate * (now - conn.started - grace)):
+                self._drop(conn, f"frame arriving too slowly: {self._received(conn)} of "
+                                 f"{conn.need} "
+                                 f"bytes in {now - conn.started:.3g}s (a frame gets "
+                                 f"{grace:.3g}s plus its size at {rate} bytes/s, and must come "
+                                 f"at that pace after {grace:.3g}s)")
+            elif conn.handshaken and conn.proven and not conn.inbuf and not conn.skip:
+                self._pending.discard(conn)
+
+    @staticmethod
+    def _received(conn: _Conn) -> int:
+        """Bytes of its current frame ``conn`` has sent (held, or dropped as refused)."""
+        return conn.need - conn.skip if conn.skip else len(conn.inbuf)
 
     def _accept(self) -> None:
-        while True:
+        began = time.perf_counter()
+        while time.perf_counter() - began < _TURN_ACCEPT_SECONDS:  # then the others' turn
             try:
                 sock, addr = self._lsock.accept()
             except (BlockingIOError, InterruptedError):
@@ -418,6 +573,19 @@ class StoreServer:
             self._busy_logged_at = now
             self._refused_busy = 0
 
+    def _serve_conn(self, conn: _Conn, force: bool = False) -> None:
+        """Read from ``conn`` (or, ``force``, run the requests left in its buffer), charging the
+        time it took: past ``_HEAVY`` the connection rests (see :meth:`_rest`)."""
+        began = time.perf_counter()
+        self._charged = 0.0
+        if force:
+            self._process(conn, b"", force=True)
+        else:
+            self._on_readable(conn)
+        took = time.perf_counter() - began + self._charged
+        if took > _HEAVY and not conn.closed:
+            self._rest(conn, took)
+
     def _on_readable(self, conn: _Conn) -> None:
         try:
             data = conn.sock.recv(_RECV_SIZE)
@@ -439,7 +607,17 @@ class StoreServer:
         self._process(conn, data)
 
     def _process(self, conn: _Conn, data: bytes, force: bool = False) -> None:
-        if conn.waiter is not None or conn.paused:
+        if conn.skip and data:  # the rest of a frame refused early: dropped as it comes
+            n = min(conn.skip, len(data))
+            conn.skip -= n
+            self._charged += n * _SKIP_COST
+            if conn.skip:
+                return
+            conn.need = 0
+            data = data[n:]
+            if not data:
+                return
+        if conn.waiter is not None or conn.paused or conn.resting:
             conn.inbuf += data
             if conn.waiter is not None:
                 self._control_frames(conn)
@@ -451,8 +629,8 @@ class StoreServer:
             # a large frame arrives in many reads: append (amortised O(1)) until it is whole
             conn.inbuf += data
             if len(conn.inbuf) < conn.need and not force:
-                if conn.handshaken:  # a frame may sit idle; a handshake's clock never resets
-                    conn.since = time.monotonic()
+                self._hold(conn, len(conn.inbuf))
+                self._refuse_early(conn)
                 return
             buf = bytes(conn.inbuf)
         else:
@@ -470,10 +648,15 @@ class StoreServer:
                 pos = self._handshake(conn, buf)
                 if conn.closed:
                     return
+            served = 0
+            turn = time.perf_counter()
             while conn.waiter is None and end - pos >= 5:
                 if len(conn.out) > max_unread:
                     self._pause(conn)
                     break
+                if served == _TURN_REQUESTS or (served and time.perf_counter() - turn
+                                                > _TURN_SECONDS):
+                    break  # the others' turn; the rest waits in inbuf for the next one
                 length, op = w.HEADER.unpack_from(buf, pos)
                 if length > max_frame:
                     raise _ProtocolError(f"frame of {length} bytes exceeds the limit of "
@@ -483,6 +666,8 @@ class StoreServer:
                     break
                 if not self._keys.knows(op):
                     raise _ProtocolError(f"unknown command {op}")
+                conn.proven = True
+                served += 1
                 try:
                     reply = self._keys.handle(conn, op, buf, pos + 5, stop)
                 except (ValueError, IndexError, struct.error, UnicodeDecodeError,
@@ -507,12 +692,43 @@ class StoreServer:
             if conn.inbuf:
                 conn.inbuf = bytearray()
             conn.need = 0
-            self._pending.discard(conn)
+            self._hold(conn, 0)
+            if conn.proven:
+                self._pending.discard(conn)
             return
         need = 5
         if end - pos >= 5:
             need = 5 + w.HEADER.unpack_from(buf, pos)[0]
         self._keep(conn, buf, pos, need)
+        if end - pos >= need and conn.waiter is None and not conn.paused and not conn.resting:
+            self._later.append(conn)  # whole requests left: served at the next turn
+
+    def _rest(self, conn: _Conn, spent: float) -> None:
+        """``conn`` had ``spent`` seconds of heavy requests: read it again only once every
+        heavy connection's work has been followed by ``_HEAVY_REST`` times as long."""
+        now = time.monotonic()
+        self._heavy_next = max(now, self._heavy_next) + spent * _HEAVY_REST
+        conn.resting = True
+        self._pending.discard(conn)
+        self._rest_seq += 1
+        heapq.heappush(self._resting, (self._heavy_next, self._rest_seq, conn))
+        self._watch(conn)
+
+    def _wake(self, conn: _Conn) -> None:
+        if conn.closed or not conn.resting:
+            return
+        conn.resting = False
+        self._watch(conn)
+        self._mind_deadlines(conn)
+        if conn.inbuf:
+            self._resume.append(conn)
+
+    def _mind_deadlines(self, conn: _Conn) -> None:
+        """Watch ``conn``'s deadlines again (its proof, its partial frame's pace) after a rest or
+        a pause, during which they were not watched; a sender that sits still from then on is
+        dropped all the same."""
+        if conn.waiter is None and (not conn.proven or conn.inbuf or conn.skip):
+            self._pending.add(conn)
 
     def _control_frames(self, conn: _Conn) -> None:
         """Run the RENEW and WILL_DROP frames at the front of a parked connection's input (its
@@ -529,12 +745,60 @@ class StoreServer:
             del buf[:pos]
 
     def _keep(self, conn: _Conn, buf: bytes, pos: int, need: int) -> None:
+        was_partial = bool(conn.inbuf) and pos == 0
         conn.inbuf = bytearray(memoryview(buf)[pos:])
         conn.need = need
-        if conn.waiter is None and not conn.paused:
-            if conn.handshaken:
-                conn.since = time.monotonic()
+        if not was_partial:
+            conn.vetted = False
+        if conn.waiter is None and not conn.paused and not conn.resting:
+            if not was_partial:  # a new frame's clock starts with its first byte
+                conn.started = time.monotonic()
             self._pending.add(conn)
+        self._hold(conn, len(conn.inbuf) if len(conn.inbuf) < need else 0)
+        if len(conn.inbuf) < need:
+            self._refuse_early(conn)
+
+    def _refuse_early(self, conn: _Conn) -> None:
+        """A large partial frame whose request is already known to be refused (more keys than
+        ``max_keys_per_request``, a value over ``max_value_bytes``): answer its ERROR now and
+        drop its bytes as they come instead of holding them (``skip``), still at the pace
+        frames must keep."""
+        buf = conn.inbuf
+        if conn.need <= _EARLY or conn.vetted or len(buf) < 5 or conn.waiter is not None:
+            return
+        length, op = w.HEADER.unpack_from(buf, 0)
+        verdict = self._keys.refusal_ahead(conn, op, buf, 5, len(buf))
+        if verdict is None:
+            return  # the fields that tell are not here yet
+        conn.vetted = True
+        if not verdict:
+            return
+        conn.proven = True
+        conn.skip = 5 + length - len(buf)
+        conn.inbuf = bytearray()
+        self._hold(conn, 0)
+        self._send(conn, verdict)
+
+    def _hold(self, conn: _Conn, held: int) -> None:
+        """``conn`` holds ``held`` bytes of a partly received frame; past the server's total
+        (``max_partial_bytes``) the slowest frames' connections are dropped (see
+        :class:`TCPStoreLimits`)."""
+        self._partial_total += held - conn.held
+        conn.held = held
+        if held:
+            self._holders.add(conn)
+        else:
+            self._holders.discard(conn)
+        cap = self.limits.max_partial_bytes
+        if held and self._partial_total > cap:
+            now = time.monotonic()
+            by_pace = sorted(self._holders, key=lambda c: c.held / max(now - c.started, 1e-3))
+            for slowest in by_pace:
+                if self._partial_total <= cap:
+                    break
+                self._drop(slowest, f"partly received frames of all clients held more than "
+                                    f"{cap} bytes; this one came slowest ({slowest.held} of "
+                                    f"{slowest.need} bytes in {now - slowest.started:.3g}s)")
 
     def _handshake(self, conn: _Conn, buf: bytes) -> int:
         magic, version, flags, client_nonce, proof = w.HELLO.unpack_from(buf, 0)
@@ -556,14 +820,16 @@ class StoreServer:
                 return 0
             reply_proof = w.server_proof(self.token, conn.nonce, client_nonce)
         conn.handshaken = True
-        self._pending.discard(conn)
+        conn.proven = self.token is not None
+        if conn.proven:
+            self._pending.discard(conn)
         self._send(conn, w.WELCOME.pack(w.MAGIC, w.VERSION, w.HELLO_OK, reply_proof))
         if flags & w.FLAG_JOIN:
             self._keys.join()
         return w.HELLO.size
 
     def _refuse_auth(self, conn: _Conn, why: str) -> None:
-        self._log.warning("tcp_store_auth_failed", port=self.port, peer=conn.peer, reason=why)
+        self._warn("tcp_store_auth_failed", port=self.port, peer=conn.peer, reason=why)
         self._send(conn, w.WELCOME.pack(w.MAGIC, w.VERSION, w.HELLO_AUTH_FAILED, w.NO_PROOF))
         self._close(conn)
 
@@ -592,11 +858,18 @@ class StoreServer:
             self._watch(conn)
 
     def _watch(self, conn: _Conn) -> None:
-        events = (0 if conn.paused else _READ) | (_WRITE if conn.out else 0)
-        if events:
+        if conn.closed:
+            return
+        events = (0 if conn.paused or conn.resting else _READ) | (_WRITE if conn.out else 0)
+        if not events:  # resting with nothing to send
+            if not conn.unwatched:
+                self._sel.unregister(conn.sock)
+                conn.unwatched = True
+        elif conn.unwatched:
+            self._sel.register(conn.sock, events, conn)
+            conn.unwatched = False
+        else:
             self._sel.modify(conn.sock, events, conn)
-        else:  # never happens: a paused connection has unread replies
-            self._sel.modify(conn.sock, _READ, conn)
 
     def _pause(self, conn: _Conn) -> None:
         conn.paused = True
@@ -614,6 +887,7 @@ class StoreServer:
         del conn.out[:n]
         if conn.paused and len(conn.out) <= self.limits.max_unread_reply_bytes // 2:
             conn.paused = False
+            self._mind_deadlines(conn)
             if conn.inbuf:
                 self._resume.append(conn)
         if not conn.out or not conn.paused:
@@ -626,8 +900,8 @@ class StoreServer:
         will, through membership, so the store host need not warn too)."""
         if conn.closed:
             return
-        log = self._log.info if gone else self._log.warning
-        log("tcp_store_client_dropped", port=self.port, peer=conn.peer, reason=why)
+        self._warn("tcp_store_client_dropped", "info" if gone else "warning", port=self.port,
+                   peer=conn.peer, reason=why)
         self._close(conn)
 
     def _close(self, conn: _Conn) -> None:
@@ -635,12 +909,15 @@ class StoreServer:
             return
         conn.closed = True
         self._pending.discard(conn)
+        self._hold(conn, 0)
         if conn.waiter is not None:
             self._keys.forget(conn.waiter)
             conn.waiter = None
         if conn.will is not None:
             self._dying.append(conn.will)  # executed together at the end of this loop turn
             conn.will = None
+        if conn.identity is not None:
+            self._keys.worlds.released(conn)
         self._conns.pop(conn.sock.fileno(), None)
         try:
             self._sel.unregister(conn.sock)

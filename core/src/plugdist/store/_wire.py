@@ -1,4 +1,4 @@
-"""The TCPStore wire protocol (version 2): constants, frame layout and the encoders both ends share.
+"""The TCPStore wire protocol (version 3): constants, frame layout and the encoders both ends share.
 
 Connection start. The server speaks first, then one exchange:
 
@@ -44,6 +44,14 @@ value, message) is a u32 length and that many bytes; timeouts are f64 seconds. R
     LOG_READ     f64 timeout, i64 start, blob key          -> OK u32 n, n blobs | TIMEOUT msg
     RENEW        (empty)                                   -> no reply
     WILL_DROP    (empty)                                   -> no reply
+    CLAIM        blob root, blob uid, i64 size, f64 ttl    -> OK blob secret | ERROR msg
+    JOIN         blob root, f64 ttl                        -> OK i64 ticket, i64 start,
+                                                              blob secret | ERROR msg
+    MEMBER       blob root, blob uid, blob secret, u8 op,  -> the reply of op | ERROR msg
+                 op's body (keys relative to root; op: SET, ADD, COMPARE_SET, DELETE_KEY,
+                 DELETE_PREFIX)
+    RECORD       blob root, blob uid, blob secret,         -> OK u8 appended | ERROR msg
+                 blob record (JSON)
 
 WILL leaves a will on this connection: when the connection closes without WILL_DROP (or a WILL
 with an empty key), the server appends ``value`` to the numbered log ``key`` (the counter
@@ -54,6 +62,20 @@ reads while a request of the connection is parked, so a holder may renew, or wit
 while its own LOG_READ waits. LOG_READ parks until ``key/start`` exists, then answers every
 consecutive entry ``key/start``, ``key/start+1``, ... present: one wake carries a burst of
 entries.
+
+Worlds (version 3). Keys that :mod:`plugdist.store.worldkeys` reserves for a world's membership
+are written only by the server: a plain write to one is answered ERROR. CLAIM makes this
+connection the identity ``uid`` (a rank of the world's first epoch, ``size`` ranks) of the
+world under ``root`` and leaves its will (the server appends ``{"uid": uid, "cause": "died"}``
+to the world's death log when the connection drops, or lapses as WILL's ttl); the reply's
+secret is the credential of that identity's later MEMBER and RECORD requests, which may come on
+any connection. JOIN does the same for a process that asks to join: the server takes a ticket
+(``uid`` ``j<ticket>``), writes it, and announces it in the death log. MEMBER runs a write on the
+world's reserved keys for a current member, after the server checked the credential, the key and
+the value; RECORD appends a checked record (a decision, a declared failure, a joiner leaving) to
+the death log. The server refuses a claim on an identity another live connection holds, one
+whose holder has left, or one that disagrees with the world's size: that is another job's
+process reaching this store.
 """
 
 from __future__ import annotations
@@ -72,7 +94,7 @@ __all__ = [
 ]
 
 MAGIC = b"PDST"
-VERSION = 2
+VERSION = 3
 NONCE_SIZE = 16
 PROOF_SIZE = 32
 NO_PROOF = bytes(PROOF_SIZE)
@@ -86,8 +108,8 @@ FLAG_PROOF = 2
 HELLO_OK = 0
 HELLO_BAD_VERSION = 1
 HELLO_AUTH_FAILED = 2
-CLIENT_LABEL = b"plugdist-tcpstore-v2 client"
-SERVER_LABEL = b"plugdist-tcpstore-v2 server"
+CLIENT_LABEL = b"plugdist-tcpstore-v3 client"
+SERVER_LABEL = b"plugdist-tcpstore-v3 server"
 
 HEADER = struct.Struct("!IB")
 MAX_FRAME = 64 * 1024 * 1024
@@ -127,6 +149,10 @@ class Op(enum.IntEnum):
     LOG_READ = 18  # parks until key/start exists; replies the consecutive entries from there
     RENEW = 19  # no reply: renews this connection's will (its ttl starts again)
     WILL_DROP = 20  # no reply: withdraws this connection's will
+    CLAIM = 21  # this connection becomes a world's member identity, with its will
+    JOIN = 22  # this connection becomes a joiner of a world: a ticket, an identity, its will
+    MEMBER = 23  # a member's checked write on its world's reserved keys
+    RECORD = 24  # a member's checked record appended to its world's death log
 
 
 # frames the server reads while a request of the connection is parked (they have no reply)

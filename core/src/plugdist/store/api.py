@@ -177,6 +177,36 @@ class Store:
         own connection (a TCPStore's): membership waits on the death log through it."""
         raise self._not_implemented("hold_will")
 
+    def claim_member(self, root: str, uid: str, world_size: int, ttl: float) -> Any:
+        """Optional (a world whose membership the store owns): hold the identity ``uid``, a
+        rank of the first epoch of a world of ``world_size`` ranks whose membership keys live
+        under the key prefix ``root``, with a will that the store writes itself (as
+        :meth:`hold_will`, record ``{"uid": uid, "cause": "died"}`` in ``root`` +
+        ``plugdist/live/deaths``). A store that owns membership refuses a plain write to any key
+        :func:`plugdist.store.worldkeys.is_reserved` names, and a claim on an identity another
+        live process holds, whose holder left, or of another world size (DistStoreError saying
+        so). The returned session has ``will`` (as :meth:`hold_will` returns), ``uid``, and the
+        writes ``set``, ``add``, ``compare_set``, ``delete_key``, ``delete_prefix`` on keys
+        relative to ``root``, and ``record(json)`` (append to the death log), each checked by
+        the store. A store without it raises NotImplementedError: membership then writes its
+        keys with plain writes, which any client of the store could forge."""
+        raise self._not_implemented("claim_member")
+
+    def join_member(self, root: str, ttl: float) -> Any:
+        """Optional, with :meth:`claim_member`: ask to join the world under ``root``; the store
+        takes a ticket n, writes it, announces it in the death log and holds the identity
+        ``j<n>`` for this process. The session has ``ticket`` and ``start`` (the death log's
+        length before the announcement) besides what :meth:`claim_member`'s has."""
+        raise self._not_implemented("join_member")
+
+    def membership_exposure(self) -> str | None:
+        """Optional: why any process that reaches this store could forge a world's membership
+        in it (it does not own those keys, as :meth:`claim_member` does, and it is reachable
+        beyond loopback without authentication), or None (it owns them, it is not exposed, or
+        it cannot tell). Where it says so, resilient groups stay off unless turned on
+        explicitly (``PLUGDIST_RESILIENCE=1``), with one warning naming why and the fix."""
+        return None
+
     def keep_node_wills(self, directory: str) -> Any:
         """Optional (liveness at scale): renew, from this process, the wills (:meth:`hold_will`)
         of the processes it starts on its host, so the store serves one renewal per host

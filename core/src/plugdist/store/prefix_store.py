@@ -70,6 +70,15 @@ class PrefixStore(Store):
             return self.underlying_store.hold_will(self._k(key), value)
         return self.underlying_store.hold_will(self._k(key), value, ttl=ttl)
 
+    def claim_member(self, root: str, uid: str, world_size: int, ttl: float) -> Any:
+        return self.underlying_store.claim_member(self._k(root), uid, world_size, ttl)
+
+    def join_member(self, root: str, ttl: float) -> Any:
+        return self.underlying_store.join_member(self._k(root), ttl)
+
+    def membership_exposure(self) -> str | None:
+        return self.underlying_store.membership_exposure()
+
     def keep_node_wills(self, directory: str) -> Any:
         return self.underlying_store.keep_node_wills(directory)
 

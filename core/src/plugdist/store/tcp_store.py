@@ -3,41 +3,39 @@
 The master (``is_master=True``) runs the server (see ``_tcp_server``) in a daemon thread and talks
 to it through a client connection like everyone else. Blocking calls are answered by the server
 when the keys arrive or the timeout passes; clients never poll. The wire protocol, including the
-token handshake every connection makes, is in ``_wire``.
+token handshake every connection makes, is in ``_wire``; wills and member identities are in
+``_tcp_client``; where the token comes from, and when a master needs one, in ``tokens``.
 """
 
 from __future__ import annotations
 
-import heapq
 import hmac
 import ipaddress
 import os
 import secrets
 import socket
+import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 
 from ..errors import DistNetworkError, DistStoreError, DistTimeoutError, QueueEmptyError
 from . import _wire as w
+from ._tcp_client import MIN_IO_TIMEOUT as _MIN_IO_TIMEOUT
+from ._tcp_client import REPLY_GRACE as _REPLY_GRACE
+from ._tcp_client import MemberSession, Will, read_log, renewer
+from ._tcp_client import clamp_seconds as to_seconds
 from ._tcp_server import StoreServer, TCPStoreLimits
 from ._util import check_amount, check_key, check_keys
 from .api import DEFAULT_STORE_TIMEOUT, Store, to_bytes
-from .api import to_seconds as _to_seconds
+from .tokens import TOKEN_ENV, TOKEN_FILE_ENV, is_loopback, resolve_token, tokenless_exposure
+from .worldkeys import DEATHS
 
 __all__ = ["TCPStore", "TCPStoreLimits", "TOKEN_ENV"]
 
-TOKEN_ENV = "PLUGDIST_STORE_TOKEN"
-
-# extra seconds a client waits beyond a blocking call's timeout for the server's own answer
-_REPLY_GRACE = 10.0
-# least time a non-blocking request waits for its reply: a store timeout of a fraction of a
-# second is meant for get/wait, and must not fail a set on a loaded machine
-_MIN_IO_TIMEOUT = 5.0
-# longest timeout honoured (~115 days): timedelta.max would overflow socket and poll timeouts
-_MAX_TIMEOUT = 1e7
+_JOIN_REPLY = struct.Struct("!qq")
 _OP_SET, _OP_GET, _OP_ADD = int(w.Op.SET), int(w.Op.GET), int(w.Op.ADD)
 
 
@@ -68,7 +66,7 @@ class _Connection:
     """One client socket. Not thread-safe for requests: the store hands it to one request at a
     time; :meth:`send_control` (a will's renewal) may come from another thread meanwhile."""
 
-    __slots__ = ("sock", "buf", "view", "sock_timeout", "send_lock")
+    __slots__ = ("sock", "buf", "view", "sock_timeout", "send_lock", "fresh")
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
         self.sock = sock
@@ -76,6 +74,7 @@ class _Connection:
         self.view = memoryview(self.buf)
         self.sock_timeout = timeout
         self.send_lock = threading.Lock()  # a request's bytes never interleave a renewal's
+        self.fresh = True  # it has not carried a request yet
 
     def send_control(self, frame: bytes) -> None:
         """Send a frame that has no reply (RENEW, WILL_DROP). Raises OSError."""
@@ -83,14 +82,25 @@ class _Connection:
             self.sock.sendall(frame)
 
     def roundtrip(self, frame: bytes, timeout: float) -> tuple[int, bytes]:
-        """Send one request frame, read one response frame. Raises OSError/ConnectionError."""
+        """Send one request frame, read one response frame. Raises OSError/ConnectionError;
+        _DroppedUnused when the server had closed this connection before its first request (a
+        server without a token drops a new connection that sends nothing for a while), so the
+        request never ran and may go on another connection."""
         sock = self.sock
+        fresh, self.fresh = self.fresh, False
         if timeout != self.sock_timeout:
             sock.settimeout(timeout)
             self.sock_timeout = timeout
-        with self.send_lock:
-            sock.sendall(frame)
-        n = sock.recv_into(self.buf)
+        try:
+            with self.send_lock:
+                sock.sendall(frame)
+            n = sock.recv_into(self.buf)
+        except (ConnectionResetError, BrokenPipeError) as e:
+            if fresh:
+                raise _DroppedUnused(str(e)) from e
+            raise
+        if n == 0 and fresh:
+            raise _DroppedUnused("the server closed it before its first request")
         while n < 5:
             if n == 0 or (got := sock.recv_into(self.view[n:])) == 0:
                 raise ConnectionError("server closed the connection")
@@ -116,6 +126,10 @@ class _Connection:
             self.sock.close()
         except OSError:
             pass
+
+
+class _DroppedUnused(ConnectionError):
+    """A connection the server closed before it carried any request."""
 
 
 class _Tenancy:
@@ -158,16 +172,6 @@ def _close_all(conns: list[_Connection], server: StoreServer | None, multi_tenan
             server.stop()
 
 
-def _resolve_token(token: str | bytes | None) -> bytes | None:
-    if token is None:
-        token = os.environ.get(TOKEN_ENV, "")
-    if isinstance(token, str):
-        token = token.encode()
-    if not isinstance(token, bytes):
-        raise TypeError(f"TCPStore token must be str or bytes, got {type(token).__name__}")
-    return token or None
-
-
 def _agent_store_port(port: int) -> bool:
     """torchelastic's agent store: when the launcher serves the store on MASTER_PORT, a worker's
     master store on that port connects to it instead of serving (as torch's TCPStore does)."""
@@ -181,19 +185,25 @@ class TCPStore(Store):
     ``TCPStore(host_name, port, world_size=None, is_master=False, timeout=timedelta(seconds=300),
     wait_for_workers=True, multi_tenant=False, master_listen_fd=None, use_libuv=True, *,
     token=None, bind_host=None, limits=None)``: the master binds ``port`` (0 picks a free one:
-    read ``.port``) on every interface, or on ``bind_host`` only, and serves from a daemon thread;
+    read ``.port``) on ``bind_host``, or, without one, on ``host_name`` when that is written as a
+    loopback address (``127.0.0.1``, ``::1``, ``localhost``), else on every interface; it serves
+    from a daemon thread;
     every store (the master's too) connects to ``host_name:port``, retrying with backoff until
     ``timeout``, then raises DistNetworkError. With a fixed ``world_size`` (clients + the master)
     and ``wait_for_workers``, the master's constructor blocks until that many stores connected,
     or raises DistTimeoutError ("Timed out after N seconds waiting for clients. k/N clients
     joined.").
 
-    ``token`` (default: the ``PLUGDIST_STORE_TOKEN`` environment variable; ``""`` for none): a
-    shared secret. A master with a token refuses every connection that does not prove it knows
-    the token (challenge-response; the token never crosses the wire), and a client with a token
-    refuses a server that cannot prove it: either side raises DistNetworkError saying
-    authentication failed. ``multi_tenant=True``: masters of one process on one port share one
-    server (and its data); it stops when the last of them closes. ``master_listen_fd``: serve on
+    ``token`` (default: the ``PLUGDIST_STORE_TOKEN`` environment variable, else the file
+    ``PLUGDIST_STORE_TOKEN_FILE`` names; ``""`` for none): a shared secret. A master with a
+    token refuses every connection that does not prove it knows the token (challenge-response;
+    the token never crosses the wire), and a client with a token refuses a server that cannot
+    prove it: either side raises DistNetworkError saying authentication failed. A master that
+    would listen beyond loopback without a token raises DistStoreError saying how to hand one to
+    every process, unless tokens were turned off explicitly (``token=""``, or
+    ``PLUGDIST_STORE_TOKEN`` set empty), which it then says once, plainly (a warning).
+    ``multi_tenant=True``: masters of one process on one port share one server (and its data);
+    it stops when the last of them closes. ``master_listen_fd``: serve on
     this already bound socket. ``use_libuv`` is accepted and reported as ``libuvBackend`` for code
     written for torch; plugdist has one server implementation. ``limits``: a
     :class:`TCPStoreLimits` for the master's server.
@@ -229,7 +239,7 @@ class TCPStore(Store):
         self.world_size = world_size if world_size is not None and world_size > 0 else None
         self.is_master = is_master
         self.libuvBackend = bool(use_libuv)  # noqa: N815 (torch's attribute name)
-        self._token = _resolve_token(token)
+        self._token, self._token_chosen = resolve_token(token)
         self._multi_tenant = multi_tenant
         self._addrs = _resolve(host_name, port)
         self._idle: list[_Connection] = []
@@ -255,9 +265,18 @@ class TCPStore(Store):
     def _serve(self, port: int, multi_tenant: bool, listen_fd: int | None,
                bind_host: str | None, limits: TCPStoreLimits | None) -> StoreServer:
         def start() -> StoreServer:
-            server = StoreServer(self._addrs[0][0], port, bind_host=bind_host,
+            where = bind_host
+            if where is None and listen_fd is None and is_loopback(self.host):
+                where = str(self._addrs[0][1][0])  # nothing off this host needs the store
+            server = StoreServer(self._addrs[0][0], port, bind_host=where,
                                  listen_fd=listen_fd, token=self._token, limits=limits)
             server.start()
+            if self._token is None and not server.loopback_only:
+                try:
+                    tokenless_exposure(server.listening_on, self._token_chosen, server.port)
+                except BaseException:
+                    server.stop()
+                    raise
             return server
 
         if not multi_tenant:
@@ -368,16 +387,19 @@ class TCPStore(Store):
             if greet & w.GREET_TOKEN and token is None:
                 raise self._auth_error(
                     f"the server requires a token and this client has none; set {TOKEN_ENV} "
-                    f"(or pass token=) to the master's token") from None
+                    f"or {TOKEN_FILE_ENV} (or pass token=) to the master's token, or this is "
+                    f"another job's store: check MASTER_PORT") from None
             raise
         if status == w.HELLO_AUTH_FAILED:
             if token is None:
                 raise self._auth_error(
                     f"the server requires a token and this client has none; set {TOKEN_ENV} "
-                    f"(or pass token=) to the master's token")
+                    f"or {TOKEN_FILE_ENV} (or pass token=) to the master's token, or this is "
+                    f"another job's store: check MASTER_PORT")
             raise self._auth_error(
                 f"the server refused this client's token; every store of the job needs the "
-                f"same token ({TOKEN_ENV} or token=)")
+                f"same token ({TOKEN_ENV}, {TOKEN_FILE_ENV} or token=), or this is another "
+                f"job's store: check MASTER_PORT")
         if status != w.HELLO_OK:
             raise DistStoreError(f"TCPStore: server at {self.host}:{self.port} speaks protocol "
                                  f"version {version}, this client {w.VERSION}; install the same "
@@ -418,7 +440,13 @@ class TCPStore(Store):
                 # dump after a mismatch report.)
                 conn = self._connect(join=False, timeout=max(to_seconds(self._timeout), 1.0),
                                      refused_is_final=True)
-            status, body = conn.roundtrip(frame, io_timeout)
+            try:
+                status, body = conn.roundtrip(frame, io_timeout)
+            except _DroppedUnused:
+                conn.close()
+                conn = self._connect(join=False, timeout=max(to_seconds(self._timeout), 1.0),
+                                     refused_is_final=True)
+                status, body = conn.roundtrip(frame, io_timeout)
         except DistStoreError:
             raise
         except (OSError, ConnectionError) as e:
@@ -569,7 +597,7 @@ class TCPStore(Store):
     def read_log(self, key: str, start: int, timeout: timedelta | None = None) -> list[bytes]:
         """The consecutive entries of the numbered log ``key`` from ``start`` (see
         ``Store.read_log``): one request, parked on the server until ``key/start`` exists."""
-        return _read_log(self._request, key, start,
+        return read_log(self._request, key, start,
                          to_seconds(timeout if timeout is not None else self._timeout))
 
     def hold_will(self, key: str, value: bytes | str, ttl: float | None = None) -> Will:
@@ -591,8 +619,56 @@ class TCPStore(Store):
             conn.close()
             raise
         if ttl is not None:
-            _renewer().add(will)
+            renewer().add(will)
         return will
+
+    def claim_member(self, root: str, uid: str, world_size: int, ttl: float) -> MemberSession:
+        """Hold the identity ``uid`` (a rank of the first epoch of a world of ``world_size``
+        ranks, whose membership lives under the key prefix ``root``) on a connection of its own,
+        with a will the server writes itself (see ``Store.claim_member``). Raises
+        DistStoreError when the server refuses it: another live process holds ``uid``, its
+        holder left, or the world's size differs (another job's process reaching this store).
+        Blocks for one round trip."""
+        r = root.encode()
+        body = b"".join((w.U32.pack(len(r)), r, w.U32.pack(len(uid.encode())), uid.encode(),
+                         w.I64.pack(world_size), w.F64.pack(ttl)))
+        return self._hold_identity("claim", root, uid, w.request(w.Op.CLAIM, body), ttl)
+
+    def join_member(self, root: str, ttl: float) -> MemberSession:
+        """Ask to join the world under ``root``: the server takes a ticket, writes it, announces
+        it in the death log, and makes this process the joiner identity ``j<ticket>`` on a
+        connection of its own (see ``Store.join_member``). Blocks for one round trip."""
+        r = root.encode()
+        body = w.U32.pack(len(r)) + r + w.F64.pack(ttl)
+        return self._hold_identity("join", root, "", w.request(w.Op.JOIN, body), ttl)
+
+    def _hold_identity(self, op: str, root: str, uid: str, frame: bytes,
+                       ttl: float) -> MemberSession:
+        if not ttl > 0:
+            raise ValueError(f"{op}_member: ttl must be a positive number of seconds, got {ttl!r}")
+        conn = self._connect(join=False, timeout=max(to_seconds(self._timeout), 1.0))
+        where = f"TCPStore {self.host}:{self.port}"
+        try:
+            try:
+                status, reply = conn.roundtrip(frame, max(_MIN_IO_TIMEOUT,
+                                                          to_seconds(self._timeout)))
+            except (OSError, ConnectionError) as e:
+                raise DistNetworkError(f"{where}: connection lost during {op} ({e})") from e
+            if status != w.Status.OK:
+                raise DistStoreError(f"{where}: {reply.decode(errors='replace')}")
+            start = ticket = 0
+            if op == "join":
+                ticket, start = _JOIN_REPLY.unpack_from(reply, 0)
+                reply = reply[_JOIN_REPLY.size:]
+                uid = f"j{ticket}"
+            (n,) = w.U32.unpack_from(reply, 0)
+            secret = reply[4:4 + n]
+        except BaseException:
+            conn.close()
+            raise
+        will = Will(self, conn, root + DEATHS, ttl)
+        renewer().add(will)
+        return MemberSession(self._request, will, root.encode(), uid, secret, start, ticket)
 
     def close(self) -> None:
         """Close this store's connections; on the master also stop the server (other clients
@@ -600,170 +676,6 @@ class TCPStore(Store):
         with self._lock:
             self._closed = True
         self._finalizer()
-
-
-class Will:
-    """A will left with a TCPStore server (see ``TCPStore.hold_will``). ``cancel`` withdraws
-    it and closes its connection; idempotent.
-
-    ``liveness_timeout``: the ttl (None without one: the server then sees a dropped connection
-    but not a process that stalls with its connection open, and membership keeps heartbeats).
-    ``death_timeout`` is 0: a process that dies drops its connection, which the server sees at
-    once. :meth:`read_log` waits on the log on the will's own connection (one thread at a
-    time)."""
-
-    death_timeout = 0.0
-
-    def __init__(self, store: TCPStore, conn: _Connection, key: str = "",
-                 ttl: float | None = None) -> None:
-        self._store = store
-        self._conn: _Connection | None = conn
-        self._lock = threading.Lock()
-        self.key = key
-        self.liveness_timeout: float | None = ttl
-        self.renew_period = ttl / 4 if ttl is not None else 0.0
-        self._reading = threading.Lock()  # held while read_log waits on the connection
-        self._where = f"TCPStore {store.host}:{store.port}"
-
-    def __repr__(self) -> str:
-        state = "cancelled" if self._conn is None else "held"
-        return f"Will({self.key!r}, ttl={self.liveness_timeout}, {self._where}, {state})"
-
-    def renew(self) -> bool:
-        """Send one renewal (no reply). False once the will is cancelled or its connection is
-        gone (then nothing renews it any more). Called by the process's renewal thread."""
-        conn = self._conn
-        if conn is None:
-            return False
-        try:
-            conn.send_control(w.RENEW_FRAME)
-        except OSError:
-            return False
-        return True
-
-    def read_log(self, start: int, timeout: timedelta | float) -> list[bytes]:
-        """``TCPStore.read_log`` of this will's log, on the will's own connection: blocks until
-        entry ``start`` exists, up to ``timeout``. Raises DistTimeoutError at the timeout,
-        DistNetworkError when the will was cancelled meanwhile or the server went away."""
-        conn = self._conn
-        if conn is None:
-            raise DistNetworkError(f"{self._where}: read_log on a cancelled will")
-        seconds = to_seconds(timeout)
-
-        def request(op: str, frame: bytes, wait: float | None = None) -> bytes:
-            assert conn is not None
-            try:
-                with self._reading:
-                    status, body = conn.roundtrip(frame, (wait or 0.0) + _REPLY_GRACE)
-            except (OSError, ConnectionError) as e:
-                raise DistNetworkError(f"{self._where}: connection of the will on "
-                                       f"{self.key!r} lost during {op} ({e})") from e
-            if status == w.Status.TIMEOUT:
-                raise DistTimeoutError(f"{self._where}: {op}: {body.decode(errors='replace')}")
-            if status != w.Status.OK:
-                raise DistStoreError(f"{self._where}: {op}: {body.decode(errors='replace')}")
-            return body
-
-        return _read_log(request, self.key, start, seconds)
-
-    def _send(self, key: bytes, value: bytes) -> None:
-        body = b"".join((w.U32.pack(len(key)), key, w.U32.pack(len(value)), value))
-        if self.liveness_timeout is not None:
-            body += w.F64.pack(self.liveness_timeout)
-        conn = self._conn
-        if conn is None:
-            return
-        try:
-            status, reply = conn.roundtrip(w.request(w.Op.WILL, body), max(
-                _MIN_IO_TIMEOUT, to_seconds(self._store.timeout)))
-        except (OSError, ConnectionError) as e:
-            raise DistNetworkError(f"TCPStore {self._store.host}:{self._store.port}: connection "
-                                   f"lost while leaving a will ({e})") from e
-        if status != w.Status.OK:
-            raise DistStoreError(f"TCPStore {self._store.host}:{self._store.port}: will: "
-                                 f"{reply.decode(errors='replace')}")
-
-    def cancel(self) -> None:
-        """Withdraw the will, then close its connection. A ``read_log`` waiting on it (another
-        thread's) ends with DistNetworkError. Blocks until the server closed its end (it has
-        then read the withdrawal), at most about five seconds."""
-        with self._lock:
-            conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        try:
-            # no reply, and read even while a read_log is parked: then end our side, so the
-            # server reads the withdrawal, then the end of the stream, and closes its side
-            conn.send_control(w.WILL_DROP_FRAME)
-            conn.sock.shutdown(socket.SHUT_WR)
-            if self._reading.acquire(timeout=_MIN_IO_TIMEOUT):
-                try:  # nobody reads: wait for the server's end of the stream ourselves
-                    conn.sock.settimeout(_MIN_IO_TIMEOUT)
-                    while conn.sock.recv(65536):
-                        pass
-                finally:
-                    self._reading.release()
-        except OSError:
-            pass  # the server is gone: nobody is left to read the will
-        finally:
-            conn.close()
-
-
-class _Renewer:
-    """The one thread of a process that renews its TCPStore wills that have a ttl, each every
-    quarter of its ttl. Drops a will once it is cancelled or its connection is gone."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Condition()
-        self._due: list[tuple[float, int, Will]] = []
-        self._seq = 0
-        self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
-
-    def add(self, will: Will) -> None:
-        with self._lock:
-            self._seq += 1
-            heapq.heappush(self._due, (time.monotonic() + will.renew_period, self._seq, will))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="plugdist-will-renewal",
-                                                daemon=True)
-                self._thread.start()
-            self._lock.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._due or self._due[0][0] > time.monotonic():
-                    wait = self._due[0][0] - time.monotonic() if self._due else None
-                    self._lock.wait(wait)
-                _, seq, will = heapq.heappop(self._due)
-            if will.renew():
-                with self._lock:
-                    heapq.heappush(self._due, (time.monotonic() + will.renew_period, seq, will))
-
-
-_renewer_lock = threading.Lock()
-_the_renewer: _Renewer | None = None
-
-
-def _renewer() -> _Renewer:
-    """This process's renewal thread (a fresh one in a forked child)."""
-    global _the_renewer
-    with _renewer_lock:
-        if _the_renewer is None or _the_renewer._pid != os.getpid():
-            _the_renewer = _Renewer()
-        return _the_renewer
-
-
-def _read_log(request: Callable[..., bytes], key: str, start: int,
-              timeout: float) -> list[bytes]:
-    k = check_key(key).encode()
-    if start < 1:
-        raise ValueError(f"read_log: entries are numbered from 1, got start={start}")
-    frame = w.HDR_F64_I64_BLOB.pack(20 + len(k), w.Op.LOG_READ, timeout, start, len(k)) + k
-    reply = request("read_log", frame, wait=timeout)
-    entries, _ = w.unpack_blobs(reply, 0, len(reply))
-    return entries
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -779,7 +691,3 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 def _encoded(keys: Sequence[str]) -> list[bytes]:
     return [k.encode() for k in check_keys(keys)]
 
-
-def to_seconds(timeout: timedelta | float | int) -> float:
-    """Seconds in [0, _MAX_TIMEOUT]."""
-    return min(max(_to_seconds(timeout), 0.0), _MAX_TIMEOUT)

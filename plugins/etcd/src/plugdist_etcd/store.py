@@ -37,11 +37,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from plugdist.errors import DistStoreError, DistTimeoutError, QueueEmptyError
 from plugdist.log import get_logger
 from plugdist.store import DEFAULT_STORE_TIMEOUT, Store
 from plugdist.store.api import to_bytes, to_seconds
+from plugdist.store.tokens import is_loopback
 
 from .client import EtcdClient, EtcdError, TLSConfig, b64, prefix_end, unb64
 from .lease import Lease, acquire_shared, release_shared, renewed_here
@@ -712,6 +714,21 @@ class EtcdStore(Store):
                          **self._config)  # type: ignore[arg-type]
 
     # -- liveness ------------------------------------------------------------------------------
+    def membership_exposure(self) -> str | None:
+        """Why a world's membership here is open to whoever reaches etcd: it holds them as plain
+        keys, so an etcd reached beyond loopback with neither a user nor a client certificate
+        lets any such process forge them. None with authentication, or on loopback."""
+        tls = self._config["tls"]
+        if self._config["user"] or (tls is not None and getattr(tls, "cert_file", None)):
+            return None
+        remote = [e for e in self.endpoints if not is_loopback(urlsplit(e).hostname or "")]
+        if not remote:
+            return None
+        return (f"the etcd store at {','.join(remote)} is used without authentication (no user, "
+                f"no client certificate) and keeps the world's membership as plain keys, which "
+                f"any process that reaches etcd could forge; authenticate (etcd://USER@..., "
+                f"ETCDCTL_USER, or cert=/key= with --client-cert-auth)")
+
     def hold_will(self, key: str, value: bytes | str, ttl: float | None = None) -> EtcdWill:
         """Leave a will (see :meth:`plugdist.store.Store.hold_will`) backed by an etcd lease of
         ``live_ttl`` seconds (or ``ttl``, when shorter) that a thread of this process renews:

@@ -16,6 +16,7 @@ Everywhere else ``rebuild_refusal`` says why the group's members are fixed.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import threading
 import time
@@ -178,9 +179,10 @@ class MPIProcessGroup(ProcessGroup):
         A ``WORLD_SIZE`` in the environment (from another launcher) that disagrees with MPI's
         is an error: N processes that are each a world of one would train apart, silently.
 
-        Collective over that world, blocking: rank 0 starts the store and broadcasts its address
-        (``PLUGDIST_MPI_STORE_HOST`` overrides the host name it announces); the others connect
-        (127.0.0.1 when they run on rank 0's host), bounded by ``timeout``.
+        Collective over that world, blocking: rank 0 starts the store, with a fresh token, and
+        broadcasts its address and token over MPI (``PLUGDIST_MPI_STORE_HOST`` overrides the host
+        name it announces; the token never reaches an environment or a command line); the others
+        connect (127.0.0.1 when they run on rank 0's host), bounded by ``timeout``.
         """
         ok, reason = availability()
         if not ok:
@@ -202,10 +204,11 @@ class MPIProcessGroup(ProcessGroup):
         announce: tuple[str, ...]
         if rank == 0:
             try:
+                token = secrets.token_hex(32)  # only this job's ranks learn it, through MPI
                 store = TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout,
-                                 wait_for_workers=False)
+                                 wait_for_workers=False, token=token, bind_host="0.0.0.0")
                 host = os.environ.get(STORE_HOST_ENV) or socket.gethostname()
-                announce = ("ok", host, str(store.port))
+                announce = ("ok", host, str(store.port), token)
             except Exception as exc:  # noqa: BLE001 - told to every rank, so none waits forever
                 announce = ("error", f"{type(exc).__name__}: {exc}")
         else:
@@ -218,7 +221,8 @@ class MPIProcessGroup(ProcessGroup):
             host, port = announce[1], int(announce[2])
             if host == socket.gethostname() and not os.environ.get(STORE_HOST_ENV):
                 host = "127.0.0.1"
-            store = TCPStore(host, port, size, is_master=False, timeout=timeout)
+            store = TCPStore(host, port, size, is_master=False, timeout=timeout,
+                             token=announce[3])
         return store, rank, size
 
     def shutdown(self) -> None:

@@ -115,6 +115,19 @@ class Communicator:
     def closed(self) -> bool:
         return self._raw is None
 
+    @property
+    def lock(self) -> threading.Lock:
+        """The lock of the hot path, which reads :attr:`raw` under it instead of :meth:`use`."""
+        return self._lock
+
+    @property
+    def raw(self) -> Any:
+        """The raw communicator, None once aborted or destroyed; read it under :attr:`lock`."""
+        return self._raw
+
+    def closed_error(self) -> CommunicatorClosed:
+        return CommunicatorClosed(f"the NCCL communicator was {self._closed_by}")
+
     @contextmanager
     def use(self) -> Iterator[Any]:
         """The raw communicator, with the lock held for the block's NCCL calls. Raises
@@ -122,7 +135,7 @@ class Communicator:
         with self._lock:
             raw = self._raw
             if raw is None:
-                raise CommunicatorClosed(f"the NCCL communicator was {self._closed_by}")
+                raise self.closed_error()
             yield raw
 
     def check_async_error(self) -> BaseException | None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 from plugdist.reduce_op import ReduceOp
 
-__all__ = ["Buffer", "data_buffer", "reduction_buffer", "check_reducible", "nccl_op"]
+__all__ = ["Buffer", "data_buffer", "reduction_buffer", "check_reducible", "nccl_op",
+           "DATA_CODES", "REDUCE_CODES", "reduce_code"]
 
 # NCCL's ABI values (nccl.h), stable since 2.0; the bfloat16 and avg codes need NCCL >= 2.10
 _INT8, _UINT8, _INT32, _UINT32, _INT64, _UINT64 = 0, 1, 2, 3, 4, 5
@@ -31,6 +32,19 @@ _COMPLEX_PARTS = {torch.complex64: _FLOAT32, torch.complex128: _FLOAT64}
 _OPS = {ReduceOp.SUM: _SUM, ReduceOp.PRODUCT: _PROD, ReduceOp.MAX: _MAX, ReduceOp.MIN: _MIN,
         ReduceOp.AVG: _AVG}
 _BOOL_OPS = {ReduceOp.SUM: _MAX, ReduceOp.PRODUCT: _MIN, ReduceOp.MAX: _MAX, ReduceOp.MIN: _MIN}
+
+# the hot path's lookups: dtype -> (NCCL datatype, NCCL elements per tensor element)
+REDUCE_CODES: dict[torch.dtype, tuple[int, int]] = {
+    **{dt: (code, 1) for dt, code in _CODES.items()},
+    **{dt: (code, 2) for dt, code in _COMPLEX_PARTS.items()},
+}
+DATA_CODES: dict[torch.dtype, tuple[int, int]] = {
+    **{dt: (code, 1) for dt, code in _CODES.items()},
+    # what NCCL lacks travels as raw bytes
+    **{dt: (_UINT8, torch.empty(0, dtype=dt).element_size())
+       for dt in (torch.complex64, torch.complex128, torch.int16, torch.float8_e4m3fn,
+                  torch.float8_e5m2) if dt not in _CODES},
+}
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,11 @@ def reduction_buffer(t: torch.Tensor) -> Buffer:
     if t.dtype in _COMPLEX_PARTS:
         return Buffer(t.data_ptr(), t.numel() * 2, _COMPLEX_PARTS[t.dtype])
     return Buffer(t.data_ptr(), t.numel(), _CODES[t.dtype])
+
+
+def reduce_code(op: ReduceOp, dtype: torch.dtype) -> int:
+    """:func:`nccl_op` for the hot path (the core checked ``op`` suits ``dtype``)."""
+    return _BOOL_OPS[op] if dtype is torch.bool else _OPS[op]
 
 
 def nccl_op(op: ReduceOp, dtype: torch.dtype) -> int:

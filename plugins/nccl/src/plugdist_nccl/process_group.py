@@ -10,6 +10,17 @@ waits on, queries or chains any of them, or issues another op on the group: a ri
 ``isend``/``irecv`` then cannot deadlock. ``NCCLOptions(eager_p2p=True)`` hands each to NCCL at
 once instead, as torch does (see the README for what each choice can deadlock on).
 
+Synchronous ops (``async_op=False``: the core's lean route, ``native_<op>_blocking``) run on
+the caller's current stream, as torch's NCCL backend does for them: no stream hand-over and one
+event per op, for the watchdog, from a pool, through raw handles (:mod:`plugdist_nccl.cuda`).
+Ops returning a Work run on the group's stream after the caller's.
+
+CUDA graphs: an op issued while the caller's stream is being captured is captured (NCCL
+supports it) and covered at each replay by the watchdog through a
+:class:`~plugdist_nccl.replays.ReplayWatch`; nothing in the capture queries or synchronizes an
+event. The first op of a group (which builds the communicator) and a barrier (which blocks the
+host) cannot be captured and say so.
+
 Locks: ``_lock`` orders the ops of the group (every NCCL call is made under it, so all ranks see
 the same order); the communicator has its own lock (see :class:`Communicator`); ``_state`` guards
 the failure state and the held-back ops. A failure (``_abort``) never takes ``_lock``: the thread
@@ -40,15 +51,27 @@ from plugdist.work import Work
 
 from ._nccl import availability, load, version
 from .communicator import Communicator, CommunicatorClosed, create_communicator
-from .dtypes import Buffer, check_reducible, data_buffer, nccl_op, reduction_buffer
+from .cuda import EventPool, current_stream, relax_capture_mode, runtime, stream_capturing
+from .dtypes import (
+    DATA_CODES,
+    REDUCE_CODES,
+    Buffer,
+    check_reducible,
+    data_buffer,
+    nccl_op,
+    reduce_code,
+    reduction_buffer,
+)
 from .options import ASYNC_ERROR_HANDLING_ENV, FailurePolicy, NCCLOptions
-from .watchdog import Watchdog
-from .work import NCCLWork
+from .replays import LateReplay, ReplayWatch
+from .watchdog import Tracked, Watchdog
+from .work import Launch, NCCLWork, RawEvent
 
 __all__ = ["NCCLProcessGroup"]
 
 _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 Issue = Callable[[Any, int], None]  # (communicator, stream handle) -> queue NCCL calls
+_DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
 
 
 @dataclass
@@ -73,6 +96,7 @@ class NCCLProcessGroup(ProcessGroup):
     backend_name: ClassVar[str] = "nccl"
     plugin_api: ClassVar[tuple[int, int]] = (1, 0)  # written for plugdist's plugin API 1.x
     device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+    lean_device_types: ClassVar[tuple[str, ...]] = ("cuda",)
     default_for: ClassVar[tuple[str, ...]] = ("cuda",)
     # AVG is native from NCCL 2.10 (capabilities() drops it on older NCCL: the core divides)
     native_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset(
@@ -107,7 +131,14 @@ class NCCLProcessGroup(ProcessGroup):
         self._comm_attempts = 0
         self._device: torch.device | None = None
         self._stream: torch.cuda.Stream | None = None
-        self._caller_done: torch.cuda.Event | None = None  # re-recorded by each op, under _lock
+        self._stream_ptr = 0  # its raw handle
+        self._events = EventPool()
+        self._caller_done = 0  # a raw event re-recorded by each op on the group's stream
+        self._replays: ReplayWatch | None = None
+        self._unwatched_captures = False
+        # the device index the lean route serves: set once the communicator exists, -1 while
+        # it does not or the group is broken or closed (one comparison instead of four)
+        self._lean_index = -1
         self._watchdog: Watchdog | None = None
         self._p2p: list[_P2P] = []
         self._broken: BaseException | None = None
@@ -144,6 +175,7 @@ class NCCLProcessGroup(ProcessGroup):
             if self._closed:
                 return
             self._closed = True
+            self._lean_index = -1
             pending, self._p2p = self._p2p, []
         _LIVE_GROUPS.discard(self)
         closed = DistBackendError(f"{self.where('shutdown')} the group was shut down before "
@@ -161,16 +193,25 @@ class NCCLProcessGroup(ProcessGroup):
                 comm.destroy() if drained else comm.abort()
             except Exception as exc:  # noqa: BLE001 - best effort, the group is going anyway
                 self._log.debug("freeing the communicator failed", error=str(exc))
+        if drained:
+            self._events.destroy()
         self._log.debug("nccl group shut down", drained=drained)
 
     def _drain_stream(self, limit: timedelta) -> bool:
+        """Whether the group's stream and the synchronous ops still tracked (queued on callers'
+        streams) finished within ``limit``."""
         stream = self._stream
         if stream is None:
             return True
+        watchdog = self._watchdog
+        end = time.monotonic() + limit.total_seconds()
+        while watchdog is not None and watchdog.pending() and not watchdog.stopped:
+            if time.monotonic() > end:
+                return False
+            time.sleep(1e-3)
         try:
             event = torch.cuda.Event()
             event.record(stream)
-            end = time.monotonic() + limit.total_seconds()
             while not event.query():
                 if time.monotonic() > end:
                     return False
@@ -193,41 +234,69 @@ class NCCLProcessGroup(ProcessGroup):
                              f"communicator lives on {self._device}; use one GPU per process "
                              f"(torch.cuda.set_device) for every op of a group")
 
-    def _ensure_stream(self, device: torch.device) -> torch.cuda.Stream:
+    def _ensure_stream(self, op: str, device: torch.device) -> torch.cuda.Stream:
         """The group's stream, made on ``device`` at the first op. Caller holds the lock."""
         if self._stream is None:
+            self._refuse_capture(op, device)
             priority = -1 if self.nccl_options.is_high_priority_stream else 0
             self._stream = torch.cuda.Stream(device=device, priority=priority)
-            self._caller_done = torch.cuda.Event()
+            self._stream_ptr = self._stream.cuda_stream
+            with torch.cuda.device(device):
+                self._caller_done = self._events.take()
             self._device = device
         return self._stream
 
-    def _after_caller(self, stream: torch.cuda.Stream, device: torch.device) -> None:
-        """Order ``stream`` after the caller's current stream on ``device`` (what
-        ``stream.wait_stream`` does, with one event reused instead of a new one per op: a
-        stream waits for the event as recorded when it is told to). Caller holds the lock."""
-        event = self._caller_done
-        assert event is not None  # made with the stream
-        event.record(torch.cuda.current_stream(device))
-        stream.wait_event(event)
+    def _refuse_capture(self, op: str, device: torch.device) -> None:
+        """Before the group's first op: building the communicator cannot be captured."""
+        if stream_capturing(current_stream(device.index)):
+            raise DistBackendError(
+                f"{self.where(op)} this is the group's first op, which builds its NCCL "
+                f"communicator: that cannot happen while a CUDA graph is being captured. Run "
+                f"one op of this group before capturing (a warm-up, as torch's docs advise), "
+                f"or create the group with NCCLOptions(device_id=...)")
+
+    def _after_caller(self) -> int:
+        """Order the group's stream after the caller's current stream (what ``wait_stream``
+        does, with one event reused: a stream waits for the event as recorded when it is told
+        to); returns the caller's stream. Caller holds the lock; the stream exists."""
+        caller = current_stream(self._device_index())
+        rt = runtime()
+        rt.eventRecord(self._caller_done, caller)
+        rt.streamWaitEvent(self._stream_ptr, self._caller_done, 0)
+        return caller
+
+    def _device_index(self) -> int:
+        device = self._device
+        assert device is not None and device.index is not None  # set with the stream
+        return device.index
 
     def _ensure_comm(self, op: str, device: torch.device) -> Communicator:
         """The communicator, built on ``device`` at the first op. Caller holds the lock."""
         self._check_usable(op, device)
         if self._comm is not None:
             return self._comm
-        self._ensure_stream(device)
+        self._refuse_capture(op, device)
+        self._ensure_stream(op, device)
         self._comm_attempts += 1  # a retry after a failed build uses fresh store keys
         comm = create_communicator(self._store, self._rank, self._size, device, self.timeout,
                                    self._comm_attempts, self.where(op))
         seconds = self.timeout.total_seconds()
+        self._replays = ReplayWatch(device)
+
+        def on_start() -> None:
+            torch.cuda.set_device(device)
+            relax_capture_mode()  # its event queries must not disturb a user's capture
+
         self._watchdog = Watchdog(
             f"plugdist-nccl-{self.group_name}-r{self._rank}",
-            on_start=lambda: torch.cuda.set_device(device), check_error=comm.check_async_error,
+            on_start=on_start, check_error=comm.check_async_error,
             on_error=self._watchdog_error, on_timeout=self._watchdog_timeout,
             op_timeout_s=self._policy.watchdog_op_timeout(seconds),
-            launch_timeout_s=self._policy.watchdog_launch_timeout(seconds))
+            launch_timeout_s=self._policy.watchdog_launch_timeout(seconds),
+            replays=self._replays, on_late_replay=self._late_replay)
         self._comm = comm
+        if device.index is not None and not self._blocking:  # blocking waits need a Work
+            self._lean_index = device.index
         self._log.debug("nccl communicator created", device=str(device), size=self._size,
                         high_priority=self.nccl_options.is_high_priority_stream)
         return comm
@@ -249,43 +318,202 @@ class NCCLProcessGroup(ProcessGroup):
                         timeout=self.timeout)
 
     def _issue(self, op: str, sample: torch.Tensor | None, issue: Issue, keep: list[torch.Tensor],
-               result: Any, blocking: bool = False) -> NCCLWork:
+               result: Any, blocking: bool = False, torch_kernels: bool = False) -> NCCLWork:
         """Queue ``issue`` on the group's stream after the caller's current stream; return its
-        Work. ``keep``: every tensor the op touches (held until it finished)."""
+        Work. ``keep``: every tensor the op touches (held until it finished);
+        ``torch_kernels``: ``issue`` also runs torch ops (on the group's stream)."""
         device = self._device_of(sample)
         with self._lock:
             self._flush_locked()
             comm = self._ensure_comm(op, device)
             work = self._new_work(op, device, keep, result, blocking)
-            self._launch(op, comm, [work], issue)
+            self._launch(op, comm, [work], issue, torch_kernels)
         return work
 
-    def _launch(self, op: str, comm: Communicator, works: list[NCCLWork], issue: Issue) -> None:
-        """Run ``issue`` on the stream (caller holds the lock), then record one event for
-        ``works``; an NCCL error fails them and is raised as DistBackendError.
+    def _launch(self, op: str, comm: Communicator, works: list[NCCLWork], issue: Issue,
+                torch_kernels: bool = False) -> None:
+        """Run ``issue`` on the group's stream (caller holds the lock), then record one event
+        for ``works``; an NCCL error fails them and is raised as DistBackendError.
 
         The works are tracked before the NCCL calls: a call that blocks the host (``ncclGroupEnd``
-        waiting for a peer to connect) is then bounded by the watchdog's launch timeout."""
+        waiting for a peer to connect) is then bounded by the watchdog's launch timeout. While
+        the caller's stream is being captured, the op is captured instead: not tracked, its
+        replays watched."""
         watchdog, stream = self._watchdog, self._stream
         if watchdog is None or stream is None:
             raise DistBackendError(f"{self.where(op)} no communicator (internal error)")
-        device = works[0].device
-        self._after_caller(stream, device)
-        for w in works:
-            w.issued_at = time.monotonic()
-            watchdog.track(w)
+        ptr = self._stream_ptr
+        captured = stream_capturing(self._after_caller())
+        slot = self._replay_slot(op) if captured else None
+        if not captured:
+            now = time.monotonic()
+            for w in works:
+                w.issued_at = now
+                watchdog.track(w)
         try:
-            with comm.use() as raw, _current_stream(stream, device):
-                issue(raw, stream.cuda_stream)
-                event = torch.cuda.Event()
-                event.record(stream)
+            with comm.lock:
+                raw = comm.raw
+                if raw is None:
+                    raise comm.closed_error()
+                if torch_kernels or slot is not None:
+                    with _current_stream(stream, works[0].device):
+                        self._watched(slot, ptr, lambda: issue(raw, ptr))
+                else:
+                    issue(raw, ptr)
+                handle = self._events.take()
+                runtime().eventRecord(handle, ptr)
         except Exception as exc:
             err = self._translate(op, exc)
             for w in works:
                 w.fail(err)
             raise err from exc
+        event = RawEvent(handle, self._events)
         for w in works:
-            w.enqueued(event)
+            w.enqueued(event, captured)
+
+    # -- the lean route: synchronous ops on the caller's stream ---------------------------------
+    def _direct(self, op: str, tensor: torch.Tensor, issue: Issue) -> Any:
+        """A synchronous op, queued on the caller's current stream: None once queued (the
+        caller's stream sees the result), NotImplemented to take the Work path (the group's
+        first op, another device, held-back sends, a broken or closed group, blocking wait).
+        One pooled event per op, for the watchdog; captured instead while the stream is being
+        captured."""
+        index = tensor.get_device()
+        if index != self._lean_index or self._p2p:
+            return NotImplemented
+        comm, watchdog, device = self._comm, self._watchdog, self._device
+        assert comm is not None and watchdog is not None and device is not None  # set before
+        stream = current_stream(index)
+        if stream_capturing(stream):
+            return self._direct_captured(op, comm, stream, issue)
+        launch = Launch(op, self.where, device, self._events)
+        with comm.lock:
+            watchdog.track(launch)  # under the lock: tracked in the order NCCL gets the ops
+            raw = comm.raw
+            if raw is None:
+                launch.abandon()
+                raise self._translate(op, comm.closed_error())
+            event = self._events.take()
+            try:
+                issue(raw, stream)
+                runtime().eventRecord(event, stream)
+            except Exception as exc:
+                launch.abandon()
+                self._events.give(event)
+                raise self._translate(op, exc) from exc
+            launch.enqueued(event)
+        return None
+
+    def _direct_captured(self, op: str, comm: Communicator, stream: int, issue: Issue) -> Any:
+        slot = self._replay_slot(op)
+        with comm.lock:
+            raw = comm.raw
+            if raw is None:
+                raise self._translate(op, comm.closed_error())
+            try:
+                self._watched(slot, stream, lambda: issue(raw, stream))
+            except Exception as exc:
+                raise self._translate(op, exc) from exc
+        return None
+
+    def _replay_slot(self, op: str) -> int | None:
+        """A replay-watch slot for ``op``, being captured now (None: all taken, warned once)."""
+        replays, watchdog = self._replays, self._watchdog
+        assert replays is not None and watchdog is not None  # made with the communicator
+        slot = replays.claim(op)
+        if slot is None:
+            if not self._unwatched_captures:
+                self._unwatched_captures = True
+                self._log.warning("nccl: more ops captured in CUDA graphs than the watchdog "
+                                  "can follow; later captured ops are not bounded by the group "
+                                  "timeout when replayed", watched=len(replays))
+        elif slot == 0:
+            watchdog.watch_replays()
+        return slot
+
+    def _watched(self, slot: int | None, stream: int, issue: Callable[[], None]) -> None:
+        """``issue()`` between the replay watch's two marks (``stream`` is torch's current)."""
+        replays = self._replays
+        if slot is None or replays is None:
+            issue()
+            return
+        replays.before(slot, stream)
+        issue()
+        replays.after(slot, stream)
+
+    def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> Any:
+        dtype, per = REDUCE_CODES[tensor.dtype]
+        count, red, ptr = tensor.numel() * per, reduce_code(op, tensor.dtype), tensor.data_ptr()
+        if not count:
+            return None
+        return self._direct("all_reduce", tensor,
+                            lambda c, s: c.allReduce(ptr, ptr, count, dtype, red, s))
+
+    def native_broadcast_blocking(self, *, tensor: torch.Tensor, src: int) -> Any:
+        codes = DATA_CODES.get(tensor.dtype)
+        if codes is None:
+            return NotImplemented
+        count, ptr = tensor.numel() * codes[1], tensor.data_ptr()
+        if not count:
+            return None
+        return self._direct("broadcast", tensor,
+                            lambda c, s: c.broadcast(ptr, ptr, count, codes[0], src, s))
+
+    def native_reduce_blocking(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Any:
+        dtype, per = REDUCE_CODES[tensor.dtype]
+        count, red, ptr = tensor.numel() * per, reduce_code(op, tensor.dtype), tensor.data_ptr()
+        if not count:
+            return None
+        return self._direct("reduce", tensor,
+                            lambda c, s: c.reduce(ptr, ptr, count, dtype, red, dst, s))
+
+    def native_all_gather_into_tensor_blocking(self, *, output: torch.Tensor,
+                                               tensor: torch.Tensor) -> Any:
+        codes = DATA_CODES.get(tensor.dtype)
+        if codes is None:
+            return NotImplemented
+        count, inp, out = tensor.numel() * codes[1], tensor.data_ptr(), output.data_ptr()
+        if not count:
+            return None
+        return self._direct("all_gather_into_tensor", tensor,
+                            lambda c, s: c.allGather(inp, out, count, codes[0], s))
+
+    def native_reduce_scatter_tensor_blocking(self, *, output: torch.Tensor, input: torch.Tensor,
+                                              op: ReduceOp) -> Any:
+        dtype, per = REDUCE_CODES[output.dtype]
+        count, red = output.numel() * per, reduce_code(op, output.dtype)
+        inp, out = input.data_ptr(), output.data_ptr()
+        if not count:
+            return None
+        return self._direct("reduce_scatter_tensor", output,
+                            lambda c, s: c.reduceScatter(inp, out, count, dtype, red, s))
+
+    def native_all_to_all_single_blocking(self, *, output: torch.Tensor,
+                                          input: torch.Tensor) -> Any:
+        codes = DATA_CODES.get(input.dtype)
+        if codes is None:
+            return NotImplemented
+        n, me, nccl = self._size, self._rank, self._nccl
+        count = input.numel() * codes[1] // n  # per rank
+        step = input.numel() * input.element_size() // n  # bytes per rank
+        inp, out, dtype = input.data_ptr(), output.data_ptr(), codes[0]
+        if not count:
+            return None
+
+        def issue(c: Any, s: int) -> None:
+            runtime().memcpyAsync(out + me * step, inp + me * step, step, _DEVICE_TO_DEVICE, s)
+            if n == 1:
+                return
+            nccl.groupStart()
+            try:
+                for peer in range(n):
+                    if peer != me:
+                        c.send(inp + peer * step, count, dtype, peer, s)
+                        c.recv(out + peer * step, count, dtype, peer, s)
+            finally:
+                nccl.groupEnd()
+
+        return self._direct("all_to_all_single", input, issue)
 
     def _flush(self) -> None:
         if self._p2p:
@@ -321,13 +549,12 @@ class NCCLProcessGroup(ProcessGroup):
         device = self._device_of(tensor)
         with self._lock:
             self._check_usable(op, device)
-            stream = self._ensure_stream(device)
+            self._ensure_stream(op, device)
             # ordered after the caller's stream now, though NCCL gets the op at the flush
-            self._after_caller(stream, device)
+            self._after_caller()
             work = self._new_work(op, device, [tensor], [tensor])
             if tensor.numel() == 0:
-                work.enqueued(_record_current(device))
-                work.finish()
+                work.finish()  # nothing to move: done, and nothing to order after
                 return work
             with self._state:
                 self._p2p.append(_P2P(send, tensor, peer, work))
@@ -360,6 +587,7 @@ class NCCLProcessGroup(ProcessGroup):
         """Mark the group broken, settle every pending Work (``exc`` for those the GPU did not
         finish), stop the watchdog, then abort the communicator. Any thread; never takes
         ``_lock`` (its holder may be stuck in an NCCL call that only the abort ends)."""
+        self._lean_index = -1
         with self._state:
             if self._broken is None:
                 self._broken = exc
@@ -377,7 +605,7 @@ class NCCLProcessGroup(ProcessGroup):
             except Exception as err:  # noqa: BLE001 - already failing
                 self._log.debug("ncclCommAbort failed", error=str(err))
 
-    def _timeout_error(self, work: NCCLWork, seconds: float, tail: str) -> DistTimeoutError:
+    def _timeout_error(self, work: Any, seconds: float, tail: str) -> DistTimeoutError:
         """``work`` outlived ``seconds``; ``tail`` says what happens about it."""
         what = "the op to finish on" if work.launched else "NCCL to queue the op on"
         return DistTimeoutError(f"{timed_out(work._where(), seconds, f'{what} {work.device}')}"
@@ -404,7 +632,7 @@ class NCCLProcessGroup(ProcessGroup):
             f"set): the op may still finish, and {then}. A peer may have died, be stuck, or be "
             f"running a different op")
 
-    def _watchdog_timeout(self, work: NCCLWork) -> None:
+    def _watchdog_timeout(self, work: Tracked) -> None:
         abort, end = self._policy.on_failure()
         what = "aborts the NCCL communicator" if abort else "does not abort the communicator"
         then = " and ends the process" if end else "; this group cannot be used any more"
@@ -412,6 +640,18 @@ class NCCLProcessGroup(ProcessGroup):
         self._fail_async(self._timeout_error(
             work, seconds, f"; the watchdog ({self._policy_name()}) {what}{then}. A peer may "
             f"have died, be stuck, or be running a different op"))
+
+    def _late_replay(self, late: LateReplay) -> None:
+        """A replay of a captured op outlived the group timeout (watchdog thread)."""
+        abort, end = self._policy.on_failure()
+        what = "aborts the NCCL communicator" if abort else "does not abort the communicator"
+        then = " and ends the process" if end else "; this group cannot be used any more"
+        seconds = self.timeout.total_seconds()
+        here = f"{self.where(late.op)} (captured in a CUDA graph, replay {late.replay})"
+        self._fail_async(DistTimeoutError(
+            f"{timed_out(here, seconds, f'the op to finish on {self._device}')}; the watchdog "
+            f"({self._policy_name()}) {what}{then}. A peer may have died, be stuck, or not be "
+            f"replaying the same graph"))
 
     def _watchdog_error(self, exc: BaseException) -> None:
         err = DistBackendError(f"{self.where('watchdog')} NCCL reported an asynchronous error on "
@@ -487,7 +727,7 @@ class NCCLProcessGroup(ProcessGroup):
                 dst.view(-1).copy_(part)  # on the group's stream, after the gather
 
         return self._issue("all_gather", tensor, issue, [tensor, flat, *output_tensors],
-                           output_tensors)
+                           output_tensors, torch_kernels=True)
 
     def native_reduce_scatter_tensor(self, *, output: torch.Tensor, input: torch.Tensor,
                                      op: ReduceOp) -> Work:
@@ -509,7 +749,8 @@ class NCCLProcessGroup(ProcessGroup):
                 inp = reduction_buffer(flat)
                 c.reduceScatter(inp.ptr, out.ptr, out.count, out.dtype, red, s)
 
-        return self._issue("reduce_scatter", output, issue, [output, flat, *input_list], [output])
+        return self._issue("reduce_scatter", output, issue, [output, flat, *input_list], [output],
+                           torch_kernels=True)
 
     def native_all_to_all_single(self, *, output: torch.Tensor, input: torch.Tensor,
                                  output_split_sizes: list[int],
@@ -548,6 +789,12 @@ class NCCLProcessGroup(ProcessGroup):
         # wait() blocks the host until every rank arrived; bounded by the group timeout, which
         # aborts the communicator only under NCCL_BLOCKING_WAIT
         device = self._device_of(None)
+        if stream_capturing(current_stream(device.index)):
+            raise DistBackendError(
+                f"{self.where('barrier')} a barrier cannot be captured in a CUDA graph: it "
+                f"blocks the host until every rank arrived, which a captured op never does "
+                f"(it runs at replay). Call it outside the capture; inside, an all_reduce "
+                f"orders the ranks' streams")
         flag = torch.zeros(1, dtype=torch.float32, device=device)
         buf = data_buffer(flag)
         return self._issue("barrier", flag,
@@ -566,9 +813,11 @@ class NCCLProcessGroup(ProcessGroup):
 
     # -- helpers -------------------------------------------------------------------------------
     def _scratch(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        """A temporary for an op, allocated for the group's stream once it exists."""
-        if self._stream is not None:
-            with torch.cuda.stream(self._stream):
+        """A temporary for an op, allocated for the group's stream once it exists; during a
+        capture, from the capture's own memory (on the capturing stream)."""
+        stream = self._stream
+        if stream is not None and not stream_capturing(current_stream(self._device_index())):
+            with torch.cuda.stream(stream):
                 return torch.empty(shape, dtype=like.dtype, device=like.device)
         return torch.empty(shape, dtype=like.dtype, device=like.device)
 
@@ -596,7 +845,7 @@ class NCCLProcessGroup(ProcessGroup):
             finally:
                 nccl.groupEnd()
 
-        return self._issue(op, sample, issue, keep, result)
+        return self._issue(op, sample, issue, keep, result, torch_kernels=True)
 
 
 def _p2p_call(comm: Any, send: bool, buf: Buffer, peer: int, stream: int) -> None:
@@ -632,12 +881,6 @@ def _current_stream(stream: torch.cuda.Stream, device: torch.device) -> Iterator
         yield
     finally:
         torch.cuda.set_stream(previous)
-
-
-def _record_current(device: torch.device) -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
 
 
 def _end_process(err: BaseException) -> None:

@@ -1,0 +1,404 @@
+"""The TCPStore server's worlds: who holds which member identity, and the checked writes of
+members on their world's reserved keys (:mod:`plugdist.store.worldkeys`).
+
+A world is named by its root (the key prefix its membership lives under). Its identities are
+connections: CLAIM makes a connection rank ``uid`` of the world's first epoch, JOIN makes it a
+joiner ``j<ticket>``; each carries the identity's will, which the server runs itself (the death
+log gets ``{"uid": uid, "cause": "died"}``) when the connection drops or its ttl lapses. An
+identity is held once: a second claim while its holder lives, a claim on an identity whose
+holder has left, and a claim that disagrees with the world's size are refused, with a message
+that names the likely cause (another job's process reaching this store). A credential (a
+random secret returned to the holder) lets the holder's other connections act for it.
+
+Members (the world's first-epoch ranks, and the joiners a members record admitted) write the
+agreement and epoch records through MEMBER, which checks the credential, the key (each reserved
+key has one kind of writer: :data:`_MEMBER_KEYS`) and the value (members lists name only
+identities this world knows), and append decisions and declared failures through RECORD. The
+server alone writes the death log's counter and its ``died`` and ``joining`` entries, the join
+tickets and ``closed`` (when every member of the current epoch has left). Only the serving
+thread uses it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+import secrets
+import struct
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from . import _wire as w
+from .worldkeys import CLOSED, CURRENT, DEATHS, JOIN, JOIN_COUNT, JOIN_DONE, NO_TRIM, TRIM
+
+__all__ = ["Worlds"]
+
+_I64_I64 = struct.Struct("!qq")
+_I64_F64 = struct.Struct("!qd")
+_I64_U32 = struct.Struct("!qI")
+
+# what a member may write under its world's root, by key: the kind of value each holds
+_MEMBER_KEYS: list[tuple[re.Pattern[str], str]] = [(re.compile(p), kind) for p, kind in (
+    (r"plugdist/epoch/current", "int"),
+    (r"plugdist/epoch/forgotten", "int"),
+    (r"plugdist/epoch/\d+/members", "members"),
+    (r"plugdist/epoch/\d+/next(?:/\d+)?", "decision"),
+    (r"plugdist/epoch/\d+/grow/\d+", "object"),
+    (r"plugdist/epoch/\d+/seen/[^/]+", "int"),
+    (r"plugdist/epoch/\d+/shrink/\d+/arrived", "counter"),
+    (r"plugdist/epoch/\d+/shrink/\d+/arrived/\d+", "uid"),
+    (r"plugdist/live/trim", "object"),
+    (r"plugdist/live/hb/[^/]+", "counter"),
+    (r"plugdist/join/done", "int"),
+    (r"plugdist/join/\d+/admitted", "int"),
+)]
+# what a member may delete besides those: the entries a trim forgets
+_MEMBER_DELETES = re.compile(r"plugdist/(?:live/deaths/\d+|join/\d+(?:/admitted)?|"
+                             r"live/declared/[^/]+|live/hb/[^/]+)")
+_MEMBER_DELETE_PREFIX = re.compile(r"plugdist/epoch/\d+/")
+_DECLARING = frozenset(("excluded", "reported", "hung"))
+_MAX_RECORD = 64 * 1024
+
+
+class KeyPrimitives(Protocol):
+    """What the worlds need of the key space (:class:`~plugdist.store._tcp_keyspace.KeySpace`,
+    which owns them): its writes, each waking whoever waits on the key."""
+
+    def value(self, key: bytes) -> bytes | None: ...
+    def put(self, key: bytes, value: bytes) -> None: ...
+    def add_to(self, key: bytes, amount: int) -> int | bytes: ...
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes: ...
+    def delete(self, key: bytes) -> bool: ...
+    def delete_prefix(self, prefix: bytes, reserved_too: bool) -> int: ...
+    def append_entry(self, log: bytes, value: bytes) -> int: ...
+    def read_counter(self, key: bytes) -> bytes: ...
+    def arm(self, conn: Any, ttl: float) -> None: ...
+
+
+class _Refused(Exception):
+    """A world operation refused; its message is the ERROR reply."""
+
+
+class _World:
+    """One world's identities. ``size``: ranks of its first epoch (0 until the first claim)."""
+
+    __slots__ = ("root", "size", "held", "secrets", "left", "admitted", "declared", "members")
+
+    def __init__(self, root: bytes) -> None:
+        self.root = root
+        self.size = 0
+        self.held: dict[str, Any] = {}        # uid -> the connection holding it
+        self.secrets: dict[str, bytes] = {}   # uid -> its credential (while held)
+        self.left: set[str] = set()           # uids whose holder left (died or withdrew)
+        self.admitted: set[str] = set()       # joiners some members record named
+        self.declared: set[str] = set()       # uids a member declared failed (once each)
+        self.members: dict[int, list[str]] = {}  # epoch -> its members, as recorded
+
+    def where(self) -> str:
+        return f"the world at {self.root.decode(errors='replace')!r}" if self.root else \
+            "this store's world"
+
+
+class Worlds:
+    """Every world of one server's key space (see the module docstring)."""
+
+    def __init__(self, keys: KeyPrimitives, notice: Callable[..., None]) -> None:
+        self._keys = keys
+        self._notice = notice
+        self._worlds: dict[bytes, _World] = {}
+
+    # ---- identities --------------------------------------------------------------------------
+
+    def _world(self, root: bytes, afresh_if_closed: bool = False) -> _World:
+        """The world under ``root``, made (with its control keys) when there is none, or, with
+        ``afresh_if_closed``, when every member of the last one left (a process that builds a
+        world again on the same store: nobody needs the old one's membership any more)."""
+        world = self._worlds.get(root)
+        if world is not None and afresh_if_closed \
+                and self._keys.value(root + CLOSED.encode()) is not None:
+            for name in (b"plugdist/live/", b"plugdist/epoch/", b"plugdist/join/", CLOSED.encode()):
+                self._keys.delete_prefix(root + name, reserved_too=True)
+            world = None
+        if world is None:
+            world = self._worlds[root] = _World(root)
+            keys = self._keys
+            for key, value in ((CURRENT, b"0"), (JOIN_COUNT, b"0"), (JOIN_DONE, b"0"),
+                               (TRIM, NO_TRIM.encode())):
+                if keys.value(root + key.encode()) is None:
+                    keys.put(root + key.encode(), value)
+        return world
+
+    def _current(self, world: _World) -> tuple[int, list[str]]:
+        raw = self._keys.value(world.root + CURRENT.encode())
+        epoch = int(raw) if raw else 0
+        if epoch == 0 and 0 not in world.members:
+            return 0, [str(r) for r in range(world.size)]
+        return epoch, world.members.get(epoch, [])
+
+    def _hold(self, conn: Any, world: _World, uid: str, ttl: float) -> bytes:
+        secret = secrets.token_bytes(16)
+        world.held[uid] = conn
+        world.secrets[uid] = secret
+        conn.identity = (world, uid)
+        conn.will = (world.root + DEATHS.encode(),
+                     json.dumps({"uid": uid, "cause": "died"}).encode())
+        self._keys.arm(conn, ttl)
+        return secret
+
+    def op_claim(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        root, pos = _blob(buf, pos, end)
+        uid_b, pos = _blob(buf, pos, end)
+        size, ttl = _I64_F64.unpack_from(buf, pos)
+        uid = uid_b.decode()
+        try:
+            self._check_free(conn)
+            if size < 1 or not uid.isdigit() or int(uid) >= size:
+                raise _Refused(f"claim of member {uid!r} in a world of {size} ranks: the rank is "
+                               f"out of range")
+            world = self._world(root, afresh_if_closed=True)
+            self._check_claim(conn, world, uid, size)
+        except _Refused as e:
+            return self._refuse(conn, "claim", str(e))
+        world.size = size
+        return _ok(_pack_blob(self._hold(conn, world, uid, ttl)))
+
+    def _check_free(self, conn: Any) -> None:
+        if getattr(conn, "identity", None) is not None or conn.will is not None:
+            raise _Refused("this connection already holds a will or an identity; each identity "
+                           "needs a connection of its own")
+
+    def _check_claim(self, conn: Any, world: _World, uid: str, size: int) -> None:
+        stray = ("another job's store: check MASTER_PORT (a job on this host or network uses "
+                 "the same port), or two processes of this job were given the same RANK")
+        if world.size and size != world.size:
+            raise _Refused(f"{world.where()} has {world.size} ranks, but this process says its "
+                           f"world has {size} (WORLD_SIZE): {stray}")
+        holder = world.held.get(uid)
+        if holder is not None:
+            raise _Refused(f"member {uid} of {world.where()} is held by another live process "
+                           f"(connected from {holder.peer}): {stray}")
+        if uid in world.left:
+            raise _Refused(f"member {uid} of {world.where()} already left it (its process ended, "
+                           f"or it was excluded); a process can come back only as a new member, "
+                           f"with init_process_group(join=True). Or: {stray}")
+        epoch, members = self._current(world)
+        if epoch > 0 and uid not in members:
+            raise _Refused(f"{world.where()} is at epoch {epoch} and rank {uid} of its first "
+                           f"epoch is not in it; a process can come back only as a new member, "
+                           f"with init_process_group(join=True). Or: {stray}")
+
+    def op_join(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        root, pos = _blob(buf, pos, end)
+        (ttl,) = w.F64.unpack_from(buf, pos)
+        try:
+            self._check_free(conn)
+        except _Refused as e:
+            return self._refuse(conn, "join", str(e))
+        world = self._world(root)
+        keys = self._keys
+        ticket = keys.add_to(root + JOIN_COUNT.encode(), 1)
+        assert isinstance(ticket, int)  # the server alone writes the counter
+        uid = f"j{ticket}"
+        start = int(keys.value(root + DEATHS.encode()) or 0)
+        keys.put(root + f"{JOIN}/{ticket}".encode(),
+                 json.dumps({"uid": uid, "start": start}).encode())
+        secret = self._hold(conn, world, uid, ttl)
+        keys.append_entry(root + DEATHS.encode(), json.dumps(
+            {"uid": uid, "cause": "joining", "ticket": ticket}).encode())
+        return _ok(_I64_I64.pack(ticket, start) + _pack_blob(secret))
+
+    def released(self, conn: Any) -> None:
+        """``conn``, which held an identity, closed (its will, if still left, is being run):
+        the identity is gone for good. When every member of the current epoch has left, the
+        world is closed (``plugdist/closed``: joiners stop waiting)."""
+        world, uid = conn.identity
+        conn.identity = None
+        if world.held.get(uid) is conn:
+            del world.held[uid]
+            world.secrets.pop(uid, None)
+        world.left.add(uid)
+        epoch, members = self._current(world)
+        if members and all(u in world.left for u in members):
+            key = world.root + CLOSED.encode()
+            if self._keys.value(key) is None:
+                self._keys.put(key, str(epoch).encode())
+
+    # ---- members' checked writes -------------------------------------------------------------
+
+    def _member(self, conn: Any, buf: bytes, pos: int, end: int,
+                admitted: bool = True) -> tuple[_World, str, int]:
+        """The world and uid a credential proves, and where the request's own body starts."""
+        root, pos = _blob(buf, pos, end)
+        uid_b, pos = _blob(buf, pos, end)
+        secret, pos = _blob(buf, pos, end)
+        uid = uid_b.decode(errors="replace")
+        world = self._worlds.get(root)
+        held = world.secrets.get(uid) if world is not None else None
+        if world is None or held is None or not hmac.compare_digest(held, secret):
+            raise _Refused(f"member {uid!r} holds no identity in this world with that credential "
+                           f"(its holder left, or this is not one of the world's processes)")
+        if admitted and not (uid.isdigit() or uid in world.admitted):
+            raise _Refused(f"joiner {uid} is not a member yet: the members admit it first")
+        return world, uid, pos
+
+    def op_member(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        keys = self._keys
+        try:
+            world, uid, pos = self._member(conn, buf, pos, end)
+            op = buf[pos]
+            pos += 1
+            root = world.root
+            if op == w.Op.ADD:
+                amount, kl = _I64_U32.unpack_from(buf, pos)
+                rel = _rel(bytes(buf[pos + 12:pos + 12 + kl]))
+                if amount == 0:
+                    return keys.read_counter(root + rel.encode())
+                self._check_key(rel, "counter")
+                total = keys.add_to(root + rel.encode(), amount)
+                return total if isinstance(total, bytes) else _ok(w.I64.pack(total))
+            if op in (w.Op.SET, w.Op.COMPARE_SET):
+                key_b, pos = _blob(buf, pos, end)
+                rel = _rel(key_b)
+                expected = b""
+                if op == w.Op.COMPARE_SET:
+                    expected, pos = _blob(buf, pos, end)
+                value, _ = _blob(buf, pos, end)
+                kind = self._check_key(rel, "value")
+                self._check_value(world, rel, kind, value)
+                key = root + rel.encode()
+                if op == w.Op.SET:
+                    keys.put(key, value)
+                    now = value
+                else:
+                    now = keys.compare_set(key, expected, value)
+                if kind == "members" and now == value:
+                    self._admit(world, rel, value)
+                return _ok(b"" if op == w.Op.SET else now)
+            if op == w.Op.DELETE_KEY:
+                key_b, _ = _blob(buf, pos, end)
+                rel = _rel(key_b)
+                if not _MEMBER_DELETES.fullmatch(rel):
+                    self._check_key(rel, "value")
+                return _ok(b"\x01" if keys.delete(root + rel.encode()) else b"\x00")
+            if op == w.Op.DELETE_PREFIX:
+                prefix_b, _ = _blob(buf, pos, end)
+                rel = _rel(prefix_b)
+                reserved = bool(_MEMBER_DELETE_PREFIX.fullmatch(rel))
+                return _ok(w.I64.pack(keys.delete_prefix(root + rel.encode(), reserved)))
+            raise _Refused(f"command {op} is not a member's write")
+        except _Refused as e:
+            return self._refuse(conn, "member write", str(e))
+
+    def _check_key(self, rel: str, want: str) -> str:
+        """The kind of ``rel``, a key a member may write (a counter for ADD, a value else)."""
+        for pattern, kind in _MEMBER_KEYS:
+            if pattern.fullmatch(rel):
+                if (kind == "counter") != (want == "counter"):
+                    break
+                return kind
+        raise _Refused(f"{rel!r} is not a key a member writes this way")
+
+    def _check_value(self, world: _World, rel: str, kind: str, value: bytes) -> None:
+        try:
+            if kind == "int":
+                number = int(value)
+                if rel == CURRENT and number and number not in world.members:
+                    raise _Refused(f"epoch {number} has no members record; it cannot be current")
+                return
+            if kind == "uid":
+                self._check_uids(world, [value.decode()])
+                return
+            parsed = json.loads(value)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _Refused(f"{rel!r}: a malformed value ({e})") from None
+        if kind == "members":
+            self._check_uids(world, parsed)
+        elif not isinstance(parsed, dict):
+            raise _Refused(f"{rel!r}: a record must be a JSON object")
+        elif kind == "decision":
+            for field in ("excluded", "members"):
+                if field in parsed:
+                    self._check_uids(world, parsed[field])
+
+    def _check_uids(self, world: _World, uids: Any) -> None:
+        """``uids`` must be a list of distinct identities the world knows: ranks of its first
+        epoch, or joiners with a ticket."""
+        if not isinstance(uids, list) or not all(isinstance(u, str) for u in uids) \
+                or len(set(uids)) != len(uids):
+            raise _Refused("a members list must be distinct member ids (strings)")
+        tickets = int(self._keys.value(world.root + JOIN_COUNT.encode()) or 0)
+        for u in uids:
+            if u.isdigit() and int(u) < world.size:
+                continue
+            if u.startswith("j") and u[1:].isdigit() and 0 < int(u[1:]) <= tickets:
+                continue
+            raise _Refused(f"{u!r} is not a member of this world (ranks 0..{world.size - 1} "
+                           f"and joiners j1..j{tickets} are)")
+
+    def _admit(self, world: _World, rel: str, value: bytes) -> None:
+        """A members record was written: its joiners are members from now on."""
+        members = json.loads(value)
+        world.members[int(rel.split("/")[2])] = members
+        world.admitted.update(u for u in members if not u.isdigit())
+
+    def op_record(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        try:
+            world, uid, pos = self._member(conn, buf, pos, end, admitted=False)
+            raw, _ = _blob(buf, pos, end)
+            if len(raw) > _MAX_RECORD:
+                raise _Refused(f"a record of {len(raw)} bytes (at most {_MAX_RECORD})")
+            try:
+                record = json.loads(raw)
+            except ValueError as e:
+                raise _Refused(f"a malformed record ({e})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("uid"), str):
+                raise _Refused("a record is a JSON object naming a member ('uid')")
+            cause, target = record.get("cause"), record["uid"]
+            member = uid.isdigit() or uid in world.admitted
+            if cause == "left" and target == uid:
+                pass
+            elif cause == "decided" and target == uid and member:
+                pass
+            elif cause in _DECLARING and member and target != uid:
+                self._check_uids(world, [target])
+                if target in world.declared:
+                    return _ok(b"\x00")  # another member declared it first
+                world.declared.add(target)
+            else:
+                raise _Refused(f"a record with cause {cause!r} about {target!r} is not one "
+                               f"member {uid} may append")
+        except _Refused as e:
+            return self._refuse(conn, "record", str(e))
+        self._keys.append_entry(world.root + DEATHS.encode(), raw)
+        return _ok(b"\x01")
+
+    def _refuse(self, conn: Any, op: str, why: str) -> bytes:
+        self._notice("tcp_store_world_refused", peer=getattr(conn, "peer", "?"), op=op,
+                     reason=why[:300])
+        body = f"{op} refused: {why}".encode()
+        return w.HEADER.pack(len(body), w.Status.ERROR) + body
+
+
+
+def _blob(buf: bytes, pos: int, end: int) -> tuple[bytes, int]:
+    if pos + 4 > end:
+        raise ValueError("truncated length")
+    (n,) = w.U32.unpack_from(buf, pos)
+    stop = pos + 4 + n
+    if stop > end:
+        raise ValueError("field runs past the frame")
+    return bytes(buf[pos + 4:stop]), stop
+
+
+def _pack_blob(data: bytes) -> bytes:
+    return w.U32.pack(len(data)) + data
+
+
+def _ok(body: bytes) -> bytes:
+    return w.HEADER.pack(len(body), w.Status.OK) + body
+
+
+def _rel(key: bytes) -> str:
+    """A key relative to a world's root, as the member sent it."""
+    return key.decode()

@@ -1,0 +1,275 @@
+"""Processes for tests/test_security.py: a rank that trains through whatever a stranger does,
+and the stranger (a process that knows only the store's port, and maybe its token).
+
+``python _security_workers.py train RESULT_DIR``: a rank of a Gloo world (env:// or under
+plugdist-run). Until the file ``RESULT_DIR/stop`` appears it all-reduces ones (checking the sum
+equals the world size), shrinks past a rank that fails, and every 0.2 s writes
+``rank<uid>.json``: steps, world size, rank, and what happened (failures, shrinks, exclusion,
+wrong sums). Its store's address and token go to ``store.json`` (rank 0, for the test). A rank
+whose ``init_process_group`` is refused (a stray process of another job) writes ``refused.json``
+with the error and exits 3.
+
+``python _security_workers.py stranger HOST:PORT ROOT ATTACK...``: each ATTACK (see
+``ATTACKS``) against the store at HOST:PORT, whose world's membership lives under key prefix
+ROOT ("" for env://); prints one JSON line: attack -> "refused: <why>" or "accepted: <what>".
+The token, if any, comes from PLUGDIST_STORE_TOKEN like any client's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+
+def _write(path: str, data: dict[str, Any]) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+def train(result_dir: str) -> None:
+    import plugdist as dist
+    import torch
+
+    try:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    except dist.DistError as err:
+        _write(os.path.join(result_dir, f"refused-{os.getpid()}.json"),
+               {"error": str(err), "kind": type(err).__name__})
+        sys.exit(3)
+    from plugdist.world import world
+    uid = world.membership.uid if world.membership is not None else str(dist.get_rank())
+    if dist.get_rank() == 0:
+        store = world.store
+        inner = getattr(store, "underlying_store", store)
+        _write(os.path.join(result_dir, "store.json"), {
+            "host": inner.host, "port": inner.port,
+            "root": (store.prefix + "/") if inner is not store else "",
+            "token": os.environ.get("PLUGDIST_STORE_TOKEN", ""),
+            "protected": world.membership is not None and world.membership.protected})
+    events: list[str] = []
+    steps, last = 0, 0.0
+    stop = os.path.join(result_dir, "stop")
+    out = os.path.join(result_dir, f"rank{uid}.json")
+    while True:
+        now = time.monotonic()
+        if now - last > 0.2:
+            last = now
+            _write(out, {"steps": steps, "size": dist.get_world_size(), "rank": dist.get_rank(),
+                         "events": events, "pid": os.getpid()})
+            if os.path.exists(stop):
+                break
+        try:
+            t = torch.ones(2)
+            dist.all_reduce(t)
+            if t.tolist() != [float(dist.get_world_size())] * 2:
+                events.append(f"wrong sum {t.tolist()} at step {steps}")
+            steps += 1
+            time.sleep(0.01)
+        except dist.DistExcludedError as err:
+            events.append(f"excluded: {err}")
+            break
+        except dist.DistRankFailureError as err:
+            events.append(f"failure of ranks {list(err.ranks)}")
+            dist.shrink_group()
+            events.append(f"shrunk to {dist.get_world_size()}")
+    _write(out, {"steps": steps, "size": dist.get_world_size(), "rank": dist.get_rank(),
+                 "events": events, "pid": os.getpid(), "done": True})
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- the stranger
+
+def _deaths(root: str) -> str:
+    return f"{root}plugdist/live/deaths"
+
+
+def _attack_evict(store: Any, root: str) -> str:
+    """Append a death naming healthy rank 1 to the death log (add, then set)."""
+    n = store.add(_deaths(root), 1)
+    store.set(f"{_deaths(root)}/{n}", json.dumps({"uid": "1", "cause": "died"}))
+    return f"entry {n} written"
+
+
+def _attack_will(store: Any, root: str) -> str:
+    """Leave a will that names rank 2 on the death log, then drop it."""
+    will = store.hold_will(_deaths(root), json.dumps({"uid": "2", "cause": "died"}))
+    will._conn.close()  # dropped without withdrawing: it runs
+    return "will left and dropped"
+
+
+def _attack_end(store: Any, root: str) -> str:
+    """Pre-write the next epoch with no members, and a decision excluding everyone."""
+    members = [str(r) for r in range(64)]
+    store.set(f"{root}plugdist/epoch/0/next", json.dumps({"excluded": members}))
+    store.set(f"{root}plugdist/epoch/1/members", "[]")
+    store.set(f"{root}plugdist/epoch/current", "1")
+    return "next epoch written"
+
+
+def _attack_hang(store: Any, root: str) -> str:
+    """Pre-write a member list naming a rank that does not exist."""
+    store.set(f"{root}plugdist/epoch/0/next", json.dumps({"members": ["0", "2", "7"]}))
+    store.compare_set(f"{root}plugdist/epoch/1/members", "", json.dumps(["0", "2", "7"]))
+    return "member list written"
+
+
+def _attack_hide(store: Any, root: str) -> str:
+    """Overwrite the death counter with a non-number (a later death could not be counted)."""
+    store.set(_deaths(root), "not a number")
+    return "counter overwritten"
+
+
+def _attack_queue(store: Any, root: str) -> str:
+    """Make a reserved key look present with a queue (a reader that checks, then gets, hangs)."""
+    store.queue_push(f"{root}plugdist/epoch/1/members", "x")
+    return "queue pushed"
+
+
+def _attack_wipe(store: Any, root: str) -> str:
+    """Delete every key (a buggy tool's cleanup)."""
+    return f"{store.delete_prefix('')} keys deleted"
+
+
+def _attack_claim(store: Any, root: str) -> str:
+    """Claim rank 1's identity (a second process saying it is rank 1 of a world of
+    CLAIM_SIZE)."""
+    session = store.claim_member(root, "1", int(os.environ["CLAIM_SIZE"]), 10.0)
+    session.will.cancel()
+    return "claimed member 1"
+
+
+def _attack_forge(store: Any, root: str) -> str:
+    """A member's checked write with a guessed credential."""
+    from plugdist.store._tcp_client import MemberSession
+    forged = MemberSession(store._request, None, root.encode(), "0",  # type: ignore[arg-type]
+                           os.urandom(16))
+    forged.set("plugdist/epoch/1/members", json.dumps(["0"]))
+    return "forged write accepted"
+
+
+def _attack_check_flood(store: Any, root: str) -> str:
+    """One CHECK of 4 million empty keys (16 MiB)."""
+    from plugdist.store import _wire as w
+    frame = w.request(w.Op.CHECK, w.U32.pack(4_000_000) + b"\0" * 16_000_000)
+    start = time.monotonic()
+    store._request("check", frame)
+    return f"answered in {time.monotonic() - start:.2f}s"
+
+
+ATTACKS: dict[str, Callable[[Any, str], str]] = {
+    "evict": _attack_evict, "will": _attack_will, "end": _attack_end, "hang": _attack_hang,
+    "hide": _attack_hide, "queue": _attack_queue, "wipe": _attack_wipe, "claim": _attack_claim,
+    "forge": _attack_forge, "check_flood": _attack_check_flood,
+}
+
+
+def _raw(host: str, port: int) -> socket.socket:
+    """A connection that did a tokenless handshake by hand."""
+    from plugdist.store import _wire as w
+    s = socket.create_connection((host, port), timeout=10)
+    got = b""
+    while len(got) < w.GREETING.size:
+        got += s.recv(w.GREETING.size - len(got))
+    s.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, os.urandom(w.NONCE_SIZE), w.NO_PROOF))
+    return s
+
+
+def _flood_partial(host: str, port: int) -> str:
+    """Connections that each send 40 MiB of a 48 MiB frame and then sit: the server's total on
+    partly received bytes drops those past it at once, its pace rule the rest soon after."""
+    from plugdist.store import _wire as w
+    socks, at_once = [], 0
+    start = time.monotonic()
+    for _ in range(8):
+        try:
+            s = _raw(host, port)
+            s.sendall(w.HEADER.pack(48 << 20, w.Op.SET) + b"\0" * (40 << 20))
+            socks.append(s)
+        except OSError:
+            at_once += 1
+    time.sleep(0.5)
+    at_once += sum(_closed(s, 0.0) for s in socks)
+    for s in socks:
+        _closed(s, 60.0)
+    return f"{at_once} of 8 dropped at once, all within {time.monotonic() - start:.0f}s"
+
+
+def _trickle(host: str, port: int) -> str:
+    """A frame sent one byte every 0.5 s (a timer that each byte restarts would keep it)."""
+    from plugdist.store import _wire as w
+    s = _raw(host, port)
+    s.sendall(w.HEADER.pack(1 << 20, w.Op.SET))
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 60:
+            s.sendall(b"x")
+            time.sleep(0.5)
+            if _closed(s, 0.0):
+                return f"dropped after {time.monotonic() - start:.0f}s"
+    except OSError:
+        return f"dropped after {time.monotonic() - start:.0f}s"
+    return "still connected after 60s"
+
+
+def _strangers(host: str, port: int) -> str:
+    """500 connections that send garbage."""
+    for _ in range(500):
+        try:
+            with socket.create_connection((host, port), timeout=10) as s:
+                s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        except OSError:
+            pass
+    return "500 sent garbage"
+
+
+RAW_ATTACKS: dict[str, Callable[[str, int], str]] = {
+    "partial_frames": _flood_partial, "trickle": _trickle, "garbage": _strangers,
+}
+
+
+def _closed(s: socket.socket, wait: float = 5.0) -> bool:
+    s.settimeout(wait if wait else 0.001)
+    try:
+        while True:
+            data = s.recv(65536)
+            if not data:
+                return True
+    except (TimeoutError, BlockingIOError):
+        return False
+    except OSError:
+        return True
+
+
+def stranger(address: str, root: str, attacks: list[str]) -> None:
+    from plugdist.errors import DistError
+    from plugdist.store import TCPStore
+
+    host, _, port = address.rpartition(":")
+    out: dict[str, str] = {}
+    store: Any = None
+    for name in attacks:
+        if name in RAW_ATTACKS:
+            out[name] = "accepted: " + RAW_ATTACKS[name](host, int(port))
+            continue
+        try:
+            if store is None:
+                store = TCPStore(host, int(port), timeout=timedelta(seconds=20))
+            out[name] = "accepted: " + ATTACKS[name](store, root)
+        except DistError as err:
+            out[name] = f"refused: {err}"
+    print(json.dumps(out), flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "train":
+        train(sys.argv[2])
+    else:
+        stranger(sys.argv[2], sys.argv[3], sys.argv[4:])

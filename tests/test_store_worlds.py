@@ -1,0 +1,189 @@
+"""A TCPStore's worlds, client against server in one process: reserved keys refuse plain
+writes; an identity is held once and its death is written by the server; members' writes are
+checked; per-request limits answer with an error. (A stranger process against real worlds:
+tests/test_security.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from plugdist.errors import DistStoreError, DistTimeoutError
+from plugdist.store import PrefixStore, TCPStore, TCPStoreLimits
+from plugdist.store._tcp_client import MemberSession
+from plugdist.store.worldkeys import is_reserved
+
+HOST = "127.0.0.1"
+DEATHS = "plugdist/live/deaths"
+T = timedelta(seconds=20)
+
+
+@pytest.fixture
+def master() -> Iterator[TCPStore]:
+    m = TCPStore(HOST, 0, is_master=True, timeout=T, token="",
+                 limits=TCPStoreLimits(max_keys_per_request=100, max_value_bytes=1000))
+    yield m
+    m.close()
+
+
+def client(m: TCPStore) -> TCPStore:
+    return TCPStore(HOST, m.port, timeout=T, token="")
+
+
+def test_reserved_names() -> None:
+    for key in (b"plugdist/live/deaths", b"plugdist/live/deaths/3", b"plugdist/epoch/current",
+                b"x/plugdist/join/count", b"plugdist/worker/round_0/plugdist/closed",
+                b"plugdist/live"):
+        assert is_reserved(key), key
+    for key in (b"plugdist/group/0/rank_1", b"plugdist/lively", b"myplugdist/live/x",
+                b"plugdist/closed/x", b"plugdist/rdzv/none/r0/joined", b"plugdist/ft/1/step"):
+        assert not is_reserved(key), key
+
+
+@pytest.mark.timeout(60)
+def test_plain_writes_to_reserved_keys_are_refused(master: TCPStore) -> None:
+    """Every plain write is refused, under a prefix too; add(k, 0) reads; delete_prefix("")
+    leaves the reserved keys; reads are open."""
+    c = client(master)
+    s = c.claim_member("", "0", 1, 10.0)
+    under = PrefixStore("plugdist/worker/round_0", c)
+    for store in (c, under):
+        for write in (lambda st: st.set(DEATHS, "x"), lambda st: st.add(DEATHS, 1),
+                      lambda st: st.compare_set("plugdist/epoch/current", "0", "5"),
+                      lambda st: st.append("plugdist/closed", "x"),
+                      lambda st: st.multi_set(["ok", "plugdist/join/count"], ["1", "2"]),
+                      lambda st: st.delete_key("plugdist/epoch/current"),
+                      lambda st: st.queue_push("plugdist/epoch/1/members", "x"),
+                      lambda st: st.queue_pop("plugdist/epoch/1/members", block=False),
+                      lambda st: st.hold_will(DEATHS, "x"),
+                      lambda st: st.delete_prefix("plugdist/epoch/")):
+            with pytest.raises(DistStoreError, match="belongs to a world's membership"):
+                write(store)
+    assert not c.check(["ok"])  # the multi_set was all or nothing
+    assert c.add(DEATHS, 0) == 0 and not c.check([DEATHS])  # a read, creating nothing
+    c.set("plain", "1")
+    assert c.delete_prefix("") == 1  # only the plain key
+    assert c.get("plugdist/epoch/current") == b"0"  # the world's keys stay, readable
+    s.will.cancel()
+    c.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_identity_is_held_once_and_its_death_written_by_the_server(master: TCPStore) -> None:
+    a, b = client(master), client(master)
+    one = a.claim_member("", "1", 3, 10.0)
+    with pytest.raises(DistStoreError, match="held by another live process.*another job's store: "
+                                             "check MASTER_PORT"):
+        b.claim_member("", "1", 3, 10.0)
+    with pytest.raises(DistStoreError, match="has 3 ranks, but this process says its world "
+                                             "has 4"):
+        b.claim_member("", "2", 4, 10.0)
+    with pytest.raises(DistStoreError, match="out of range"):
+        b.claim_member("", "3", 3, 10.0)
+    two = b.claim_member("", "2", 3, 10.0)
+    one.will._conn.close()  # rank 1's process dies: its connection drops
+    assert master.read_log(DEATHS, 1, timedelta(seconds=10)) == [
+        json.dumps({"uid": "1", "cause": "died"}).encode()]
+    two.will.cancel()  # a clean exit writes nothing
+    with pytest.raises(DistTimeoutError):
+        master.read_log(DEATHS, 2, timedelta(seconds=0.5))
+    for uid in ("1", "2"):  # both left: no process can be them again
+        with pytest.raises(DistStoreError, match="already left"):
+            a.claim_member("", uid, 3, 10.0)
+    a.close()
+    b.close()
+
+
+@pytest.mark.timeout(60)
+def test_members_writes_are_checked(master: TCPStore) -> None:
+    """A forged credential, a joiner not yet admitted, a key members do not write, a members
+    list naming an unknown identity, an epoch with no members record: refused. Declaring a
+    member failed counts once; a joiner may say it leaves, not that another died."""
+    c = client(master)
+    zero, one = c.claim_member("", "0", 2, 10.0), c.claim_member("", "1", 2, 10.0)
+    forged = MemberSession(c._request, zero.will, b"", "0", os.urandom(16))
+    with pytest.raises(DistStoreError, match="holds no identity"):
+        forged.set("plugdist/epoch/0/next", json.dumps({"excluded": ["1"]}))
+    joiner = c.join_member("", 10.0)
+    assert (joiner.uid, joiner.ticket) == ("j1", 1)
+    assert json.loads(c.get(f"{DEATHS}/1")) == {"uid": "j1", "cause": "joining", "ticket": 1}
+    with pytest.raises(DistStoreError, match="not a member yet"):
+        joiner.set("plugdist/epoch/1/members", json.dumps(["j1"]))
+    with pytest.raises(DistStoreError, match="not a key a member writes"):
+        zero.set("plugdist/live/deaths/7", "{}")
+    with pytest.raises(DistStoreError, match="'7' is not a member of this world"):
+        zero.compare_set("plugdist/epoch/1/members", "", json.dumps(["0", "7"]))
+    with pytest.raises(DistStoreError, match="malformed"):
+        zero.set("plugdist/epoch/0/next", "{not json")
+    with pytest.raises(DistStoreError, match="no members record"):
+        zero.compare_set("plugdist/epoch/current", "0", "1")
+    grown = json.dumps(["0", "1", "j1"])
+    assert zero.compare_set("plugdist/epoch/1/members", "", grown) == grown.encode()
+    assert zero.compare_set("plugdist/epoch/current", "0", "1") == b"1"
+    joiner.set("plugdist/epoch/1/seen/j1", "2")  # admitted now: a member's write
+    declared = json.dumps({"uid": "1", "cause": "reported", "how": "test"})
+    assert zero.record(declared) is True
+    assert joiner.record(declared) is False  # declared once
+    with pytest.raises(DistStoreError, match="not one member j1 may append"):
+        joiner.record(json.dumps({"uid": "0", "cause": "died"}))
+    assert joiner.record(json.dumps({"uid": "j1", "cause": "left", "how": "test"})) is True
+    for session in (zero, one, joiner):
+        session.will.cancel()
+    deadline = time.monotonic() + 10
+    while not c.check(["plugdist/closed"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert c.get("plugdist/closed") == b"1"  # every member of epoch 1 left
+    # a world built again on the same store (init_process_group after destroy) starts afresh
+    again = c.claim_member("", "0", 2, 10.0)
+    assert not c.check(["plugdist/closed", f"{DEATHS}/1", "plugdist/epoch/1/members"])
+    assert c.get("plugdist/epoch/current") == b"0"
+    again.will.cancel()
+    c.close()
+
+
+@pytest.mark.timeout(60)
+def test_request_limits_answer_with_an_error_and_keep_the_connection(master: TCPStore) -> None:
+    c = client(master)
+    with pytest.raises(DistStoreError, match="at most 100 keys per request"):
+        c.check([f"k{i}" for i in range(101)])
+    with pytest.raises(DistStoreError, match="at most 100 keys per request"):
+        c.multi_get([f"k{i}" for i in range(101)])
+    with pytest.raises(DistStoreError, match="exceeds this server's limit of 1000"):
+        c.set("big", b"x" * 1001)
+    # refused as soon as its first bytes tell, the rest dropped as it comes (never held)
+    with pytest.raises(DistStoreError, match="exceeds this server's limit of 1000"):
+        c.set("huge", b"x" * (4 << 20))
+    with pytest.raises(DistStoreError, match="at most 100 keys per request"):
+        c.check([f"key{i:06d}" for i in range(100_000)])
+    c.set("fits", b"x" * 1000)
+    assert c.multi_get(["fits"] * 100) == [b"x" * 1000] * 100
+    assert len(master._server._conns) == 2  # type: ignore[union-attr]  # nobody was dropped
+    c.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_large_value_from_another_process_arrives_at_full_pace() -> None:
+    """A 30 MiB value sent by another process: the server charges heavy work to the connection
+    (it rests between), yet the frame arrives well within the pace rule, whole, more than once."""
+    import subprocess
+    import sys
+
+    m = TCPStore(HOST, 0, is_master=True, timeout=T, token="")
+    code = ("import sys, time; from datetime import timedelta; "
+            "from plugdist.store import TCPStore; "
+            f"c = TCPStore('{HOST}', {m.port}, timeout=timedelta(seconds=20), token=''); "
+            "t = time.monotonic(); "
+            "[c.set(f'big{i}', bytes([i]) * (30 << 20)) for i in range(3)]; "
+            "print(time.monotonic() - t)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=50)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout) < 15, done.stdout  # three frames at 4 MiB/s would take 22 s
+    for i in range(3):
+        value = m.get(f"big{i}")
+        assert len(value) == 30 << 20 and value[:1] == value[-1:] == bytes([i])
+    m.close()
