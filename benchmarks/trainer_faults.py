@@ -6,22 +6,21 @@ matrix of scenarios, every invariant checked, and the pauses the survivors saw.
     python benchmarks/trainer_faults.py --overhead 3     # the cost when nothing fails
 
 Each scenario is one run of tests/launcher_scripts/lightning_train.py or hf_train_faults.py on 3
-workers under ``plugdist-run`` (gloo, CPU): the victim (rank 0, or the last rank) SIGKILLs itself
-at a chosen committed step, in its last backward of the step (the others are in DDP's all_reduce),
-as the step's first micro-batch starts, or (``outside``) right after a step, as the others go into
-the collectives of its checkpoint; with and without ``--replace-failed``; with and without gradient
+workers under ``plugdist-run`` (gloo, CPU): the victim (rank 0, or the last rank) SIGKILLs itself at
+a chosen committed step, in its last backward of the step (the others are in DDP's all_reduce), as
+the step's first micro-batch starts, or (``outside``) right after a step, as the others go into the
+collectives of its checkpoint; with and without ``--replace-failed``; with and without gradient
 accumulation (2 micro-batches a step). A fault-free run of the same configuration is the reference.
 Checked from every worker's records (:func:`check`): launcher exit 0; every committed step recorded
 by every rank of the world that committed it, once and in order, with one parameter hash; the final
 parameters equal on every final rank; within each epoch no sample trained twice by committed steps,
 and the samples not trained are exactly those the trainer reports as skipped (the dead rank's
-unconsumed shard of that epoch); checkpoints written after the death, by the new rank 0, holding
-the parameters of their step; with replacement the world back to full size; the final loss on the
-whole data set within ``LOSS_TOLERANCE`` of the reference's. Printed per scenario: the survivors'
-pause at the death (the longest gap between two committed steps around it, against the median gap),
-the pause at the joiner's admission, and kill to full size again.
-``--overhead``: what the integrations cost when nothing fails, against the trainers' own DDP on
-torch's gloo in the same run.
+unconsumed shard of that epoch); checkpoints written after the death holding the parameters of their
+step; with replacement the world back to full size; the final loss on the whole data set within
+``LOSS_TOLERANCE`` of the reference's. Printed per scenario: the survivors' pause at the death (the
+longest gap between two committed steps around it, against the median gap), the pause at the
+joiner's admission, and kill to full size again. ``--overhead``: what the integrations cost when
+nothing fails, against the trainers' own DDP on torch's gloo in the same run.
 
 tests/test_lightning.py and tests/test_huggingface_faults.py run a few scenarios through the same
 functions.
@@ -332,7 +331,8 @@ def main() -> None:
             figures = check(run(trainer, Scenario(accumulate=accumulate),
                                 Path(args.dir) / trainer / f"reference-{accumulate}"))
             reference[accumulate] = figures["loss"]
-            print(json.dumps({"trainer": trainer, **figures}), flush=True)
+            results.append({"trainer": trainer, **figures})
+            print(json.dumps(results[-1]), flush=True)
         for round_ in range(args.repeat):
             for i, scenario in enumerate(matrix()):
                 out = Path(args.dir) / trainer / f"{round_}-{i}"
@@ -348,7 +348,8 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"results": results, "failures": failures},
                                               indent=1))
-    print(f"{len(results)} scenarios passed, {len(failures)} failed")
+    print(f"{len(results)} runs passed (the fault-free references among them), "
+          f"{len(failures)} failed")
     sys.exit(1 if failures else 0)
 
 

@@ -25,7 +25,7 @@ import functools
 import sys
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import lightning.pytorch as pl
 import plugdist
@@ -34,12 +34,14 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
+from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from plugdist import DistExcludedError
 from plugdist.parallel import ResilientTraining, is_rank_failure, resilient_allreduce_hook
+from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 
 from .environment import PlugdistEnvironment, joining
@@ -211,8 +213,8 @@ class ResilientDDPStrategy(DDPStrategy):
             shard = min(shard, int(batches) * batch_size)
         # processed micro-batches (the one running a step is not yet) less those of a step not
         # yet committed
-        # a _ProcessedTracker at run time; Lightning annotates the field with its base class
-        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
+        current = trainer.fit_loop.epoch_loop.batch_progress.current
+        processed = cast(_ProcessedTracker, current).processed
         committed = processed - (len(self._window) if self._open is None else self._open)
         return max(0, shard - committed * batch_size)
 
@@ -344,7 +346,11 @@ class ResilientDDPStrategy(DDPStrategy):
         return _leave_if_excluded(training.agree)(run)
 
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        self._collective(lambda: DDPStrategy.barrier(self, name), lambda: None)
+        if self._training is not None and not (self._silent or self._in_step):
+            # the agreement's vote is an all_reduce of every member: a barrier already
+            self._collective(lambda: None, lambda: None)
+        else:
+            self._collective(lambda: DDPStrategy.barrier(self, name), lambda: None)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return self._collective(lambda: DDPStrategy.broadcast(self, obj, src), lambda: obj)
@@ -354,13 +360,20 @@ class ResilientDDPStrategy(DDPStrategy):
         if not isinstance(tensor, torch.Tensor):
             return tensor
 
-        # an average of integers (Lightning's batch-size counts) as Lightning does it on torch's
-        # "gloo", which it knows by name: a sum, then divided
-        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg") \
-            and not torch.is_floating_point(tensor)
+        # Lightning's reduce is a barrier and an all_reduce; the barrier adds nothing here. An
+        # average is a sum, then divided (for integers, Lightning's batch-size counts, as
+        # Lightning does it on torch's gloo, which it knows by name)
+        mean = isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")
+        if reduce_op is None or mean:
+            op = ReduceOp.SUM
+        elif isinstance(reduce_op, str):
+            op = getattr(ReduceOp, reduce_op.upper())
+        else:
+            op = reduce_op
 
         def run() -> torch.Tensor:   # torch reduces in place: each attempt on a fresh copy
-            result = DDPStrategy.reduce(self, tensor.clone(), group, "sum" if mean else reduce_op)
+            result = tensor.clone()
+            torch.distributed.all_reduce(result, op=op, group=group)
             if mean:
                 result = result / torch.distributed.get_world_size(group)
             return tensor.copy_(result)

@@ -27,6 +27,7 @@ Trainer's own loop (``_run_epoch``) and takes over four points of it:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import sys
@@ -44,6 +45,8 @@ from transformers import Trainer
 from transformers.trainer_callback import ExportableState, TrainerState
 
 __all__ = ["ResilientTrainer", "WorldChangeHook"]
+
+_log = logging.getLogger(__name__)
 
 WorldChangeHook = Callable[["ResilientTrainer", int, int], None]
 """``hook(trainer, old_world_size, new_world_size)``: called on every rank after the world shrank
@@ -188,9 +191,9 @@ class ResilientTrainer(Trainer):
             if lost:
                 self.skipped_samples += lost
                 if self.is_world_process_zero():
-                    print(f"plugdist: {old - new} rank(s) died in epoch {self._epoch}: {lost} "
-                          f"sample(s) of their shards are not trained on this epoch "
-                          f"({self.skipped_samples} in all)", flush=True)
+                    _log.warning("plugdist: %d rank(s) died in epoch %d: %d sample(s) of their "
+                                 "shards are not trained on this epoch (%d in all)",
+                                 old - new, self._epoch, lost, self.skipped_samples)
         if self._on_world_change is not None:
             self._on_world_change(self, old, new)
 
