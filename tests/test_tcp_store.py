@@ -931,12 +931,16 @@ def test_fuzz_wire_protocol() -> None:
 @pytest.mark.timeout(60)
 def test_requests_of_many_keys_are_read_in_slices_while_others_are_served(
         master: TCPStore) -> None:
-    """CHECK, WAIT and MULTI_GET of 20,000 keys (read a slice a turn) answer as a whole; a
+    """MULTI_SET, CHECK, WAIT and MULTI_GET of 20,000 keys (read a slice a turn) answer as a
+    whole (a MULTI_SET refused by its last pair writes nothing); a
     WAIT parked after its slices wakes when its last key comes; another client's requests are
     answered, in order, through a flood of such CHECKs (the latency: store_abuse_bench.py)."""
     keys = [f"k/{i}" for i in range(20_000)]
-    master.multi_set(keys, [str(i) for i in range(20_000)])
     c = TCPStore(HOST, master.port, timeout=timedelta(seconds=30))
+    with pytest.raises(DistStoreError, match="belongs to a world's membership"):
+        c.multi_set([*keys, "plugdist/live/deaths"], ["v"] * 20_001)  # refused in its last slice
+    assert not c.check(keys[:1])  # all or nothing
+    c.multi_set(keys, [str(i) for i in range(20_000)])
     assert c.check(keys) is True
     assert c.check([*keys, "k/missing"]) is False
     assert c.check(["k/missing", *keys]) is False

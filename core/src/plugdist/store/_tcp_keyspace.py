@@ -31,7 +31,7 @@ _INIT_KEY_COUNT = 1  # num_keys counts the worker counter once someone joined (a
 _MAX_TIMEOUT = 1e7  # seconds; longer ones are clamped (the deadline heap needs finite numbers)
 # a request naming more keys than this is read this many keys a turn of the server's loop, so a
 # request of 131,072 keys (about 60 ms of Python) does not hold every other client that long
-SLICE_KEYS = 1024
+SLICE_KEYS = 1024  # even: a MULTI_SET's slices hold whole pairs
 
 
 def _seconds(timeout: float) -> float:
@@ -60,21 +60,21 @@ class _Waiter:
 
 
 class Sliced:
-    """A request of many keys, read ``SLICE_KEYS`` at a time: the server calls :meth:`step`
-    once a turn of its loop until it returns the reply (bytes, or None when the request was
-    parked, as :meth:`KeySpace.handle` does), serving the other clients in between. Each slice
-    is looked at as it is read (``each``, whose falsy result stops the reading early: a CHECK
-    whose key is missing); ``finish(keys)`` makes the reply."""
+    """A request of many keys (blobs), read ``SLICE_KEYS`` at a time: the server calls
+    :meth:`step` once a turn of its loop until it returns the reply (bytes, or None when the
+    request was parked, as :meth:`KeySpace.handle` does), serving the other clients in between.
+    Each slice is looked at as it is read (``each``, whose falsy result stops the reading early:
+    a CHECK whose key is missing, a MULTI_SET pair refused); ``finish(kept)`` makes the reply
+    from the slices kept (``keep``)."""
 
     __slots__ = ("buf", "pos", "end", "left", "keys", "each", "finish", "keep")
 
     def __init__(self, buf: bytes, pos: int, end: int, n: int,
                  each: Callable[[list[bytes]], bool] | None,
-                 finish: Callable[[list[bytes]], bytes | None]) -> None:
+                 finish: Callable[[list[bytes]], bytes | None], keep: bool = False) -> None:
         self.buf, self.pos, self.end, self.left = buf, pos, end, n
-        self.keys: list[bytes] = []
-        self.each, self.finish = each, finish
-        self.keep = each is None  # a slice looked at by ``each`` need not be kept
+        self.keys: list[bytes] = []  # the slices read, kept for ``finish`` when ``keep``
+        self.each, self.finish, self.keep = each, finish, keep
 
     def step(self) -> bytes | None | Sliced:
         """Read the next slice; the reply once the last is read (or ``each`` stopped early),
@@ -92,10 +92,10 @@ class Sliced:
             part.append(buf[pos:pos + ln])
             pos += ln
         self.pos, self.left = pos, self.left - take
-        if self.keep:
-            self.keys.extend(part)
-        elif self.each is not None and not self.each(part):
+        if self.each is not None and not self.each(part):
             self.left = 0
+        elif self.keep:
+            self.keys.extend(part)
         if self.left:
             return self
         self.buf = b""
@@ -603,7 +603,7 @@ class KeySpace:
             return refusal
         if n > (end - pos - 4) // 4:
             raise ValueError(f"blob count {n} does not fit the frame")
-        return Sliced(buf, pos + 4, end, n, each, finish).step()
+        return Sliced(buf, pos + 4, end, n, each, finish, keep=each is None).step()
 
     def _op_wait(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None | Sliced:
         (timeout,) = w.F64.unpack_from(buf, pos)
@@ -646,22 +646,37 @@ class KeySpace:
         # a plain client's prefix that spans a world (e.g. "") leaves that world's keys alone
         return _ok(w.I64.pack(self.delete_prefix(prefix, reserved_too=False)))
 
-    def _op_multi_set(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
-        refusal = self._too_many("multi_set", self._count(buf, pos, end) // 2)
+    def _op_multi_set(self, conn: Any, buf: bytes, pos: int,
+                      end: int) -> bytes | None | Sliced:
+        """All or nothing: every pair is checked as it is read (a slice at a time for many),
+        then all are written at once."""
+        n = self._count(buf, pos, end)
+        refusal = self._too_many("multi_set", n // 2)
         if refusal:
             return refusal
-        items, _ = w.unpack_blobs(buf, pos, end)
-        if len(items) % 2:
+        if n % 2:
             raise ValueError("odd number of blobs")
-        for i in range(0, len(items), 2):  # all or nothing
-            if is_reserved(items[i]):
-                return self._refused(conn, "multi_set", items[i])
-            refusal = self._too_big("multi_set", items[i], len(items[i + 1]))
-            if refusal:
-                return refusal
-        for i in range(0, len(items), 2):
-            self.put(items[i], items[i + 1])
-        return _OK_EMPTY
+        if n > (end - pos - 4) // 4:
+            raise ValueError(f"blob count {n} does not fit the frame")
+        refused: list[bytes] = []
+
+        def each(items: list[bytes]) -> bool:  # slices hold whole pairs: SLICE_KEYS is even
+            for i in range(0, len(items), 2):
+                why = self._refused(conn, "multi_set", items[i]) if is_reserved(items[i]) \
+                    else self._too_big("multi_set", items[i], len(items[i + 1]))
+                if why:
+                    refused.append(why)
+                    return False
+            return True
+
+        def finish(items: list[bytes]) -> bytes:
+            if refused:
+                return refused[0]
+            for i in range(0, len(items), 2):
+                self.put(items[i], items[i + 1])
+            return _OK_EMPTY
+
+        return Sliced(buf, pos + 4, end, n, each, finish, keep=True).step()
 
     def _op_queue_push(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)
