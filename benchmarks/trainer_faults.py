@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,23 @@ def run(trainer: str, scenario: Scenario, out: Path, *, timeout: float = 280,
     records = {Path(f).stem: [json.loads(x) for x in Path(f).read_text().splitlines()]
                for f in sorted(glob.glob(str(out / "records" / "*.jsonl")))}
     return Run(scenario, out, done.returncode, done.stdout, done.stderr, wall, finals, records)
+
+
+class References:
+    """A trainer's fault-free runs, one per gradient accumulation, each run when first asked,
+    in ``folder(name)`` (a fresh directory for ``name``)."""
+
+    def __init__(self, trainer: str, folder: Callable[[str], Path]) -> None:
+        self.trainer, self.folder = trainer, folder
+        self.figures: dict[int, dict[str, Any]] = {}
+
+    def loss(self, accumulate: int) -> float:
+        """The final loss of the fault-free run with ``accumulate`` micro-batches a step."""
+        if accumulate not in self.figures:
+            out = self.folder(f"reference-{accumulate}")
+            self.figures[accumulate] = check(run(self.trainer, Scenario(accumulate=accumulate),
+                                                 out))
+        return float(self.figures[accumulate]["loss"])
 
 
 def expected_skipped(scenario: Scenario) -> int:
@@ -326,19 +344,17 @@ def main() -> None:
         return
     results, failures = [], []
     for trainer in trainers:
-        reference = {}   # accumulate -> the fault-free run's final loss
+        reference = References(trainer, lambda name, t=trainer: Path(args.dir) / t / name)
         for accumulate in (1, 2):
-            figures = check(run(trainer, Scenario(accumulate=accumulate),
-                                Path(args.dir) / trainer / f"reference-{accumulate}"))
-            reference[accumulate] = figures["loss"]
-            results.append({"trainer": trainer, **figures})
+            reference.loss(accumulate)
+            results.append({"trainer": trainer, **reference.figures[accumulate]})
             print(json.dumps(results[-1]), flush=True)
         for round_ in range(args.repeat):
             for i, scenario in enumerate(matrix()):
                 out = Path(args.dir) / trainer / f"{round_}-{i}"
                 r = run(trainer, scenario, out)
                 try:
-                    figures = check(r, reference[scenario.accumulate])
+                    figures = check(r, reference.loss(scenario.accumulate))
                 except AssertionError as err:
                     failures.append(f"{trainer}: {err}")
                     print(f"FAILED {trainer}: {scenario.name}: {str(err)[:3000]}", flush=True)

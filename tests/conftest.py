@@ -6,9 +6,11 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from plugdist.testing.hosts import Hosts
 
 HERE = Path(__file__).parent
 
@@ -53,3 +55,22 @@ def etcd3():  # type: ignore[no-untyped-def]
     cluster = _etcd_cluster(3)
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    """Two hosts (network namespaces) for a module's tests; skips where they cannot be made."""
+    why = Hosts.unavailable()
+    if why:
+        pytest.skip(why)
+    h = Hosts()
+    try:
+        h.create()
+    except (subprocess.CalledProcessError, OSError) as exc:
+        h.remove()
+        detail = getattr(exc, "stderr", "") or exc
+        pytest.skip(f"could not create network namespaces here: {detail}")
+    try:
+        yield h
+    finally:
+        h.remove()

@@ -34,16 +34,7 @@ pytestmark = pytest.mark.resilience
 @pytest.fixture(scope="module")
 def reference_loss(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], float]:
     """The fault-free run's final loss, by gradient accumulation (run when first asked)."""
-    losses: dict[int, float] = {}
-
-    def loss(accumulate: int) -> float:
-        if accumulate not in losses:
-            run = tf.run("huggingface", tf.Scenario(accumulate=accumulate),
-                         tmp_path_factory.mktemp(f"reference-{accumulate}"))
-            losses[accumulate] = float(tf.check(run)["loss"])
-        return losses[accumulate]
-
-    return loss
+    return tf.References("huggingface", tmp_path_factory.mktemp).loss
 
 
 @pytest.mark.timeout(300)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,24 +39,6 @@ def _gloo() -> None:
 
 
 # --------------------------------------------------------------------------- two hosts
-
-
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
-    why = Hosts.unavailable()
-    if why:
-        pytest.skip(why)
-    h = Hosts()
-    try:
-        h.create()
-    except (subprocess.CalledProcessError, OSError) as exc:
-        h.remove()
-        detail = getattr(exc, "stderr", "") or exc
-        pytest.skip(f"could not create network namespaces here: {detail}")
-    try:
-        yield h
-    finally:
-        h.remove()
 
 
 def token_file(tmp_path: Path) -> str:

@@ -322,23 +322,6 @@ def test_plugdist_run_two_nodes_on_loopback(tmp: Path) -> None:
         world.stop()
 
 
-@pytest.fixture(scope="module")
-def hosts() -> Iterator[Hosts]:
-    why = Hosts.unavailable()
-    if why:
-        pytest.skip(why)
-    h = Hosts()
-    try:
-        h.create()
-    except (subprocess.CalledProcessError, OSError) as exc:
-        h.remove()
-        pytest.skip(f"could not create network namespaces here: {getattr(exc, 'stderr', exc)}")
-    try:
-        yield h
-    finally:
-        h.remove()
-
-
 @pytest.mark.timeout(200)
 def test_two_hosts_need_a_token_and_with_one_keep_strangers_out(hosts: Hosts,
                                                                  tmp: Path) -> None:

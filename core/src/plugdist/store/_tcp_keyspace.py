@@ -23,6 +23,7 @@ from typing import Any
 from ..errors import store_timeout
 from . import _wire as w
 from ._tcp_worlds import Worlds
+from ._wire import read_blob as _blob
 from .worldkeys import RESERVED_NAMES, is_reserved
 
 __all__ = ["KeySpace", "Sliced"]
@@ -761,13 +762,3 @@ def _ok(body: bytes) -> bytes:
 
 
 _OK_EMPTY = _ok(b"")
-
-
-def _blob(buf: bytes, pos: int, end: int) -> tuple[bytes, int]:
-    if pos + 4 > end:
-        raise ValueError("truncated length")
-    (n,) = w.U32.unpack_from(buf, pos)
-    stop = pos + 4 + n
-    if stop > end:
-        raise ValueError("field runs past the frame")
-    return bytes(buf[pos + 4:stop]), stop

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from . import _wire as w
+from ._wire import read_blob as _blob
 from .worldkeys import CLOSED, CURRENT, DEATHS, JOIN, JOIN_COUNT, JOIN_DONE, NO_TRIM, TRIM
 
 __all__ = ["Worlds"]
@@ -392,17 +393,6 @@ class Worlds:
                      reason=why[:300])
         body = f"{op} refused: {why}".encode()
         return w.HEADER.pack(len(body), status) + body
-
-
-
-def _blob(buf: bytes, pos: int, end: int) -> tuple[bytes, int]:
-    if pos + 4 > end:
-        raise ValueError("truncated length")
-    (n,) = w.U32.unpack_from(buf, pos)
-    stop = pos + 4 + n
-    if stop > end:
-        raise ValueError("field runs past the frame")
-    return bytes(buf[pos + 4:stop]), stop
 
 
 def _pack_blob(data: bytes) -> bytes:

@@ -193,6 +193,18 @@ def pack_blobs(blobs: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
+def read_blob(buf: bytes | bytearray | memoryview, pos: int, end: int) -> tuple[bytes, int]:
+    """The blob at ``buf[pos:end]`` and where the next field starts; raises ValueError when it
+    runs past ``end``."""
+    if pos + 4 > end:
+        raise ValueError("truncated length")
+    (n,) = U32.unpack_from(buf, pos)
+    stop = pos + 4 + n
+    if stop > end:
+        raise ValueError("field runs past the frame")
+    return bytes(buf[pos + 4:stop]), stop
+
+
 def unpack_blobs(buf: bytes | bytearray | memoryview, pos: int,
                  end: int) -> tuple[list[bytes], int]:
     """Inverse of ``pack_blobs`` reading ``buf[pos:end]``; raises ValueError on a malformed body."""
