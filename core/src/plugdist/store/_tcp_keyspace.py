@@ -300,10 +300,13 @@ class KeySpace:
                                     f"missing keys {missing}")
             self._finish(waiter, _reply(w.Status.TIMEOUT, msg.encode()))
 
-    def _wait_for(self, conn: Any, op: w.Op, keys: list[bytes], timeout: float) -> bytes | None:
+    def _wait_for(self, conn: Any, op: w.Op, keys: list[bytes], timeout: float,
+                  seen: int = 0) -> bytes | None:
+        """Answer, or park, a request for ``keys``, of which the first ``seen`` were seen
+        present (a request read in slices looked at each as it read it)."""
         waiter = _Waiter(conn, op, keys, timeout)
         timeout = waiter.timeout
-        waiter.pos = self._first_missing(waiter, 0)
+        waiter.pos = self._first_missing(waiter, seen)
         if waiter.pos == len(keys):
             return self._ready_reply(waiter)
         if timeout <= 0:
@@ -595,27 +598,45 @@ class KeySpace:
 
     def _keyed(self, op: w.Op, buf: bytes, pos: int, end: int,
                each: Callable[[list[bytes]], bool] | None,
-               finish: Callable[[list[bytes]], bytes | None]) -> bytes | None | Sliced:
+               finish: Callable[[list[bytes]], bytes | None],
+               keep: bool = False) -> bytes | None | Sliced:
         """A request whose body at ``pos`` is its keys (u32 n, n blobs): refused past
-        ``max_keys``, answered at once up to ``SLICE_KEYS`` keys, else read in slices."""
+        ``max_keys``, answered at once up to ``SLICE_KEYS`` keys, else read in slices (see
+        :class:`Sliced`)."""
         n = self._count(buf, pos, end)
         refusal = self._too_many(op.name.lower(), n)
         if refusal:
             return refusal
         if n > (end - pos - 4) // 4:
             raise ValueError(f"blob count {n} does not fit the frame")
-        return Sliced(buf, pos + 4, end, n, each, finish, keep=each is None).step()
+        return Sliced(buf, pos + 4, end, n, each, finish, keep).step()
+
+    def _awaited(self, conn: Any, op: w.Op, buf: bytes, pos: int,
+                 end: int) -> bytes | None | Sliced:
+        """WAIT or MULTI_GET: its keys looked at as they are read, until one is missing."""
+        (timeout,) = w.F64.unpack_from(buf, pos)
+        data, queues = self._data, self._queues
+        seen, missing = [0], [False]
+
+        def each(keys: list[bytes]) -> bool:
+            if not missing[0]:
+                for k in keys:
+                    if not (k in data or op == w.Op.WAIT and bool(queues.get(k))):
+                        missing[0] = True
+                        break
+                    seen[0] += 1
+            return True
+
+        return self._keyed(op, buf, pos + 8, end, each,
+                           lambda keys: self._wait_for(conn, op, keys, timeout, seen[0]),
+                           keep=True)
 
     def _op_wait(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None | Sliced:
-        (timeout,) = w.F64.unpack_from(buf, pos)
-        return self._keyed(w.Op.WAIT, buf, pos + 8, end, None,
-                           lambda keys: self._wait_for(conn, w.Op.WAIT, keys, timeout))
+        return self._awaited(conn, w.Op.WAIT, buf, pos, end)
 
     def _op_multi_get(self, conn: Any, buf: bytes, pos: int,
                       end: int) -> bytes | None | Sliced:
-        (timeout,) = w.F64.unpack_from(buf, pos)
-        return self._keyed(w.Op.MULTI_GET, buf, pos + 8, end, None,
-                           lambda keys: self._wait_for(conn, w.Op.MULTI_GET, keys, timeout))
+        return self._awaited(conn, w.Op.MULTI_GET, buf, pos, end)
 
     def _op_check(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None | Sliced:
         """Whether every key is present; a CHECK read in slices looks at each slice as it is
