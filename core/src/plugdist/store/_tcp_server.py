@@ -11,12 +11,16 @@ protocol frame is dropped and logged; nothing it does reaches other clients. Bou
 (the handshake; without a token, its first request), the pace a frame must arrive at, partly
 received bytes across all connections, number of connections, bytes a client may send while
 its request is parked, bytes of replies a client may leave unread before the server stops
-reading its requests, and requests one connection gets served per turn of the loop. Warnings
-about refused and dropped clients are rate-limited, each line counting those held back.
+reading its requests, and requests one connection gets served per turn of the loop. A request
+of many keys is read a slice a turn (:class:`~plugdist.store._tcp_keyspace.Sliced`); new and
+unproven connections (the lobby) are served after the proven ones, with a bounded share while
+those are active. Warnings about refused and dropped clients are rate-limited, each line
+counting those held back.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import hmac
@@ -94,6 +98,10 @@ _EARLY = 64 * 1024
 # the bytes of a refused frame are dropped as they come, and charged to their connection as if
 # it took this long per byte (so one who streams refused frames rests like any heavy client)
 _SKIP_COST = 1.0 / (64 * 1024 * 1024)
+# a partial frame past this many bytes keeps what arrives as the reads' own chunks (joined once
+# whole), not in one growing buffer: a buffer of tens of MiB costs milliseconds to grow and, when
+# its sender is dropped, to free, in front of everyone
+_CHUNKED = 1024 * 1024
 # the lobby: accepting new connections and serving those that have not proven themselves (the
 # handshake, or without a token a first request). It runs after the members' requests of a turn,
 # for at most _LOBBY_TURN; while members use the store (a request in the last _MEMBERS_ACTIVE),
@@ -192,6 +200,11 @@ else:  # pragma: no cover - not Linux
     _Selector = selectors.DefaultSelector  # type: ignore[misc,assignment]
 
 
+def _have(conn: _Conn) -> int:
+    """Bytes received of ``conn``'s unparsed input."""
+    return len(conn.inbuf) + conn.tail_len
+
+
 class _ProtocolError(Exception):
     """The peer broke the protocol; its connection is dropped."""
 
@@ -200,13 +213,15 @@ class _Conn:
     __slots__ = ("sock", "peer", "inbuf", "need", "out", "handshaken", "proven", "nonce",
                  "waiter", "closed", "since", "started", "held", "skip", "vetted", "paused",
                  "resting", "unwatched", "will", "will_ttl", "will_deadline", "identity",
-                 "sliced", "spent")
+                 "sliced", "spent", "tail", "tail_len")
 
     def __init__(self, sock: socket.socket, peer: str, nonce: bytes) -> None:
         self.sock = sock
         self.peer = peer
         self.inbuf = bytearray()  # bytes not yet parsed (a partial frame, or frames behind a wait)
-        self.need = 0             # length inbuf must reach before parsing is worth trying
+        self.tail: list[bytes] = []  # of a large partial frame, the bytes after inbuf's
+        self.tail_len = 0
+        self.need = 0             # length inbuf (and tail) must reach before parsing is worth it
         self.out = bytearray()    # bytes the kernel has not taken yet
         self.handshaken = False
         self.proven = False       # proved its token, or (no token) sent a first request
@@ -293,6 +308,7 @@ class StoreServer:
         self._heavy_next = 0.0  # when heavy requests have had their share (monotonic)
         self._charged = 0.0  # work charged to the connection being served, beyond its time
         self._holders: set[_Conn] = set()  # the connections holding them
+        self._graveyard: collections.deque[bytes] = collections.deque()  # chunks to free
         self._refused_busy = 0
         self._busy_logged_at = 0.0
         self._stop_event = threading.Event()
@@ -400,6 +416,8 @@ class StoreServer:
                 if self._resting:
                     wait = max(0.0, self._resting[0][0] - time.monotonic())
                     delay = wait if delay is None else min(delay, wait)
+                if self._graveyard:
+                    delay = 0.0
                 if self._later:  # connections with requests left over from the last turn
                     delay = 0.0
                     self._resume.extend(self._later)
@@ -434,6 +452,8 @@ class StoreServer:
                 while self._resting and self._resting[0][0] <= now:
                     self._wake(heapq.heappop(self._resting)[2])
                 self._keys.expire(now)
+                if self._graveyard:
+                    self._bury()
                 if self._warn.next_flush() is not None:
                     self._warn.flush(now)
                 if self._will_deadlines and self._will_deadlines[0][0] <= now:
@@ -460,7 +480,7 @@ class StoreServer:
                     if (not conn.closed and conn.waiter is None and not conn.paused
                             and not conn.resting
                             and (conn.sliced is not None
-                                 or conn.inbuf and len(conn.inbuf) >= conn.need)):
+                                 or conn.inbuf and _have(conn) >= conn.need)):
                         self._serve_conn(conn, force=True)
         except Exception as e:  # a bug here must not leave clients hanging silently
             self._log.error("tcp_store_server_crashed", port=self.port, error=repr(e))
@@ -544,7 +564,7 @@ class StoreServer:
     @staticmethod
     def _received(conn: _Conn) -> int:
         """Bytes of its current frame ``conn`` has sent (held, or dropped as refused)."""
-        return conn.need - conn.skip if conn.skip else len(conn.inbuf)
+        return conn.need - conn.skip if conn.skip else _have(conn)
 
     def _serve_lobby(self, lobby: list[_Conn], accept: bool) -> None:
         """The lobby's turn (see ``_LOBBY_TURN``): serve the unproven connections in ``lobby``
@@ -690,21 +710,25 @@ class StoreServer:
             if not self._next_slice(conn):
                 return
         if conn.waiter is not None or conn.paused or conn.resting or conn.sliced is not None:
-            conn.inbuf += data
+            self._append(conn, data)
             if conn.waiter is not None:
                 self._control_frames(conn)
-            if len(conn.inbuf) > self.limits.max_parked_inbound_bytes and conn.waiter:
+            if _have(conn) > self.limits.max_parked_inbound_bytes and conn.waiter:
                 self._drop(conn, f"sent more than {self.limits.max_parked_inbound_bytes} bytes "
                                  f"while its request was parked (one request at a time)")
             return
         if conn.inbuf:
-            # a large frame arrives in many reads: append (amortised O(1)) until it is whole
-            conn.inbuf += data
-            if len(conn.inbuf) < conn.need and not force:
-                self._hold(conn, len(conn.inbuf))
+            # a large frame arrives in many reads: append until it is whole
+            self._append(conn, data)
+            if _have(conn) < conn.need and not force:
+                self._hold(conn, _have(conn))
                 self._refuse_early(conn)
                 return
-            buf = bytes(conn.inbuf)
+            if conn.tail:
+                buf = b"".join((conn.inbuf, *conn.tail))
+                self._forget_tail(conn)
+            else:
+                buf = bytes(conn.inbuf)
         else:
             buf = data
         pos, end = 0, len(buf)
@@ -842,6 +866,25 @@ class StoreServer:
         if pos:
             del buf[:pos]
 
+    def _append(self, conn: _Conn, data: bytes) -> None:
+        if conn.tail or (conn.need > _CHUNKED and len(conn.inbuf) >= _CHUNKED and data):
+            conn.tail.append(data)
+            conn.tail_len += len(data)
+        else:
+            conn.inbuf += data
+
+    def _forget_tail(self, conn: _Conn) -> None:
+        """Drop ``conn``'s tail chunks, freed a few a turn (see ``_bury``)."""
+        if conn.tail:
+            self._graveyard.extend(conn.tail)
+            conn.tail, conn.tail_len = [], 0
+
+    def _bury(self) -> None:
+        """Free about a megabyte of dropped chunks."""
+        freed = 0
+        while self._graveyard and freed < _CHUNKED:
+            freed += len(self._graveyard.popleft())
+
     def _keep(self, conn: _Conn, buf: bytes, pos: int, need: int) -> None:
         was_partial = bool(conn.inbuf) and pos == 0
         conn.inbuf = bytearray(memoryview(buf)[pos:])
@@ -872,8 +915,9 @@ class StoreServer:
         if not verdict:
             return
         conn.proven = True
-        conn.skip = 5 + length - len(buf)
+        conn.skip = 5 + length - _have(conn)
         conn.inbuf = bytearray()
+        self._forget_tail(conn)
         self._hold(conn, 0)
         self._send(conn, verdict)
 
@@ -1007,6 +1051,7 @@ class StoreServer:
             return
         conn.closed = True
         conn.sliced = None
+        self._forget_tail(conn)
         self._pending.discard(conn)
         self._hold(conn, 0)
         if conn.waiter is not None:
