@@ -104,13 +104,15 @@ _SKIP_COST = 1.0 / (64 * 1024 * 1024)
 _CHUNKED = 1024 * 1024
 # the lobby: accepting new connections and serving those that have not proven themselves (the
 # handshake, or without a token a first request). It runs after the members' requests of a turn,
-# for at most _LOBBY_TURN; while members use the store (a request in the last _MEMBERS_ACTIVE),
-# it then waits _LOBBY_REST times as long, so a flood of connects or of a stranger's bytes gets at
-# most about 1 / (1 + _LOBBY_REST) of the server, in short slices, and waits in the kernel's
-# backlog rather than in front of the members
-_LOBBY_TURN = 200e-6
+# for at most about _LOBBY_TURN, and what is left waits for the next turn (the kernel keeps it
+# ready): a member's request waits behind one slice of a flood at most. Within _STRIKE_MEMORY of
+# the lobby dropping a connection (garbage, a failed or stalled handshake: strangers), accepting
+# then pauses _LOBBY_REST times as long as the slice took, so a flood of connects gets about
+# 1 / (1 + _LOBBY_REST) of the server and waits in the kernel's backlog; connects that all
+# succeed (thousands of ranks at a job's start) are never slowed
+_LOBBY_TURN = 100e-6
 _LOBBY_REST = 4.0
-_MEMBERS_ACTIVE = 0.05
+_STRIKE_MEMORY = 1.0
 # a connection whose bytes took the server longer than this in one go (a request of thousands
 # of keys, a frame of megabytes) is heavy: it is not read again for _HEAVY_REST times as long,
 # counted on one timeline for every heavy connection, so heavy work gets at most about
@@ -295,9 +297,7 @@ class StoreServer:
         self.max_clients = self.limits.max_connections  # lowered to fit the fd limit at start
         self.fd_limit = 0
         self._accept_paused_until = 0.0  # the listener is out of the selector until then
-        self._lobby_open_at = 0.0  # the lobby's next turn (monotonic)
-        self._lobby_parked: list[_Conn] = []  # unproven connections waiting for it
-        self._members_at = 0.0  # when a proven connection was last served
+        self._struck_at = -_STRIKE_MEMORY  # when the lobby last dropped a connection
         self._conns: dict[int, _Conn] = {}
         self._pending: set[_Conn] = set()  # unproven or mid-frame: watched for deadlines
         self._resume: list[_Conn] = []
@@ -443,7 +443,6 @@ class StoreServer:
                             and not conn.resting:
                         if conn.proven:
                             self._serve_conn(conn)
-                            self._members_at = time.monotonic()
                         else:
                             lobby.append(conn)
                 if lobby or accept:
@@ -467,12 +466,6 @@ class StoreServer:
                 if self._accept_paused_until and now >= self._accept_paused_until:
                     self._accept_paused_until = 0.0
                     sel.register(lsock, _READ, None)
-                    parked, self._lobby_parked = self._lobby_parked, []
-                    for conn in parked:
-                        if not conn.closed and conn.resting:
-                            conn.resting = False
-                            self._watch(conn)
-                            self._mind_deadlines(conn)
                 while self._resume:
                     conn = self._resume.pop()
                     # only a whole frame is worth running again: a partial one waits for its
@@ -568,34 +561,18 @@ class StoreServer:
 
     def _serve_lobby(self, lobby: list[_Conn], accept: bool) -> None:
         """The lobby's turn (see ``_LOBBY_TURN``): serve the unproven connections in ``lobby``
-        and, with ``accept``, accept new ones, for about ``_LOBBY_TURN``; what is left waits,
-        out of the selector, for its next turn."""
-        if time.monotonic() < self._lobby_open_at:
-            for conn in lobby:
-                self._lobby_park(conn)
-            return
+        and, with ``accept``, accept new ones, for about ``_LOBBY_TURN``; what is left stays
+        ready in the selector for the next turn."""
         began = time.perf_counter()
-        for i, conn in enumerate(lobby):
+        for conn in lobby:
             if time.perf_counter() - began > _LOBBY_TURN:
-                for rest in lobby[i:]:
-                    self._lobby_park(rest)
                 break
             self._serve_conn(conn)
         if accept:  # at least a quarter of the turn, so served strangers cannot starve it
             self._accept(max(_LOBBY_TURN - (time.perf_counter() - began), _LOBBY_TURN / 4))
         now = time.monotonic()
-        if now - self._members_at < _MEMBERS_ACTIVE:
-            self._lobby_open_at = now + (time.perf_counter() - began) * _LOBBY_REST
-            self._pause_accepts(self._lobby_open_at)
-
-    def _lobby_park(self, conn: _Conn) -> None:
-        if conn.closed or conn.resting:
-            return
-        conn.resting = True  # watched again when the listener is (see _serve)
-        self._pending.discard(conn)
-        self._watch(conn)
-        self._lobby_parked.append(conn)
-        self._pause_accepts(max(self._lobby_open_at, time.monotonic()))
+        if now - self._struck_at < _STRIKE_MEMORY:
+            self._pause_accepts(now + (time.perf_counter() - began) * _LOBBY_REST)
 
     def _pause_accepts(self, until: float) -> None:
         """Take the listener out of the selector until ``until`` (monotonic)."""
@@ -971,6 +948,7 @@ class StoreServer:
         return w.HELLO.size
 
     def _refuse_auth(self, conn: _Conn, why: str) -> None:
+        self._struck_at = time.monotonic()
         self._warn("tcp_store_auth_failed", port=self.port, peer=conn.peer, reason=why)
         self._send(conn, w.WELCOME.pack(w.MAGIC, w.VERSION, w.HELLO_AUTH_FAILED, w.NO_PROOF))
         self._close(conn)
@@ -1042,6 +1020,8 @@ class StoreServer:
         will, through membership, so the store host need not warn too)."""
         if conn.closed:
             return
+        if not conn.proven:
+            self._struck_at = time.monotonic()
         self._warn("tcp_store_client_dropped", "info" if gone else "warning", port=self.port,
                    peer=conn.peer, reason=why)
         self._close(conn)
