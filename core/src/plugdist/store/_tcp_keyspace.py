@@ -131,6 +131,7 @@ class KeySpace:
         self._seq = itertools.count()
         self._joined = 0
         self._parked = 0
+        self._removals = 0  # deletions and emptied queues so far: a key seen may be gone since
         self._handlers: dict[int, Callable[[Any, bytes, int, int], bytes | None | Sliced]] = {
             w.Op.SET: self._op_set, w.Op.GET: self._op_get, w.Op.ADD: self._op_add,
             w.Op.COMPARE_SET: self._op_compare_set, w.Op.WAIT: self._op_wait,
@@ -370,6 +371,7 @@ class KeySpace:
     def delete(self, key: bytes) -> bool:
         had_value = self._data.pop(key, None) is not None
         had_queue = bool(self._queues.pop(key, None))
+        self._removals += had_value or had_queue
         return had_value or had_queue
 
     def delete_prefix(self, prefix: bytes, reserved_too: bool) -> int:
@@ -383,6 +385,7 @@ class KeySpace:
                   and (reserved_too or not is_reserved(k))]
         for k in queues:
             del self._queues[k]
+        self._removals += bool(doomed or queues)
         return len(set(doomed) | set(queues))
 
     def append_entry(self, log: bytes, value: bytes) -> int:
@@ -615,7 +618,7 @@ class KeySpace:
                  end: int) -> bytes | None | Sliced:
         """WAIT or MULTI_GET: its keys looked at as they are read, until one is missing."""
         (timeout,) = w.F64.unpack_from(buf, pos)
-        data, queues = self._data, self._queues
+        data, queues, removals = self._data, self._queues, self._removals
         seen, missing = [0], [False]
 
         def each(keys: list[bytes]) -> bool:
@@ -627,9 +630,11 @@ class KeySpace:
                     seen[0] += 1
             return True
 
-        return self._keyed(op, buf, pos + 8, end, each,
-                           lambda keys: self._wait_for(conn, op, keys, timeout, seen[0]),
-                           keep=True)
+        def finish(keys: list[bytes]) -> bytes | None:  # nothing removed since: no second look
+            return self._wait_for(conn, op, keys, timeout,
+                                  seen[0] if self._removals == removals else 0)
+
+        return self._keyed(op, buf, pos + 8, end, each, finish, keep=True)
 
     def _op_wait(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None | Sliced:
         return self._awaited(conn, w.Op.WAIT, buf, pos, end)
@@ -734,6 +739,7 @@ class KeySpace:
             value = q.popleft()
             if not q:
                 del self._queues[key]
+                self._removals += 1
             return _ok(value)
         if not block:
             return _reply(w.Status.QUEUE_EMPTY, f"queue {_name(key)!r} is empty".encode())

@@ -13,9 +13,9 @@ received bytes across all connections, number of connections, bytes a client may
 its request is parked, bytes of replies a client may leave unread before the server stops
 reading its requests, and requests one connection gets served per turn of the loop. A request
 of many keys is read a slice a turn (:class:`~plugdist.store._tcp_keyspace.Sliced`); new and
-unproven connections (the lobby) are served after the proven ones, with a bounded share while
-those are active. Warnings about refused and dropped clients are rate-limited, each line
-counting those held back.
+unproven connections (the lobby) are served after the proven ones, a slice a turn, with a
+bounded share of the server while strangers are being dropped. Warnings about refused and
+dropped clients are rate-limited, each line counting those held back.
 """
 
 from __future__ import annotations
