@@ -18,10 +18,8 @@ lightning_train.py.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -30,26 +28,10 @@ from typing import Any
 import plugdist
 import torch
 import torch.distributed as tdist
+from _trainer_run import die, make_data, params_sha1, parse_args, record_file
 from plugdist_transformers import ResilientTrainer
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
-
-RECORDS = Path(".")  # OUT/records: set in main
-
-
-def make_data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=g)
-    w = torch.randn(8, 1, generator=g)
-    return x, torch.tanh(x @ w / 8 ** 0.5) + 0.05 * torch.randn(n, 1, generator=g)
-
-
-def params_sha1(module: nn.Module) -> str:
-    """Of the state dict in key order (how benchmarks/trainer_faults.py hashes a checkpoint)."""
-    digest = hashlib.sha1()
-    for _, t in sorted(module.state_dict().items()):
-        digest.update(t.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 class Samples(torch.utils.data.Dataset):
@@ -80,12 +62,6 @@ class Regression(nn.Module):
         return {"loss": loss, "logits": out}
 
 
-def _die() -> None:
-    with (RECORDS / f"{os.getpid()}.jsonl").open("a") as f:
-        f.write(json.dumps({"killed": int(os.environ["RANK"]), "time": time.time()}) + "\n")
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def recorded(base: type[Trainer]) -> type[Trainer]:
     """``base`` noting each micro-batch's samples and the epoch, and placing the kill in a
     backward."""
@@ -102,7 +78,7 @@ def recorded(base: type[Trainer]) -> type[Trainer]:
             if self.kill_at == self.state.global_step and self.kill_where == "backward" \
                     and self.accelerator.gradient_state.sync_gradients:
                 self.accelerator.unwrap_model(model).net[2].weight.register_hook(
-                    lambda g: _die())
+                    lambda g: die())
             return super().training_step(model, inputs, num_items_in_batch)
 
         def _run_epoch(self, model: Any, epoch: int, **kwargs: Any) -> Any:
@@ -119,7 +95,7 @@ class Record(TrainerCallback):
         self.args, self.full_size = args, full_size
         self.trainer: Any = None
         self.streak = 0   # committed steps in a row at full size; the same on every rank
-        self.file = (RECORDS / f"{os.getpid()}.jsonl").open("a")
+        self.file = record_file()
 
     def world_changed(self, trainer: Any, old: int, new: int) -> None:
         self.streak = 0
@@ -128,7 +104,7 @@ class Record(TrainerCallback):
         trainer = self.trainer
         assert trainer is not None
         if trainer.kill_at == state.global_step and trainer.kill_where == "start":
-            _die()
+            die()
 
     def _samples(self, step: int) -> None:
         assert self.trainer is not None
@@ -154,7 +130,7 @@ class Record(TrainerCallback):
         trainer = self.trainer
         assert trainer is not None
         if trainer.kill_at == state.global_step and trainer.kill_where == "outside":
-            _die()   # the others go on into the log's, evaluation's and save's collectives
+            die()   # the others go on into the log's, evaluation's and save's collectives
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         assert self.trainer is not None
@@ -164,26 +140,7 @@ class Record(TrainerCallback):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--epochs", type=int, default=4)
-    ap.add_argument("--max-epochs", type=int, default=60)
-    ap.add_argument("--samples", type=int, default=96)
-    ap.add_argument("--batch-size", type=int, default=4, help="samples per rank per batch")
-    ap.add_argument("--accumulate", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=0.08)
-    ap.add_argument("--step-time", type=float, default=0.0)
-    ap.add_argument("--checkpoint-every", type=int, default=2)
-    ap.add_argument("--kill", default="",
-                    help="RANK:STEP:WHERE (WHERE: backward, start or outside)")
-    ap.add_argument("--full-streak", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--plain", action="store_true",
-                    help="transformers.Trainer on torch's gloo instead (for comparison)")
-    args = ap.parse_args()
-    global RECORDS
-    RECORDS = Path(args.out) / "records"
-    RECORDS.mkdir(parents=True, exist_ok=True)
+    args = parse_args(__doc__, max_epochs=60, plain="transformers.Trainer on torch's gloo")
 
     full_size = int(os.environ["WORLD_SIZE"])   # the launch's: shrink and grow rewrite it
     first_generation = os.environ.get("PLUGDIST_JOIN") != "1"

@@ -24,10 +24,8 @@ torch's gloo (no fault tolerance), for the benchmark's overhead comparison.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -35,29 +33,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from _trainer_run import die, make_data, params_sha1, parse_args, record_file
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from plugdist_lightning import ResilientDDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-RECORDS = Path(".")  # OUT/records: set in main
-
-
-def make_data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=g)
-    w = torch.randn(8, 1, generator=g)
-    return x, torch.tanh(x @ w / 8 ** 0.5) + 0.05 * torch.randn(n, 1, generator=g)
-
-
-def params_sha1(module: nn.Module) -> str:
-    """Of the state dict in key order (how benchmarks/trainer_faults.py hashes a checkpoint)."""
-    digest = hashlib.sha1()
-    for _, t in sorted(module.state_dict().items()):
-        digest.update(t.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 class Regression(pl.LightningModule):
@@ -77,7 +59,7 @@ class Regression(pl.LightningModule):
         last = (batch_idx + 1) % self.args.accumulate == 0
         if self.kill_at == self.trainer.global_step and self.args.kill_where == "backward" \
                 and last:
-            loss.register_hook(lambda grad: _die())
+            loss.register_hook(lambda grad: die())
         if self.args.step_time:
             time.sleep(self.args.step_time)
         return loss
@@ -93,12 +75,6 @@ class Regression(pl.LightningModule):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.95)]
 
 
-def _die() -> None:
-    with (RECORDS / f"{os.getpid()}.jsonl").open("a") as f:
-        f.write(json.dumps({"killed": int(os.environ["RANK"]), "time": time.time()}) + "\n")
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 class Record(Callback):
     """One line per committed step on every rank; the stop decision at each epoch's end."""
 
@@ -106,7 +82,7 @@ class Record(Callback):
         self.args, self.full_size = args, full_size
         self.seen = -1
         self.streak = 0   # committed steps in a row at full size; the same on every rank
-        self.file = (RECORDS / f"{os.getpid()}.jsonl").open("a")
+        self.file = record_file()
 
     def world_changed(self, trainer: pl.Trainer, old: int, new: int) -> None:
         self.streak = 0
@@ -117,7 +93,7 @@ class Record(Callback):
             self.seen = trainer.global_step
         first = batch_idx % self.args.accumulate == 0
         if module.kill_at == trainer.global_step and self.args.kill_where == "start" and first:
-            _die()
+            die()
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -136,7 +112,7 @@ class Record(Callback):
             "params_sha1": params_sha1(module)}) + "\n")
         self.file.flush()
         if module.kill_at == trainer.global_step and self.args.kill_where == "outside":
-            _die()   # the others go on into the checkpoint's collectives (callbacks after this)
+            die()   # the others go on into the checkpoint's collectives (callbacks after this)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, module: Any) -> None:
         epochs = trainer.fit_loop.epoch_progress.current.processed
@@ -145,27 +121,8 @@ class Record(Callback):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--epochs", type=int, default=4)
-    ap.add_argument("--max-epochs", type=int, default=40)
-    ap.add_argument("--samples", type=int, default=96)
-    ap.add_argument("--batch-size", type=int, default=4, help="samples per rank per batch")
-    ap.add_argument("--accumulate", type=int, default=1)
-    ap.add_argument("--lr", type=float, default=0.08)
-    ap.add_argument("--step-time", type=float, default=0.0)
-    ap.add_argument("--checkpoint-every", type=int, default=2)
-    ap.add_argument("--kill", default="",
-                    help="RANK:STEP:WHERE (WHERE: backward, start or outside)")
-    ap.add_argument("--full-streak", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--plain", action="store_true",
-                    help="Lightning's own DDPStrategy on torch's gloo instead (for comparison)")
-    args = ap.parse_args()
+    args = parse_args(__doc__, max_epochs=40, plain="Lightning's own DDPStrategy on torch's gloo")
     args.kill_where = args.kill.split(":")[2] if args.kill else ""
-    global RECORDS
-    RECORDS = Path(args.out) / "records"
-    RECORDS.mkdir(parents=True, exist_ok=True)
 
     full_size = int(os.environ["WORLD_SIZE"])   # the launch's: shrink and grow rewrite it
     first_generation = os.environ.get("PLUGDIST_JOIN") != "1"
