@@ -121,8 +121,8 @@ def _python(code: str, env: dict[str, str] | None = None) -> subprocess.Complete
 
 
 def _slurm_job_with_a_free_port(monkeypatch: pytest.MonkeyPatch) -> str:
-    """A Slurm job id whose derived store port is free now: a fixed id's port can be some
-    other socket's (an ephemeral port of a connection still open in this test session)."""
+    """A Slurm job id whose derived store port is free now: a fixed id's port can be held by a
+    store another test (in another pytest worker) serves on a port derived alike."""
     from plugdist.rendezvous import _job_port
 
     monkeypatch.delenv("SLURM_STEP_ID", raising=False)

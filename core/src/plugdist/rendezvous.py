@@ -228,14 +228,25 @@ def slurm_first_host(nodelist: str) -> str:
     return out + rest
 
 
+# Derived ports lie below both usual ephemeral ranges (Linux's 32768-60999, IANA's 49152-65535):
+# there any open connection's local port could hold the derived port and fail the bind (seen,
+# one run in many). The span is fixed, not read from this host's ip_local_port_range, because
+# under srun every host must derive the same port. torchrun's and torch's defaults are skipped.
+_JOB_PORTS = (20000, 32768)
+_TORCH_DEFAULT_PORTS = (29400, 29600)
+
+
 def _job_port() -> int:
     """A port every rank of a one-host job derives alike: from Slurm's job and step ids, Open
-    MPI's job id, or (MPICH's Hydra) the pid of the proxy that started this host's ranks."""
+    MPI's job id, or (MPICH's Hydra) the pid of the proxy that started this host's ranks. In
+    20000-32767, never 29400-29599."""
     env = os.environ
     job = (env.get("SLURM_JOB_ID", "") + "." + env.get("SLURM_STEP_ID", "")
            if "SLURM_JOB_ID" in env else env.get("OMPI_MCA_ess_base_jobid")
            or env.get("PMIX_NAMESPACE") or f"ppid{os.getppid()}")
-    return 20000 + zlib.crc32(job.encode()) % 20000
+    skipped = _TORCH_DEFAULT_PORTS[1] - _TORCH_DEFAULT_PORTS[0]
+    port = _JOB_PORTS[0] + zlib.crc32(job.encode()) % (_JOB_PORTS[1] - _JOB_PORTS[0] - skipped)
+    return port + skipped if port >= _TORCH_DEFAULT_PORTS[0] else port
 
 
 def store_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
