@@ -26,14 +26,9 @@ from plugdist.errors import DistNetworkError, DistStoreError, DistTimeoutError
 from plugdist.log import get_logger
 from plugdist.store import TCPStore, TCPStoreLimits
 from plugdist.store import _wire as wire
+from plugdist.testing import free_port
 
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def port_is_free(port: int) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import socket
 import threading
 import time
@@ -56,11 +57,42 @@ class StoreLost(RendezvousError):
     """The rendezvous store stopped answering: the launcher that served it is gone."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago (bind port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port free on ``host`` (every interface by default) a moment ago, for a server to
+    bind soon after; never the same twice in one process. Taken from below the kernel's
+    ephemeral range where it can: a port from that range may meanwhile become the local port
+    of any outgoing connection (a store client's, a Gloo pair's), and the server's bind then
+    fails with "Address already in use"."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    candidates = list(range(max(1024, low - 16384), low))
+    random.SystemRandom().shuffle(candidates)
+    for port in candidates[:200]:
+        if port in _handed_out:
+            continue
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(family) as s:  # everything below the range is taken: any free port
         s.bind((host, 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _handed_out.add(port)
+    return port
 
 
 @dataclass(frozen=True)

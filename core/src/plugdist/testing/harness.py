@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DistError
+from ..launcher.rendezvous import free_port
 
 __all__ = ["run_world", "RankResult", "WorldError", "free_port", "mpiexec_path", "FAILURE_GRACE",
            "heap_check_env"]
@@ -56,43 +55,6 @@ class WorldError(DistError):
     def __init__(self, message: str, results: list[RankResult]) -> None:
         super().__init__(message)
         self.results = results
-
-
-_handed_out: set[int] = set()
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def free_port() -> int:
-    """A TCP port free on every interface a moment ago, for a server to bind soon after; never
-    the same twice in one process. Taken from below the kernel's ephemeral range where it can:
-    a port from that range may meanwhile become the local port of any outgoing connection (a
-    store client's, a Gloo pair's), and the server's bind then fails with "Address already in
-    use" (seen when a test binds the same ports again and again)."""
-    low = _ephemeral_low()
-    candidates = list(range(max(1024, low - 16384), low))
-    random.SystemRandom().shuffle(candidates)
-    for port in candidates[:200]:
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    with socket.socket() as s:  # everything below the range is taken: any free port
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    _handed_out.add(port)
-    return port
 
 
 def mpiexec_path() -> str:

@@ -11,13 +11,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from plugdist.launcher import free_port
 
 __all__ = ["EtcdCluster", "etcd_binary"]
 
@@ -34,18 +35,6 @@ def etcd_binary() -> str | None:
     except ImportError:
         pass
     return shutil.which("etcd")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class EtcdCluster:
@@ -65,7 +54,7 @@ class EtcdCluster:
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="plugdist-etcd-")
         os.makedirs(self.data_dir, exist_ok=True)
-        ports = _free_ports(2 * size)
+        ports = [free_port("127.0.0.1") for _ in range(2 * size)]
         self.client_ports = ports[:size]
         self.peer_ports = ports[size:]
         self.names = [f"m{i}" for i in range(size)]
