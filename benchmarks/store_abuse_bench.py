@@ -15,6 +15,8 @@ drifts, cancels out). The abuses:
   quiet          nothing else
   check_flood    CHECKs of max_keys_per_request keys (131,072, or ``--max-keys``) that exist,
                  back to back
+  mset_flood     MULTI_SETs of max_keys_per_request keys (its own, a byte each), back to back
+  mget_flood     MULTI_GETs of max_keys_per_request keys that exist, back to back
   oversized      CHECKs of 4,000,000 empty keys (16 MiB): refused on their count
   pipeline       SETs pipelined 1,000 at a time, read back in bulk
   partial        8 connections each sending 40 MiB of a 48 MiB frame, then sitting (8 in all)
@@ -46,8 +48,8 @@ from datetime import timedelta
 from typing import Any
 
 HOST = "127.0.0.1"
-PHASES = ("quiet", "check_flood", "oversized", "pipeline", "partial", "trickle", "garbage",
-          "idle", "forge")
+PHASES = ("quiet", "check_flood", "mset_flood", "mget_flood", "oversized", "pipeline", "partial",
+          "trickle", "garbage", "idle", "forge")
 
 
 def pin(cpu: int) -> None:
@@ -136,6 +138,11 @@ def role_stranger(a: argparse.Namespace) -> None:
     held: list[socket.socket] = []
     if phase == "check_flood":
         frame = w.request(w.Op.CHECK, w.pack_blobs([b"hot"] * a.max_keys))
+    elif phase == "mset_flood":
+        keys = [f"stranger/{i}".encode() for i in range(a.max_keys)]
+        frame = w.request(w.Op.MULTI_SET, w.pack_blobs([b for k in keys for b in (k, b"x")]))
+    elif phase == "mget_flood":
+        frame = w.request(w.Op.MULTI_GET, w.F64.pack(30.0) + w.pack_blobs([b"hot"] * a.max_keys))
     elif phase == "oversized":
         frame = w.request(w.Op.CHECK, w.U32.pack(4_000_000) + b"\0" * 16_000_000)
     elif phase == "pipeline":
@@ -145,9 +152,9 @@ def role_stranger(a: argparse.Namespace) -> None:
     deadline = began + a.seconds
     while time.monotonic() < deadline:
         try:
-            if phase in ("check_flood", "oversized"):
+            if phase in ("check_flood", "mset_flood", "mget_flood", "oversized"):
                 try:
-                    store._request("check", frame)
+                    store._request(phase, frame, wait=30.0)
                 except DistError:
                     pass
                 done += 1

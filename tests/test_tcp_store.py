@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -972,3 +973,33 @@ def test_requests_of_many_keys_are_read_in_slices_while_others_are_served(
     flooder.join(30)
     assert not flooder.is_alive() and checks[0] >= 1
     c.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_multi_set_of_many_keys_is_written_whole_when_its_client_leaves_at_once(
+        master: TCPStore) -> None:
+    """A MULTI_SET of 20,000 pairs (written a slice a turn) from a client that closes as soon as
+    it sent it is still written whole; a MULTI_GET of those keys, parked on them, gets every
+    value (packed a slice a turn); a key deleted under a MULTI_GET sends it back to waiting."""
+    keys = [f"gone/{i}" for i in range(20_000)]
+    reader = TCPStore(HOST, master.port, timeout=timedelta(seconds=60))
+    got: list[list[bytes]] = []
+    parked = threading.Thread(target=lambda: got.append(reader.multi_get(keys)))
+    parked.start()
+    s = raw_client(master.port)
+    s.sendall(wire.request(wire.Op.MULTI_SET, wire.pack_blobs(
+        [b for i, k in enumerate(keys) for b in (k.encode(), str(i).encode())])))
+    s.close()
+    parked.join(60)
+    assert not parked.is_alive()
+    assert got[0] == [str(i).encode() for i in range(20_000)]
+    assert master.check(keys)
+
+    with ThreadPoolExecutor(1) as pool:
+        for _ in range(20):  # deletions racing a MULTI_GET being packed: it waits, then answers
+            again = pool.submit(reader.multi_get, keys)
+            master.delete_key(keys[-1])
+            master.set(keys[-1], "last")
+            values = again.result(60)
+            assert values[:-1] == got[0][:-1] and values[-1] in (b"19999", b"last")
+    reader.close()

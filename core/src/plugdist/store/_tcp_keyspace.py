@@ -33,6 +33,7 @@ _MAX_TIMEOUT = 1e7  # seconds; longer ones are clamped (the deadline heap needs 
 # a request naming more keys than this is read this many keys a turn of the server's loop, so a
 # request of 131,072 keys (about 60 ms of Python) does not hold every other client that long
 SLICE_KEYS = 1024  # even: a MULTI_SET's slices hold whole pairs
+_NAMED_MISSING = 16  # a timeout names at most this many missing keys
 
 
 def _seconds(timeout: float) -> float:
@@ -61,25 +62,41 @@ class _Waiter:
 
 
 class Sliced:
-    """A request of many keys (blobs), read ``SLICE_KEYS`` at a time: the server calls
-    :meth:`step` once a turn of its loop until it returns the reply (bytes, or None when the
-    request was parked, as :meth:`KeySpace.handle` does), serving the other clients in between.
-    Each slice is looked at as it is read (``each``, whose falsy result stops the reading early:
-    a CHECK whose key is missing, a MULTI_SET pair refused); ``finish(kept)`` makes the reply
-    from the slices kept (``keep``)."""
+    """A request served a slice a turn: the server calls :meth:`step` once a turn of its loop
+    until it returns the reply (bytes, or None when the request was parked, as
+    :meth:`KeySpace.handle` does), serving the other clients in between."""
 
-    __slots__ = ("buf", "pos", "end", "left", "keys", "each", "finish", "keep")
+    __slots__ = ()
+    must_finish = False  # True: finished even when its client leaves first
 
-    def __init__(self, buf: bytes, pos: int, end: int, n: int,
+    def step(self) -> bytes | None | Sliced:
+        """The next slice's work: the reply once done, else a :class:`Sliced` (``self`` or what
+        follows it) to step at the next turn. Raises ValueError for a malformed body."""
+        raise NotImplementedError
+
+    def abandon(self) -> None:
+        """Its client left before it was done: let go of what it holds, a slice a turn."""
+
+
+class _KeysRead(Sliced):
+    """A request of many keys (blobs), read ``SLICE_KEYS`` at a time. Each slice is looked at
+    as it is read (``each``, whose falsy result stops the reading early: a CHECK whose key is
+    missing, a MULTI_SET pair refused); ``finish(kept)`` makes the reply from the slices kept
+    (``keep``)."""
+
+    __slots__ = ("space", "buf", "pos", "end", "left", "keys", "each", "finish", "keep",
+                 "must_finish")
+
+    def __init__(self, space: KeySpace, buf: bytes, pos: int, end: int, n: int,
                  each: Callable[[list[bytes]], bool] | None,
-                 finish: Callable[[list[bytes]], bytes | None], keep: bool = False) -> None:
+                 finish: Callable[[list[bytes]], bytes | None | Sliced],
+                 keep: bool = False, must_finish: bool = False) -> None:
+        self.space, self.must_finish = space, must_finish
         self.buf, self.pos, self.end, self.left = buf, pos, end, n
         self.keys: list[bytes] = []  # the slices read, kept for ``finish`` when ``keep``
         self.each, self.finish, self.keep = each, finish, keep
 
     def step(self) -> bytes | None | Sliced:
-        """Read the next slice; the reply once the last is read (or ``each`` stopped early),
-        else ``self``. Raises ValueError for a malformed body, like a handler."""
         buf, pos, end, unpack = self.buf, self.pos, self.end, w.U32.unpack_from
         take = min(self.left, SLICE_KEYS)
         part = []
@@ -102,6 +119,62 @@ class Sliced:
         self.buf = b""
         return self.finish(self.keys)
 
+    def abandon(self) -> None:
+        self.space.discard(self.keys)
+
+
+class _ValuesRead(Sliced):
+    """A MULTI_GET of many keys whose every key was present: its values taken and packed
+    ``SLICE_KEYS`` keys a turn, each slice's values at one instant. A key deleted before its
+    slice is read sends the request back to waiting (with what is left of its timeout)."""
+
+    __slots__ = ("space", "conn", "keys", "deadline", "done", "parts")
+
+    def __init__(self, space: KeySpace, conn: Any, keys: list[bytes], deadline: float) -> None:
+        self.space, self.conn, self.keys, self.deadline = space, conn, keys, deadline
+        self.done = 0
+        self.parts = [w.U32.pack(len(keys))]
+
+    def step(self) -> bytes | None | Sliced:
+        stop = self.done + SLICE_KEYS
+        keys = self.keys[self.done:stop]
+        values = [v for v in map(self.space.value, keys) if v is not None]
+        if len(values) < len(keys):
+            left = self.deadline - time.monotonic()
+            return self.space.wait_again(self.conn, self.keys, left)
+        pack = w.U32.pack
+        self.parts.append(b"".join([b for v in values for b in (pack(len(v)), v)]))
+        self.done = stop
+        if stop < len(self.keys):
+            return self
+        self.space.discard(self.keys)
+        return _ok(b"".join(self.parts))
+
+    def abandon(self) -> None:
+        self.space.discard(self.keys)
+
+
+class _ValuesWritten(Sliced):
+    """A MULTI_SET of many pairs, all checked: written ``SLICE_KEYS`` pairs a turn, in order,
+    each slice at one instant. ``step`` until it returns the reply; the server finishes the
+    writes of a client that left meanwhile (no MULTI_SET is left half written)."""
+
+    __slots__ = ("space", "items", "done")
+    must_finish = True
+
+    def __init__(self, space: KeySpace, items: list[bytes]) -> None:
+        self.space, self.items, self.done = space, items, 0
+
+    def step(self) -> bytes | Sliced:
+        items, stop = self.items, self.done + 2 * SLICE_KEYS
+        self.space.put_all(dict(zip(items[self.done:stop:2], items[self.done + 1:stop:2],
+                                    strict=True)))
+        self.done = stop
+        if stop < len(items):
+            return self
+        self.space.discard(items)
+        return _OK_EMPTY
+
 
 class KeySpace:
     """The data and the parked requests of one server. ``answer(conn, reply)`` sends a parked
@@ -113,7 +186,7 @@ class KeySpace:
     RENEW moves without calling it again. ``notice(event, **fields)`` logs a refusal (the server
     rate-limits it)."""
 
-    def __init__(self, answer: Callable[[Any, bytes], None], max_value_bytes: int,
+    def __init__(self, answer: Callable[[Any, bytes | Sliced], None], max_value_bytes: int,
                  arm_will: Callable[[Any], None] | None = None, *,
                  max_keys: int = 1 << 20,
                  notice: Callable[..., None] | None = None) -> None:
@@ -132,6 +205,7 @@ class KeySpace:
         self._joined = 0
         self._parked = 0
         self._removals = 0  # deletions and emptied queues so far: a key seen may be gone since
+        self._garbage: deque[list[bytes]] = deque()  # big lists done with, freed a slice a turn
         self._handlers: dict[int, Callable[[Any, bytes, int, int], bytes | None | Sliced]] = {
             w.Op.SET: self._op_set, w.Op.GET: self._op_get, w.Op.ADD: self._op_add,
             w.Op.COMPARE_SET: self._op_compare_set, w.Op.WAIT: self._op_wait,
@@ -204,6 +278,11 @@ class KeySpace:
 
     def forget(self, waiter: _Waiter) -> None:
         """Unpark ``waiter`` without answering it (its connection closed). Idempotent."""
+        if not waiter.done:
+            self._unpark(waiter)
+            self.discard(waiter.keys)
+
+    def _unpark(self, waiter: _Waiter) -> None:
         if waiter.done:
             return
         waiter.done = True
@@ -231,8 +310,10 @@ class KeySpace:
             if not lst:
                 del self._waiting[key]  # type: ignore[arg-type]
 
-    def _finish(self, waiter: _Waiter, reply: bytes) -> None:
-        self.forget(waiter)
+    def _finish(self, waiter: _Waiter, reply: bytes | Sliced) -> None:
+        self._unpark(waiter)
+        if not isinstance(reply, Sliced):
+            self.discard(waiter.keys)
         waiter.conn.waiter = None
         self._answer(waiter.conn, reply)
 
@@ -254,10 +335,12 @@ class KeySpace:
                 waiter.pos = len(waiter.keys)
                 self._finish(waiter, self._ready_reply(waiter))
 
-    def _ready_reply(self, waiter: _Waiter) -> bytes:
+    def _ready_reply(self, waiter: _Waiter) -> bytes | Sliced:
         if waiter.op == w.Op.GET:
             return _ok(self._data[waiter.keys[0]])
         if waiter.op == w.Op.MULTI_GET:
+            if len(waiter.keys) > SLICE_KEYS:
+                return _ValuesRead(self, waiter.conn, waiter.keys, waiter.deadline)
             return _ok(w.pack_blobs([self._data[k] for k in waiter.keys]))
         if waiter.op == w.Op.LOG_READ:
             return self._log_entries(waiter.log, waiter.count)
@@ -296,26 +379,62 @@ class KeySpace:
                 msg = store_timeout("queue_pop", waiter.timeout,
                                     f"queue {_name(waiter.keys[0])!r} stayed empty")
             else:
-                missing = [_name(k) for k in waiter.keys if not self._present(waiter.op, k)]
                 msg = store_timeout(waiter.op.name.lower(), waiter.timeout,
-                                    f"missing keys {missing}")
+                                    f"missing keys {self._missing(waiter)}")
             self._finish(waiter, _reply(w.Status.TIMEOUT, msg.encode()))
 
     def _wait_for(self, conn: Any, op: w.Op, keys: list[bytes], timeout: float,
-                  seen: int = 0) -> bytes | None:
+                  seen: int = 0) -> bytes | None | Sliced:
         """Answer, or park, a request for ``keys``, of which the first ``seen`` were seen
         present (a request read in slices looked at each as it read it)."""
         waiter = _Waiter(conn, op, keys, timeout)
         timeout = waiter.timeout
         waiter.pos = self._first_missing(waiter, seen)
         if waiter.pos == len(keys):
-            return self._ready_reply(waiter)
+            reply = self._ready_reply(waiter)
+            if not isinstance(reply, Sliced):
+                self.discard(keys)
+            return reply
         if timeout <= 0:
-            missing = [_name(k) for k in keys if not self._present(op, k)]
-            return _reply(w.Status.TIMEOUT, f"{op.name.lower()} timeout (0s): missing keys "
-                                            f"{missing}".encode())
+            reply = _reply(w.Status.TIMEOUT, f"{op.name.lower()} timeout (0s): missing keys "
+                                             f"{self._missing(waiter)}".encode())
+            self.discard(keys)
+            return reply
         self._park(waiter)
         return None
+
+    def discard(self, items: list[bytes]) -> None:
+        """``items`` (a request's keys or pairs) is no longer needed: free it a slice a turn
+        (:meth:`tidy`), not all at once (freeing 262,144 blobs took 2 ms)."""
+        if len(items) > SLICE_KEYS:
+            self._garbage.append(items)
+
+    @property
+    def untidy(self) -> bool:
+        """Whether :meth:`tidy` has work left."""
+        return bool(self._garbage)
+
+    def tidy(self) -> None:
+        """Free ``SLICE_KEYS`` of the blobs :meth:`discard` was given; once a turn."""
+        items = self._garbage[0]
+        del items[-SLICE_KEYS:]
+        if not items:
+            self._garbage.popleft()
+
+    def wait_again(self, conn: Any, keys: list[bytes], timeout: float) -> bytes | None | Sliced:
+        """A MULTI_GET being answered found a key deleted: wait for all its keys again, for
+        ``timeout`` more seconds."""
+        return self._wait_for(conn, w.Op.MULTI_GET, keys, max(timeout, 0.0))
+
+    def _missing(self, waiter: _Waiter) -> str:
+        """The names of ``waiter``'s missing keys, for its timeout's message: those among the
+        ``SLICE_KEYS`` keys from the one it waits on, at most ``_NAMED_MISSING`` of them."""
+        keys = waiter.keys[waiter.pos:waiter.pos + SLICE_KEYS]
+        names = list(itertools.islice((_name(k) for k in keys
+                                       if not self._present(waiter.op, k)), _NAMED_MISSING))
+        if len(names) == _NAMED_MISSING or waiter.pos + len(keys) < len(waiter.keys):
+            return f"{names} (the first named, of {len(waiter.keys)} keys asked)"
+        return str(names)
 
     def _created_value(self, key: bytes) -> None:
         """A value now exists under ``key`` where none did."""
@@ -333,6 +452,14 @@ class KeySpace:
         self._data[key] = value
         if created:
             self._created_value(key)
+
+    def put_all(self, values: dict[bytes, bytes]) -> None:
+        """Set every key of ``values``, then wake the requests waiting for them."""
+        data, waiting = self._data, self._waiting
+        created = [k for k in waiting if k in values and k not in data] if waiting else []
+        data.update(values)
+        for key in created:
+            self._key_created(key)
 
     def add_to(self, key: bytes, amount: int) -> int | bytes:
         """Add ``amount`` to the counter ``key``: the sum, or an ERROR reply."""
@@ -465,7 +592,7 @@ class KeySpace:
         self.put(key, value)
         return _OK_EMPTY
 
-    def _op_get(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
+    def _op_get(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None | Sliced:
         timeout, kl = _F64_U32.unpack_from(buf, pos)
         if pos + 12 + kl != end:
             raise ValueError("key length does not match the frame")
@@ -601,18 +728,18 @@ class KeySpace:
 
     def _keyed(self, op: w.Op, buf: bytes, pos: int, end: int,
                each: Callable[[list[bytes]], bool] | None,
-               finish: Callable[[list[bytes]], bytes | None],
+               finish: Callable[[list[bytes]], bytes | None | Sliced],
                keep: bool = False) -> bytes | None | Sliced:
         """A request whose body at ``pos`` is its keys (u32 n, n blobs): refused past
         ``max_keys``, answered at once up to ``SLICE_KEYS`` keys, else read in slices (see
-        :class:`Sliced`)."""
+        :class:`_KeysRead`)."""
         n = self._count(buf, pos, end)
         refusal = self._too_many(op.name.lower(), n)
         if refusal:
             return refusal
         if n > (end - pos - 4) // 4:
             raise ValueError(f"blob count {n} does not fit the frame")
-        return Sliced(buf, pos + 4, end, n, each, finish, keep).step()
+        return _KeysRead(self, buf, pos + 4, end, n, each, finish, keep).step()
 
     def _awaited(self, conn: Any, op: w.Op, buf: bytes, pos: int,
                  end: int) -> bytes | None | Sliced:
@@ -630,7 +757,7 @@ class KeySpace:
                     seen[0] += 1
             return True
 
-        def finish(keys: list[bytes]) -> bytes | None:  # nothing removed since: no second look
+        def finish(keys: list[bytes]) -> bytes | None | Sliced:  # none removed: no second look
             return self._wait_for(conn, op, keys, timeout,
                                   seen[0] if self._removals == removals else 0)
 
@@ -676,7 +803,8 @@ class KeySpace:
     def _op_multi_set(self, conn: Any, buf: bytes, pos: int,
                       end: int) -> bytes | None | Sliced:
         """All or nothing: every pair is checked as it is read (a slice at a time for many),
-        then all are written at once."""
+        and only then written: at one instant up to ``SLICE_KEYS`` pairs, else that many a
+        turn, in order (see :class:`_ValuesWritten`)."""
         n = self._count(buf, pos, end)
         refusal = self._too_many("multi_set", n // 2)
         if refusal:
@@ -696,14 +824,17 @@ class KeySpace:
                     return False
             return True
 
-        def finish(items: list[bytes]) -> bytes:
+        def finish(items: list[bytes]) -> bytes | Sliced:
             if refused:
                 return refused[0]
-            for i in range(0, len(items), 2):
-                self.put(items[i], items[i + 1])
-            return _OK_EMPTY
+            if len(items) <= 2 * SLICE_KEYS:
+                self.put_all(dict(zip(items[0::2], items[1::2], strict=True)))
+                return _OK_EMPTY
+            return _ValuesWritten(self, items).step()
 
-        return Sliced(buf, pos + 4, end, n, each, finish, keep=True).step()
+        # a whole request is applied whole, even if its client leaves before it is
+        return _KeysRead(self, buf, pos + 4, end, n, each, finish, keep=True,
+                         must_finish=True).step()
 
     def _op_queue_push(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)

@@ -12,7 +12,8 @@ protocol frame is dropped and logged; nothing it does reaches other clients. Bou
 received bytes across all connections, number of connections, bytes a client may send while
 its request is parked, bytes of replies a client may leave unread before the server stops
 reading its requests, and requests one connection gets served per turn of the loop. A request
-of many keys is read a slice a turn (:class:`~plugdist.store._tcp_keyspace.Sliced`); new and
+of many keys is read, and a reply of many values packed, a slice a turn
+(:class:`~plugdist.store._tcp_keyspace.Sliced`); new and
 unproven connections (the lobby) are served after the proven ones, a slice a turn, with a
 bounded share of the server while strangers are being dropped. Warnings about refused and
 dropped clients are rate-limited, each line counting those held back.
@@ -242,7 +243,7 @@ class _Conn:
         self.will_ttl = 0.0       # > 0: the will also runs when no RENEW came for this long
         self.will_deadline = 0.0  # when it runs unless renewed (monotonic seconds)
         self.identity: Any = None  # (world, uid) of the member identity it holds, if any
-        self.sliced: Sliced | None = None  # its request of many keys, being read
+        self.sliced: Sliced | None = None  # its request of many keys, being read or answered
         self.spent = 0.0          # seconds the server spent on that request so far
 
 
@@ -302,6 +303,7 @@ class StoreServer:
         self._pending: set[_Conn] = set()  # unproven or mid-frame: watched for deadlines
         self._resume: list[_Conn] = []
         self._later: list[_Conn] = []  # served their turn's requests; more wait for the next
+        self._orphans: list[Sliced] = []  # left by closed clients, finished a slice a turn
         self._partial_total = 0  # bytes of partly received frames, all connections
         self._resting: list[tuple[float, int, _Conn]] = []  # (until, seq, conn)
         self._rest_seq = 0
@@ -416,7 +418,7 @@ class StoreServer:
                 if self._resting:
                     wait = max(0.0, self._resting[0][0] - time.monotonic())
                     delay = wait if delay is None else min(delay, wait)
-                if self._graveyard:
+                if self._graveyard or self._orphans or self._keys.untidy:
                     delay = 0.0
                 if self._later:  # connections with requests left over from the last turn
                     delay = 0.0
@@ -453,6 +455,10 @@ class StoreServer:
                 self._keys.expire(now)
                 if self._graveyard:
                     self._bury()
+                if self._orphans:
+                    self._orphans = self._step_orphans()
+                if self._keys.untidy:
+                    self._keys.tidy()
                 if self._warn.next_flush() is not None:
                     self._warn.flush(now)
                 if self._will_deadlines and self._will_deadlines[0][0] <= now:
@@ -488,6 +494,18 @@ class StoreServer:
                     pass
                 s.close()
             sel.close()
+
+    def _step_orphans(self) -> list[Sliced]:
+        """One slice of each request whose client left before it was done; those left."""
+        left = []
+        for orphan in self._orphans:
+            try:
+                nxt = orphan.step()
+            except (ValueError, IndexError, struct.error, UnicodeDecodeError, OverflowError):
+                continue  # malformed: nothing of it was written
+            if isinstance(nxt, Sliced):
+                left.append(nxt)
+        return left
 
     def _arm_will(self, conn: _Conn) -> None:
         self._will_seq += 1
@@ -792,6 +810,7 @@ class StoreServer:
             self._drop(conn, f"malformed request: {e}")
             return False
         if isinstance(reply, Sliced):
+            conn.sliced = reply  # the same request's next part (a reply packed in slices)
             self._later.append(conn)
             return False
         conn.sliced = None
@@ -955,8 +974,13 @@ class StoreServer:
 
     # ---- output ----------------------------------------------------------------------------
 
-    def _answer(self, conn: _Conn, reply: bytes) -> None:
-        """The key space answered ``conn``'s parked request: send it, then read on."""
+    def _answer(self, conn: _Conn, reply: bytes | Sliced) -> None:
+        """The key space answered ``conn``'s parked request: send it, then read on (a reply
+        made in slices is made at the next turns first)."""
+        if isinstance(reply, Sliced):
+            conn.sliced = reply
+            self._later.append(conn)
+            return
         self._send(conn, reply)
         if conn.inbuf:
             self._resume.append(conn)
@@ -1030,6 +1054,11 @@ class StoreServer:
         if conn.closed:
             return
         conn.closed = True
+        if conn.sliced is not None:
+            if conn.sliced.must_finish:
+                self._orphans.append(conn.sliced)
+            else:
+                conn.sliced.abandon()
         conn.sliced = None
         self._forget_tail(conn)
         self._pending.discard(conn)

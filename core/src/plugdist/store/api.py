@@ -105,7 +105,7 @@ class Store:
     # ---- the extended operations: fallbacks on the core ones --------------------------------
 
     def has_extended_api(self) -> bool:
-        """True when ``append``, ``multi_get`` and ``multi_set`` are native (one atomic request)
+        """True when ``append``, ``multi_get`` and ``multi_set`` are native (one request each)
         rather than the fallbacks of this base class."""
         return False
 

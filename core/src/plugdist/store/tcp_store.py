@@ -594,7 +594,8 @@ class TCPStore(Store):
         return values
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
-        """Set every key in one round trip (applied in order, atomically for other clients)."""
+        """Set every key in one round trip: all or nothing, applied in order; other clients see
+        up to 1,024 keys set at one instant, a larger request 1,024 keys at a time."""
         ks = _encoded(keys)
         if len(ks) != len(values):
             raise ValueError(f"multi_set got {len(ks)} keys but {len(values)} values")
