@@ -456,7 +456,7 @@ class StoreServer:
                 if self._graveyard:
                     self._bury()
                 if self._orphans:
-                    self._orphans = self._step_orphans()
+                    self._step_orphan()
                 if self._keys.untidy:
                     self._keys.tidy()
                 if self._warn.next_flush() is not None:
@@ -495,17 +495,17 @@ class StoreServer:
                 s.close()
             sel.close()
 
-    def _step_orphans(self) -> list[Sliced]:
-        """One slice of each request whose client left before it was done; those left."""
-        left = []
-        for orphan in self._orphans:
-            try:
-                nxt = orphan.step()
-            except (ValueError, IndexError, struct.error, UnicodeDecodeError, OverflowError):
-                continue  # malformed: nothing of it was written
-            if isinstance(nxt, Sliced):
-                left.append(nxt)
-        return left
+    def _step_orphan(self) -> None:
+        """One slice of the oldest request whose client left before it was done (one a turn,
+        however many clients left so)."""
+        try:
+            nxt = self._orphans[0].step()
+        except (ValueError, IndexError, struct.error, UnicodeDecodeError, OverflowError):
+            nxt = None  # malformed: nothing of it was written
+        if isinstance(nxt, Sliced):
+            self._orphans[0] = nxt
+        else:
+            self._orphans.pop(0)
 
     def _arm_will(self, conn: _Conn) -> None:
         self._will_seq += 1
