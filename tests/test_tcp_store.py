@@ -868,7 +868,17 @@ def test_fuzz_wire_protocol() -> None:
     waiter = threading.Thread(target=lambda: parked.append(watcher.get(release)), daemon=True)
     waiter.start()
     assert eventually(lambda: server._keys._parked == 1)
+    # a mutated frame can be a valid DELETE_PREFIX (a GET with timeout 0.0 whose op code changed
+    # reads as the prefix "", which deletes every plain key): a token holder may do that, so
+    # the sentinels are then checked only for what is left of them
+    prefix_deletes: list[bytes] = []
+    delete_prefix = server._keys._handlers[wire.Op.DELETE_PREFIX]
 
+    def recorded_delete_prefix(conn: Any, buf: bytes, pos: int, end: int) -> Any:
+        prefix_deletes.append(bytes(buf[pos:end]))
+        return delete_prefix(conn, buf, pos, end)
+
+    server._keys._handlers[wire.Op.DELETE_PREFIX] = recorded_delete_prefix
     rounds: list[int] = []
 
     def connect(handshake: bool) -> socket.socket:
@@ -909,10 +919,18 @@ def test_fuzz_wire_protocol() -> None:
     assert bugs == []
     # the fuzz reached both sides of the protocol: writes that landed and clients dropped
     assert any(e["event"] == "tcp_store_client_dropped" for e in logs)
-    assert any(m.check([f"k{i}"]) for i in range(8))
     assert server.alive
-    assert m.multi_get(list(sentinels)) == list(sentinels.values())
-    assert [m.queue_pop(queue) for _ in range(5)] == [f"item{i}".encode() for i in range(5)]
+    if not prefix_deletes:
+        assert any(m.check([f"k{i}"]) for i in range(8))
+        assert m.multi_get(list(sentinels)) == list(sentinels.values())
+        assert [m.queue_pop(queue) for _ in range(5)] == [f"item{i}".encode() for i in range(5)]
+    else:
+        print(f"fuzz: {len(prefix_deletes)} DELETE_PREFIX frames served")
+        assert all(m.get(k) == v for k, v in sentinels.items() if m.check([k]))
+        left = m.queue_len(queue)
+        assert left in (0, 5)
+        assert [m.queue_pop(queue) for _ in range(left)] == [
+            f"item{i}".encode() for i in range(left)]
     assert waiter.is_alive()
     m.set(release, "done")
     waiter.join(10)
