@@ -669,9 +669,19 @@ def detail_suite(rank: int, n: int, port: int) -> dict[str, str | None]:
                 continue
             raise AssertionError(f"mismatched all_reduce over {group} was not caught")
 
+    def destroy_forgets_the_groups() -> None:
+        # a flight-recorder watcher left polling a destroyed group's store could be inside a
+        # C++ store call when the interpreter ends, and abort the process
+        from plugdist.flight_recorder import recorder
+        tdist.destroy_process_group()
+        if recorder._groups:
+            raise AssertionError(f"the flight recorder still watches {list(recorder._groups)}")
+
     try:
         return run_checks({"DETAIL wraps bridged groups": wrapped,
                            "DETAIL torch DDP constructs": ddp_builds,
-                           "DETAIL mismatch caught": mismatch_caught})
+                           "DETAIL mismatch caught": mismatch_caught,
+                           "DETAIL destroy forgets the groups": destroy_forgets_the_groups})
     finally:
-        tdist.destroy_process_group()
+        if tdist.is_initialized():
+            tdist.destroy_process_group()

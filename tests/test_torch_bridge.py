@@ -94,7 +94,7 @@ def test_barrier_timeout_reads_like_torchs() -> None:
 def test_debug_detail_checks_bridged_groups(tmp_path: Path) -> None:
     env = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "PLUGDIST_FLIGHT_RECORDER_DIR": str(tmp_path)}
     results = run_world(workers.detail_suite, 2, timeout=100, args=(free_port(),), env=env)
-    assert all(len(res) == 3 for res in results) and not _failures(results), _failures(results)
+    assert all(len(res) == 4 for res in results) and not _failures(results), _failures(results)
 
 
 @pytest.mark.timeout(120)

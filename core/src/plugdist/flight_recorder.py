@@ -29,6 +29,7 @@ backend is in the group's ``desc`` (``plugdist:<backend>``) and each entry's ``b
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import os
@@ -203,6 +204,7 @@ class FlightRecorder:
         self.global_rank: int | None = None
         self.depth = DEFAULT_DEPTH
         self._watcher: threading.Thread | None = None
+        self._stop_at_exit = False  # stop() registered with atexit
         self._stop = threading.Event()
         self._dumped_for: set[int] = set()  # record ids of overdue entries already dumped for
 
@@ -339,6 +341,11 @@ class FlightRecorder:
             self._watcher = threading.Thread(target=self._watch, name="plugdist-flight-recorder",
                                              daemon=True)
             self._watcher.start()
+            if not self._stop_at_exit:
+                # a daemon thread still inside a C++ store call when the interpreter ends
+                # aborts the process ("terminate called without an active exception")
+                self._stop_at_exit = True
+                atexit.register(self.stop)
 
     def _watch(self) -> None:
         period = float(os.environ.get(POLL_ENV) or 1.0)

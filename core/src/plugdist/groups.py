@@ -358,7 +358,10 @@ def _announce(pg: ProcessGroup, store: Store, global_ranks: tuple[int, ...], me:
                   timeout_s=pg.timeout.total_seconds())
 
 
-def _retire(pg: ProcessGroup) -> None:
+def retire_group(pg: ProcessGroup) -> None:
+    """What destroying a group made by :func:`build_group` owes after its ``shutdown``: the
+    flight recorder forgets it (its watcher stops polling the group's store) and the lifecycle
+    log records its end."""
     flight_recorder.recorder.remove_group(pg)
     log.lifecycle("group_destroyed", group=pg.group_name, group_rank=pg.rank(),
                   backend=pg.backend_name)
@@ -428,7 +431,7 @@ def destroy(group: ProcessGroup | None = None) -> None:
         for pg in reversed(world.members()):
             hook.plugdist_group_destroyed(group=pg)
             pg.shutdown()
-            _retire(pg)
+            retire_group(pg)
         _leave(closed_by_store)
         _close_store()
         world.reset()
@@ -436,7 +439,7 @@ def destroy(group: ProcessGroup | None = None) -> None:
     world.info(group)
     hook.plugdist_group_destroyed(group=group)
     group.shutdown()
-    _retire(group)
+    retire_group(group)
     world.remove(group)
 
 

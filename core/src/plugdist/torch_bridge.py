@@ -36,7 +36,7 @@ import torch.distributed as tdist
 from torch._C import _distributed_c10d as c10d
 
 from .errors import where
-from .groups import build_group
+from .groups import build_group, retire_group
 from .process_group import ProcessGroup
 from .reduce_op import ReduceOp
 from .registry import BACKENDS, registry
@@ -189,6 +189,7 @@ class BridgeGroup(_TorchProcessGroup):
             self._owned = False
             registry.plugins().hook.plugdist_group_destroyed(group=self.plugdist_group)
             self.plugdist_group.shutdown()
+            retire_group(self.plugdist_group)
         routes, self.routes = self.routes, {}
         for route in {id(r): r for r in routes.values()}.values():
             route.shutdown()
