@@ -12,7 +12,7 @@ that ``import plugdist`` does not pay for them.
 import importlib
 from typing import Any
 
-from .collectives import (
+from plugdist.collectives import (
     P2POp,
     all_gather,
     all_gather_coalesced,
@@ -37,8 +37,13 @@ from .collectives import (
     scatter,
     send,
 )
-from .debug_level import DebugLevel, get_debug_level, set_debug_level, set_debug_level_from_env
-from .errors import (
+from plugdist.debug_level import (
+    DebugLevel,
+    get_debug_level,
+    set_debug_level,
+    set_debug_level_from_env,
+)
+from plugdist.errors import (
     DistBackendError,
     DistError,
     DistExcludedError,
@@ -48,8 +53,8 @@ from .errors import (
     DistTimeoutError,
     QueueEmptyError,
 )
-from .flight_recorder import dump_flight_recorder
-from .groups import (
+from plugdist.flight_recorder import dump_flight_recorder
+from plugdist.groups import (
     GroupMember,
     get_backend,
     get_default_backend_for_device,
@@ -72,8 +77,8 @@ from .groups import (
     new_subgroups_by_enumeration,
     register_rendezvous_handler,
 )
-from .lifecycle import destroy_process_group, init_process_group
-from .object_collectives import (
+from plugdist.lifecycle import destroy_process_group, init_process_group
+from plugdist.object_collectives import (
     all_gather_object,
     broadcast_object_list,
     gather_object,
@@ -81,12 +86,12 @@ from .object_collectives import (
     scatter_object_list,
     send_object_list,
 )
-from .process_group import Capabilities, GroupOptions, ProcessGroup
-from .reduce_op import ReduceOp, reduce_op
-from .registry import PLUGIN_API, Backend
-from .resilience import get_failed_ranks, grow_group, shrink_group
-from .store import FileStore, HashStore, PrefixStore, Store, TCPStore, open_store
-from .work import Work
+from plugdist.process_group import Capabilities, GroupOptions, ProcessGroup
+from plugdist.reduce_op import ReduceOp, reduce_op
+from plugdist.registry import PLUGIN_API, Backend
+from plugdist.resilience import get_failed_ranks, grow_group, shrink_group
+from plugdist.store import FileStore, HashStore, PrefixStore, Store, TCPStore, open_store
+from plugdist.work import Work
 
 __version__ = "0.1.0"
 

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .errors import DistRankFailureError
+from plugdist.errors import DistRankFailureError
 
 __all__ = ["AbortSignal", "SLICE", "wait_sliced"]
 

@@ -270,13 +270,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from .testing.harness import WorldError, free_port, run_world
+    from plugdist.testing.harness import WorldError, free_port, run_world
 
     cfg = {"op": args.op, "backend": args.backend, "dtype": args.dtype, "compare": args.compare,
            "pin": args.pin, "torch_port": free_port(), "iters": args.iters,
            "sizes": _sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)}
     # under ``python -m plugdist.bench`` this module is __main__; ranks import by real name
-    from . import bench
+    import plugdist.bench as bench
     # torch's own default group is the comparison: plugdist's world must not take its place
     try:
         results = run_world(bench.bench_rank, args.nproc, backend=args.backend, args=(cfg,),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .reduce_op import ReduceOp
+from plugdist.reduce_op import ReduceOp
 
 __all__ = ["Capabilities", "ALL_REDUCE_OPS"]
 

@@ -8,11 +8,11 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from . import composition
-from .capabilities import Capabilities
-from .process_group import OPS, ProcessGroup
-from .reduce_op import ReduceOp
-from .registry import BACKENDS, GROUPS, registry
+import plugdist.composition as composition
+from plugdist.capabilities import Capabilities
+from plugdist.process_group import OPS, ProcessGroup
+from plugdist.reduce_op import ReduceOp
+from plugdist.registry import BACKENDS, GROUPS, registry
 
 __all__ = ["main", "backend_table", "reduction_lines"]
 
@@ -103,7 +103,7 @@ def _info(args: argparse.Namespace) -> int:
 def _new_backend(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .scaffold import scaffold
+    from plugdist.scaffold import scaffold
 
     name = args.name
     directory = Path(args.dir or f"plugdist-{name.replace('_', '-')}")

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from .errors import DistTimeoutError, where
-from .groups import resolve_group
-from .process_group import ProcessGroup
-from .reduce_op import ReduceOp
-from .work import Work, gather_works
-from .world import world
+from plugdist.errors import DistTimeoutError, where
+from plugdist.groups import resolve_group
+from plugdist.process_group import ProcessGroup
+from plugdist.reduce_op import ReduceOp
+from plugdist.work import Work, gather_works
+from plugdist.world import world
 
 __all__ = [
     "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",

@@ -24,10 +24,10 @@ from typing import Any, Protocol
 
 import torch
 
-from .capabilities import Capabilities
-from .errors import DistBackendError
-from .reduce_op import ReduceOp, apply_local
-from .work import Work, gather_works
+from plugdist.capabilities import Capabilities
+from plugdist.errors import DistBackendError
+from plugdist.reduce_op import ReduceOp, apply_local
+from plugdist.work import Work, gather_works
 
 __all__ = ["compose", "plan", "reduce_by_gathering", "COMPOSED_TAG"]
 

@@ -42,12 +42,12 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .debug_level import DebugLevel, get_debug_level
-from .errors import DistError
-from .log import get_logger
+from plugdist.debug_level import DebugLevel, get_debug_level
+from plugdist.errors import DistError
+from plugdist.log import get_logger
 
 if TYPE_CHECKING:
-    from .store.api import Store
+    from plugdist.store.api import Store
 
 
 __all__ = ["FlightRecorder", "Entry", "recorder", "dump_flight_recorder", "dump_path",

@@ -16,17 +16,18 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
-from . import flight_recorder, log
-from . import membership as _membership
-from .debug_level import DebugLevel, get_debug_level
-from .errors import DistError, DistTimeoutError, timed_out, where
-from .launcher.error_file import mark_resilient
-from .log import get_logger
-from .process_group import DEFAULT_TIMEOUT, GroupOptions, ProcessGroup
-from .registry import BACKENDS, RENDEZVOUS, STORES, Backend, PluginNotFoundError, registry
-from .rendezvous import store_rendezvous_handler
-from .store import PrefixStore, Store
-from .world import GroupInfo, NotInitializedError, world
+import plugdist.flight_recorder as flight_recorder
+import plugdist.log as log
+import plugdist.membership as _membership
+from plugdist.debug_level import DebugLevel, get_debug_level
+from plugdist.errors import DistError, DistTimeoutError, timed_out, where
+from plugdist.launcher.error_file import mark_resilient
+from plugdist.log import get_logger
+from plugdist.process_group import DEFAULT_TIMEOUT, GroupOptions, ProcessGroup
+from plugdist.registry import BACKENDS, RENDEZVOUS, STORES, Backend, PluginNotFoundError, registry
+from plugdist.rendezvous import store_rendezvous_handler
+from plugdist.store import PrefixStore, Store
+from plugdist.world import GroupInfo, NotInitializedError, world
 
 __all__ = [
     "init_world", "destroy", "is_initialized", "is_available",

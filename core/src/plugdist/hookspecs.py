@@ -14,9 +14,9 @@ import pluggy
 if TYPE_CHECKING:
     import argparse
 
-    from .debug_level import DebugLevel
-    from .process_group import ProcessGroup
-    from .store.api import Store
+    from plugdist.debug_level import DebugLevel
+    from plugdist.process_group import ProcessGroup
+    from plugdist.store.api import Store
 
 PROJECT = "plugdist"
 hookspec = pluggy.HookspecMarker(PROJECT)

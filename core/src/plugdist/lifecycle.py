@@ -12,12 +12,12 @@ import warnings
 from datetime import timedelta
 from typing import Any
 
-from . import groups
-from .errors import where
-from .log import get_logger
-from .process_group import ProcessGroup
-from .store import Store
-from .world import world
+import plugdist.groups as groups
+from plugdist.errors import where
+from plugdist.log import get_logger
+from plugdist.process_group import ProcessGroup
+from plugdist.store import Store
+from plugdist.world import world
 
 __all__ = ["init_process_group", "destroy_process_group", "TORCH_WORLD_ENV", "JOIN_ENV"]
 
@@ -63,7 +63,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     included. Not collective; releases sockets and threads. Afterwards ``init_process_group``
     may be called again."""
     if (group is None or group is world.default) and world.torch_default is not None:
-        from . import torch_bridge
+        import plugdist.torch_bridge as torch_bridge
 
         torch_bridge.release_world(world.torch_default)
         world.torch_default = None
@@ -81,9 +81,9 @@ def _wants_join(arg: bool | None) -> bool:
 
 def _join(backend: str | None, init_method: str | None, timeout: timedelta | None,
           store: Store | None, pg_options: Any) -> ProcessGroup:
-    from . import resilience
-    from .process_group import DEFAULT_TIMEOUT
-    from .rendezvous import join_store
+    import plugdist.resilience as resilience
+    from plugdist.process_group import DEFAULT_TIMEOUT
+    from plugdist.rendezvous import join_store
 
     limit = timeout if timeout is not None else DEFAULT_TIMEOUT
     if store is not None and init_method is not None:
@@ -108,7 +108,7 @@ def _share_with_torch(pg: ProcessGroup, explicit: bool) -> None:
     if store is None or backend is None:
         raise RuntimeError("init_world returned without a store or backend")
     try:
-        from . import torch_bridge  # needs torch built with distributed support
+        import plugdist.torch_bridge as torch_bridge  # needs torch built with distributed support
 
         world.torch_default = torch_bridge.share_world(
             pg, backend, torch_bridge.world_store(store, world.epoch), rank, size, pg.timeout)

@@ -67,7 +67,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from plugdist.errors import (
     DistError,
     DistExcludedError,
     DistRankFailureError,
@@ -75,18 +75,18 @@ from .errors import (
     DistTimeoutError,
     timed_out,
 )
-from .log import get_logger, lifecycle
-from .store import PrefixStore, Store
-from .store.worldkeys import CLOSED, CURRENT, DEATHS, epoch_key
-from .store.worldkeys import DECLARED as _DECLARED
-from .store.worldkeys import FORGOTTEN as _FORGOTTEN
-from .store.worldkeys import HEARTBEATS as _HB
-from .store.worldkeys import JOIN as _JOIN
-from .store.worldkeys import NO_TRIM as _NO_TRIM
-from .store.worldkeys import TRIM as _TRIM
+from plugdist.log import get_logger, lifecycle
+from plugdist.store import PrefixStore, Store
+from plugdist.store.worldkeys import CLOSED, CURRENT, DEATHS, epoch_key
+from plugdist.store.worldkeys import DECLARED as _DECLARED
+from plugdist.store.worldkeys import FORGOTTEN as _FORGOTTEN
+from plugdist.store.worldkeys import HEARTBEATS as _HB
+from plugdist.store.worldkeys import JOIN as _JOIN
+from plugdist.store.worldkeys import NO_TRIM as _NO_TRIM
+from plugdist.store.worldkeys import TRIM as _TRIM
 
 if TYPE_CHECKING:
-    from .process_group import ProcessGroup
+    from plugdist.process_group import ProcessGroup
 
 __all__ = ["Membership", "Decision", "WorldClosedError", "GuardedPrefixStore", "request_join",
            "group_prefix", "INTERVAL_ENV", "HANG_TIMEOUT_ENV", "RESILIENCE_ENV",

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from . import collectives as c
-from .groups import resolve_group
-from .process_group import ProcessGroup
-from .world import world
+import plugdist.collectives as c
+from plugdist.groups import resolve_group
+from plugdist.process_group import ProcessGroup
+from plugdist.world import world
 
 __all__ = ["broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
            "send_object_list", "recv_object_list"]

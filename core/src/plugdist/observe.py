@@ -28,7 +28,7 @@ import torch
 from torch._C._profiler import _RecordFunctionFast
 from torch.autograd import profiler as _profiler
 
-from .flight_recorder import Entry, recorder
+from plugdist.flight_recorder import Entry, recorder
 
 __all__ = ["active", "run", "blocking"]
 

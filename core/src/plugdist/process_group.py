@@ -43,14 +43,16 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd import profiler as _torch_profiler
 
-from . import composition, observe, sparse
-from .abort import AbortSignal
-from .capabilities import ALL_REDUCE_OPS, Capabilities
-from .errors import DistTimeoutError, op_timeout, where
-from .flight_recorder import recorder as _recorder
-from .log import lifecycle
-from .reduce_op import ReduceOp, check_reduce_op
-from .work import Work, completed_work
+import plugdist.composition as composition
+import plugdist.observe as observe
+import plugdist.sparse as sparse
+from plugdist.abort import AbortSignal
+from plugdist.capabilities import ALL_REDUCE_OPS, Capabilities
+from plugdist.errors import DistTimeoutError, op_timeout, where
+from plugdist.flight_recorder import recorder as _recorder
+from plugdist.log import lifecycle
+from plugdist.reduce_op import ReduceOp, check_reduce_op
+from plugdist.work import Work, completed_work
 
 __all__ = ["ProcessGroup", "GroupOptions", "Capabilities", "OPS", "DEFAULT_TIMEOUT",
            "BACKEND_HOOKS"]

@@ -20,8 +20,9 @@ from typing import Any
 
 import pluggy
 
-from . import debug_level, hookspecs
-from .errors import DistError
+import plugdist.debug_level as debug_level
+import plugdist.hookspecs as hookspecs
+from plugdist.errors import DistError
 
 __all__ = ["Registry", "registry", "PluginInfo", "GROUPS", "Backend", "PluginNotFoundError",
            "BACKENDS", "STORES", "PLUGIN_API", "PluginAPIError", "plugin_api_refusal",

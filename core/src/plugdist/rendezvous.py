@@ -14,8 +14,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
-from .errors import DistError
-from .store import PrefixStore, Store, TCPStore, TorchStoreAdapter, open_store
+from plugdist.errors import DistError
+from plugdist.store import PrefixStore, Store, TCPStore, TorchStoreAdapter, open_store
 
 __all__ = ["env_rendezvous_handler", "tcp_rendezvous_handler", "file_rendezvous_handler",
            "store_rendezvous_handler", "RendezvousError", "RendezvousHandler",

@@ -22,14 +22,14 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from . import groups
-from .errors import DistError
-from .log import get_logger, lifecycle
-from .membership import Decision, Membership, off_hint, request_join
-from .process_group import GroupOptions, ProcessGroup
-from .registry import BACKENDS, Backend, registry
-from .store import Store
-from .world import world
+import plugdist.groups as groups
+from plugdist.errors import DistError
+from plugdist.log import get_logger, lifecycle
+from plugdist.membership import Decision, Membership, off_hint, request_join
+from plugdist.process_group import GroupOptions, ProcessGroup
+from plugdist.registry import BACKENDS, Backend, registry
+from plugdist.store import Store
+from plugdist.world import world
 
 __all__ = ["shrink_group", "grow_group", "get_failed_ranks", "join_world", "report_failed_ranks"]
 
@@ -196,7 +196,7 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
                              factory=factory)
     world.default = pg
     if world.torch_default is not None:
-        from . import torch_bridge
+        import plugdist.torch_bridge as torch_bridge
 
         world.torch_default = torch_bridge.follow_world(
             world.torch_default, pg, world.backend,

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .reduce_op import ReduceOp
-from .work import Work, gather_works
+from plugdist.reduce_op import ReduceOp
+from plugdist.work import Work, gather_works
 
 __all__ = ["all_reduce", "check_all_reduce", "refusal", "MAX_DIMS"]
 

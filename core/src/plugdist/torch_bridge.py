@@ -35,15 +35,15 @@ import torch
 import torch.distributed as tdist
 from torch._C import _distributed_c10d as c10d
 
-from .errors import where
-from .groups import build_group, retire_group
-from .process_group import ProcessGroup
-from .reduce_op import ReduceOp
-from .registry import BACKENDS, registry
-from .store import PrefixStore, Store, TorchStoreAdapter
-from .store.for_torch import PlugdistStoreForTorch
-from .torch_device_map import caller_device_map, other_devices
-from .work import Work, completed_work, gather_works
+from plugdist.errors import where
+from plugdist.groups import build_group, retire_group
+from plugdist.process_group import ProcessGroup
+from plugdist.reduce_op import ReduceOp
+from plugdist.registry import BACKENDS, registry
+from plugdist.store import PrefixStore, Store, TorchStoreAdapter
+from plugdist.store.for_torch import PlugdistStoreForTorch
+from plugdist.torch_device_map import caller_device_map, other_devices
+from plugdist.work import Work, completed_work, gather_works
 
 __all__ = ["register", "create_group", "BridgeGroup", "RoutingBridgeGroup", "BridgeWork",
            "share_world", "follow_world", "world_store", "release_world", "torch_name", "PREFIX",
@@ -242,7 +242,7 @@ class BridgeGroup(_TorchProcessGroup):
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> BridgeWork:
         red = self._reduction(opts, "all_reduce_coalesced") if opts is not None else ReduceOp.SUM
-        from .collectives import all_reduce_coalesced
+        from plugdist.collectives import all_reduce_coalesced
 
         work = all_reduce_coalesced(list(tensors), red, group=self.plugdist_group, async_op=True)
         assert work is not None  # a plugdist group (not a non-member handle) always gives one
@@ -356,8 +356,8 @@ class BridgeGroup(_TorchProcessGroup):
     def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
         """plugdist's monitored barrier where plugdist's world knows the group (it names the
         ranks that did not arrive), else a barrier bounded by the timeout."""
-        from .collectives import monitored_barrier
-        from .world import world
+        from plugdist.collectives import monitored_barrier
+        from plugdist.world import world
 
         timeout = getattr(opts, "timeout", None)
         if not isinstance(timeout, timedelta) or timeout <= timedelta(0):

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .abort import AbortSignal, wait_sliced
-from .errors import (
+from plugdist.abort import AbortSignal, wait_sliced
+from plugdist.errors import (
     DistBackendError,
     DistError,
     DistRankFailureError,
@@ -23,7 +23,7 @@ from .errors import (
     op_timeout,
     where,
 )
-from .log import lifecycle
+from plugdist.log import lifecycle
 
 __all__ = ["Work", "completed_work", "failed_work"]
 

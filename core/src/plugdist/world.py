@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .errors import DistError
+from plugdist.errors import DistError
 
 if TYPE_CHECKING:
-    from .process_group import ProcessGroup
-    from .store import Store
+    from plugdist.process_group import ProcessGroup
+    from plugdist.store import Store
 
 __all__ = ["World", "GroupInfo", "world", "NotInitializedError"]
 

@@ -22,12 +22,12 @@ import sys
 from collections.abc import Sequence
 from typing import IO
 
-from .agent import Agent, LaunchError
-from .arguments import parse_args, split_argv
-from .config import LaunchConfig, RendezvousOptions, Streams
-from .error_file import read_error_file, record, write_error_file
-from .rendezvous import Assignment, RendezvousError, free_port
-from .summary import (
+from plugdist.launcher.agent import Agent, LaunchError
+from plugdist.launcher.arguments import parse_args, split_argv
+from plugdist.launcher.config import LaunchConfig, RendezvousOptions, Streams
+from plugdist.launcher.error_file import read_error_file, record, write_error_file
+from plugdist.launcher.rendezvous import Assignment, RendezvousError, free_port
+from plugdist.launcher.summary import (
     PROG,
     Failure,
     LaunchResult,
@@ -69,7 +69,7 @@ def launch(config: LaunchConfig, *, stdout: IO[str] | None = None,
     result = Agent(config, sys.stdout if stdout is None else stdout, err).run()
     summary = format_summary(result)
     if summary:
-        from .logs import Sink
+        from plugdist.launcher.logs import Sink
         Sink(err).text(summary)
     return result
 

@@ -3,6 +3,6 @@
 
 import sys
 
-from . import main
+from plugdist.launcher import main
 
 sys.exit(main())

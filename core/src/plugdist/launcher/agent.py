@@ -36,13 +36,18 @@ import threading
 import time
 from typing import IO, Any
 
-from ..errors import DistError, DistExcludedError, DistStoreError
-from .config import LaunchConfig
-from .error_file import ERROR_FILE_VAR, RESILIENT_MARK_VAR, read_error_file
-from .logs import Duplicate, Sink, plan_streams, pump
-from .numa import cpus_for_workers, spawning_bound_to
-from .rendezvous import Assignment, RendezvousError, RendezvousInterrupted, StoreRendezvous
-from .summary import PROG, Failure, LaunchResult, WorkerStatus, exit_code_of
+from plugdist.errors import DistError, DistExcludedError, DistStoreError
+from plugdist.launcher.config import LaunchConfig
+from plugdist.launcher.error_file import ERROR_FILE_VAR, RESILIENT_MARK_VAR, read_error_file
+from plugdist.launcher.logs import Duplicate, Sink, plan_streams, pump
+from plugdist.launcher.numa import cpus_for_workers, spawning_bound_to
+from plugdist.launcher.rendezvous import (
+    Assignment,
+    RendezvousError,
+    RendezvousInterrupted,
+    StoreRendezvous,
+)
+from plugdist.launcher.summary import PROG, Failure, LaunchResult, WorkerStatus, exit_code_of
 
 __all__ = ["Agent", "LaunchError"]
 
@@ -235,7 +240,7 @@ def _choose_token(cfg: LaunchConfig) -> None:
     Several: ``--rdzv-conf token_file=PATH`` or the launcher's own ``PLUGDIST_STORE_TOKEN`` /
     ``PLUGDIST_STORE_TOKEN_FILE``; ``token=`` (empty) turns it off. A run whose store listens
     beyond loopback with none of these is refused (RendezvousError saying how to give one)."""
-    from ..store.tokens import TOKEN_FILE_ENV, is_loopback, read_token_file, resolve_token
+    from plugdist.store.tokens import TOKEN_FILE_ENV, is_loopback, read_token_file, resolve_token
     if cfg.max_nodes == 1:
         os.environ.pop(TOKEN_FILE_ENV, None)
         os.environ[TOKEN_VAR] = os.urandom(16).hex()   # fresh per single-node run (CSPRNG)

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 
-from .config import (
+from plugdist.launcher.config import (
     LaunchConfig,
     RendezvousOptions,
     parse_filters,
@@ -23,7 +23,7 @@ from .config import (
     parse_signals,
     parse_streams,
 )
-from .numa import NUMA_MODES
+from plugdist.launcher.numa import NUMA_MODES
 
 __all__ = ["build_parser", "parse_args", "split_argv", "PROG"]
 
@@ -256,7 +256,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
 def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     if ns.rdzv_backend not in ("static", "c10d"):
-        from ..registry import STORES, registry
+        from plugdist.registry import STORES, registry
         schemes = registry.names(STORES)
         if ns.rdzv_backend not in schemes:
             raise ValueError(f"--rdzv-backend {ns.rdzv_backend!r}: plugdist-run's rendezvous "

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import IO
 
-from .config import LaunchConfig
+from plugdist.launcher.config import LaunchConfig
 
 __all__ = ["Duplicate", "Sink", "StreamPlan", "plan_streams", "pump"]
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ..errors import DistError, DistNetworkError, DistTimeoutError
-from .config import LaunchConfig
+from plugdist.errors import DistError, DistNetworkError, DistTimeoutError
+from plugdist.launcher.config import LaunchConfig
 
 __all__ = ["Assignment", "RendezvousError", "RendezvousInterrupted", "StoreLost",
            "StoreRendezvous", "free_port"]
@@ -178,7 +178,7 @@ class StoreRendezvous:
 
     # -- the store ----------------------------------------------------------------------------
     def _open_store(self) -> Any:
-        from ..store import TCPStore  # deferred: plugdist.store costs ~0.1 s to import
+        from plugdist.store import TCPStore  # deferred: plugdist.store costs ~0.1 s to import
         cfg = self.cfg
         timeout = self.opts.read_timeout
         if cfg.rdzv_backend not in ("static", "c10d"):
@@ -246,7 +246,7 @@ class StoreRendezvous:
     def _open_store_url(self) -> Any:
         """``--rdzv-backend SCHEME``: the store that the scheme's plugin opens at
         ``SCHEME://ENDPOINT/plugdist/RUN_ID``; no launcher hosts it."""
-        from ..store import open_store
+        from plugdist.store import open_store
         cfg = self.cfg
         self.store_url = f"{cfg.rdzv_backend}://{cfg.rdzv_endpoint}/plugdist/{cfg.run_id}"
         self.store_host, self.store_port = cfg.rdzv_endpoint, 0

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import LaunchConfig
+from plugdist.launcher.config import LaunchConfig
 
 __all__ = ["Failure", "LaunchResult", "WorkerStatus", "exit_code_of", "extract_traceback",
            "format_summary", "signal_name"]

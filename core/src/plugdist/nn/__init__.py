@@ -3,6 +3,6 @@
 ``import plugdist.nn`` (like ``plugdist.parallel``, not imported by ``import plugdist``).
 """
 
-from .sync_batchnorm import SyncBatchNorm
+from plugdist.nn.sync_batchnorm import SyncBatchNorm
 
 __all__ = ["SyncBatchNorm"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from ..world import world
+from plugdist.world import world
 
 __all__ = ["ElasticSampler"]
 

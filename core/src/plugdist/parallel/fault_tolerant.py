@@ -33,11 +33,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..errors import DistError, DistRankFailureError
-from ..log import get_logger
-from ..membership import off_hint
-from ..world import world
-from .elastic_sampler import ElasticSampler
+from plugdist.errors import DistError, DistRankFailureError
+from plugdist.log import get_logger
+from plugdist.membership import off_hint
+from plugdist.parallel.elastic_sampler import ElasticSampler
+from plugdist.world import world
 
 __all__ = ["ResilientTraining", "ElasticSampler", "BelowMinWorldSizeError", "is_rank_failure"]
 
@@ -255,7 +255,7 @@ class ResilientTraining:
 
     # -- membership changes ------------------------------------------------------------------
     def _shrink(self) -> None:
-        from .. import resilience
+        import plugdist.resilience as resilience
 
         resilience.shrink_group(group=self._torch_group, timeout=self.timeout)
         self._forget_old_epoch()
@@ -266,7 +266,7 @@ class ResilientTraining:
             self._on_world_change()
 
     def _grow(self) -> None:
-        from .. import resilience
+        import plugdist.resilience as resilience
 
         self._grow_due = False
         before = world.epoch
@@ -319,7 +319,7 @@ class ResilientTraining:
         already hold it); then every member decides whether everyone has it. If not (a joiner,
         or the sender, died meanwhile), the survivors shrink and the transfer starts over.
         ``ready``: False when this member already failed the step before (the model's resync)."""
-        from ..object_collectives import broadcast_object_list
+        from plugdist.object_collectives import broadcast_object_list
 
         while True:
             payload: list[Any] = [self._state() if sending and world.rank == 0 else None]
@@ -379,7 +379,7 @@ def _forget(prefix: str) -> None:
 
 
 def _is_plugdist_ddp(model: Any) -> bool:
-    from .ddp import DistributedDataParallel
+    from plugdist.parallel.ddp import DistributedDataParallel
 
     return isinstance(model, DistributedDataParallel)
 

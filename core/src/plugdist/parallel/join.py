@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ..process_group import ProcessGroup
-    from ..work import Work
+    from plugdist.process_group import ProcessGroup
+    from plugdist.work import Work
 
 __all__ = ["Join", "Joinable", "JoinHook"]
 

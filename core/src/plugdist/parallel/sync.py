@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import DistError
+from plugdist.errors import DistError
 
 if TYPE_CHECKING:
-    from ..process_group import ProcessGroup
+    from plugdist.process_group import ProcessGroup
 
 __all__ = ["verify_model_across_ranks", "broadcast_coalesced"]
 

@@ -1,15 +1,15 @@
 """Key-value stores: the interface, the four implementations shipped with the core, and
 ``open_store(url)`` for any store installed through the ``plugdist.stores`` entry points."""
 
-from ..errors import QueueEmptyError
-from ._tcp_server import TCPStoreLimits
-from .api import DEFAULT_STORE_TIMEOUT, Store
-from .file_store import FileStore
-from .hash_store import HashStore
-from .prefix_store import PrefixStore
-from .tcp_store import TOKEN_ENV, TCPStore
-from .torch_store import TorchStoreAdapter
-from .urls import open_store, store_schemes
+from plugdist.errors import QueueEmptyError
+from plugdist.store._tcp_server import TCPStoreLimits
+from plugdist.store.api import DEFAULT_STORE_TIMEOUT, Store
+from plugdist.store.file_store import FileStore
+from plugdist.store.hash_store import HashStore
+from plugdist.store.prefix_store import PrefixStore
+from plugdist.store.tcp_store import TOKEN_ENV, TCPStore
+from plugdist.store.torch_store import TorchStoreAdapter
+from plugdist.store.urls import open_store, store_schemes
 
 __all__ = ["Store", "TCPStore", "FileStore", "HashStore", "PrefixStore", "DEFAULT_STORE_TIMEOUT",
            "TCPStoreLimits", "QueueEmptyError", "TOKEN_ENV", "TorchStoreAdapter", "open_store",

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ..errors import DistNetworkError, DistStoreError, DistTimeoutError
-from . import _wire as w
-from ._util import check_amount, check_key
-from .api import to_bytes
-from .api import to_seconds as _to_seconds
+import plugdist.store._wire as w
+from plugdist.errors import DistNetworkError, DistStoreError, DistTimeoutError
+from plugdist.store._util import check_amount, check_key
+from plugdist.store.api import to_bytes
+from plugdist.store.api import to_seconds as _to_seconds
 
 __all__ = ["Will", "MemberSession", "REPLY_GRACE", "MIN_IO_TIMEOUT", "MAX_TIMEOUT",
            "clamp_seconds", "read_log", "renewer"]

@@ -20,11 +20,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import store_timeout
-from . import _wire as w
-from ._tcp_worlds import Worlds
-from ._wire import read_blob as _blob
-from .worldkeys import RESERVED_NAMES, is_reserved
+import plugdist.store._wire as w
+from plugdist.errors import store_timeout
+from plugdist.store._tcp_worlds import Worlds
+from plugdist.store._wire import read_blob as _blob
+from plugdist.store.worldkeys import RESERVED_NAMES, is_reserved
 
 __all__ = ["KeySpace", "Sliced"]
 

@@ -38,10 +38,10 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from ..errors import DistNetworkError
-from ..log import get_logger
-from . import _wire as w
-from ._tcp_keyspace import KeySpace, Sliced
+import plugdist.store._wire as w
+from plugdist.errors import DistNetworkError
+from plugdist.log import get_logger
+from plugdist.store._tcp_keyspace import KeySpace, Sliced
 
 __all__ = ["StoreServer", "TCPStoreLimits"]
 

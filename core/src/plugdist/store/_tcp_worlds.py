@@ -29,9 +29,18 @@ import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from . import _wire as w
-from ._wire import read_blob as _blob
-from .worldkeys import CLOSED, CURRENT, DEATHS, JOIN, JOIN_COUNT, JOIN_DONE, NO_TRIM, TRIM
+import plugdist.store._wire as w
+from plugdist.store._wire import read_blob as _blob
+from plugdist.store.worldkeys import (
+    CLOSED,
+    CURRENT,
+    DEATHS,
+    JOIN,
+    JOIN_COUNT,
+    JOIN_DONE,
+    NO_TRIM,
+    TRIM,
+)
 
 __all__ = ["Worlds"]
 

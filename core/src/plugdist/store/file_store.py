@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TypeVar
 
-from ..errors import DistStoreError, DistTimeoutError, QueueEmptyError, store_timeout
-from ._util import check_amount, check_key, check_keys
-from .api import DEFAULT_STORE_TIMEOUT, Store, to_bytes, to_seconds
+from plugdist.errors import DistStoreError, DistTimeoutError, QueueEmptyError, store_timeout
+from plugdist.store._util import check_amount, check_key, check_keys
+from plugdist.store.api import DEFAULT_STORE_TIMEOUT, Store, to_bytes, to_seconds
 
 __all__ = ["FileStore"]
 

@@ -15,7 +15,7 @@ from datetime import timedelta
 
 import torch.distributed as tdist
 
-from .api import Store
+from plugdist.store.api import Store
 
 __all__ = ["PlugdistStoreForTorch"]
 

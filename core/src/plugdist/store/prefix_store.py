@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from ._util import check_key, check_keys
-from .api import Store, to_bytes
+from plugdist.store._util import check_key, check_keys
+from plugdist.store.api import Store, to_bytes
 
 __all__ = ["PrefixStore"]
 

@@ -21,23 +21,29 @@ import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 
-from ..errors import (
+import plugdist.store._wire as w
+from plugdist.errors import (
     DistExcludedError,
     DistNetworkError,
     DistStoreError,
     DistTimeoutError,
     QueueEmptyError,
 )
-from . import _wire as w
-from ._tcp_client import MIN_IO_TIMEOUT as _MIN_IO_TIMEOUT
-from ._tcp_client import REPLY_GRACE as _REPLY_GRACE
-from ._tcp_client import MemberSession, Will, read_log, renewer
-from ._tcp_client import clamp_seconds as to_seconds
-from ._tcp_server import StoreServer, TCPStoreLimits
-from ._util import check_amount, check_key, check_keys
-from .api import DEFAULT_STORE_TIMEOUT, Store, to_bytes
-from .tokens import TOKEN_ENV, TOKEN_FILE_ENV, is_loopback, resolve_token, tokenless_exposure
-from .worldkeys import DEATHS
+from plugdist.store._tcp_client import MIN_IO_TIMEOUT as _MIN_IO_TIMEOUT
+from plugdist.store._tcp_client import REPLY_GRACE as _REPLY_GRACE
+from plugdist.store._tcp_client import MemberSession, Will, read_log, renewer
+from plugdist.store._tcp_client import clamp_seconds as to_seconds
+from plugdist.store._tcp_server import StoreServer, TCPStoreLimits
+from plugdist.store._util import check_amount, check_key, check_keys
+from plugdist.store.api import DEFAULT_STORE_TIMEOUT, Store, to_bytes
+from plugdist.store.tokens import (
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    is_loopback,
+    resolve_token,
+    tokenless_exposure,
+)
+from plugdist.store.worldkeys import DEATHS
 
 __all__ = ["TCPStore", "TCPStoreLimits", "TOKEN_ENV"]
 

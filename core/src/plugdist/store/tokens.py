@@ -15,7 +15,7 @@ import os
 import stat
 import warnings
 
-from ..errors import DistStoreError
+from plugdist.errors import DistStoreError
 
 __all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "resolve_token", "read_token_file", "is_loopback",
            "tokenless_exposure"]

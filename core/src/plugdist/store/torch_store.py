@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
-from ..errors import DistError, DistStoreError, DistTimeoutError
-from .api import Store, to_bytes
+from plugdist.errors import DistError, DistStoreError, DistTimeoutError
+from plugdist.store.api import Store, to_bytes
 
 __all__ = ["TorchStoreAdapter"]
 

@@ -16,11 +16,11 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from ..errors import DistStoreError
-from .api import DEFAULT_STORE_TIMEOUT, Store
-from .file_store import FileStore
-from .hash_store import HashStore
-from .tcp_store import TCPStore
+from plugdist.errors import DistStoreError
+from plugdist.store.api import DEFAULT_STORE_TIMEOUT, Store
+from plugdist.store.file_store import FileStore
+from plugdist.store.hash_store import HashStore
+from plugdist.store.tcp_store import TCPStore
 
 __all__ = ["open_store", "store_schemes", "tcp_store_factory", "file_store_factory",
            "hash_store_factory"]
@@ -28,7 +28,7 @@ __all__ = ["open_store", "store_schemes", "tcp_store_factory", "file_store_facto
 
 def store_schemes() -> list[str]:
     """Every store URL scheme installed (entry points and runtime registrations)."""
-    from ..registry import STORES, registry
+    from plugdist.registry import STORES, registry
     return registry.names(STORES)
 
 
@@ -39,7 +39,7 @@ def open_store(url: str, timeout: timedelta = DEFAULT_STORE_TIMEOUT, *, rank: in
     (in this process), ``etcd://H:P[,H:P...]/PREFIX`` with plugdist-etcd, ... Blocks until the
     store answers, up to ``timeout``. An unknown or broken scheme raises
     :class:`~plugdist.registry.PluginNotFoundError` naming the installed ones and the reason."""
-    from ..registry import STORES, registry
+    from plugdist.registry import STORES, registry
     scheme = urlparse(url).scheme
     if not scheme:
         raise ValueError(f"store URL {url!r} has no scheme; installed store schemes: "

@@ -7,6 +7,6 @@
   backend with ``pytest --pyargs plugdist.testing.conformance --plugdist-backend NAME``.
 """
 
-from .harness import RankResult, WorldError, free_port, heap_check_env, run_world
+from plugdist.testing.harness import RankResult, WorldError, free_port, heap_check_env, run_world
 
 __all__ = ["run_world", "RankResult", "WorldError", "free_port", "heap_check_env"]

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import DistError
-from ..launcher.rendezvous import free_port
+from plugdist.errors import DistError
+from plugdist.launcher.rendezvous import free_port
 
 __all__ = ["run_world", "RankResult", "WorldError", "free_port", "mpiexec_path", "FAILURE_GRACE",
            "heap_check_env"]
@@ -91,7 +91,7 @@ def heap_check_env() -> dict[str, str]:
 def _launcher_for(backend: str | None) -> str:
     if backend is None:
         return "subprocess"
-    from ..registry import BACKENDS, registry
+    from plugdist.registry import BACKENDS, registry
     try:
         factory = registry.load(BACKENDS, backend)
     except DistError:
