@@ -86,7 +86,7 @@ def _pin(rank: int, pin: bool) -> None:
     ranks on one core, and then an op that polls (MPI) takes 50-85 us instead of 7-11 us for
     whole chunks at a time."""
     if pin:
-        from plugdist.bench import pin_process
+        from plugdist._tools.bench import pin_process
 
         pin_process(rank)
 

@@ -75,7 +75,7 @@ def main() -> None:
 
     def step_and_count(self: Any, fn: Any) -> Any:
         result = run_step(self, fn)
-        from plugdist.world import world
+        from plugdist._world.state import world
 
         if world.rank == 0 and self.step % 25 == 0 and world.store is not None:
             _event(event="keys", step=self.step, keys=world.store.num_keys())

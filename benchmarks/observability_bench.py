@@ -64,8 +64,8 @@ def main() -> None:
 def run(args: argparse.Namespace) -> None:
     import plugdist as dist
     import torch
-    from plugdist.flight_recorder import recorder
-    from plugdist.reduce_op import ReduceOp
+    from plugdist._backend.reduce_op import ReduceOp
+    from plugdist._observability.flight_recorder import recorder
 
     dist.init_process_group("mpi")
     pg = dist.group.WORLD
@@ -130,8 +130,8 @@ def local(args: argparse.Namespace) -> None:
     """The CPU cost per op of each mode, on a group whose op does nothing."""
     import torch
     from plugdist import GroupOptions, ProcessGroup
-    from plugdist.flight_recorder import recorder
-    from plugdist.reduce_op import ReduceOp
+    from plugdist._backend.reduce_op import ReduceOp
+    from plugdist._observability.flight_recorder import recorder
 
     class Nothing(ProcessGroup):
         backend_name = "nothing"

@@ -3,7 +3,7 @@ TCPStore, on this machine.
 
 Each simulated member is a thread that runs what a member process does against the store, with
 plugdist's real client (``TCPStore``, its ``Will`` and renewal thread), the real wire code and
-the real key layout of ``plugdist.membership``:
+the real key layout of ``plugdist._resilience.membership``:
 
 * **rendezvous**: open a store client, ``add`` 1 to a counter, the last one ``set``s the go key,
   ``wait`` for it; then claim its identity (``claim_member(..., ttl=)``: one connection whose
@@ -59,8 +59,8 @@ from typing import Any
 # reads this as it loads, which importing plugdist does
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
+from plugdist._resilience.membership import DEATHS, _append_log, _epoch_key
 from plugdist.errors import DistNetworkError, DistTimeoutError
-from plugdist.membership import DEATHS, _append_log, _epoch_key
 from plugdist.store import TCPStore, TCPStoreLimits
 from plugdist.store import _wire as w
 

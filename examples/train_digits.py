@@ -18,8 +18,8 @@ import time
 
 import plugdist as dist
 import torch
-from plugdist.launcher import free_port
 from plugdist.parallel import DistributedDataParallel as DDP
+from plugdist.testing import free_port
 from sklearn.datasets import load_digits
 from torch import nn
 from tqdm import tqdm

@@ -17,7 +17,8 @@ from typing import Any
 
 import plugdist as dist
 import torch
-from plugdist.debug_level import DebugLevel, set_debug_level
+from plugdist._debug_level import DebugLevel, set_debug_level
+from plugdist._registry import PluginNotFoundError, registry
 from plugdist.errors import DistError
 from plugdist.hookspecs import hookimpl
 from plugdist.parallel import (
@@ -26,7 +27,6 @@ from plugdist.parallel import (
     GradBucket,
     fp16_compress_hook,
 )
-from plugdist.registry import PluginNotFoundError, registry
 from plugdist.testing.checks import expect_error
 from torch import nn
 

@@ -237,7 +237,7 @@ def mismatch_then_exit(rank: int, ws: int, out_dir: str) -> None:
 def numbering_matches_flight_recorder(rank: int, ws: int) -> dict[str, Any]:
     """One good all_reduce, then a mismatch (rank 1 reduces): the DETAIL error's number and the
     core flight recorder's collective_seq_id (torch's dump) and the debug recorder's seq."""
-    from plugdist.flight_recorder import recorder
+    from plugdist._observability.flight_recorder import recorder
 
     dist.all_reduce(torch.ones(4))
     odd = rank == 1

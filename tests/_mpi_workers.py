@@ -22,12 +22,12 @@ from typing import Any
 
 import plugdist as dist
 import torch
+from plugdist._backend.reduce_op import ReduceOp
+from plugdist._group.process_group import OPS, GroupOptions
+from plugdist._world.state import world as _world
 from plugdist.errors import DistBackendError, DistError, DistTimeoutError
-from plugdist.process_group import OPS, GroupOptions
-from plugdist.reduce_op import ReduceOp
 from plugdist.store import HashStore, PrefixStore, TCPStore
 from plugdist.testing.checks import expect_error, run
-from plugdist.world import world as _world
 from plugdist_mpi import MPIProcessGroup
 
 OPS_BLOCKING = frozenset(OPS) - {"send", "recv"}

@@ -149,7 +149,7 @@ def p2p_eager_versus_held(rank: int, ws: int) -> list[str]:
     point-to-point call, whose group call then blocks the host until the peer posts its side, so
     on a cold pair rank 1's timed wait could not return before rank 0 flushed (seen on an H100,
     NCCL 2.28)."""
-    from plugdist.world import world
+    from plugdist._world.state import world
     from plugdist_nccl import NCCLOptions
 
     dev = _gpu()
@@ -217,8 +217,8 @@ def torch_over_plugdist_nccl(rank: int, ws: int, ports: list[int]) -> list[str]:
     from datetime import timedelta
 
     import torch.distributed as tdist
+    from plugdist._torch.bridge import BridgeWork
     from plugdist.testing.checks import assign_gpu
-    from plugdist.torch_bridge import BridgeWork
 
     dev = assign_gpu(rank, ws)
     problems: list[str] = []

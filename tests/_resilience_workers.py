@@ -66,7 +66,7 @@ def check_collectives(tag: str) -> list[str]:
 
 
 def _store() -> Any:
-    from plugdist.world import world
+    from plugdist._world.state import world
 
     return world.store
 
@@ -220,7 +220,7 @@ def die_during_shrink() -> None:
 def _rank2_dies_in_the_rebuild(arm_rank2: Any) -> None:
     """Rank 3 dies; rank 2 takes part in the agreement and ``arm_rank2()`` makes it die
     (SIGKILL) somewhere in the rebuild; the others shrink to 2 and write what they saw."""
-    from plugdist.world import world
+    from plugdist._world.state import world
 
     dist.init_process_group(os.environ["BACKEND"], timeout=TIMEOUT)
     rank = dist.get_rank()
@@ -255,7 +255,7 @@ def die_while_connecting() -> None:
     """Rank 2 publishes its Gloo address for the new group, then dies before the others
     connect to it: the others must leave Gloo's connect (which waits up to five times the
     group's timeout for a dead peer) and agree again, without it."""
-    from plugdist.store.for_torch import PlugdistStoreForTorch
+    from plugdist.store._for_torch import PlugdistStoreForTorch
 
     def arm() -> None:
         publish = PlugdistStoreForTorch.set
@@ -319,7 +319,7 @@ def torch_ddp() -> None:
 def default_mode() -> None:
     """Worlds built one after another in the same processes, each under another
     PLUGDIST_RESILIENCE: which of them got resilient groups (a membership)."""
-    from plugdist.world import world
+    from plugdist._world.state import world
 
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, files = os.environ["MASTER_ADDR"], os.environ["RESULT_DIR"]

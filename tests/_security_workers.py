@@ -43,7 +43,7 @@ def train(result_dir: str) -> None:
         _write(os.path.join(result_dir, f"refused-{os.getpid()}.json"),
                {"error": str(err), "kind": type(err).__name__})
         sys.exit(3)
-    from plugdist.world import world
+    from plugdist._world.state import world
     uid = world.membership.uid if world.membership is not None else str(dist.get_rank())
     if dist.get_rank() == 0:
         store = world.store

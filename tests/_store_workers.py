@@ -63,7 +63,7 @@ def _load_store_package() -> types.ModuleType:
     pkg.__path__ = list(spec.submodule_search_locations)
     pkg.__spec__ = spec
     sys.modules["plugdist"] = pkg
-    import plugdist.store as store
+    from plugdist import store
     return store
 
 

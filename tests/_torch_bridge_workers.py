@@ -368,7 +368,7 @@ def torch_first_suite(rank: int, n: int, ports: list[int]) -> dict[str, str | No
     checks: Checks = {}
 
     def identity() -> None:
-        from plugdist.torch_bridge import BridgeGroup
+        from plugdist._torch.bridge import BridgeGroup
         if tdist.get_backend() != "plugdist_gloo" or not isinstance(world, BridgeGroup):
             raise AssertionError(f"default group {world!r}, backend {tdist.get_backend()}")
         if tdist.get_backend(toy) != "plugdist_toy":
@@ -422,7 +422,7 @@ def _device_map(rank: int, n: int, ports: list[int]) -> None:
     backends (the other device is cuda, never used here: its backend is still built, and the
     GPU test in test_nccl.py sends it tensors); then a map whose torch backend cannot be built
     next to a plugdist one."""
-    from plugdist.torch_bridge import BridgeGroup, BridgeWork
+    from plugdist._torch.bridge import BridgeGroup, BridgeWork
 
     def init(spec: str, port: int) -> None:
         tdist.init_process_group(spec, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -577,7 +577,7 @@ def mpi_suite(rank: int, n: int) -> dict[str, str | None]:
     def device_map_subgroup() -> None:
         """The issue's spelling "cpu:plugdist_mpi,cuda:nccl", with gloo for cuda (no GPU
         here), as a new_group: cpu through plugdist's MPI, cuda's backend built beside it."""
-        from plugdist.torch_bridge import BridgeWork
+        from plugdist._torch.bridge import BridgeWork
 
         mixed: Any = tdist.new_group(backend="cpu:plugdist_mpi,cuda:gloo")
         t = torch.tensor([rank + 1.0])
@@ -672,7 +672,7 @@ def detail_suite(rank: int, n: int, port: int) -> dict[str, str | None]:
     def destroy_forgets_the_groups() -> None:
         # a flight-recorder watcher left polling a destroyed group's store could be inside a
         # C++ store call when the interpreter ends, and abort the process
-        from plugdist.flight_recorder import recorder
+        from plugdist._observability.flight_recorder import recorder
         tdist.destroy_process_group()
         if recorder._groups:
             raise AssertionError(f"the flight recorder still watches {list(recorder._groups)}")

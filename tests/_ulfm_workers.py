@@ -101,7 +101,7 @@ def die_after_agreeing() -> None:
     the new group is built: MPI's shrink finds fewer survivors than agreed, and the others
     agree again without it."""
     from plugdist import resilience
-    from plugdist.world import world
+    from plugdist._world.state import world
 
     dist.init_process_group("mpi", timeout=TIMEOUT)
     rank = dist.get_rank()

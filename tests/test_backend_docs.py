@@ -1,5 +1,5 @@
 """The backend author's contract stays complete: every hook a backend may define
-(``plugdist.process_group.BACKEND_HOOKS``, which must name every ``native_*`` hook of
+(``plugdist._group.process_group.BACKEND_HOOKS``, which must name every ``native_*`` hook of
 ``ProcessGroup``) has a row in docs/backends.md and, where the base class defines it, a docstring
 of its own; every row of that page names a real hook or helper. Fails on a new hook added without
 its documentation, as pluggy's and datasette's hook references are checked."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from plugdist import ProcessGroup
-from plugdist.process_group import BACKEND_HELPERS, BACKEND_HOOKS
+from plugdist._group.process_group import BACKEND_HELPERS, BACKEND_HOOKS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,7 +26,7 @@ def test_every_native_hook_is_a_listed_backend_hook() -> None:
     natives = {name for name in dir(ProcessGroup) if name.startswith("native_")}
     missing = sorted(natives - set(BACKEND_HOOKS))
     assert not missing, (f"ProcessGroup hooks missing from BACKEND_HOOKS "
-                         f"(core/src/plugdist/process_group.py): {missing}")
+                         f"(core/src/plugdist/_group/process_group.py): {missing}")
 
 
 def test_every_hook_and_helper_has_a_row_on_the_page() -> None:

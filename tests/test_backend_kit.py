@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from plugdist.cli import main
-from plugdist.scaffold import package_files
+from plugdist._tools.cli import main
+from plugdist._tools.scaffold import package_files
 from plugdist.testing import free_port
 
 REPO = Path(__file__).parents[1]
@@ -84,7 +84,7 @@ def test_a_scaffolded_backend_installs_and_passes_the_conformance_suite(tmp_path
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                     "--no-build-isolation", "--target", str(site), str(package)],
                    check=True, timeout=120)
-    info = subprocess.run([sys.executable, "-m", "plugdist.cli", "info"], env=_env(site),
+    info = subprocess.run([sys.executable, "-m", "plugdist._tools.cli", "info"], env=_env(site),
                           capture_output=True, text=True, timeout=60)
     assert info.returncode == 0, info.stderr
     assert "plugdist-kitcheck 0.1.0" in info.stdout and "backend kitcheck: available" in info.stdout

@@ -7,7 +7,7 @@ import sys
 
 import plugdist
 import pytest
-from plugdist.bench import parse_size, parser
+from plugdist._tools.bench import parse_size, parser
 
 
 def test_help_explains_every_option() -> None:
@@ -27,7 +27,7 @@ def test_parse_size() -> None:
 
 
 def _sweep(*args: str) -> list[list[str]]:
-    res = subprocess.run([sys.executable, "-m", "plugdist.bench", "--nproc", "2", "-b", "8",
+    res = subprocess.run([sys.executable, "-m", "plugdist._tools.bench", "--nproc", "2", "-b", "8",
                           "-e", "32", "-f", "4", "--iters", "30", *args, "--timeout", "120"],
                          capture_output=True, text=True, timeout=150)
     assert res.returncode == 0, res.stdout + res.stderr

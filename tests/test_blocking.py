@@ -15,7 +15,7 @@ import plugdist as dist
 import pytest
 import torch
 from plugdist import ProcessGroup, ReduceOp, Work
-from plugdist.registry import BACKENDS, registry
+from plugdist._registry import BACKENDS, registry
 
 
 class Solo(ProcessGroup):

@@ -3,10 +3,10 @@
 import pytest
 import torch
 from plugdist import GroupOptions, ProcessGroup
-from plugdist.cli import backend_table
-from plugdist.composition import plan
+from plugdist._group.composition import plan
+from plugdist._group.process_group import OPS
+from plugdist._tools.cli import backend_table
 from plugdist.errors import DistBackendError
-from plugdist.process_group import OPS
 
 
 def _backend(*native: str) -> type[ProcessGroup]:

@@ -12,8 +12,8 @@ import _ddp_workers as workers
 import plugdist
 import pytest
 import torch
+from plugdist._registry import registry
 from plugdist.parallel import compute_bucket_assignment
-from plugdist.registry import registry
 from plugdist.testing import heap_check_env, run_world
 
 pytestmark = pytest.mark.skipif("gloo" not in registry.names("plugdist.backends"),

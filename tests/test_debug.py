@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import _debug_workers as w
-import plugdist.groups as groups
 import pytest
 import torch
 from plugdist import DebugLevel
-from plugdist.cli import main as plugdist_cli
+from plugdist._tools.cli import main as plugdist_cli
+from plugdist._world import groups
 from plugdist.testing import run_world
 from plugdist.testing.pytest_plugin import available_backends
 from plugdist_debug.analyze import run as analyze_dir
@@ -233,7 +233,7 @@ def test_analyze_reports_missing_and_incomplete(tmp_path: Path) -> None:
 
 
 def test_core_warns_once_when_detail_has_no_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
-    from plugdist.registry import registry
+    from plugdist._registry import registry
 
     assert registry.has_hook("plugdist_wrap_process_group"), "plugdist-debug is not registered"
     with warnings.catch_warnings():

@@ -31,7 +31,7 @@ def test_reduce_op_warns_like_torch() -> None:
 
 
 def test_default_backend_names_an_installed_but_unavailable_volunteer() -> None:
-    from plugdist.registry import BACKENDS, registry
+    from plugdist._registry import BACKENDS, registry
 
     assert dist.get_default_backend_for_device("cpu") == "gloo"
     if "nccl" not in registry.names(BACKENDS):

@@ -19,9 +19,9 @@ from typing import Any
 import plugdist as dist
 import pytest
 import torch
+from plugdist._backend.reduce_op import ReduceOp
+from plugdist._group.process_group import OPS, GroupOptions
 from plugdist.errors import DistError, DistNetworkError, DistTimeoutError
-from plugdist.process_group import OPS, GroupOptions
-from plugdist.reduce_op import ReduceOp
 from plugdist.store import HashStore, PrefixStore, TCPStore
 from plugdist.testing import free_port, run_world
 from plugdist_gloo import GlooOptions, GlooProcessGroup
@@ -530,7 +530,7 @@ def test_side_by_side_with_torch_distributed_over_socket_ifname() -> None:
 
 # -- in one process -----------------------------------------------------------------------------
 def test_registered_through_the_entry_point_only() -> None:
-    from plugdist.registry import BACKENDS, registry
+    from plugdist._registry import BACKENDS, registry
     eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=BACKENDS)}
     assert eps.get("gloo") == "plugdist_gloo:GlooProcessGroup"
     assert registry.load(BACKENDS, "gloo") is GlooProcessGroup
@@ -543,7 +543,7 @@ def test_registered_through_the_entry_point_only() -> None:
 def test_store_bridge_serves_torch_cpp_callers() -> None:
     """torch's C++ PrefixStore over the bridge calls every method through torch's trampoline."""
     import torch.distributed as tdist
-    from plugdist.store.for_torch import PlugdistStoreForTorch
+    from plugdist.store._for_torch import PlugdistStoreForTorch
     inner = HashStore(timeout=timedelta(seconds=300))
     bridge = PlugdistStoreForTorch(inner, timedelta(seconds=1))  # must outlive its C++ users
     p = tdist.PrefixStore("p", bridge)
@@ -626,7 +626,7 @@ def test_an_op_that_completes_as_a_timed_wait_gives_up_keeps_its_own_outcome(
     as such, one rank raised from an op that succeeded everywhere and the ranks fell out of step
     (resilient groups slice every wait into timed waits, so it came up every thousand ops or so
     under load, and the DDP test world then ran mismatched collectives)."""
-    from plugdist.abort import AbortSignal
+    from plugdist._backend.abort import AbortSignal
     from plugdist_gloo.work import wait_native
 
     signal = AbortSignal()

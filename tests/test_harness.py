@@ -64,7 +64,7 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(100)
 def test_plugdist_bench_exits_1_with_the_rank_error() -> None:
-    res = _run([sys.executable, "-m", "plugdist.bench", "--backend", "no-such-backend",
+    res = _run([sys.executable, "-m", "plugdist._tools.bench", "--backend", "no-such-backend",
                 "--nproc", "2", "-e", "8", "--timeout", "80"], timeout=90)
     assert res.returncode == 1, res.stdout + res.stderr
     assert res.stderr.startswith("plugdist-bench: world of 2 ranks failed"), res.stderr

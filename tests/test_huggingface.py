@@ -89,7 +89,7 @@ def test_torch_env_fallback_fills_master_when_a_library_set_rank(tmp_path: Path)
         "os.environ.update(RANK='0', WORLD_SIZE='1')\n"
         "d.init_process_group('gloo', rank=0, world_size=1)\n"
         "t = torch.ones(2); d.all_reduce(t)\n"
-        "from plugdist.rendezvous import _job_port\n"
+        "from plugdist._world.rendezvous import _job_port\n"
         "print(os.environ['MASTER_ADDR'], os.environ['MASTER_PORT'] == str(_job_port()),\n"
         "      os.environ['LOCAL_RANK'], t.tolist())\n"
         "d.destroy_process_group()\n"

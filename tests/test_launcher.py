@@ -18,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from plugdist.launcher import (
+from plugdist._launcher import (
     LaunchConfig,
     extract_traceback,
     free_port,
@@ -698,7 +698,7 @@ def test_env_rendezvous_reads_other_launchers(launcher_vars: dict[str, str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """No RANK/WORLD_SIZE/MASTER_*: rank and world from mpiexec/mpirun/srun's variables, a
     master on this host (every rank is local), and LOCAL_RANK etc. set for the script."""
-    from plugdist.rendezvous import env_rendezvous_handler
+    from plugdist._world.rendezvous import env_rendezvous_handler
     before = dict(os.environ)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "PLUGDIST_AGENT_STORE", "TORCHELASTIC_USE_AGENT_STORE",
@@ -729,12 +729,12 @@ def test_env_rendezvous_reads_other_launchers(launcher_vars: dict[str, str],
     ("node07", "node07"), ("node[07-09,12],gpu1", "node07"), ("a,b[1-2]", "a"),
     ("rack[2-3]-n[01-04]", "rack2-n01"), ("n[001]", "n001"), ("x-[5,6]", "x-5")])
 def test_slurm_first_host(nodelist: str, first: str) -> None:
-    from plugdist.rendezvous import slurm_first_host
+    from plugdist._world.rendezvous import slurm_first_host
     assert slurm_first_host(nodelist) == first
 
 
 def test_slurm_node_list_that_cannot_be_read_names_the_fix() -> None:
-    from plugdist.rendezvous import RendezvousError, slurm_first_host
+    from plugdist._world.rendezvous import RendezvousError, slurm_first_host
     with pytest.raises(RendezvousError, match="set MASTER_ADDR"):
         slurm_first_host("n[1-2")
 
@@ -795,7 +795,7 @@ def test_torch_store_client_behind_the_store_api() -> None:
 @pytest.mark.timeout(60)
 def test_record_and_torchs_record_write_what_the_summary_reads(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from plugdist.launcher import read_error_file, record
+    from plugdist._launcher import read_error_file, record
     from torch.distributed.elastic.multiprocessing.errors import record as torch_record
     for name, decorate in (("ours", record), ("torch", torch_record)):
         path = tmp_path / f"{name}.json"
@@ -854,7 +854,7 @@ def _fake_sysfs(root: Path) -> Path:
 
 
 def test_numa_binding_cpu_sets(tmp_path: Path) -> None:
-    from plugdist.launcher.numa import cpus_for_workers
+    from plugdist._launcher.numa import cpus_for_workers
     sysfs, allowed = str(_fake_sysfs(tmp_path)), set(range(8))
     noproc = str(tmp_path / "noproc")       # no GPUs
     sets = {mode: cpus_for_workers(mode, 4, sysfs=sysfs, procfs=noproc, allowed=allowed)
@@ -895,7 +895,7 @@ def test_numa_binding_cpu_sets(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_numa_binding_virtual_local_rank_and_duplicate_filters(tmp_path: Path) -> None:
-    from plugdist.launcher.numa import cpus_for_workers
+    from plugdist._launcher.numa import cpus_for_workers
     try:
         want = cpus_for_workers("exclusive", 2)
     except ValueError as exc:      # one physical core: nothing exclusive to hand out

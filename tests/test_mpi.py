@@ -17,9 +17,9 @@ from pathlib import Path
 
 import _mpi_workers as workers
 import pytest
-from plugdist.process_group import OPS
-from plugdist.reduce_op import ReduceOp
-from plugdist.registry import BACKENDS, registry
+from plugdist._backend.reduce_op import ReduceOp
+from plugdist._group.process_group import OPS
+from plugdist._registry import BACKENDS, registry
 from plugdist.testing import run_world
 from plugdist.testing.harness import mpiexec_path
 from plugdist_mpi import MPIProcessGroup

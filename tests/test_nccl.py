@@ -21,8 +21,8 @@ import _nccl_workers as workers
 import plugdist as dist
 import pytest
 import torch
-from plugdist.reduce_op import ReduceOp
-from plugdist.registry import BACKENDS, registry
+from plugdist._backend.reduce_op import ReduceOp
+from plugdist._registry import BACKENDS, registry
 from plugdist.testing import run_world
 from plugdist.testing.checks import check_names, run_checks
 from plugdist.testing.conformance import _gpu_shortfall
@@ -450,7 +450,7 @@ def test_group_failure_settles_works_and_stops_polling_before_the_abort() -> Non
     """Defect 4, NCCLProcessGroup._abort's order on its real collaborators (Communicator,
     Watchdog, NCCLWork) around a cupy-like stand-in and stand-in events: not NCCL, not a GPU.
     The group object is made without __init__, which needs a GPU."""
-    from plugdist.log import get_logger
+    from plugdist._log import get_logger
     from plugdist_nccl.process_group import _P2P, NCCLProcessGroup
 
     raw = _CupyLikeComm()
@@ -501,8 +501,8 @@ _EXIT_SCRIPT = """
 import threading, time, sys
 sys.path.insert(0, {tests!r})
 from datetime import timedelta
-from plugdist.log import get_logger
-from plugdist.process_group import GroupOptions
+from plugdist._log import get_logger
+from plugdist._group.process_group import GroupOptions
 from plugdist_nccl import process_group as m
 from plugdist_nccl.communicator import Communicator
 from plugdist_nccl.watchdog import Watchdog

@@ -23,10 +23,10 @@ import _observe_workers as w
 import pytest
 import torch
 from plugdist import GroupOptions, ProcessGroup, ReduceOp, Work, dump_flight_recorder
-from plugdist.flight_recorder import recorder
+from plugdist._backend.work import completed_work
+from plugdist._observability.flight_recorder import recorder
 from plugdist.testing import run_world
 from plugdist.testing.pytest_plugin import available_backends
-from plugdist.work import completed_work
 
 BACKENDS = [b for b in ("gloo", "mpi", "toy") if b in available_backends()]
 FR_BACKENDS = [b for b in ("gloo", "mpi") if b in available_backends()]
@@ -89,7 +89,8 @@ def test_fr_trace_names_the_rank_that_skipped_a_collective(backend: str, ws: int
     report = fr_trace(tmp_path / "fr")
     assert "Not all ranks joining collective, sequence number: 5" in report, report
     assert f"missing ranks: {{{culprit}}}" in report, report
-    prefix = "gloo"  # mpi is not among the analyzer's prefixes (see plugdist.flight_recorder)
+    # mpi is not among the analyzer's prefixes (see plugdist._observability.flight_recorder)
+    prefix = "gloo"
     assert f"collective: {prefix}:all_reduce" in report, report
     assert f"group info: 1:plugdist:{backend}" in report, report
     assert "collective state: started" in report, report

@@ -14,10 +14,9 @@ from pathlib import Path
 import plugdist
 import pytest
 from plugdist import ProcessGroup
-from plugdist.capabilities import Capabilities
-from plugdist.cli import reduction_lines
-from plugdist.reduce_op import ReduceOp
-from plugdist.registry import (
+from plugdist._backend.capabilities import Capabilities
+from plugdist._backend.reduce_op import ReduceOp
+from plugdist._registry import (
     BACKENDS,
     PLUGIN_API,
     PluginAPIError,
@@ -25,6 +24,7 @@ from plugdist.registry import (
     declared_plugin_api,
     registry,
 )
+from plugdist._tools.cli import reduction_lines
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -107,7 +107,8 @@ def test_an_installed_backend_for_another_api_is_refused_and_the_rest_work(
     assert "(plugdist-broken 0.0.1, plugdist_future:FutureProcessGroup)" in out, out
     assert "needs plugdist plugin API 2.0" in out and "provides plugin API 1.0" in out, out
     assert "GLOO OK 1.0" in out, out
-    info = _run("from plugdist.cli import main; raise SystemExit(main(['info']))", broken_site)
+    info = _run("from plugdist._tools.cli import main; raise SystemExit(main(['info']))",
+                broken_site)
     assert info.returncode == 0, info.stderr
     line = next(ln for ln in info.stdout.splitlines() if ln.strip().startswith("future "))
     assert "FAILED TO LOAD" in line, info.stdout

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import plugdist as dist
 import pytest
-from plugdist.registry import BACKENDS, PluginNotFoundError, Registry, registry
+from plugdist._registry import BACKENDS, PluginNotFoundError, Registry, registry
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(180)
@@ -24,7 +24,8 @@ def _run(code: str, site: Path) -> subprocess.CompletedProcess:
 
 
 def test_info_reports_broken_plugin_and_keeps_the_rest(broken_site: Path) -> None:
-    proc = _run("from plugdist.cli import main; raise SystemExit(main(['info']))", broken_site)
+    proc = _run("from plugdist._tools.cli import main; raise SystemExit(main(['info']))",
+                broken_site)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "broken" in out and "FAILED TO LOAD" in out
@@ -110,7 +111,7 @@ def test_importing_plugdist_loads_no_plugin_and_subpackages_on_first_use() -> No
 # ---- stores: the plugdist.stores group ---------------------------------------------------------
 
 def test_core_stores_register_through_the_entry_point_group() -> None:
-    from plugdist.registry import STORES
+    from plugdist._registry import STORES
     assert {"tcp", "file", "hash", "dirstore"} <= set(registry.names(STORES))
     infos = {p.name: p for p in registry.describe() if p.group == STORES}
     assert infos["tcp"].distribution == "plugdist" and infos["tcp"].error is None
@@ -142,7 +143,8 @@ def test_third_party_store_by_url_and_as_init_method(tmp_path: Path) -> None:
 
 
 def test_broken_store_plugin_is_reported(broken_site: Path) -> None:
-    proc = _run("from plugdist.cli import main; raise SystemExit(main(['info']))", broken_site)
+    proc = _run("from plugdist._tools.cli import main; raise SystemExit(main(['info']))",
+                broken_site)
     assert proc.returncode == 0, proc.stderr
     stores = proc.stdout.split("plugdist.stores:")[1].split("plugdist.rendezvous:")[0]
     assert "brokenstore" in stores and "FAILED TO LOAD" in stores

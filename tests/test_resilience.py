@@ -225,7 +225,7 @@ def test_resilient_groups_are_on_by_default_where_the_store_expires_wills(
 
 
 def test_a_misspelt_resilience_setting_is_refused_with_the_choices() -> None:
-    from plugdist.membership import resilience_mode
+    from plugdist._resilience.membership import resilience_mode
 
     assert [resilience_mode({"PLUGDIST_RESILIENCE": v}) for v in ("", "1", "off")] == [
         "auto", "on", "off"]
@@ -320,8 +320,8 @@ def test_membership_beats_only_where_the_stores_will_does_not_cover_hangs(livene
     liveness_timeout): membership writes no heartbeat and gives a transport error that long (+1
     s) to be confirmed; a will without it (TCPStore's) keeps heartbeats and the 1 s grace."""
     from plugdist import HashStore
-    from plugdist.abort import AbortSignal
-    from plugdist.membership import Membership
+    from plugdist._backend.abort import AbortSignal
+    from plugdist._resilience.membership import Membership
 
     will = _StoreWithLiveness(liveness)
 
@@ -384,12 +384,13 @@ def test_mpi_refuses_shrink_with_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_a_failure_reported_by_a_backend_reaches_every_member() -> None:
-    """Membership.report (plugdist.resilience.report_failed_ranks' target): the reporter learns
+    """Membership.report (the target of plugdist._lifecycle.regroup.report_failed_ranks): the
+    reporter learns
     at once and aborts its groups; the death log tells the others, once per failed member."""
     import json
 
-    from plugdist.membership import DEATHS, Membership
-    from plugdist.process_group import ProcessGroup
+    from plugdist._group.process_group import ProcessGroup
+    from plugdist._resilience.membership import DEATHS, Membership
     from plugdist.store import HashStore
 
     store = HashStore()

@@ -16,7 +16,7 @@ import pytest
 from plugdist.errors import DistExcludedError, DistStoreError, DistTimeoutError
 from plugdist.store import PrefixStore, TCPStore, TCPStoreLimits
 from plugdist.store._tcp_client import MemberSession
-from plugdist.store.worldkeys import is_reserved
+from plugdist.store._worldkeys import is_reserved
 
 HOST = "127.0.0.1"
 DEATHS = "plugdist/live/deaths"

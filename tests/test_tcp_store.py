@@ -23,8 +23,8 @@ from structlog.testing import capture_logs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _store_workers import result, spawn, wait_ready  # noqa: E402
+from plugdist._log import get_logger
 from plugdist.errors import DistNetworkError, DistStoreError, DistTimeoutError
-from plugdist.log import get_logger
 from plugdist.store import TCPStore, TCPStoreLimits
 from plugdist.store import _wire as wire
 from plugdist.testing import free_port
@@ -96,7 +96,7 @@ def closed_by_server(s: socket.socket) -> bool:
 @pytest.fixture(autouse=True)
 def _info_logs() -> Any:
     """The server logs clients that simply went away at info level: capture those too."""
-    from plugdist.log import set_log_level
+    from plugdist._log import set_log_level
 
     set_log_level("INFO")
     yield

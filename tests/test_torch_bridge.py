@@ -123,7 +123,7 @@ def _python(code: str, env: dict[str, str] | None = None) -> subprocess.Complete
 def _slurm_job_with_a_free_port(monkeypatch: pytest.MonkeyPatch) -> str:
     """A Slurm job id whose derived store port is free now: a fixed id's port can be held by a
     store another test (in another pytest worker) serves on a port derived alike."""
-    from plugdist.rendezvous import _job_port
+    from plugdist._world.rendezvous import _job_port
 
     monkeypatch.delenv("SLURM_STEP_ID", raising=False)
     for job in range(7, 1000):
@@ -206,7 +206,7 @@ def test_explicit_registration_of_a_runtime_backend() -> None:
     code = ("import torch, torch.distributed as d, plugdist\n"
             "from plugdist_toy import ToyProcessGroup\n"
             "plugdist.Backend.register_backend('mytoy', ToyProcessGroup)\n"
-            "from plugdist.torch_bridge import register\n"
+            "from plugdist._torch.bridge import register\n"
             "print(register(['mytoy']), register(['mytoy']))\n"
             "d.init_process_group('plugdist_mytoy', store=d.HashStore(), rank=0, world_size=1)\n"
             "t = torch.ones(2); d.all_reduce(t, op=d.ReduceOp.AVG); print(t.tolist())\n"

@@ -234,9 +234,9 @@ def test_a_failed_ops_future_is_torchs_error_and_backward_raises_plugdists() -> 
     torch's RuntimeError naming plugdist's; inside one, the future completes with the op's
     tensors and ``backward()`` raises plugdist's error itself, ranks included."""
     import torch
+    from plugdist._backend.work import Work
+    from plugdist._torch.bridge import BridgeWork
     from plugdist.errors import DistRankFailureError
-    from plugdist.torch_bridge import BridgeWork
-    from plugdist.work import Work
 
     out = torch.ones(2)
     work = Work(op="all_reduce", rank=0, group="g", backend="test")

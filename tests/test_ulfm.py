@@ -175,8 +175,8 @@ def test_open_mpi_without_fault_tolerance_refuses_shrink(tmp_path: Path) -> None
 
 def test_a_process_cannot_join_an_mpi_world() -> None:
     """init_process_group("mpi", join=True) is refused before it registers with the store."""
+    from plugdist._lifecycle.regroup import join_world
     from plugdist.errors import DistError
-    from plugdist.resilience import join_world
     from plugdist.store import HashStore
 
     store = HashStore()

@@ -4,13 +4,13 @@ torch calls :func:`autoload` on ``import torch`` (entry point group ``torch.back
 ``plugdist`` distribution). It only reads entry-point names and registers them with
 ``torch.distributed.Backend.register_backend``; no plugin is imported until someone builds a
 group of it. It lives outside the ``plugdist`` package so that ``import torch`` does not pay for
-``import plugdist`` (about 50 ms); the bridge itself is :mod:`plugdist.torch_bridge`.
+``import plugdist`` (about 50 ms); the bridge itself is :mod:`plugdist._torch.bridge`.
 
 It also lets torch's own ``env://`` rendezvous (what ``init_process_group`` runs before it
 builds any group) find the world under mpiexec, mpirun and srun, as plugdist's ``env://`` does:
 :func:`install_env_fallback`.
 
-``PLUGDIST_TORCH_BACKENDS=0`` switches both off; ``plugdist.torch_bridge.register()`` registers
+``PLUGDIST_TORCH_BACKENDS=0`` switches both off; ``plugdist._torch.bridge.register()`` registers
 explicitly.
 """
 
@@ -85,7 +85,7 @@ _TORCH_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 def install_env_fallback() -> None:
     """Wrap torch's ``env://`` rendezvous handler: where a launcher set its rank variable and
     one of ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` is missing, plugdist's
-    :func:`plugdist.rendezvous.adopt_launcher_env` first fills in the missing ones (``RANK``,
+    :func:`plugdist._world.rendezvous.adopt_launcher_env` first fills in the missing ones (``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK`` and, on one host or under srun, ``MASTER_ADDR``/
     ``MASTER_PORT``) unless a ``RANK``/``WORLD_SIZE`` already set differs from the launcher's;
     torch's handler then runs as always. This covers libraries that copy the launcher's rank
@@ -107,7 +107,7 @@ def install_env_fallback() -> None:
                 and any(v in os.environ for v in _LAUNCHER_RANK_VARS)):
             from urllib.parse import parse_qs, urlparse
 
-            from plugdist.rendezvous import adopt_launcher_env
+            from plugdist._world.rendezvous import adopt_launcher_env
 
             # torch puts init_process_group's rank= and world_size= in the URL's query
             query = parse_qs(urlparse(url).query)
@@ -122,7 +122,7 @@ def install_env_fallback() -> None:
 
 # The bridge is named here, not imported: it imports this module (for ``register``), and this
 # module must stay importable without plugdist. Loaded like any entry point, on first use.
-BRIDGE_FACTORY = "plugdist.torch_bridge:create_group"
+BRIDGE_FACTORY = "plugdist._torch.bridge:create_group"
 
 
 def _create(name: str, backend_options: Any, pg_options: Any) -> Any:

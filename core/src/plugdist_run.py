@@ -1,6 +1,6 @@
-"""``plugdist-run``'s entry point: runs :mod:`plugdist.launcher` without importing torch.
+"""``plugdist-run``'s entry point: runs :mod:`plugdist._launcher` without importing torch.
 
-``import plugdist.launcher`` would first execute ``plugdist/__init__.py``, which imports torch
+``import plugdist._launcher`` would first execute ``plugdist/__init__.py``, which imports torch
 (~1-2 s). The launcher needs none of it, so when ``plugdist`` is not imported yet this module
 registers a bare package object for it (its ``__path__`` only, from the installed package's
 spec, nothing executed) and imports the launcher through that. The launcher process never
@@ -34,7 +34,7 @@ def _bare_plugdist() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _bare_plugdist()
-    from plugdist.launcher import main as launcher_main
+    from plugdist._launcher import main as launcher_main
     return launcher_main(argv)
 
 

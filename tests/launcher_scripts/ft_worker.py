@@ -37,7 +37,7 @@ def main() -> None:
 
     def transfer_state(self: Any, sending: bool, ready: bool = True) -> None:
         import plugdist as dist
-        from plugdist.world import world
+        from plugdist._world.state import world
 
         def first_time() -> bool:  # once per run, whichever process gets there
             assert world.store is not None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import plugdist as dist
 import torch
-from plugdist.world import world as _world
+from plugdist._world.state import world as _world
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

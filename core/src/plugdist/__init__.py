@@ -12,7 +12,20 @@ that ``import plugdist`` does not pay for them.
 import importlib
 from typing import Any
 
-from plugdist.collectives import (
+from plugdist._backend.reduce_op import ReduceOp, reduce_op
+from plugdist._backend.work import Work
+from plugdist._debug_level import (
+    DebugLevel,
+    get_debug_level,
+    set_debug_level,
+    set_debug_level_from_env,
+)
+from plugdist._group.process_group import Capabilities, GroupOptions, ProcessGroup
+from plugdist._lifecycle.lifecycle import destroy_process_group, init_process_group
+from plugdist._lifecycle.regroup import get_failed_ranks, grow_group, shrink_group
+from plugdist._observability.flight_recorder import dump_flight_recorder
+from plugdist._registry import PLUGIN_API, Backend
+from plugdist._world.collectives import (
     P2POp,
     all_gather,
     all_gather_coalesced,
@@ -37,24 +50,7 @@ from plugdist.collectives import (
     scatter,
     send,
 )
-from plugdist.debug_level import (
-    DebugLevel,
-    get_debug_level,
-    set_debug_level,
-    set_debug_level_from_env,
-)
-from plugdist.errors import (
-    DistBackendError,
-    DistError,
-    DistExcludedError,
-    DistNetworkError,
-    DistRankFailureError,
-    DistStoreError,
-    DistTimeoutError,
-    QueueEmptyError,
-)
-from plugdist.flight_recorder import dump_flight_recorder
-from plugdist.groups import (
+from plugdist._world.groups import (
     GroupMember,
     get_backend,
     get_default_backend_for_device,
@@ -77,8 +73,7 @@ from plugdist.groups import (
     new_subgroups_by_enumeration,
     register_rendezvous_handler,
 )
-from plugdist.lifecycle import destroy_process_group, init_process_group
-from plugdist.object_collectives import (
+from plugdist._world.object_collectives import (
     all_gather_object,
     broadcast_object_list,
     gather_object,
@@ -86,12 +81,27 @@ from plugdist.object_collectives import (
     scatter_object_list,
     send_object_list,
 )
-from plugdist.process_group import Capabilities, GroupOptions, ProcessGroup
-from plugdist.reduce_op import ReduceOp, reduce_op
-from plugdist.registry import PLUGIN_API, Backend
-from plugdist.resilience import get_failed_ranks, grow_group, shrink_group
+from plugdist.errors import (
+    BelowMinWorldSizeError,
+    DistBackendError,
+    DistError,
+    DistExcludedError,
+    DistNetworkError,
+    DistRankFailureError,
+    DistStoreError,
+    DistTimeoutError,
+    LaunchError,
+    NotInitializedError,
+    PluginAPIError,
+    PluginNotFoundError,
+    QueueEmptyError,
+    RendezvousError,
+    RendezvousInterrupted,
+    StoreLost,
+    WorldClosedError,
+    WorldError,
+)
 from plugdist.store import FileStore, HashStore, PrefixStore, Store, TCPStore, open_store
-from plugdist.work import Work
 
 __version__ = "0.1.0"
 
@@ -127,5 +137,7 @@ __all__ = [
     "reduce_scatter_tensor", "register_rendezvous_handler", "scatter", "scatter_object_list",
     "send", "send_object_list", "set_debug_level", "set_debug_level_from_env",
     "DistRankFailureError", "DistExcludedError", "shrink_group", "grow_group",
-    "get_failed_ranks", "PLUGIN_API",
+    "get_failed_ranks", "PLUGIN_API", "NotInitializedError", "RendezvousError",
+    "RendezvousInterrupted", "StoreLost", "LaunchError", "PluginNotFoundError", "PluginAPIError",
+    "BelowMinWorldSizeError", "WorldClosedError", "WorldError",
 ]

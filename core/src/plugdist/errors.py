@@ -8,7 +8,22 @@
         ├── DistStoreError         a key-value store refused or failed a request
         │   ├── DistTimeoutError   (also a DistError) a wait ran past its timeout
         │   └── QueueEmptyError    a non-blocking queue_pop found the queue empty
-        └── DistNetworkError       a connection could not be made or was lost
+        ├── DistNetworkError       a connection could not be made or was lost
+        ├── NotInitializedError    (also a ValueError) a call that needs the default group
+        │                          came before init_process_group
+        ├── RendezvousError        (also a ValueError) the processes could not find each other:
+        │   │                      the init_method or environment says too little, or
+        │   │                      plugdist-run's nodes could not form a round
+        │   ├── RendezvousInterrupted  plugdist-run got a signal while waiting for the nodes
+        │   └── StoreLost          plugdist-run's rendezvous store went away
+        ├── LaunchError            plugdist-run could not start a worker
+        ├── PluginNotFoundError    (also a ValueError) no plugin of that name (or it failed to
+        │   │                      load: the reason is in the message)
+        │   └── PluginAPIError     a plugin written for another plugin API
+        ├── BelowMinWorldSizeError  fault-tolerant training lost more ranks than it may
+        ├── WorldClosedError       a process asked to join a world whose members had all left
+        └── WorldError             a test world's ranks failed or hung (plugdist.testing;
+                                   ``.results`` holds each rank's report)
 
 Messages name what the user needs to act: rank, group, op, backend, and the fix. A timeout
 starts with torch's words for the same event (:func:`timed_out`, :func:`store_timeout`), which
@@ -20,6 +35,8 @@ around a store call still catches store timeouts.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "DistError",
     "DistBackendError",
@@ -29,6 +46,16 @@ __all__ = [
     "DistNetworkError",
     "DistTimeoutError",
     "QueueEmptyError",
+    "NotInitializedError",
+    "RendezvousError",
+    "RendezvousInterrupted",
+    "StoreLost",
+    "LaunchError",
+    "PluginNotFoundError",
+    "PluginAPIError",
+    "BelowMinWorldSizeError",
+    "WorldClosedError",
+    "WorldError",
     "where",
     "op_timeout",
     "timed_out",
@@ -81,6 +108,56 @@ class DistTimeoutError(DistStoreError):
 
 class QueueEmptyError(DistStoreError):
     """``queue_pop(key, block=False)`` found the queue empty."""
+
+
+class NotInitializedError(DistError, ValueError):
+    """An API call that needs a default group came before ``init_process_group``."""
+
+
+class RendezvousError(DistError, ValueError):
+    """The processes could not find each other: the init_method or the environment does not
+    say enough (``env://`` without MASTER_ADDR, ...), or plugdist-run's nodes could not form a
+    round (timeout, conflicting node ranks, a busy port)."""
+
+
+class RendezvousInterrupted(RendezvousError):
+    """plugdist-run got a signal while waiting for the other nodes."""
+
+
+class StoreLost(RendezvousError):
+    """plugdist-run's rendezvous store stopped answering (its host left or died)."""
+
+
+class LaunchError(DistError):
+    """plugdist-run could not start a worker."""
+
+
+class PluginNotFoundError(DistError, ValueError):
+    """No plugin of that name in that group (or it failed to load: the reason is in the message)."""
+
+
+class PluginAPIError(PluginNotFoundError):
+    """A plugin written for a plugin API this core does not provide (see ``PLUGIN_API``)."""
+
+
+class BelowMinWorldSizeError(DistError):
+    """The world lost so many ranks that it fell below ``min_world_size``."""
+
+
+class WorldClosedError(DistError):
+    """A process asked to join a world whose members had all left."""
+
+
+class WorldError(DistError):
+    """One or more ranks of a test world (:func:`plugdist.testing.run_world`) failed or hung;
+    ``results`` holds every rank's ``RankResult``."""
+
+    def __init__(self, message: str, results: list[Any]) -> None:
+        super().__init__(message)
+        self.results = results
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (str(self), self.results))
 
 
 def where(*, rank: int | None = None, group: str | None = None, op: str | None = None,

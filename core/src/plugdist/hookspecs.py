@@ -14,8 +14,8 @@ import pluggy
 if TYPE_CHECKING:
     import argparse
 
-    from plugdist.debug_level import DebugLevel
-    from plugdist.process_group import ProcessGroup
+    from plugdist._debug_level import DebugLevel
+    from plugdist._group.process_group import ProcessGroup
     from plugdist.store.api import Store
 
 PROJECT = "plugdist"

@@ -26,11 +26,11 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
-import plugdist.collectives as collectives
+from plugdist._backend.reduce_op import ReduceOp
+from plugdist._group.process_group import ProcessGroup
+from plugdist._world import collectives
+from plugdist._world.groups import GroupMember, is_initialized, resolve_group
 from plugdist.errors import DistError, where
-from plugdist.groups import GroupMember, is_initialized, resolve_group
-from plugdist.process_group import ProcessGroup
-from plugdist.reduce_op import ReduceOp
 
 __all__ = ["SyncBatchNorm", "AdoptedTorchSyncBatchNorm", "adopt_torch_sync_batchnorms"]
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from plugdist.process_group import ProcessGroup
+    from plugdist._group.process_group import ProcessGroup
 
 __all__ = ["GradBucket", "CommHook", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"]
 

@@ -25,9 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from plugdist._backend.reduce_op import ReduceOp
+from plugdist._group.process_group import ProcessGroup
+from plugdist._log import get_logger
+from plugdist._world.groups import resolve_group
 from plugdist.errors import DistError
-from plugdist.groups import resolve_group
-from plugdist.log import get_logger
 from plugdist.nn.sync_batchnorm import adopt_torch_sync_batchnorms
 from plugdist.parallel.bucketing import DEFAULT_FIRST_BUCKET_BYTES
 from plugdist.parallel.comm_hooks import CommHook, GradBucket
@@ -35,8 +37,6 @@ from plugdist.parallel.join import Join, Joinable, JoinHook
 from plugdist.parallel.logging_data import DDPLogger
 from plugdist.parallel.reducer import Reducer, ReducerOptions
 from plugdist.parallel.sync import broadcast_coalesced, verify_model_across_ranks
-from plugdist.process_group import ProcessGroup
-from plugdist.reduce_op import ReduceOp
 
 __all__ = ["DistributedDataParallel"]
 
@@ -142,7 +142,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             total_parameter_size_bytes=sum(p.numel() * p.element_size() for p in params),
             parameter_dtypes=",".join(sorted({str(p.dtype).replace("torch.", "") for p in params})),
         )
-        from plugdist.registry import registry  # late: keeps `import plugdist.parallel` cheap
+        from plugdist._registry import registry  # late: keeps `import plugdist.parallel` cheap
 
         registry.plugins().hook.plugdist_ddp_constructed(module=self,
                                                          logging_data=self._get_ddp_logging_data())
@@ -301,7 +301,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         :mod:`plugdist.parallel.comm_hooks`); ``hook`` may name a ``plugdist.comm_hooks`` entry
         point (``"allreduce"``, ``"fp16_compress"``, ...). Once, before the first backward."""
         if isinstance(hook, str):
-            from plugdist.registry import registry
+            from plugdist._registry import registry
 
             name, resolved = hook, registry.load(COMM_HOOKS, hook)
         else:
@@ -382,7 +382,7 @@ def _resolve_group(process_group: ProcessGroup | None) -> ProcessGroup:
 
 def _resolve_reducer(reducer: str | type[Reducer]) -> type[Reducer]:
     if isinstance(reducer, str):
-        from plugdist.registry import registry
+        from plugdist._registry import registry
 
         reducer = registry.load(REDUCERS, reducer)
     if not (isinstance(reducer, type) and issubclass(reducer, Reducer)):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from plugdist.world import world
+from plugdist._world.state import world
 
 __all__ = ["ElasticSampler"]
 

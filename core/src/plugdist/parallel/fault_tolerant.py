@@ -33,11 +33,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from plugdist.errors import DistError, DistRankFailureError
-from plugdist.log import get_logger
-from plugdist.membership import off_hint
+from plugdist._log import get_logger
+from plugdist._resilience.membership import off_hint
+from plugdist._world.state import world
+from plugdist.errors import BelowMinWorldSizeError, DistError, DistRankFailureError
 from plugdist.parallel.elastic_sampler import ElasticSampler
-from plugdist.world import world
 
 __all__ = ["ResilientTraining", "ElasticSampler", "BelowMinWorldSizeError", "is_rank_failure"]
 
@@ -45,10 +45,6 @@ _VOTE_BLOCK = 64  # the vote outcomes of this many steps are dropped from the st
 _FORGOTTEN = "plugdist/ft/forgotten"  # the votes of the epochs up to this one were dropped
 
 T = TypeVar("T")
-
-
-class BelowMinWorldSizeError(DistError):
-    """The world lost so many ranks that it fell below ``min_world_size``."""
 
 
 def is_rank_failure(err: BaseException) -> bool:
@@ -255,7 +251,7 @@ class ResilientTraining:
 
     # -- membership changes ------------------------------------------------------------------
     def _shrink(self) -> None:
-        import plugdist.resilience as resilience
+        from plugdist._lifecycle import regroup as resilience
 
         resilience.shrink_group(group=self._torch_group, timeout=self.timeout)
         self._forget_old_epoch()
@@ -266,7 +262,7 @@ class ResilientTraining:
             self._on_world_change()
 
     def _grow(self) -> None:
-        import plugdist.resilience as resilience
+        from plugdist._lifecycle import regroup as resilience
 
         self._grow_due = False
         before = world.epoch
@@ -319,7 +315,7 @@ class ResilientTraining:
         already hold it); then every member decides whether everyone has it. If not (a joiner,
         or the sender, died meanwhile), the survivors shrink and the transfer starts over.
         ``ready``: False when this member already failed the step before (the model's resync)."""
-        from plugdist.object_collectives import broadcast_object_list
+        from plugdist._world.object_collectives import broadcast_object_list
 
         while True:
             payload: list[Any] = [self._state() if sending and world.rank == 0 else None]

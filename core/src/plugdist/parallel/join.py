@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from plugdist.process_group import ProcessGroup
-    from plugdist.work import Work
+    from plugdist._backend.work import Work
+    from plugdist._group.process_group import ProcessGroup
 
 __all__ = ["Join", "Joinable", "JoinHook"]
 

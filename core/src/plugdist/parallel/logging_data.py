@@ -13,7 +13,7 @@ import time
 import weakref
 from typing import Any
 
-from plugdist.debug_level import get_debug_level
+from plugdist._debug_level import get_debug_level
 
 __all__ = ["DDPLogger"]
 
@@ -91,7 +91,7 @@ class DDPLogger:
         owner = self._owner() if self._owner is not None else None
         if owner is None:
             return
-        from plugdist.registry import registry  # late: keeps importing plugdist.parallel light
+        from plugdist._registry import registry  # late: keeps importing plugdist.parallel light
 
         hook = registry.plugins().hook.plugdist_ddp_iteration
         if hook.get_hookimpls():

@@ -33,16 +33,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plugdist.debug_level import DebugLevel, get_debug_level
+from plugdist._backend.work import Work
+from plugdist._debug_level import DebugLevel, get_debug_level
+from plugdist._log import get_logger
 from plugdist.errors import DistError, DistTimeoutError, timed_out
-from plugdist.log import get_logger
 from plugdist.parallel.bucketing import DEFAULT_FIRST_BUCKET_BYTES, compute_bucket_assignment
 from plugdist.parallel.comm_hooks import CommHook, GradBucket
 from plugdist.parallel.logging_data import DDPLogger
-from plugdist.work import Work
 
 if TYPE_CHECKING:
-    from plugdist.process_group import ProcessGroup
+    from plugdist._group.process_group import ProcessGroup
 
 __all__ = ["Reducer", "ReducerOptions", "BucketedReducer"]
 

@@ -16,7 +16,7 @@ import torch
 from plugdist.errors import DistError
 
 if TYPE_CHECKING:
-    from plugdist.process_group import ProcessGroup
+    from plugdist._group.process_group import ProcessGroup
 
 __all__ = ["verify_model_across_ranks", "broadcast_coalesced"]
 

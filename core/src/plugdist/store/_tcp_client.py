@@ -16,8 +16,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import plugdist.store._wire as w
 from plugdist.errors import DistNetworkError, DistStoreError, DistTimeoutError
+from plugdist.store import _wire as w
 from plugdist.store._util import check_amount, check_key
 from plugdist.store.api import to_bytes
 from plugdist.store.api import to_seconds as _to_seconds

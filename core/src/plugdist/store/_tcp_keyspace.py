@@ -5,7 +5,7 @@ through the ``answer`` callback, when a write creates its key (or fills its queu
 deadline passes (:meth:`KeySpace.expire`). A request waits on one missing key at a time, so a
 WAIT on n keys costs one index entry, not n. Only the serving thread uses it.
 
-Keys reserved for worlds' membership (:func:`plugdist.store.worldkeys.is_reserved`) refuse
+Keys reserved for worlds' membership (:func:`plugdist.store._worldkeys.is_reserved`) refuse
 every plain write: they change only through :class:`~plugdist.store._tcp_worlds.Worlds`, which
 uses this key space's primitives (:meth:`KeySpace.put`, :meth:`KeySpace.append_entry`, ...).
 """
@@ -20,11 +20,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import plugdist.store._wire as w
 from plugdist.errors import store_timeout
+from plugdist.store import _wire as w
 from plugdist.store._tcp_worlds import Worlds
 from plugdist.store._wire import read_blob as _blob
-from plugdist.store.worldkeys import RESERVED_NAMES, is_reserved
+from plugdist.store._worldkeys import RESERVED_NAMES, is_reserved
 
 __all__ = ["KeySpace", "Sliced"]
 

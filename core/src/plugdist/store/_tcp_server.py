@@ -38,9 +38,9 @@ import time
 from datetime import timedelta
 from typing import Any
 
-import plugdist.store._wire as w
+from plugdist._log import get_logger
 from plugdist.errors import DistNetworkError
-from plugdist.log import get_logger
+from plugdist.store import _wire as w
 from plugdist.store._tcp_keyspace import KeySpace, Sliced
 
 __all__ = ["StoreServer", "TCPStoreLimits"]

@@ -1,5 +1,5 @@
 """The TCPStore server's worlds: who holds which member identity, and the checked writes of
-members on their world's reserved keys (:mod:`plugdist.store.worldkeys`).
+members on their world's reserved keys (:mod:`plugdist.store._worldkeys`).
 
 A world is named by its root (the key prefix its membership lives under). Its identities are
 connections: CLAIM makes a connection rank ``uid`` of the world's first epoch, JOIN makes it a
@@ -29,9 +29,9 @@ import struct
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import plugdist.store._wire as w
+from plugdist.store import _wire as w
 from plugdist.store._wire import read_blob as _blob
-from plugdist.store.worldkeys import (
+from plugdist.store._worldkeys import (
     CLOSED,
     CURRENT,
     DEATHS,

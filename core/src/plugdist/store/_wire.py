@@ -63,7 +63,7 @@ while its own LOG_READ waits. LOG_READ parks until ``key/start`` exists, then an
 consecutive entry ``key/start``, ``key/start+1``, ... present: one wake carries a burst of
 entries.
 
-Worlds (version 3). Keys that :mod:`plugdist.store.worldkeys` reserves for a world's membership
+Worlds (version 3). Keys that :mod:`plugdist.store._worldkeys` reserves for a world's membership
 are written only by the server: a plain write to one is answered ERROR. CLAIM makes this
 connection the identity ``uid`` (a rank of the world's first epoch, ``size`` ranks) of the world
 under ``root`` and leaves its will (the server appends ``{"uid": uid, "cause": "died"}`` to the

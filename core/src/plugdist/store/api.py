@@ -183,7 +183,7 @@ class Store:
         under the key prefix ``root``, with a will that the store writes itself (as
         :meth:`hold_will`, record ``{"uid": uid, "cause": "died"}`` in ``root`` +
         ``plugdist/live/deaths``). A store that owns membership refuses a plain write to any key
-        :func:`plugdist.store.worldkeys.is_reserved` names, and a claim on an identity another
+        :func:`plugdist.store._worldkeys.is_reserved` names, and a claim on an identity another
         live process holds, whose holder left, or of another world size (DistStoreError saying
         so). The returned session has ``will`` (as :meth:`hold_will` returns), ``uid``, and the
         writes ``set``, ``add``, ``compare_set``, ``delete_key``, ``delete_prefix`` on keys

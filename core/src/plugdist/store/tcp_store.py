@@ -21,7 +21,6 @@ import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 
-import plugdist.store._wire as w
 from plugdist.errors import (
     DistExcludedError,
     DistNetworkError,
@@ -29,21 +28,22 @@ from plugdist.errors import (
     DistTimeoutError,
     QueueEmptyError,
 )
+from plugdist.store import _wire as w
 from plugdist.store._tcp_client import MIN_IO_TIMEOUT as _MIN_IO_TIMEOUT
 from plugdist.store._tcp_client import REPLY_GRACE as _REPLY_GRACE
 from plugdist.store._tcp_client import MemberSession, Will, read_log, renewer
 from plugdist.store._tcp_client import clamp_seconds as to_seconds
 from plugdist.store._tcp_server import StoreServer, TCPStoreLimits
-from plugdist.store._util import check_amount, check_key, check_keys
-from plugdist.store.api import DEFAULT_STORE_TIMEOUT, Store, to_bytes
-from plugdist.store.tokens import (
+from plugdist.store._tokens import (
     TOKEN_ENV,
     TOKEN_FILE_ENV,
     is_loopback,
     resolve_token,
     tokenless_exposure,
 )
-from plugdist.store.worldkeys import DEATHS
+from plugdist.store._util import check_amount, check_key, check_keys
+from plugdist.store._worldkeys import DEATHS
+from plugdist.store.api import DEFAULT_STORE_TIMEOUT, Store, to_bytes
 
 __all__ = ["TCPStore", "TCPStoreLimits", "TOKEN_ENV"]
 

@@ -28,7 +28,7 @@ __all__ = ["open_store", "store_schemes", "tcp_store_factory", "file_store_facto
 
 def store_schemes() -> list[str]:
     """Every store URL scheme installed (entry points and runtime registrations)."""
-    from plugdist.registry import STORES, registry
+    from plugdist._registry import STORES, registry
     return registry.names(STORES)
 
 
@@ -38,8 +38,8 @@ def open_store(url: str, timeout: timedelta = DEFAULT_STORE_TIMEOUT, *, rank: in
     scheme: ``tcp://HOST:PORT`` (a client; rank 0 hosts it), ``file:///PATH``, ``hash://NAME``
     (in this process), ``etcd://H:P[,H:P...]/PREFIX`` with plugdist-etcd, ... Blocks until the
     store answers, up to ``timeout``. An unknown or broken scheme raises
-    :class:`~plugdist.registry.PluginNotFoundError` naming the installed ones and the reason."""
-    from plugdist.registry import STORES, registry
+    :class:`~plugdist._registry.PluginNotFoundError` naming the installed ones and the reason."""
+    from plugdist._registry import STORES, registry
     scheme = urlparse(url).scheme
     if not scheme:
         raise ValueError(f"store URL {url!r} has no scheme; installed store schemes: "

@@ -24,7 +24,7 @@ import torch
 
 import plugdist as dist
 from plugdist import ReduceOp
-from plugdist.work import Work
+from plugdist._backend.work import Work
 
 __all__ = ["CHECKS", "run_checks", "check_names", "gpu_shortfall", "check_device", "assign_gpu",
            "RANKS_PER_GPU_ENV"]

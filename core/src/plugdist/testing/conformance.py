@@ -27,7 +27,7 @@ WORLD_TIMEOUT = 240.0
 
 def _gpu_shortfall(backend: str, world_size: int) -> str | None:
     """Why a CUDA-only backend cannot run ``world_size`` ranks here (one GPU each), or None."""
-    from plugdist.registry import BACKENDS, registry
+    from plugdist._registry import BACKENDS, registry
 
     types = tuple(getattr(registry.load(BACKENDS, backend), "device_types", ("cpu",)))
     return gpu_shortfall(backend, types, world_size)

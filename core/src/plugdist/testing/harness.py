@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plugdist.errors import DistError
-from plugdist.launcher.rendezvous import free_port
+from plugdist._launcher.rendezvous import free_port
+from plugdist.errors import DistError, WorldError
 
 __all__ = ["run_world", "RankResult", "WorldError", "free_port", "mpiexec_path", "FAILURE_GRACE",
            "heap_check_env"]
@@ -47,14 +47,6 @@ class RankResult:
     @property
     def ok(self) -> bool:
         return self.error is None and self.exitcode == 0
-
-
-class WorldError(DistError):
-    """One or more ranks failed or hung; ``results`` holds every rank's :class:`RankResult`."""
-
-    def __init__(self, message: str, results: list[RankResult]) -> None:
-        super().__init__(message)
-        self.results = results
 
 
 def mpiexec_path() -> str:
@@ -91,7 +83,7 @@ def heap_check_env() -> dict[str, str]:
 def _launcher_for(backend: str | None) -> str:
     if backend is None:
         return "subprocess"
-    from plugdist.registry import BACKENDS, registry
+    from plugdist._registry import BACKENDS, registry
     try:
         factory = registry.load(BACKENDS, backend)
     except DistError:

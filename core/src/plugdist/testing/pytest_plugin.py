@@ -19,8 +19,8 @@ def pytest_addoption(parser: Any) -> None:
 
 
 def available_backends() -> list[str]:
-    from plugdist.groups import is_backend_available
-    from plugdist.registry import BACKENDS, registry
+    from plugdist._registry import BACKENDS, registry
+    from plugdist._world.groups import is_backend_available
 
     return [n for n in registry.names(BACKENDS) if is_backend_available(n)]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from plugdist import DebugLevel, get_debug_level
-from plugdist.log import get_logger
+from plugdist.backend import get_logger
 
 from ._env import env_int
 from .verbosity import follow_debug_level

@@ -28,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from plugdist.log import get_logger
+from plugdist.backend import get_logger
 
 from ._env import env_int
 

@@ -11,7 +11,7 @@ import os
 import threading
 
 from plugdist import DebugLevel
-from plugdist.log import set_log_level
+from plugdist.backend import set_log_level
 
 __all__ = ["follow_debug_level"]
 

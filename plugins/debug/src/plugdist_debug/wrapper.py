@@ -21,9 +21,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from plugdist import ProcessGroup, Store, Work, observe
-from plugdist.process_group import OPS, Capabilities, GroupOptions
-from plugdist.reduce_op import ReduceOp
+from plugdist.backend import (
+    OPS,
+    Capabilities,
+    GroupOptions,
+    ProcessGroup,
+    ReduceOp,
+    Store,
+    Work,
+    observing,
+    run_observed,
+)
 
 from .exchange import FingerprintExchange, GroupIdentity
 from .fingerprint import Fingerprint, TensorSpec, spec_of
@@ -131,8 +139,8 @@ class DebugProcessGroup(ProcessGroup):
                     tensors: Sequence[TensorSpec] = (), **check: Any) -> Work:
         """The op, checked first; one observed op of the core (profiler event, flight-recorder
         entry), marked started only when the wrapped group gets it."""
-        if observe.active():
-            return observe.run(self, op, args, lambda: self._checked(op, run, tensors, **check),
+        if observing():
+            return run_observed(self, op, args, lambda: self._checked(op, run, tensors, **check),
                                started=False)
         return self._checked(op, run, tensors, **check)
 
@@ -149,7 +157,7 @@ class DebugProcessGroup(ProcessGroup):
                              sends=sends, recvs=recvs)
             doc = fp.to_json()  # serialised once: for the recorder and the exchange
             entry = self.recorder.record(op, seq=seq, fingerprint=doc)
-            if self._size == 1:
+            if self.group_size == 1:
                 return self._issue(entry, run)
             self._checking = entry
             try:
@@ -193,9 +201,9 @@ class DebugProcessGroup(ProcessGroup):
         return work
 
     def _p2p(self, op: str, run: Callable[[], Work], tensor: Any, peer: int | None) -> Work:
-        if observe.active():
+        if observing():
             args = {"tensor": tensor, "dst" if op == "send" else "src": peer}
-            return observe.run(self, op, args, lambda: self._recorded_p2p(op, run, tensor, peer),
+            return run_observed(self, op, args, lambda: self._recorded_p2p(op, run, tensor, peer),
                                started=False)
         return self._recorded_p2p(op, run, tensor, peer)
 
@@ -273,7 +281,7 @@ class DebugProcessGroup(ProcessGroup):
                  for i, s in enumerate(spec_of("", t) for t in input_tensors)]
         specs += [TensorSpec(f"output_tensors[{i}]", None, s.dtype, s.device)
                   for i, s in enumerate(spec_of("", t) for t in output_tensors)]
-        paired = len(input_tensors) == len(output_tensors) == self._size
+        paired = len(input_tensors) == len(output_tensors) == self.group_size
         return self._collective(
             "all_to_all", (output_tensors, input_tensors),
             lambda: self._inner.all_to_all(output_tensors, input_tensors), specs,
@@ -291,8 +299,8 @@ class DebugProcessGroup(ProcessGroup):
             lambda: self._inner.all_to_all_single(output, input, output_split_sizes,
                                                   input_split_sizes),
             [spec_of("output", output, rows_vary=True), spec_of("input", input, rows_vary=True)],
-            sends=_row_counts(input, input_split_sizes, self._size) if rows_match else None,
-            recvs=_row_counts(output, output_split_sizes, self._size) if rows_match else None)
+            sends=_row_counts(input, input_split_sizes, self.group_size) if rows_match else None,
+            recvs=_row_counts(output, output_split_sizes, self.group_size) if rows_match else None)
 
     def barrier(self) -> Work:
         return self._collective("barrier", (), self._inner.barrier)

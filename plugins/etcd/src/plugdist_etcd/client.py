@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from plugdist.backend import get_logger
 from plugdist.errors import DistNetworkError, DistStoreError
-from plugdist.log import get_logger
 
 from .http import Endpoint, HTTPFailure, ssl_context
 

@@ -26,8 +26,8 @@ import threading
 import time
 from typing import Any
 
+from plugdist.backend import get_logger
 from plugdist.errors import DistError
-from plugdist.log import get_logger
 
 from .client import EtcdClient, b64, unb64
 from .lease import Lease

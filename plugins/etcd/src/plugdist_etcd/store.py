@@ -39,11 +39,9 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
+from plugdist.backend import get_logger, is_loopback, to_bytes, to_seconds
 from plugdist.errors import DistStoreError, DistTimeoutError, QueueEmptyError
-from plugdist.log import get_logger
 from plugdist.store import DEFAULT_STORE_TIMEOUT, Store
-from plugdist.store.api import to_bytes, to_seconds
-from plugdist.store.tokens import is_loopback
 
 from .client import EtcdClient, EtcdError, TLSConfig, b64, prefix_end, unb64
 from .lease import Lease, acquire_shared, release_shared, renewed_here

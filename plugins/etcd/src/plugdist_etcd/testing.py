@@ -18,7 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from plugdist.launcher import free_port
+from plugdist.testing import free_port
 
 __all__ = ["EtcdCluster", "etcd_binary"]
 

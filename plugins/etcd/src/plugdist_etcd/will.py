@@ -30,8 +30,8 @@ import time
 from datetime import timedelta
 from typing import Protocol
 
+from plugdist.backend import get_logger
 from plugdist.errors import DistError
-from plugdist.log import get_logger
 
 from .client import EtcdClient, b64, prefix_end, unb64
 from .lease import Lease
@@ -70,7 +70,7 @@ class EtcdWill:
     ``liveness_timeout``: at most this many seconds pass between the holder's last renewal
     (its death, or the start of a stall) and the lease's expiry; the will then runs within a
     round trip or two. Because a stalled holder stops renewing too, this covers hangs of the
-    whole process as well as deaths (``plugdist.membership`` then writes no heartbeats).
+    whole process as well as deaths (``plugdist._resilience.membership`` then writes no heartbeats).
     ``cancel()`` withdraws it (a clean exit); idempotent, blocks for up to two round trips.
     """
 

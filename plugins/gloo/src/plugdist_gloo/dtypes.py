@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from plugdist.reduce_op import ReduceOp
+from plugdist.backend import ReduceOp
 
 __all__ = ["NATIVE_DTYPES", "Staged", "effective_op", "flat_bytes", "movable", "rows",
            "stage_reduction"]

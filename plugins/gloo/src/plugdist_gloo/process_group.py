@@ -18,6 +18,14 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
+from plugdist.backend import (
+    GroupOptions,
+    PlugdistStoreForTorch,
+    ProcessGroup,
+    ReduceOp,
+    Work,
+    get_logger,
+)
 from plugdist.errors import (
     DistBackendError,
     DistError,
@@ -26,12 +34,7 @@ from plugdist.errors import (
     timed_out,
     where,
 )
-from plugdist.log import get_logger
-from plugdist.process_group import GroupOptions, ProcessGroup
-from plugdist.reduce_op import ReduceOp
 from plugdist.store import Store
-from plugdist.store.for_torch import PlugdistStoreForTorch
-from plugdist.work import Work
 
 from .connections import shut_down_connections, socket_inodes
 from .dtypes import Staged, effective_op, flat_bytes, movable, rows, stage_reduction
@@ -305,8 +308,8 @@ class GlooProcessGroup(ProcessGroup):
         if self._cut:
             return
         self._cut = True
-        mine = self._peers.get(self._rank, [])
-        others = [b for r, blobs in self._peers.items() if r != self._rank for b in blobs]
+        mine = self._peers.get(self.group_rank, [])
+        others = [b for r, blobs in self._peers.items() if r != self.group_rank for b in blobs]
 
         def ours(local: tuple[str, int], remote: tuple[str, int]) -> bool:
             return _listens_at(mine, *local) or _listens_at(others, *remote)
@@ -383,8 +386,8 @@ class GlooProcessGroup(ProcessGroup):
                 f"stuck, or be running a different op")
         elif any(h in low for h in _PEER_LOST_HINTS):
             peer = _rank_of_peer(msg, self._peers)
-            if peer is None and self._size == 2:
-                peer = 1 - self._rank
+            if peer is None and self.group_size == 2:
+                peer = 1 - self.group_rank
             who = "a peer" if peer is None else f"rank {peer}"
             err = DistNetworkError(
                 f"{here} lost its connection to {who} (gloo: {msg}); that rank probably died "
@@ -446,7 +449,7 @@ class GlooProcessGroup(ProcessGroup):
         opts = self._opts("ReduceOptions", reduceOp=self._gloo_op(op, tensor), rootRank=dst,
                           rootTensor=0)
         self._block("reduce", lambda pg: pg.reduce([s.buf], opts),
-                    [s] if self._rank == dst else [])
+                    [s] if self.group_rank == dst else [])
 
     def native_all_gather_into_tensor_blocking(self, *, output: torch.Tensor,
                                                tensor: torch.Tensor) -> None:
@@ -473,7 +476,7 @@ class GlooProcessGroup(ProcessGroup):
         opts = self._opts("ReduceOptions", reduceOp=self._gloo_op(op, tensor), rootRank=dst,
                           rootTensor=0)
         # staged copies are written back on dst only: elsewhere the input stays as it was
-        back = [s] if self._rank == dst else []
+        back = [s] if self.group_rank == dst else []
         return self._issue("reduce", lambda pg: pg.reduce([s.buf], opts), [tensor], back)
 
     def native_all_gather(self, *, output_tensors: list[torch.Tensor],
@@ -492,14 +495,15 @@ class GlooProcessGroup(ProcessGroup):
 
     def native_gather(self, *, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None,
                       dst: int) -> Work:
-        outs = [[movable(t) for t in gather_list]] if self._rank == dst and gather_list else []
+        outs = [[movable(t) for t in gather_list]] if self.group_rank == dst and gather_list else []
         opts = self._opts("GatherOptions", rootRank=dst)
         return self._issue("gather", lambda pg: pg.gather(outs, [movable(tensor)], opts),
-                           gather_list if self._rank == dst and gather_list else [])
+                           gather_list if self.group_rank == dst and gather_list else [])
 
     def native_scatter(self, *, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None,
                        src: int) -> Work:
-        ins = [[movable(t) for t in scatter_list]] if self._rank == src and scatter_list else []
+        mine = self.group_rank == src and scatter_list
+        ins = [[movable(t) for t in scatter_list]] if mine and scatter_list else []
         opts = self._opts("ScatterOptions", rootRank=src)
         return self._issue("scatter", lambda pg: pg.scatter([movable(tensor)], ins, opts), [tensor])
 

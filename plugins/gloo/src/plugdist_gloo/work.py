@@ -19,9 +19,8 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
-from plugdist.abort import AbortSignal, wait_sliced
+from plugdist.backend import AbortSignal, GroupLike, Work, wait_sliced
 from plugdist.errors import DistError
-from plugdist.work import Work
 
 from .dtypes import Staged
 
@@ -30,20 +29,9 @@ __all__ = ["GlooWork", "IssuingGroup", "wait_native"]
 _NO_SOURCE = -1
 
 
-class IssuingGroup(Protocol):
+class IssuingGroup(GroupLike, Protocol):
     """What a GlooWork needs of the group that issued its op; ``GlooProcessGroup`` is one (it
     imports this module, so this module names only the protocol)."""
-
-    @property
-    def _rank(self) -> int: ...
-    @property
-    def group_name(self) -> str: ...
-    @property
-    def backend_name(self) -> str: ...
-    @property
-    def timeout(self) -> timedelta: ...
-    @property
-    def abort_signal(self) -> AbortSignal: ...
 
     def _translate(self, op: str, exc: BaseException) -> DistError:
         """The op's error as a DistError naming rank, group, op and backend."""
@@ -65,7 +53,7 @@ class GlooWork(Work):
 
     def __init__(self, pg: IssuingGroup, op: str, result: Any,
                  staged: Sequence[Staged] = (), any_source: bool = False) -> None:
-        super().__init__(op=op, rank=pg._rank, group=pg.group_name, backend=pg.backend_name,
+        super().__init__(op=op, rank=pg.rank(), group=pg.group_name, backend=pg.backend_name,
                          timeout=pg.timeout, abort=pg.abort_signal)
         self._pg = pg
         self._native: Any = None
@@ -108,22 +96,22 @@ class GlooWork(Work):
         if error is not None:
             translated = self._pg._translate(self.op, error)
             if self.abort is not None:
-                translated = self.abort.explain(translated, self._where())
+                translated = self.abort.explain(translated, self.where())
         with self._lock:
             if translated is not None:
                 self._error = translated
             self._finished = True
             self._native = None  # the torch work holds the tensors; let them go
-            fut = self._fut
+            fut = self.lazy_future
         if fut is not None:  # someone holds the future: complete it (its callbacks run here)
             if self._error is not None:
                 fut.set_exception(self._error)
             else:
                 fut.set_result(self._value)
 
-    def _materialize(self) -> torch.futures.Future:
+    def make_future(self) -> torch.futures.Future:
         with self._lock:
-            fresh = self._fut is None
+            fresh = self.lazy_future is None
             if fresh:
                 fut: torch.futures.Future = torch.futures.Future()
                 if self._finished:  # no callbacks on a new future: safe under the lock
@@ -131,14 +119,14 @@ class GlooWork(Work):
                         fut.set_exception(self._error)
                     else:
                         fut.set_result(self._value)
-                self._fut = fut
-            held = self._fut
+                self.lazy_future = fut
+            held = self.lazy_future
         assert held is not None  # set just above, under the lock
         if fresh and self.abort is not None:
             self.abort.watch_future(self)
         return held
 
-    def _abort_future(self) -> None:
+    def abort_future(self) -> None:
         """The group was aborted before Gloo finished the op: fail it now (Gloo's own outcome,
         when it comes, is dropped)."""
         abort = self.abort
@@ -148,9 +136,9 @@ class GlooWork(Work):
             if self._claimed:
                 return
             self._claimed = True
-            self._error = abort.error(self._where())
+            self._error = abort.error(self.where())
             self._finished = True
-            fut = self._fut
+            fut = self.lazy_future
         if fut is not None:
             fut.set_exception(self._error)
 
@@ -186,14 +174,14 @@ class GlooWork(Work):
             finished, error = wait_native(native, limit, self.abort)
             if not finished:
                 if self.abort is not None and self.abort.fired:
-                    raise self.abort.error(self._where())
-                raise self.timeout_error(self._seconds(timeout)) from error
+                    raise self.abort.error(self.where())
+                raise self.timeout_error(self.timeout_seconds(timeout)) from error
             self._complete(error)
         if not self._finished:  # armed, or completed by another thread this very moment
             super().wait(timeout)
         if self._error is not None:
             if self.abort is not None:
-                raise self.abort.explain(self._error, self._where())
+                raise self.abort.explain(self._error, self.where())
             raise self._error
         return True
 
@@ -215,7 +203,7 @@ class GlooWork(Work):
 
     def get_future(self) -> torch.futures.Future:
         self._arm()
-        return self._future
+        return self.future
 
 
 def wait_native(native: Any, limit: timedelta | None,

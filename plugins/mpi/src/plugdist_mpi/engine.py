@@ -56,7 +56,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
-from plugdist.work import Work
+from plugdist.backend import Work
 
 from ._mpi import load
 
@@ -100,7 +100,7 @@ _OUTCOME_LOCK = threading.Lock()  # orders an outcome against a future made at t
 
 
 class MPIWork(Work):
-    """A :class:`~plugdist.work.Work` whose ``wait`` drives MPI on the waiting thread.
+    """A :class:`~plugdist._backend.work.Work` whose ``wait`` drives MPI on the waiting thread.
 
     Same contract as Work: ``wait(timeout)`` blocks until the op finished (True) or raises its
     error, or ``DistTimeoutError`` once ``timeout`` (default: the group's) has passed. The
@@ -116,29 +116,29 @@ class MPIWork(Work):
     def set_result(self, value: Any) -> None:
         with _OUTCOME_LOCK:
             if self._state:
-                raise RuntimeError(f"{self._where()} was already completed")
+                raise RuntimeError(f"{self.where()} was already completed")
             self._value = value
             self._state = _OK
-            fut = self._fut
+            fut = self.lazy_future
         if fut is not None:  # runs the future's callbacks (``then``) on this thread
             fut.set_result(value)
 
     def set_exception(self, exc: BaseException) -> None:
-        err = self._with_context(exc)
+        err = self.with_context(exc)
         with _OUTCOME_LOCK:
             if self._state:
-                raise RuntimeError(f"{self._where()} was already completed")
+                raise RuntimeError(f"{self.where()} was already completed")
             self._error = err
             self._state = _FAILED
-            fut = self._fut
+            fut = self.lazy_future
         if fut is not None:
             fut.set_exception(err)
 
-    def _materialize(self) -> torch.futures.Future:
+    def make_future(self) -> torch.futures.Future:
         with _OUTCOME_LOCK:
-            fut = self._fut
+            fut = self.lazy_future
             if fut is None:
-                fut = self._fut = _new_future()
+                fut = self.lazy_future = _new_future()
                 # an outcome set before the future existed is handed over; a later one goes to
                 # the future through set_result/set_exception
                 if self._state == _OK:
@@ -153,7 +153,7 @@ class MPIWork(Work):
             if p is None:  # not an op of the engine's (never the case for plugdist_mpi's ops)
                 return super().wait(timeout)
             if not engine.finish(self, p):
-                seconds = self._seconds(timeout)
+                seconds = self.timeout_seconds(timeout)
                 deadline = None if seconds is None else time.perf_counter() + seconds
                 if not engine.drive(self, p, deadline):
                     raise self.timeout_error(seconds)
@@ -174,10 +174,10 @@ class MPIWork(Work):
         self.wait()
         return self._value
 
-    def _successor(self, op: str | None) -> Work:
+    def successor(self, op: str | None) -> Work:
         """A chained Work (``then``: AVG's divide, a DDP comm hook) drives this op's request
         too, so it does not wait for the progress thread."""
-        nxt = MPIWork(**self._context(op))
+        nxt = MPIWork(**self.context(op))
         nxt._pending = self._pending
         return nxt
 

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, NoReturn
 
 import torch
 from plugdist import ReduceOp
+from plugdist.backend import GroupOptions, ProcessGroup, Work, get_logger, report_failed_ranks
 from plugdist.errors import (
     DistBackendError,
     DistError,
@@ -35,11 +36,7 @@ from plugdist.errors import (
     timed_out,
     where,
 )
-from plugdist.log import get_logger
-from plugdist.process_group import GroupOptions, ProcessGroup
 from plugdist.store import Store, TCPStore
-from plugdist.work import Work
-from plugdist.world import world as _world
 
 from . import _ulfm, dtypes
 from ._mpi import availability, load
@@ -143,7 +140,7 @@ class MPIProcessGroup(ProcessGroup):
         self._comm: Any = None
         self._fromaddress = dtypes.buffer_type(MPI).fromaddress
         self._here = _Here()
-        self._log = get_logger(rank=self._rank, group=self.group_name)
+        self._log = get_logger(rank=self.group_rank, group=self.group_name)
         _setup_ulfm(MPI)
         self._failure_classes = _ulfm.failure_classes(MPI) if not self.rebuild_refusal else \
             frozenset()
@@ -163,7 +160,7 @@ class MPIProcessGroup(ProcessGroup):
         tag_ub = engine.call(lambda: self._comm.Get_attr(MPI.TAG_UB)
                              or MPI.COMM_WORLD.Get_attr(MPI.TAG_UB))
         self._tag_ub = int(tag_ub)
-        self._log.debug("mpi group created", size=self._size, global_ranks=list(members))
+        self._log.debug("mpi group created", size=self.group_size, global_ranks=list(members))
 
     # -- plugin metadata ------------------------------------------------------------------------
     @classmethod
@@ -270,8 +267,8 @@ class MPIProcessGroup(ProcessGroup):
 
     def _mpi_work(self, op: str, source_rank: Callable[[], int] | int = -1) -> MPIWork:
         """A pending MPIWork carrying this group's context (``ProcessGroup.work``'s, as MPIWork)."""
-        return MPIWork(op=op, rank=self._rank, group=self.group_name, backend=self.backend_name,
-                       timeout=self.timeout, source_rank=source_rank)
+        return MPIWork(op=op, rank=self.group_rank, group=self.group_name,
+                       backend=self.backend_name, timeout=self.timeout, source_rank=source_rank)
 
     def _run_here(self, op: str, start: Callable[..., Any], args: tuple[Any, ...],
                   finish: Callable[[Any], None] | None = None, keep: Any = None) -> None:
@@ -329,11 +326,9 @@ class MPIProcessGroup(ProcessGroup):
                 engine.call(lambda: comm.Is_revoked() or comm.Revoke())
             except Exception as query:  # noqa: BLE001 - the error below is what matters
                 self._log.debug("ulfm query failed", error=str(query))
-        members = self.options.global_ranks or tuple(range(self._size))
+        members = self.options.global_ranks or tuple(range(self.group_size))
         ranks = tuple(members[r] for r in failed if r < len(members))
         if ranks:
-            from plugdist.resilience import report_failed_ranks
-
             report_failed_ranks(ranks, f"MPI reported it: {text}")
         signal = self.abort_signal
         if signal.monitored and (signal.fired or signal.wait(1.0)):
@@ -370,12 +365,12 @@ class MPIProcessGroup(ProcessGroup):
         if comm is None:
             raise DistBackendError(f"{self.where('shrink_group')} this group was shut down")
         keep = list(keep)
-        gone = set(range(self._size)) - set(keep)
-        here = where(rank=self._rank, group=options.group_name, backend=self.backend_name,
+        gone = set(range(self.group_size)) - set(keep)
+        here = where(rank=self.group_rank, group=options.group_name, backend=self.backend_name,
                      op="shrink_group")
         engine.call(lambda: comm.Is_revoked() or comm.Revoke())
-        members = self.options.global_ranks or tuple(range(self._size))
-        key = keep.index(self._rank)
+        members = self.options.global_ranks or tuple(range(self.group_size))
+        key = keep.index(self.group_rank)
         if gone <= self._known_failed(gone):
             try:
                 base = engine.call(lambda: _shrink_in_order(MPI, comm, key, len(keep)))
@@ -429,8 +424,6 @@ class MPIProcessGroup(ProcessGroup):
         if mpi_size < len(keep):
             comm = self._comm
             if comm is not None:
-                from plugdist.resilience import report_failed_ranks
-
                 mpi_failed = engine.call(lambda: _ulfm.failed_in(comm))
                 report_failed_ranks([r for r in mpi_failed if r in keep],
                                     "MPI found it dead while the survivors shrank the group")
@@ -555,7 +548,7 @@ class MPIProcessGroup(ProcessGroup):
         if spec is None or comm is None:
             return NotImplemented
         buf = [self._fromaddress(tensor.data_ptr(), tensor.nbytes), tensor.numel(), spec[0]]
-        sides = (self._MPI.IN_PLACE, buf) if self._rank == dst else (buf, None)
+        sides = (self._MPI.IN_PLACE, buf) if self.group_rank == dst else (buf, None)
         return self._run_here("reduce", comm.Ireduce, (*sides, spec[1], dst), keep=tensor)
 
     def native_all_gather_into_tensor_blocking(self, *, output: torch.Tensor,
@@ -566,13 +559,13 @@ class MPIProcessGroup(ProcessGroup):
         byte = self._MPI.BYTE
         nbytes, at = tensor.nbytes, tensor.data_ptr()
         out_at = output.data_ptr()
-        if nbytes and at == out_at + self._rank * nbytes:
+        if nbytes and at == out_at + self.group_rank * nbytes:
             send: Any = self._MPI.IN_PLACE  # the input already is this rank's slot
-        elif dtypes.spans_overlap(at, nbytes, out_at, nbytes * self._size):
+        elif dtypes.spans_overlap(at, nbytes, out_at, nbytes * self.group_size):
             return NotImplemented  # overlaps the output elsewhere: native_blocking copies it
         else:
             send = [self._fromaddress(at, nbytes), byte]
-        recv = [self._fromaddress(out_at, nbytes * self._size), byte]
+        recv = [self._fromaddress(out_at, nbytes * self.group_size), byte]
         return self._run_here("all_gather_into_tensor", comm.Iallgather, (send, recv),
                               keep=(tensor, output))
 
@@ -583,10 +576,10 @@ class MPIProcessGroup(ProcessGroup):
         if spec is None or comm is None or dtypes.overlap(input, output):
             return NotImplemented
         n = output.numel()
-        send = [self._fromaddress(input.data_ptr(), input.nbytes), n * self._size, spec[0]]
+        send = [self._fromaddress(input.data_ptr(), input.nbytes), n * self.group_size, spec[0]]
         recv = [self._fromaddress(output.data_ptr(), output.nbytes), n, spec[0]]
         return self._run_here("reduce_scatter_tensor", comm.Ireduce_scatter,
-                              (send, recv, [n] * self._size, spec[1]), keep=(input, output))
+                              (send, recv, [n] * self.group_size, spec[1]), keep=(input, output))
 
     def native_all_to_all_single_blocking(self, *, output: torch.Tensor,
                                           input: torch.Tensor) -> Any:
@@ -603,7 +596,7 @@ class MPIProcessGroup(ProcessGroup):
     def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
         dt, mop = self._reduce_spec("reduce", op, tensor.dtype)
         buf = self._typed(tensor, dt)
-        if self._rank == dst:
+        if self.group_rank == dst:
             start = lambda c: c.Ireduce(self._MPI.IN_PLACE, buf, mop, root=dst)  # noqa: E731
         else:
             start = lambda c: c.Ireduce(buf, None, mop, root=dst)  # noqa: E731
@@ -612,13 +605,13 @@ class MPIProcessGroup(ProcessGroup):
     def native_all_gather(self, *, output_tensors: list[torch.Tensor],
                           tensor: torch.Tensor) -> Work:
         recv, finish, keep = self._receive_into(output_tensors)
-        send, mine = self._own_contribution(tensor, output_tensors[self._rank].data_ptr(),
+        send, mine = self._own_contribution(tensor, output_tensors[self.group_rank].data_ptr(),
                                             output_tensors, staged=finish is not None)
         return self._issue("all_gather", lambda c: c.Iallgatherv(send, recv), output_tensors,
                            finish, keep=(keep, mine))
 
     def native_all_gather_into_tensor(self, *, output: torch.Tensor, tensor: torch.Tensor) -> Work:
-        slot = output.data_ptr() + self._rank * tensor.nbytes
+        slot = output.data_ptr() + self.group_rank * tensor.nbytes
         send, mine = self._own_contribution(tensor, slot, [output], staged=False)
         recv = self._bytes(output)
         return self._issue("all_gather_into_tensor", lambda c: c.Iallgather(send, recv),
@@ -626,13 +619,13 @@ class MPIProcessGroup(ProcessGroup):
 
     def native_gather(self, *, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None,
                       dst: int) -> Work:
-        if self._rank != dst:
+        if self.group_rank != dst:
             send = self._bytes(tensor)
             return self._issue("gather", lambda c: c.Igatherv(send, None, root=dst), [])
         if gather_list is None:  # the core checked it on dst; keeps type checkers informed
             raise ValueError(f"{self.where('gather')} gather_list is required on dst")
         recv, finish, keep = self._receive_into(gather_list)
-        send, mine = self._own_contribution(tensor, gather_list[self._rank].data_ptr(),
+        send, mine = self._own_contribution(tensor, gather_list[self.group_rank].data_ptr(),
                                             gather_list, staged=finish is not None)
         return self._issue("gather", lambda c: c.Igatherv(send, recv, root=dst), gather_list,
                            finish, keep=(keep, mine))
@@ -640,17 +633,17 @@ class MPIProcessGroup(ProcessGroup):
     def native_scatter(self, *, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None,
                        src: int) -> Work:
         MPI = self._MPI
-        if self._rank != src:
+        if self.group_rank != src:
             recv = self._bytes(tensor)
             return self._issue("scatter", lambda c: c.Iscatterv(None, recv, root=src), [tensor])
         if scatter_list is None:
             raise ValueError(f"{self.where('scatter')} scatter_list is required on src")
         items = list(scatter_list)
         own: Any = self._bytes(tensor)
-        if tensor.numel() and items[self._rank].data_ptr() == tensor.data_ptr():
+        if tensor.numel() and items[self.group_rank].data_ptr() == tensor.data_ptr():
             own = MPI.IN_PLACE  # this rank's piece already sits in its output
         for i, t in enumerate(items):
-            if i != self._rank and dtypes.overlap(t, tensor):
+            if i != self.group_rank and dtypes.overlap(t, tensor):
                 items[i] = t.clone()  # MPI may not read and write the same bytes
         send, keep = self._send_from(items)
         return self._issue("scatter", lambda c: c.Iscatterv(send, own, root=src), [tensor],
@@ -663,7 +656,7 @@ class MPIProcessGroup(ProcessGroup):
         if first.numel() and all(t.data_ptr() == first.data_ptr() + i * step
                                  for i, t in enumerate(input_list)):
             # already one run of memory (e.g. chunks of one tensor): reduce it where it lies
-            flat = first.reshape(-1).as_strided((first.numel() * self._size,), (1,))
+            flat = first.reshape(-1).as_strided((first.numel() * self.group_size,), (1,))
         else:
             flat = torch.cat([t.reshape(-1) for t in input_list])
         return self._reduce_scatter("reduce_scatter", output, flat, op)
@@ -681,9 +674,9 @@ class MPIProcessGroup(ProcessGroup):
         if dtypes.overlap(flat, output):
             flat = flat.clone()
         n = output.numel()
-        send = [dtypes.raw(self._MPI, flat), n * self._size, dt]
+        send = [dtypes.raw(self._MPI, flat), n * self.group_size, dt]
         recv = self._typed(output, dt)
-        counts = [n] * self._size
+        counts = [n] * self.group_size
         return self._issue(name, lambda c: c.Ireduce_scatter(send, recv, counts, mop), [output],
                            keep=(flat,))
 
@@ -754,8 +747,7 @@ def _is_world(options: GroupOptions | None, size: int) -> bool:
     group, or the caller named no members (object API)."""
     if options is None or not options.global_ranks:
         return True
-    return not _world.initialized and _world.size == size \
-        and tuple(options.global_ranks) == tuple(range(size))
+    return options.is_world and tuple(options.global_ranks) == tuple(range(size))
 
 
 def _row_bytes(t: torch.Tensor, rows: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from plugdist.reduce_op import ReduceOp
+from plugdist.backend import ReduceOp
 
 __all__ = ["Buffer", "data_buffer", "reduction_buffer", "check_reducible", "nccl_op",
            "DATA_CODES", "REDUCE_CODES", "reduce_code"]

@@ -42,12 +42,9 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
+from plugdist.backend import GroupOptions, ProcessGroup, ReduceOp, Work, get_logger
 from plugdist.errors import DistBackendError, DistError, DistTimeoutError, timed_out, where
-from plugdist.log import get_logger
-from plugdist.process_group import GroupOptions, ProcessGroup
-from plugdist.reduce_op import ReduceOp
 from plugdist.store import Store
-from plugdist.work import Work
 
 from ._nccl import availability, load, version
 from .communicator import Communicator, CommunicatorClosed, create_communicator
@@ -118,7 +115,6 @@ class NCCLProcessGroup(ProcessGroup):
         self._log = get_logger(rank=rank, group=self.group_name)
         self._nccl = load()
         self._version = version()
-        self._caps = self.static_capabilities()
         self._policy = FailurePolicy.from_env()
         self._blocking = self._policy.blocking_wait
         if self._blocking and any(os.environ.get(n, "").strip() for n in ASYNC_ERROR_HANDLING_ENV):
@@ -278,8 +274,8 @@ class NCCLProcessGroup(ProcessGroup):
         self._refuse_capture(op, device)
         self._ensure_stream(op, device)
         self._comm_attempts += 1  # a retry after a failed build uses fresh store keys
-        comm = create_communicator(self._store, self._rank, self._size, device, self.timeout,
-                                   self._comm_attempts, self.where(op))
+        comm = create_communicator(self._store, self.group_rank, self.group_size, device,
+                                   self.timeout, self._comm_attempts, self.where(op))
         seconds = self.timeout.total_seconds()
         self._replays = ReplayWatch(device)
 
@@ -288,7 +284,7 @@ class NCCLProcessGroup(ProcessGroup):
             relax_capture_mode()  # its event queries must not disturb a user's capture
 
         self._watchdog = Watchdog(
-            f"plugdist-nccl-{self.group_name}-r{self._rank}",
+            f"plugdist-nccl-{self.group_name}-r{self.group_rank}",
             on_start=on_start, check_error=comm.check_async_error,
             on_error=self._watchdog_error, on_timeout=self._watchdog_timeout,
             op_timeout_s=self._policy.watchdog_op_timeout(seconds),
@@ -297,7 +293,7 @@ class NCCLProcessGroup(ProcessGroup):
         self._comm = comm
         if device.index is not None and not self._blocking:  # blocking waits need a Work
             self._lean_index = device.index
-        self._log.debug("nccl communicator created", device=str(device), size=self._size,
+        self._log.debug("nccl communicator created", device=str(device), size=self.group_size,
                         high_priority=self.nccl_options.is_high_priority_stream)
         return comm
 
@@ -314,7 +310,7 @@ class NCCLProcessGroup(ProcessGroup):
                   blocking: bool = False) -> NCCLWork:
         return NCCLWork(device=device, blocking=blocking or self._blocking, tensors=tensors,
                         flush=self._flush, on_timeout=self._wait_timeout, result=result, op=op,
-                        rank=self._rank, group=self.group_name, backend=self.backend_name,
+                        rank=self.group_rank, group=self.group_name, backend=self.backend_name,
                         timeout=self.timeout)
 
     def _issue(self, op: str, sample: torch.Tensor | None, issue: Issue, keep: list[torch.Tensor],
@@ -493,7 +489,7 @@ class NCCLProcessGroup(ProcessGroup):
         codes = DATA_CODES.get(input.dtype)
         if codes is None:
             return NotImplemented
-        n, me, nccl = self._size, self._rank, self._nccl
+        n, me, nccl = self.group_size, self.group_rank, self._nccl
         count = input.numel() * codes[1] // n  # per rank
         step = input.numel() * input.element_size() // n  # bytes per rank
         inp, out, dtype = input.data_ptr(), output.data_ptr(), codes[0]
@@ -608,7 +604,7 @@ class NCCLProcessGroup(ProcessGroup):
     def _timeout_error(self, work: Any, seconds: float, tail: str) -> DistTimeoutError:
         """``work`` outlived ``seconds``; ``tail`` says what happens about it."""
         what = "the op to finish on" if work.launched else "NCCL to queue the op on"
-        return DistTimeoutError(f"{timed_out(work._where(), seconds, f'{what} {work.device}')}"
+        return DistTimeoutError(f"{timed_out(work.where(), seconds, f'{what} {work.device}')}"
                                 f"{tail}")
 
     def _wait_timeout(self, work: NCCLWork, seconds: float) -> BaseException:
@@ -716,13 +712,13 @@ class NCCLProcessGroup(ProcessGroup):
 
     def native_all_gather(self, *, output_tensors: list[torch.Tensor],
                           tensor: torch.Tensor) -> Work:
-        flat = self._scratch(tensor, (self._size * tensor.numel(),))
+        flat = self._scratch(tensor, (self.group_size * tensor.numel(),))
         inp, out = data_buffer(tensor), data_buffer(flat)
 
         def issue(c: Any, s: int) -> None:
             if inp.count:
                 c.allGather(inp.ptr, out.ptr, inp.count, inp.dtype, s)
-            parts = flat.chunk(self._size) if flat.numel() else []
+            parts = flat.chunk(self.group_size) if flat.numel() else []
             for dst, part in zip(output_tensors, parts, strict=False):
                 dst.view(-1).copy_(part)  # on the group's stream, after the gather
 
@@ -739,7 +735,7 @@ class NCCLProcessGroup(ProcessGroup):
 
     def native_reduce_scatter(self, *, output: torch.Tensor, input_list: list[torch.Tensor],
                               op: ReduceOp) -> Work:
-        flat = self._scratch(output, (self._size * output.numel(),))
+        flat = self._scratch(output, (self.group_size * output.numel(),))
         out = reduction_buffer(output)
         red = nccl_op(op, output.dtype)
 
@@ -767,7 +763,7 @@ class NCCLProcessGroup(ProcessGroup):
 
     def native_gather(self, *, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None,
                       dst: int) -> Work:
-        n, me = self._size, self._rank
+        n, me = self.group_size, self.group_rank
         if me == dst and gather_list is not None:
             sends: list[torch.Tensor | None] = [None] * n
             sends[me] = tensor
@@ -778,7 +774,7 @@ class NCCLProcessGroup(ProcessGroup):
 
     def native_scatter(self, *, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None,
                        src: int) -> Work:
-        n, me = self._size, self._rank
+        n, me = self.group_size, self.group_rank
         recvs: list[torch.Tensor | None] = [tensor if r == src else None for r in range(n)]
         if me == src and scatter_list is not None:
             return self._exchange("scatter", tensor, list(scatter_list), recvs,
@@ -808,7 +804,7 @@ class NCCLProcessGroup(ProcessGroup):
         if src is None:  # the core refuses this first: NCCL has no receive from any source
             raise ValueError(f"{self.where('recv')} NCCL cannot receive from any source")
         work = self._hold_p2p("recv", False, tensor, src)
-        work._source_rank = src
+        work.set_source_rank(src)
         return work
 
     # -- helpers -------------------------------------------------------------------------------
@@ -826,7 +822,7 @@ class NCCLProcessGroup(ProcessGroup):
                   result: Any) -> NCCLWork:
         """Send ``sends[r]`` to and receive ``recvs[r]`` from every rank r (None: nothing) as one
         NCCL group call; this rank's own slot is a copy on the stream."""
-        me, nccl = self._rank, self._nccl
+        me, nccl = self.group_rank, self._nccl
 
         def issue(c: Any, s: int) -> None:
             mine_in, mine_out = sends[me], recvs[me]
@@ -834,7 +830,7 @@ class NCCLProcessGroup(ProcessGroup):
                 mine_out.view(-1).copy_(mine_in.reshape(-1))
             nccl.groupStart()
             try:
-                for peer in range(self._size):
+                for peer in range(self.group_size):
                     if peer == me:
                         continue
                     out, inp = recvs[peer], sends[peer]

@@ -26,8 +26,8 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
+from plugdist.backend import Work
 from plugdist.errors import DistBackendError, DistTimeoutError
-from plugdist.work import Work
 
 from .cuda import EventPool, current_stream, event_done, runtime
 
@@ -73,13 +73,13 @@ class Launch:
     record of it. ``event`` is 0 until the op's NCCL calls returned and its event was
     recorded; the pooled event goes back to the pool when the watchdog settles the launch."""
 
-    __slots__ = ("op", "where", "device", "issued_at", "event", "_pool", "_settled")
+    __slots__ = ("op", "_where_in", "device", "issued_at", "event", "_pool", "_settled")
     urgent = False  # no future: the watchdog polls it at its slowest pace
 
     def __init__(self, op: str, where: Callable[[str], str], device: torch.device,
                  pool: EventPool) -> None:
         self.op = op
-        self.where = where
+        self._where_in = where  # the group's ``where``
         self.device = device
         self.issued_at = time.monotonic()
         self.event = 0
@@ -113,8 +113,8 @@ class Launch:
         """The NCCL calls failed: nothing to watch (the event, if taken, was not recorded)."""
         self._settled = True
 
-    def _where(self) -> str:
-        return self.where(self.op)
+    def where(self) -> str:
+        return self._where_in(self.op)
 
 
 class NCCLWork(Work):
@@ -212,7 +212,7 @@ class NCCLWork(Work):
 
     def _captured_error(self, what: str) -> DistBackendError:
         return DistBackendError(
-            f"{self._where()} was captured in a CUDA graph: it runs at each replay of the "
+            f"{self.where()} was captured in a CUDA graph: it runs at each replay of the "
             f"graph, so {what} cannot be asked of this Work; wait() inside the capture orders "
             f"your stream after it, and the group's watchdog bounds each replay by the group "
             f"timeout")
@@ -233,7 +233,7 @@ class NCCLWork(Work):
             return True  # done on the GPU: nothing left to order after
         event = self._event
         if event is None:  # never queued and not failed: only a broken invariant gets here
-            raise DistTimeoutError(f"{self._where()} was never queued on the GPU")
+            raise DistTimeoutError(f"{self.where()} was never queued on the GPU")
         event.wait_on(current_stream(self.device.index))
         exc = self.exception()
         if exc is not None:
@@ -241,7 +241,7 @@ class NCCLWork(Work):
         return True
 
     def _block(self, timeout: timedelta | float | None) -> None:
-        seconds = self._seconds(timeout)
+        seconds = self.timeout_seconds(timeout)
         deadline = time.monotonic() + (seconds if seconds is not None else float("inf"))
         pause = 1e-5
         while not self._poll():
@@ -256,7 +256,7 @@ class NCCLWork(Work):
     def is_completed(self) -> bool:
         """True once the op finished on the GPU (or failed); completes the future then."""
         self._flush()
-        return self._poll() or self._future.done()
+        return self._poll() or self.future.done()
 
     def exception(self) -> BaseException | None:
         if self.captured and not self._settled:
@@ -272,7 +272,7 @@ class NCCLWork(Work):
         if self.captured:
             raise self._captured_error("a future")
         self._poll()
-        return self._future
+        return self.future
 
     def result(self) -> Any:
         """The output tensors; blocks the host until the op finished on the GPU."""
@@ -280,4 +280,4 @@ class NCCLWork(Work):
         if self.captured:
             raise self._captured_error("its result")
         self._block(None)
-        return self._future.value()
+        return self.future.value()

@@ -64,7 +64,7 @@ class ToyProcessGroup(ProcessGroup):
         return seq
 
     def native_send(self, *, tensor: torch.Tensor, dst: int, tag: int) -> Work:
-        key = self._key(self._rank, dst, tag, self._next(self._sent, dst, tag))
+        key = self._key(self.group_rank, dst, tag, self._next(self._sent, dst, tag))
         work = self.work("send")
         try:
             # bytes copied before returning: the caller may reuse the tensor at once
@@ -77,7 +77,7 @@ class ToyProcessGroup(ProcessGroup):
 
     def native_recv(self, *, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
         assert src is not None  # supports_any_source is False: the core refuses src=None first
-        key = self._key(src, self._rank, tag, self._next(self._received, src, tag))
+        key = self._key(src, self.group_rank, tag, self._next(self._received, src, tag))
         work = self.work("recv", source_rank=src)
         thread = threading.Thread(target=self._receive, args=(key, tensor, work),
                                   name=f"toy-recv-{key}")

@@ -1,0 +1,300 @@
+"""The plugin registry: one object owning every way plugdist finds code it does not import.
+
+Named drivers come from entry-point groups through stevedore, loaded one at a time when first
+asked for; cross-cutting hooks come from ``plugdist.plugins`` through a pluggy PluginManager.
+Registrations made at runtime (``Backend.register_backend``, ``register_rendezvous_handler``,
+...) win over an entry point of the same name. A plugin that fails to import is recorded with its
+error: it never breaks the others, ``plugdist info`` lists it, and asking for it by name raises an
+error that carries the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from plugdist import _debug_level as debug_level
+from plugdist import hookspecs
+from plugdist.errors import PluginAPIError, PluginNotFoundError
+
+__all__ = ["Registry", "registry", "PluginInfo", "GROUPS", "Backend", "PluginNotFoundError",
+           "BACKENDS", "STORES", "PLUGIN_API", "PluginAPIError", "plugin_api_refusal",
+           "declared_plugin_api"]
+
+# The version of the backend plugin API: what docs/backends.md describes (the hooks, their
+# arguments, what they return). The minor number grows when hooks are added (a plugin written
+# for 1.0 keeps working under 1.3); the major number changes when a hook changes or goes away.
+PLUGIN_API: tuple[int, int] = (1, 0)
+
+BACKENDS = "plugdist.backends"
+STORES = "plugdist.stores"
+RENDEZVOUS = "plugdist.rendezvous"
+REDUCERS = "plugdist.reducers"
+COMM_HOOKS = "plugdist.comm_hooks"
+PLUGINS = "plugdist.plugins"
+GROUPS = (BACKENDS, STORES, RENDEZVOUS, REDUCERS, COMM_HOOKS, PLUGINS)
+
+_KIND = {BACKENDS: "backend", STORES: "store", RENDEZVOUS: "rendezvous scheme", REDUCERS: "reducer",
+         COMM_HOOKS: "comm hook", PLUGINS: "plugin"}
+
+
+def _api_text(version: tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}"
+
+
+def declared_plugin_api(obj: Any, module: str | None = None) -> Any:
+    """The plugin API version ``obj`` (what an entry point names) declares: its own
+    ``plugin_api`` attribute (a backend class's, a hook module's), else that of ``module`` (the
+    entry point's module; default: the one defining ``obj``), else (1, 0), the API as it was
+    before it had a version."""
+    declared = getattr(obj, "plugin_api", None)
+    if declared is None:
+        found = sys.modules.get(module or getattr(obj, "__module__", None) or "")
+        declared = getattr(found, "plugin_api", None)
+    return (1, 0) if declared is None else declared
+
+
+def plugin_api_refusal(kind: str, name: str, obj: Any, origin: str,
+                       module: str | None = None) -> str | None:
+    """Why the ``kind`` plugin ``name`` (``obj``, from ``origin``; ``module``: its entry point's)
+    cannot run on this core, or None when it can.
+
+    A plugin declares ``plugin_api = (major, minor)``: the API version it was written for,
+    standing for every version from it up to the next major one. The core accepts it when the
+    majors are equal and the core's minor is at least the plugin's."""
+    declared = declared_plugin_api(obj, module)
+    if (not isinstance(declared, tuple) or len(declared) != 2
+            or not all(isinstance(v, int) for v in declared)):
+        return (f"{kind} {name!r} ({origin}) declares plugin_api = {declared!r}; it must be a "
+                f"(major, minor) tuple of ints such as {PLUGIN_API!r}")
+    if declared[0] == PLUGIN_API[0] and declared[1] <= PLUGIN_API[1]:
+        return None
+    fix = (f"upgrade plugdist to one that provides plugin API {_api_text(declared)}"
+           if declared > PLUGIN_API else
+           f"install a version of the plugin written for plugin API {PLUGIN_API[0]}.x")
+    return (f"{kind} {name!r} ({origin}) needs plugdist plugin API {_api_text(declared)} "
+            f"(up to, not including, {declared[0] + 1}.0), but this plugdist provides plugin API "
+            f"{_api_text(PLUGIN_API)}; {fix}")
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One plugin as ``plugdist info`` shows it."""
+
+    group: str
+    name: str
+    distribution: str
+    version: str
+    target: str
+    error: str | None = None  # why it failed to load, if it did
+    runtime: bool = False     # registered at runtime rather than through an entry point
+
+
+def _dist_of(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "?", "?"
+    return dist.metadata["Name"], dist.version
+
+
+def _origin(ep: importlib.metadata.EntryPoint) -> str:
+    dist, version = _dist_of(ep)
+    return f"{dist} {version}, {ep.value}"
+
+
+class Registry:
+    """Owner of runtime registrations, loaded entry points and the pluggy PluginManager.
+
+    Thread-safe. Nothing is discovered until first asked for.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._runtime: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
+        self._loaded: dict[tuple[str, str], Any] = {}
+        self._errors: dict[tuple[str, str], str] = {}
+        self._pm: pluggy.PluginManager | None = None
+
+    # -- registration --------------------------------------------------------------------------
+    def register(self, group: str, name: str, obj: Any, *, replace: bool = False) -> None:
+        """Register ``obj`` as ``name`` in ``group`` for this process. A second registration of
+        the same name is refused unless ``replace`` is true, and so is a backend written for
+        another plugin API (:func:`plugin_api_refusal`)."""
+        refusal = plugin_api_refusal(_KIND[group], name, obj, "registered at runtime")
+        if refusal is not None:
+            raise PluginAPIError(refusal)
+        with self._lock:
+            if name in self._runtime[group] and not replace:
+                raise ValueError(f"a {_KIND[group]} named {name!r} is already registered at "
+                                 f"runtime; did you register it twice? Pass replace=True to "
+                                 f"override it")
+            self._runtime[group][name] = obj
+
+    def unregister(self, group: str, name: str) -> None:
+        with self._lock:
+            self._runtime[group].pop(name, None)
+
+    # -- lookup --------------------------------------------------------------------------------
+    def names(self, group: str) -> list[str]:
+        """Every name available in ``group``: runtime registrations and entry points."""
+        eps = {ep.name for ep in importlib.metadata.entry_points(group=group)}
+        return sorted(eps | set(self._runtime[group]))
+
+    def load(self, group: str, name: str) -> Any:
+        """The object registered as ``name`` in ``group``; raises PluginNotFoundError."""
+        with self._lock:
+            if name in self._runtime[group]:
+                return self._runtime[group][name]
+            key = (group, name)
+            if key in self._loaded:
+                return self._loaded[key]
+            if key not in self._errors:
+                self._load_driver(group, name)
+            if key in self._loaded:
+                return self._loaded[key]
+        available = ", ".join(n for n in self.names(group) if (group, n) not in self._errors)
+        if key in self._errors:
+            raise PluginNotFoundError(
+                f"the {_KIND[group]} {name!r} is installed but failed to load:\n"
+                f"{self._errors[key]}\nreinstall it or fix the error above (working ones: "
+                f"{available or 'none'})")
+        hint = ("; to get it, install the distribution that provides it "
+                f"(e.g. pip install plugdist-{name})") if group in (BACKENDS, STORES) else ""
+        raise PluginNotFoundError(f"no {_KIND[group]} named {name!r} (entry-point group {group}); "
+                                  f"installed: {available or 'none'}{hint}")
+
+    def _load_driver(self, group: str, name: str) -> None:
+        from stevedore import DriverManager
+        from stevedore.exception import NoMatches
+
+        def failed(_manager: Any, ep: Any, err: BaseException) -> None:
+            self._errors[(group, ep.name)] = "".join(
+                traceback.format_exception_only(type(err), err)).strip()
+
+        try:
+            mgr = DriverManager(group, name, invoke_on_load=False,
+                                on_load_failure_callback=failed)
+        except NoMatches:
+            return
+        except RuntimeError as err:  # stevedore: several entry points share the name
+            self._errors[(group, name)] = str(err)
+            return
+        # stevedore's own entry point may lack its distribution: ask importlib.metadata
+        ep = next(iter(importlib.metadata.entry_points(group=group, name=name)),
+                  mgr.extensions[0].entry_point)
+        refusal = plugin_api_refusal(_KIND[group], name, mgr.driver, _origin(ep), ep.module)
+        if refusal is not None:
+            self._errors[(group, name)] = refusal
+            return
+        self._loaded[(group, name)] = mgr.driver
+
+    def describe(self) -> list[PluginInfo]:
+        """Every plugin of every group, loading each to report failures. For ``plugdist info``."""
+        out = []
+        for group in GROUPS:
+            for name, obj in sorted(self._runtime[group].items()):
+                out.append(PluginInfo(group, name, "(runtime)", "", repr(obj), runtime=True))
+            for ep in sorted(importlib.metadata.entry_points(group=group), key=lambda e: e.name):
+                dist, version = _dist_of(ep)
+                error = None
+                if group == PLUGINS:
+                    self.plugins()
+                    error = self._errors.get((group, ep.name))
+                else:
+                    try:
+                        self.load(group, ep.name)
+                    except PluginNotFoundError:
+                        error = self._errors.get((group, ep.name), "failed to load")
+                out.append(PluginInfo(group, ep.name, dist, version, ep.value, error))
+        return out
+
+    def load_error(self, group: str, name: str) -> str | None:
+        return self._errors.get((group, name))
+
+    # -- pluggy ----------------------------------------------------------------------------------
+    def plugins(self) -> pluggy.PluginManager:
+        """The PluginManager, with every ``plugdist.plugins`` entry point registered once."""
+        with self._lock:
+            if self._pm is None:
+                pm = pluggy.PluginManager(hookspecs.PROJECT)
+                pm.add_hookspecs(hookspecs)
+                for ep in importlib.metadata.entry_points(group=PLUGINS):
+                    try:
+                        plugin = ep.load()
+                        refusal = plugin_api_refusal("plugin", ep.name, plugin, _origin(ep),
+                                                     ep.module)
+                        if refusal is not None:
+                            self._errors[(PLUGINS, ep.name)] = refusal
+                            continue
+                        pm.register(plugin, name=ep.name)
+                    except Exception as err:  # noqa: BLE001 - a broken plugin must not break the rest
+                        self._errors[(PLUGINS, ep.name)] = "".join(
+                            traceback.format_exception_only(type(err), err)).strip()
+                self._pm = pm
+            return self._pm
+
+    def wrap_group(self, group: Any, **kwargs: Any) -> Any:
+        """Apply every plugin's ``plugdist_wrap_process_group`` in turn (wrappers chain)."""
+        for impl in reversed(self.plugins().hook.plugdist_wrap_process_group.get_hookimpls()):
+            wrapped = impl.function(group=group, **{k: v for k, v in kwargs.items()
+                                                    if k in impl.argnames})
+            if wrapped is not None:
+                group = wrapped
+        return group
+
+    def has_hook(self, hook_name: str) -> bool:
+        return bool(getattr(self.plugins().hook, hook_name).get_hookimpls())
+
+
+registry = Registry()
+
+
+def _tell_plugins(level: debug_level.DebugLevel) -> None:
+    registry.plugins().hook.plugdist_debug_level_changed(level=level)
+
+
+debug_level.observe(_tell_plugins)
+
+
+class Backend(str):
+    """A backend name, as in torch.distributed: ``Backend("GLOO") == "gloo"``.
+
+    The constants are conveniences; any registered name is a valid backend.
+    """
+
+    UNDEFINED = "undefined"
+    GLOO = "gloo"
+    MPI = "mpi"
+    NCCL = "nccl"
+
+    def __new__(cls, name: str) -> Backend:
+        if not isinstance(name, str):
+            raise ValueError(f"Backend name must be a string, got {type(name).__name__}")
+        return super().__new__(cls, name.lower())
+
+    @classmethod
+    def register_backend(cls, name: str, func: Callable[..., Any], extended_api: bool = False,
+                         devices: str | list[str] | None = None) -> None:
+        """Register ``func(store, rank, size, options)`` as backend ``name`` for this process.
+
+        Wins over an installed entry point of the same name. ``devices`` (e.g. ``["cpu"]``) is
+        recorded on the factory for ``get_default_backend_for_device``; ``extended_api`` is accepted
+        for torch compatibility (plugdist always passes the options object).
+        """
+        if devices is not None and not hasattr(func, "device_types"):
+            try:
+                func.device_types = (devices,) if isinstance(devices, str) else tuple(devices)  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+        registry.register(BACKENDS, name.lower(), func, replace=True)
+
+    @classmethod
+    def backend_list(cls) -> list[str]:
+        return registry.names(BACKENDS)

@@ -1,0 +1,2 @@
+"""The command-line tools: ``plugdist`` (``cli``), ``plugdist-bench`` (``bench``) and the
+backend scaffold (``scaffold``)."""

@@ -1,0 +1,581 @@
+"""Creating, finding and destroying groups: the torch.distributed-compatible functions.
+
+Every function here that creates a group must be called by every rank of the world, in the same
+order (the group's name is its position in that order). Non-members of a group get
+``GroupMember.NON_GROUP_MEMBER``; queries on it answer -1 and collectives on it do nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+from plugdist import _log as log
+from plugdist._debug_level import DebugLevel, get_debug_level
+from plugdist._group.process_group import DEFAULT_TIMEOUT, GroupOptions, ProcessGroup
+from plugdist._launcher.error_file import mark_resilient
+from plugdist._log import get_logger
+from plugdist._observability import flight_recorder
+from plugdist._registry import BACKENDS, RENDEZVOUS, STORES, Backend, PluginNotFoundError, registry
+from plugdist._resilience import membership as _membership
+from plugdist._world.rendezvous import store_rendezvous_handler
+from plugdist._world.state import GroupInfo, NotInitializedError, world
+from plugdist.errors import DistError, DistTimeoutError, timed_out, where
+from plugdist.store import PrefixStore, Store
+
+__all__ = [
+    "init_world", "destroy", "is_initialized", "is_available",
+    "new_group", "new_subgroups", "new_subgroups_by_enumeration", "get_rank", "get_world_size",
+    "get_backend", "get_global_rank", "get_group_rank", "get_process_group_ranks",
+    "get_node_local_rank", "is_backend_available", "is_gloo_available", "is_mpi_available",
+    "is_nccl_available", "is_torchelastic_launched", "get_default_backend_for_device",
+    "register_rendezvous_handler", "group", "GroupMember", "resolve_group", "build_group",
+]
+
+
+class _NonMember:
+    """The handle non-members get from ``new_group``."""
+
+    def __repr__(self) -> str:
+        return "GroupMember.NON_GROUP_MEMBER"
+
+
+_NON_MEMBER = _NonMember()
+
+
+class _GroupNamespace:
+    """``group.WORLD`` is the default group (None before init), as in torch.distributed."""
+
+    @property
+    def WORLD(self) -> ProcessGroup | None:  # noqa: N802 - torch's spelling
+        return world.default
+
+
+class _GroupMemberNamespace(_GroupNamespace):
+    NON_GROUP_MEMBER = _NON_MEMBER
+
+
+group = _GroupNamespace()
+GroupMember = _GroupMemberNamespace()
+
+_warned_no_debug_plugin = False
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return world.initialized
+
+
+def is_torchelastic_launched() -> bool:
+    """True when started by ``plugdist-run`` (or torchrun): the launcher sets a run id."""
+    return bool(os.environ.get("PLUGDIST_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
+def is_backend_available(backend: str) -> bool:
+    """True when the backend's plugin is installed and its library works here."""
+    try:
+        factory = registry.load(BACKENDS, Backend(backend))
+    except PluginNotFoundError:
+        return False
+    return _availability(factory)[0]
+
+
+def _availability(factory: Any) -> tuple[bool, str]:
+    """``factory.is_available()``: whether its library works here, and why not."""
+    check = getattr(factory, "is_available", None)
+    if not callable(check):
+        return True, ""
+    ok, reason = check()
+    return bool(ok), str(reason)
+
+
+def is_gloo_available() -> bool:
+    return is_backend_available("gloo")
+
+
+def is_mpi_available() -> bool:
+    return is_backend_available("mpi")
+
+
+def is_nccl_available() -> bool:
+    return is_backend_available("nccl")
+
+
+def get_default_backend_for_device(device: Any) -> str:
+    """The installed backend that volunteers as default for ``device``'s type (its factory's
+    ``default_for`` attribute) and works here, e.g. 'cpu' -> 'gloo' when plugdist-gloo is
+    installed. Raises DistError naming the volunteers that do not work here, and why."""
+    dev = device.type if hasattr(device, "type") else str(device).split(":")[0]
+    unavailable = []
+    for name in registry.names(BACKENDS):
+        try:
+            factory = registry.load(BACKENDS, name)
+        except PluginNotFoundError:
+            continue
+        if dev in getattr(factory, "default_for", ()):
+            ok, reason = _availability(factory)
+            if ok:
+                return name
+            unavailable.append(f"{name!r} is installed but unavailable here: {reason}")
+    installed = ", ".join(registry.names(BACKENDS)) or "none"
+    if unavailable:
+        raise DistError(f"no default backend for {dev!r} devices: {'; '.join(unavailable)} "
+                        f"(installed: {installed}); fix that, or pass backend= explicitly")
+    raise DistError(f"no installed backend volunteers as default for {dev!r} devices (installed: "
+                    f"{installed}); pass backend= explicitly or install one, e.g. "
+                    f"pip install plugdist-gloo")
+
+
+def register_rendezvous_handler(scheme: str, handler: Any) -> None:
+    """Register ``handler(url, rank, world_size, timeout) -> (store, rank, world_size)`` for
+    ``scheme://`` URLs in this process; wins over an installed entry point."""
+    registry.register(RENDEZVOUS, scheme, handler)
+
+
+# -- init / destroy -------------------------------------------------------------------------------
+def init_world(backend: str | None = None, init_method: str | None = None,
+               timeout: timedelta | None = None, world_size: int = -1, rank: int = -1,
+               store: Store | None = None, group_name: str = "", pg_options: Any = None,
+               device_id: Any = None) -> ProcessGroup:
+    """Join the world: rendezvous, build the default group, wait until every rank has joined.
+
+    Blocks until all ``world_size`` ranks called it (bounded by ``timeout``, default 30 min);
+    raises DistTimeoutError naming the ranks that did not arrive. ``init_method`` and ``store``
+    are exclusive; with neither, ``env://`` is used, unless the backend knows the world itself
+    (MPI under mpiexec), which then ignores ``rank``/``world_size`` (a disagreeing one warns).
+
+    Returns the default group. The public ``init_process_group``
+    (:mod:`plugdist._lifecycle.lifecycle`) adds torch's default group on top.
+    """
+    if world.initialized:
+        raise DistError("init_process_group was already called in this process; call "
+                        "destroy_process_group() first to re-initialize")
+    timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+    if store is not None and init_method is not None:
+        raise ValueError("pass either init_method or store to init_process_group, not both")
+    name = Backend(backend) if backend else get_default_backend_for_device("cpu")
+    factory = registry.load(BACKENDS, name)
+    if store is not None:
+        if rank < 0 or world_size < 1:
+            raise ValueError(f"init_process_group with an explicit store needs rank= and "
+                             f"world_size= (got rank={rank}, world_size={world_size})")
+        if rank >= world_size:
+            raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+        owned = False
+    elif init_method is None and hasattr(factory, "rendezvous"):
+        # The backend knows the world itself (MPI under mpiexec): as in torch, rank= and
+        # world_size= are not needed, and MASTER_ADDR in the environment does not matter.
+        store, r, ws = factory.rendezvous(timeout)
+        if (rank >= 0 and rank != r) or (world_size > 0 and world_size != ws):
+            warnings.warn(f"init_process_group({name!r}): the backend found rank {r} of {ws} "
+                          f"processes and ignores rank={rank}, world_size={world_size}",
+                          UserWarning, stacklevel=2)
+        rank, world_size, owned = r, ws, True
+    else:
+        url = init_method or "env://"
+        scheme = urlparse(url).scheme
+        if not scheme:
+            raise ValueError(f"init_method {url!r} has no scheme; use env://, tcp://HOST:PORT or "
+                             f"file:///PATH (registered: {', '.join(registry.names(RENDEZVOUS))})")
+        if scheme in registry.names(RENDEZVOUS):
+            handler = registry.load(RENDEZVOUS, scheme)
+        elif scheme in registry.names(STORES):   # any store URL is a rendezvous too
+            handler = store_rendezvous_handler
+        else:
+            known = sorted(set(registry.names(RENDEZVOUS)) | set(registry.names(STORES)))
+            raise ValueError(f"init_method {url!r}: no rendezvous handler or store for scheme "
+                             f"{scheme + '://'!r}; registered: "
+                             f"{', '.join(s + '://' for s in known)}; a store scheme comes with "
+                             f"its plugin (e.g. pip install plugdist-{scheme})")
+        store, rank, world_size = handler(url, rank=rank, world_size=world_size, timeout=timeout)
+        owned = True
+    store.set_timeout(timeout)
+    world.reset()
+    world.store, world.rank, world.size, world.backend = store, rank, world_size, name
+    world.owned_store = owned
+    world.group_options = pg_options
+    try:
+        resilience = _membership.resilience_mode()
+        if world_size > 1 and resilience != "off" and _store_exposed(store, resilience):
+            resilience = "off"
+        if world_size > 1 and resilience != "off":
+            m = _membership.Membership(store, str(rank), [str(r) for r in range(world_size)])
+            if m.start(only_with_store_liveness=resilience == "auto"):
+                start_membership(m, started=True)
+        pg = _build_group(name, tuple(range(world_size)), group_name or "0", timeout, pg_options)
+    except BaseException:
+        _stop_membership()
+        _close_store()
+        world.reset()
+        raise
+    world.default = pg
+    return pg
+
+
+_exposure_warned: set[str] = set()
+
+
+def _store_exposed(store: Store, resilience: str) -> bool:
+    """Whether resilient groups stay off on ``store`` because any process that reaches it could
+    forge the world's membership (``Store.membership_exposure``): off in ``auto`` mode, on when
+    asked for explicitly; one warning either way, naming why and the fix."""
+    why = store.membership_exposure()
+    if why is None:
+        return False
+    off = resilience == "auto"
+    if why not in _exposure_warned:
+        _exposure_warned.add(why)
+        then = ("off (PLUGDIST_RESILIENCE=1 turns them on regardless)" if off else
+                "on, as PLUGDIST_RESILIENCE=1 asks, though such a process could exclude ranks")
+        warnings.warn(f"resilient groups are {then}: {why}", UserWarning, stacklevel=3)
+    return off
+
+
+def start_membership(m: _membership.Membership, started: bool = False) -> None:
+    """Make ``m`` the world's membership and start it (unless ``started``). At exit its will is
+    withdrawn (a clean exit is not a failure), unless the program is ending on an uncaught
+    exception: then the will stays, and runs when the process's connections close, so the
+    others learn that this rank failed and go on without it."""
+    if not started:
+        m.start()
+    world.membership = m
+    _note_uncaught_exceptions()
+    atexit.register(_leave_at_exit, m)
+    mark_resilient(m.uid)
+
+
+def _stop_membership() -> None:
+    m, world.membership = world.membership, None
+    if m is not None:
+        m.stop()
+        atexit.unregister(_leave_at_exit)
+
+
+_uncaught = {"seen": False}  # the main thread is ending on an uncaught exception
+
+
+def _note_uncaught_exceptions() -> None:
+    """Wrap ``sys.excepthook`` (once) to note an uncaught exception: Python calls it before
+    the atexit handlers."""
+    previous = sys.excepthook
+    if getattr(previous, "plugdist_notes_uncaught", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        _uncaught["seen"] = True
+        previous(kind, value, tb)
+
+    hook.plugdist_notes_uncaught = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _leave_at_exit(m: _membership.Membership) -> None:
+    m.stop(withdraw=not _uncaught["seen"])
+
+
+def _build_group(backend: str, global_ranks: tuple[int, ...], name: str, timeout: timedelta,
+                 pg_options: Any, factory: Callable[..., ProcessGroup] | None = None
+                 ) -> ProcessGroup:
+    """Build this process's member of a group of the world and record it there. ``factory``:
+    stands in for the backend's constructor (see :func:`build_group`)."""
+    assert world.store is not None  # callers hold an initialized world
+    prefix = _membership.group_prefix(world.epoch, name)
+    m = world.membership
+    uids = m.uids_of(global_ranks) if m is not None else ()
+    base = (PrefixStore(prefix, world.store) if m is None
+            else _membership.GuardedPrefixStore(prefix, world.store, m, uids))
+    info = GroupInfo(name=name, backend=backend, global_ranks=global_ranks, store=base,
+                     timeout=timeout)
+
+    def record(pg: ProcessGroup) -> None:
+        world.add(pg, info)
+        if m is not None:
+            m.watch(pg, uids)
+
+    return build_group(backend, base, global_ranks, global_ranks.index(world.rank), name,
+                       timeout, pg_options, global_rank=world.rank, record=record,
+                       factory=factory, is_world=world.default is None
+                       and global_ranks == tuple(range(world.size)))
+
+
+def build_group(backend: str, store: Store, global_ranks: tuple[int, ...], group_rank: int,
+                name: str, timeout: timedelta, pg_options: Any = None, *,
+                global_rank: int | None = None,
+                record: Callable[[ProcessGroup], None] | None = None,
+                factory: Callable[..., ProcessGroup] | None = None,
+                is_world: bool = False) -> ProcessGroup:
+    """Build this process's member of a group: the backend's group on ``store`` (private to the
+    group), wrapped by the plugins (the debug plugin at DETAIL), once every member has built
+    its side; then ``record`` it and announce it to the plugins. Blocks up to ``timeout`` for
+    the other members. ``factory`` stands in for the backend's constructor (same arguments);
+    ``is_world``: the group is the whole world (``GroupOptions.is_world``).
+
+    The one path every group takes: the world's groups (:func:`init_process_group`,
+    :func:`new_group`) and the groups torch.distributed builds over a ``plugdist_*`` backend
+    (:mod:`plugdist._torch.bridge`), which plugdist's world does not record.
+    """
+    me = group_rank if global_rank is None else global_rank
+    options = GroupOptions(group_name=name, timeout=timeout, global_ranks=global_ranks,
+                           backend_options=pg_options, is_world=is_world)
+    if factory is None:
+        factory = registry.load(BACKENDS, backend)
+    try:
+        pg = factory(PrefixStore("backend", store), group_rank, len(global_ranks), options)
+    except DistError:
+        raise
+    except Exception as err:
+        raise DistError(f"{where(rank=me, group=name, backend=backend)} could not create "
+                        f"the group: {type(err).__name__}: {err}") from err
+    level = get_debug_level()
+    pg = registry.wrap_group(pg, store=PrefixStore("debug", store), debug_level=level)
+    _warn_if_detail_unserved(level)
+    try:
+        _store_barrier(store, "created", group_rank, len(global_ranks), timeout, name)
+    except BaseException:
+        pg.shutdown()
+        raise
+    if record is not None:
+        record(pg)
+    _announce(pg, store, global_ranks, me)
+    registry.plugins().hook.plugdist_group_created(group=pg, global_ranks=global_ranks,
+                                                   backend=backend)
+    return pg
+
+
+def _announce(pg: ProcessGroup, store: Store, global_ranks: tuple[int, ...], me: int) -> None:
+    """The built group to the flight recorder and the lifecycle log."""
+    flight_recorder.recorder.add_group(pg, PrefixStore("observe", store), global_ranks, me)
+    log.set_global_rank(me)
+    log.lifecycle("group_built", group=pg.group_name, group_rank=pg.rank(),
+                  backend=pg.backend_name, size=pg.size(), global_ranks=list(global_ranks),
+                  timeout_s=pg.timeout.total_seconds())
+
+
+def retire_group(pg: ProcessGroup) -> None:
+    """What destroying a group made by :func:`build_group` owes after its ``shutdown``: the
+    flight recorder forgets it (its watcher stops polling the group's store) and the lifecycle
+    log records its end."""
+    flight_recorder.recorder.remove_group(pg)
+    log.lifecycle("group_destroyed", group=pg.group_name, group_rank=pg.rank(),
+                  backend=pg.backend_name)
+
+
+def _warn_if_detail_unserved(level: DebugLevel) -> None:
+    global _warned_no_debug_plugin
+    if level is DebugLevel.DETAIL and not _warned_no_debug_plugin \
+            and not registry.has_hook("plugdist_wrap_process_group"):
+        _warned_no_debug_plugin = True
+        warnings.warn("TORCH_DISTRIBUTED_DEBUG=DETAIL asks for collective checks, but no debug "
+                      "plugin is installed: pip install plugdist-debug", RuntimeWarning,
+                      stacklevel=3)
+
+
+def _store_barrier(store: Store, tag: str, group_rank: int, size: int, timeout: timedelta,
+                   name: str) -> None:
+    store.set(f"{tag}/{group_rank}", b"1")
+    keys = [f"{tag}/{r}" for r in range(size)]
+    try:
+        store.wait(keys, timeout)
+    except DistTimeoutError as err:
+        missing = [r for r in range(size) if not store.check([f"{tag}/{r}"])]
+        here = where(rank=group_rank, group=name)
+        raise DistTimeoutError(f"{timed_out(here, timeout.total_seconds(), 'every rank to join')}"
+                               f": group ranks {missing} never did; are they running, and calling "
+                               f"the same group constructors in the same order?") from err
+
+
+_LEAVE_WAIT = timedelta(seconds=10)
+
+
+def _close_store() -> None:
+    if world.owned_store and world.store is not None:
+        world.store.close()
+
+
+def _leave(closed_by_store: bool = False) -> None:
+    """Tell the others this rank is done; the rank that serves the store waits (at most
+    ``_LEAVE_WAIT``) for the rest, so peers still reading their last messages are not cut off.
+    ``closed_by_store``: the store owns the world's membership and marks it closed itself."""
+    store = world.store
+    if store is None or not world.owned_store or world.size <= 1:
+        return
+    try:
+        tag = "" if world.epoch == 0 else f"@{world.epoch}"
+        if store.add(f"plugdist/leaving{tag}", 1) == world.size:
+            store.set(f"plugdist/left{tag}", b"1")
+            if world.epoch and not closed_by_store:
+                store.set(_membership.CLOSED, str(world.epoch))  # tells waiting joiners
+        if getattr(store, "is_master", False):
+            store.wait([f"plugdist/left{tag}"], _LEAVE_WAIT)
+    except DistError as err:
+        get_logger(rank=world.rank).warning("destroy_process_group: peers did not all leave",
+                                            error=str(err))
+
+
+def destroy(group: ProcessGroup | None = None) -> None:
+    """Destroy ``group``, or (default) every group and the world. Not collective; releases
+    sockets and threads. Afterwards ``init_process_group`` may be called again."""
+    if group is _NON_MEMBER:
+        return
+    hook = registry.plugins().hook
+    if group is None or group is world.default:
+        closed_by_store = world.membership is not None and world.membership.protected
+        _stop_membership()
+        for pg in reversed(world.members()):
+            hook.plugdist_group_destroyed(group=pg)
+            pg.shutdown()
+            retire_group(pg)
+        _leave(closed_by_store)
+        _close_store()
+        world.reset()
+        return
+    world.info(group)
+    hook.plugdist_group_destroyed(group=group)
+    group.shutdown()
+    retire_group(group)
+    world.remove(group)
+
+
+# -- new groups -----------------------------------------------------------------------------------
+def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = None,
+              backend: str | None = None, pg_options: Any = None,
+              use_local_synchronization: bool = False, group_desc: str | None = None) -> Any:
+    """A group of ``ranks`` (global ranks; default all). Every rank of the world must call it,
+    in the same order; members get the group, non-members ``GroupMember.NON_GROUP_MEMBER``.
+    Blocks until every member has built its side (bounded by ``timeout``)."""
+    world.require("new_group")
+    members = tuple(sorted(range(world.size) if ranks is None else ranks))
+    if len(set(members)) != len(members):
+        raise ValueError(f"new_group: ranks {list(ranks or [])} contain duplicates")
+    bad = [r for r in members if not 0 <= r < world.size]
+    if bad:
+        raise ValueError(
+            f"new_group: ranks {bad} are not in the world (valid: 0..{world.size - 1})")
+    if not members:
+        raise ValueError("new_group: ranks must not be empty")
+    name = world.next_group_name()
+    if world.rank not in members:
+        return _NON_MEMBER
+    default_info = world.info(world.require("new_group"))
+    return _build_group(Backend(backend) if backend else default_info.backend, members, name,
+                        timeout or default_info.timeout, pg_options)
+
+
+def new_subgroups(group_size: int | None = None, group: Any = None,
+                  timeout: timedelta | None = None,
+                  backend: str | None = None, pg_options: Any = None) -> tuple[Any, list[Any]]:
+    """Split the world into consecutive subgroups of ``group_size`` ranks (default: the ranks of
+    one node, LOCAL_WORLD_SIZE). Returns (this rank's subgroup, every subgroup handle)."""
+    world.require("new_subgroups")
+    if group_size is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        if env is None:
+            raise ValueError("new_subgroups: pass group_size= (LOCAL_WORLD_SIZE is not set)")
+        group_size = int(env)
+    if group_size <= 0 or world.size % group_size:
+        raise ValueError(f"new_subgroups: group_size={group_size} must divide the world size "
+                         f"{world.size}")
+    enumeration = [list(range(s, s + group_size)) for s in range(0, world.size, group_size)]
+    return new_subgroups_by_enumeration(enumeration, timeout=timeout, backend=backend,
+                                        pg_options=pg_options)
+
+
+def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]],
+                                 timeout: timedelta | None = None, backend: str | None = None,
+                                 pg_options: Any = None) -> tuple[Any, list[Any]]:
+    """One group per listed rank set (sets must not overlap). Returns (this rank's subgroup or
+    None, every subgroup handle)."""
+    seen: set[int] = set()
+    for ranks in ranks_per_subgroup_list:
+        overlap = seen & set(ranks)
+        if overlap:
+            raise ValueError(f"new_subgroups_by_enumeration: ranks {sorted(overlap)} appear in "
+                             f"more than one subgroup")
+        seen |= set(ranks)
+    subgroups, mine = [], None
+    for ranks in ranks_per_subgroup_list:
+        handle = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options)
+        subgroups.append(handle)
+        if world.rank in ranks:
+            mine = handle
+    return mine, subgroups
+
+
+# -- queries --------------------------------------------------------------------------------------
+def resolve_group(group: Any, what: str) -> ProcessGroup | None:
+    """The ProcessGroup for ``group`` (None: the default); None for a non-member handle."""
+    if group is None:
+        pg = world.default  # world.require, inlined: every collective call passes here
+        return pg if pg is not None else world.require(what)
+    if group is _NON_MEMBER:
+        return None
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"{what}: group must be a ProcessGroup from new_group/init_process_group, "
+                        f"got {type(group).__name__}")
+    return group
+
+
+def get_rank(group: Any = None) -> int:
+    pg = resolve_group(group, "get_rank")
+    return -1 if pg is None else pg.rank()
+
+
+def get_world_size(group: Any = None) -> int:
+    pg = resolve_group(group, "get_world_size")
+    return -1 if pg is None else pg.size()
+
+
+def get_backend(group: Any = None) -> str:
+    pg = resolve_group(group, "get_backend")
+    if pg is None:
+        raise ValueError("get_backend: this process is not a member of the group")
+    return world.info(pg).backend
+
+
+def get_process_group_ranks(group: Any) -> list[int]:
+    pg = resolve_group(group, "get_process_group_ranks")
+    if pg is None:
+        raise ValueError("get_process_group_ranks: this process is not a member of the group")
+    return list(world.info(pg).global_ranks)
+
+
+def get_global_rank(group: Any, group_rank: int) -> int:
+    ranks = get_process_group_ranks(group)
+    if not 0 <= group_rank < len(ranks):
+        raise ValueError(f"get_global_rank: group rank {group_rank} is not in a group of "
+                         f"{len(ranks)}")
+    return ranks[group_rank]
+
+
+def get_group_rank(group: Any, global_rank: int) -> int:
+    pg = resolve_group(group, "get_group_rank")
+    if pg is None:
+        raise ValueError("get_group_rank: this process is not a member of the group")
+    r = world.info(pg).group_rank(global_rank)
+    if r is None:
+        raise ValueError(f"get_group_rank: global rank {global_rank} is not in group "
+                         f"{pg.group_name!r} (ranks {list(world.info(pg).global_ranks)})")
+    return r
+
+
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """LOCAL_RANK from the launcher, or ``fallback_rank`` when it is not set."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    if fallback_rank is not None:
+        return fallback_rank
+    raise RuntimeError("LOCAL_RANK is not set (start with plugdist-run) and no fallback_rank given")
+
+
+__all__ += ["NotInitializedError"]

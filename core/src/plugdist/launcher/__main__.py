@@ -1,8 +1,0 @@
-"""``python -m plugdist.launcher``: the same as ``plugdist-run`` (but it imports torch through
-``plugdist/__init__.py``; ``python -m plugdist_run`` does not)."""
-
-import sys
-
-from plugdist.launcher import main
-
-sys.exit(main())
