@@ -80,7 +80,8 @@ def _open(spec: dict) -> Any:
     if spec["kind"] == "file":
         return store.FileStore(spec["path"], spec.get("world_size", -1), timeout=timeout)
     if spec["kind"] == "url":  # any installed store scheme, through the plugdist.stores group
-        return store.open_store(spec["url"], timeout)
+        # plugdist.open_store, without the torch that importing plugdist itself costs
+        return importlib.import_module("plugdist._open_store").open_store(spec["url"], timeout)
     raise ValueError(f"unknown store kind {spec['kind']!r}")
 
 

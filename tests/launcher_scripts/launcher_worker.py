@@ -74,7 +74,7 @@ def restart_mode(out: Path, rank: int, world: int, info: dict) -> None:
     # plugdist_run registers a bare ``plugdist`` package, so this costs no torch import
     import plugdist_run
     plugdist_run._bare_plugdist()
-    from plugdist._launcher import record
+    from plugdist._launcher import record  # plugdist.record, without importing torch
 
     @record
     def body() -> None:

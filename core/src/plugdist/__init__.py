@@ -21,9 +21,11 @@ from plugdist._debug_level import (
     set_debug_level_from_env,
 )
 from plugdist._group.process_group import Capabilities, GroupOptions, ProcessGroup
+from plugdist._launch_protocol import record
 from plugdist._lifecycle.lifecycle import destroy_process_group, init_process_group
 from plugdist._lifecycle.regroup import get_failed_ranks, grow_group, shrink_group
 from plugdist._observability.flight_recorder import dump_flight_recorder
+from plugdist._open_store import open_store
 from plugdist._registry import PLUGIN_API, Backend
 from plugdist._world.collectives import (
     P2POp,
@@ -101,7 +103,7 @@ from plugdist.errors import (
     WorldClosedError,
     WorldError,
 )
-from plugdist.store import FileStore, HashStore, PrefixStore, Store, TCPStore, open_store
+from plugdist.store import FileStore, HashStore, PrefixStore, Store, TCPStore
 
 __version__ = "0.1.0"
 
@@ -139,5 +141,5 @@ __all__ = [
     "DistRankFailureError", "DistExcludedError", "shrink_group", "grow_group",
     "get_failed_ranks", "PLUGIN_API", "NotInitializedError", "RendezvousError",
     "RendezvousInterrupted", "StoreLost", "LaunchError", "PluginNotFoundError", "PluginAPIError",
-    "BelowMinWorldSizeError", "WorldClosedError", "WorldError",
+    "BelowMinWorldSizeError", "WorldClosedError", "WorldError", "record",
 ]

@@ -22,10 +22,10 @@ import sys
 from collections.abc import Sequence
 from typing import IO
 
+from plugdist._launch_protocol import read_error_file, record, write_error_file
 from plugdist._launcher.agent import Agent, LaunchError
 from plugdist._launcher.arguments import parse_args, split_argv
 from plugdist._launcher.config import LaunchConfig, RendezvousOptions, Streams
-from plugdist._launcher.error_file import read_error_file, record, write_error_file
 from plugdist._launcher.rendezvous import Assignment, RendezvousError, free_port
 from plugdist._launcher.summary import (
     PROG,

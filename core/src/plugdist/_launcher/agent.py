@@ -36,8 +36,8 @@ import threading
 import time
 from typing import IO, Any
 
+from plugdist._launch_protocol import ERROR_FILE_VAR, RESILIENT_MARK_VAR, read_error_file
 from plugdist._launcher.config import LaunchConfig
-from plugdist._launcher.error_file import ERROR_FILE_VAR, RESILIENT_MARK_VAR, read_error_file
 from plugdist._launcher.logs import Duplicate, Sink, plan_streams, pump
 from plugdist._launcher.numa import cpus_for_workers, spawning_bound_to
 from plugdist._launcher.rendezvous import (

@@ -241,7 +241,7 @@ class StoreRendezvous:
     def _open_store_url(self) -> Any:
         """``--rdzv-backend SCHEME``: the store that the scheme's plugin opens at
         ``SCHEME://ENDPOINT/plugdist/RUN_ID``; no launcher hosts it."""
-        from plugdist.store import open_store
+        from plugdist._open_store import open_store
         cfg = self.cfg
         self.store_url = f"{cfg.rdzv_backend}://{cfg.rdzv_endpoint}/plugdist/{cfg.run_id}"
         self.store_host, self.store_port = cfg.rdzv_endpoint, 0

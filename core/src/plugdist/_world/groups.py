@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 from plugdist import _log as log
 from plugdist._debug_level import DebugLevel, get_debug_level
 from plugdist._group.process_group import DEFAULT_TIMEOUT, GroupOptions, ProcessGroup
-from plugdist._launcher.error_file import mark_resilient
+from plugdist._launch_protocol import mark_resilient
 from plugdist._log import get_logger
 from plugdist._observability import flight_recorder
 from plugdist._registry import BACKENDS, RENDEZVOUS, STORES, Backend, PluginNotFoundError, registry

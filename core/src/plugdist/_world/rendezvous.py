@@ -14,8 +14,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
+from plugdist._open_store import open_store
 from plugdist.errors import RendezvousError
-from plugdist.store import PrefixStore, Store, TCPStore, TorchStoreAdapter, open_store
+from plugdist.store import PrefixStore, Store, TCPStore, TorchStoreAdapter
 
 __all__ = ["env_rendezvous_handler", "tcp_rendezvous_handler", "file_rendezvous_handler",
            "store_rendezvous_handler", "RendezvousError", "RendezvousHandler",
@@ -96,7 +97,7 @@ def _agent_store(world_size: int, timeout: timedelta) -> Store | None:
 
     plugdist-run announces its own in ``PLUGDIST_AGENT_STORE``: HOST:PORT of a plugdist
     TCPStore, or a store URL (``--rdzv-backend etcd``: ``etcd://...``) opened by
-    :func:`~plugdist.store.open_store`; torchrun
+    :func:`~plugdist.open_store`; torchrun
     sets ``TORCHELASTIC_USE_AGENT_STORE=True`` and serves a torch TCPStore at MASTER_ADDR:
     MASTER_PORT, reached through torch's client. Keys go under a prefix per round (per restart
     under torchrun), so a restarted world never reads the previous attempt's keys.
@@ -250,7 +251,7 @@ def store_rendezvous_handler(url: str, rank: int = -1, world_size: int = -1,
                              ) -> tuple[Store, int, int]:
     """Any store URL (``tcp://``, ``file://``, ``etcd://``, a third party's scheme): rank and
     world size from the arguments, the URL query (``?rank=R&world_size=N``) or RANK and
-    WORLD_SIZE in the environment; the store from :func:`~plugdist.store.open_store`."""
+    WORLD_SIZE in the environment; the store from :func:`~plugdist.open_store`."""
     rank = _query_int(url, "rank", rank)
     world_size = _query_int(url, "world_size", world_size)
     if rank < 0 and "RANK" in os.environ:

@@ -1,5 +1,6 @@
-"""Key-value stores: the interface, the four implementations shipped with the core, and
-``open_store(url)`` for any store installed through the ``plugdist.stores`` entry points."""
+"""Key-value stores: the interface and the four implementations shipped with the core
+(``plugdist.open_store(url)`` opens any store installed through the ``plugdist.stores`` entry
+points)."""
 
 from plugdist.errors import QueueEmptyError
 from plugdist.store._tcp_server import TCPStoreLimits
@@ -9,8 +10,6 @@ from plugdist.store.hash_store import HashStore
 from plugdist.store.prefix_store import PrefixStore
 from plugdist.store.tcp_store import TOKEN_ENV, TCPStore
 from plugdist.store.torch_store import TorchStoreAdapter
-from plugdist.store.urls import open_store, store_schemes
 
 __all__ = ["Store", "TCPStore", "FileStore", "HashStore", "PrefixStore", "DEFAULT_STORE_TIMEOUT",
-           "TCPStoreLimits", "QueueEmptyError", "TOKEN_ENV", "TorchStoreAdapter", "open_store",
-           "store_schemes"]
+           "TCPStoreLimits", "QueueEmptyError", "TOKEN_ENV", "TorchStoreAdapter"]

@@ -1,4 +1,4 @@
-"""Stores by URL: ``open_store("SCHEME://...")`` and the core's own store factories.
+"""The core's own store factories: what the ``tcp``, ``file`` and ``hash`` entry points name.
 
 Every store scheme, the core's included, is an entry point of the ``plugdist.stores`` group:
 name = URL scheme, value = a factory called as
@@ -6,7 +6,8 @@ name = URL scheme, value = a factory called as
 the caller's place in the job when it has one (-1 when not): a store that one process must host
 (``tcp``) hosts it on rank 0. The factory blocks until the store answers, bounded by
 ``timeout``, which is also the store's timeout. A third party publishes a store with one class
-and one entry point; see docs/stores.md.
+and one entry point; see docs/stores.md. ``plugdist.open_store(url)`` finds a scheme's
+factory (:mod:`plugdist._open_store`).
 """
 
 from __future__ import annotations
@@ -16,41 +17,12 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from plugdist.errors import DistStoreError
 from plugdist.store.api import DEFAULT_STORE_TIMEOUT, Store
 from plugdist.store.file_store import FileStore
 from plugdist.store.hash_store import HashStore
 from plugdist.store.tcp_store import TCPStore
 
-__all__ = ["open_store", "store_schemes", "tcp_store_factory", "file_store_factory",
-           "hash_store_factory"]
-
-
-def store_schemes() -> list[str]:
-    """Every store URL scheme installed (entry points and runtime registrations)."""
-    from plugdist._registry import STORES, registry
-    return registry.names(STORES)
-
-
-def open_store(url: str, timeout: timedelta = DEFAULT_STORE_TIMEOUT, *, rank: int = -1,
-               world_size: int = -1) -> Store:
-    """Open the store that ``url`` names, through the ``plugdist.stores`` entry point of its
-    scheme: ``tcp://HOST:PORT`` (a client; rank 0 hosts it), ``file:///PATH``, ``hash://NAME``
-    (in this process), ``etcd://H:P[,H:P...]/PREFIX`` with plugdist-etcd, ... Blocks until the
-    store answers, up to ``timeout``. An unknown or broken scheme raises
-    :class:`~plugdist._registry.PluginNotFoundError` naming the installed ones and the reason."""
-    from plugdist._registry import STORES, registry
-    scheme = urlparse(url).scheme
-    if not scheme:
-        raise ValueError(f"store URL {url!r} has no scheme; installed store schemes: "
-                         f"{', '.join(s + '://' for s in store_schemes())}")
-    factory = registry.load(STORES, scheme.lower())
-    store = factory(url, timeout=timeout, rank=rank, world_size=world_size)
-    if not isinstance(store, Store):
-        raise DistStoreError(f"the store factory of scheme {scheme!r} returned "
-                             f"{type(store).__name__}, not a plugdist Store; fix the plugin's "
-                             f"plugdist.stores entry point")
-    return store
+__all__ = ["tcp_store_factory", "file_store_factory", "hash_store_factory"]
 
 
 def _query(url: str) -> dict[str, str]:

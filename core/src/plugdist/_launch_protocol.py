@@ -1,12 +1,15 @@
-"""The error file: how a worker tells its launcher why it failed (and the resilient mark: that
-it runs resilient groups, so its death need not end the others).
+"""What a worker tells the launcher that started it, through files the launcher names in the
+environment: why it failed (the error file), and that it runs resilient groups, so its death
+need not end the others (the resilient mark). Shared by the launcher (``plugdist._launcher``)
+and the world (``plugdist._world.groups`` sets the mark), so neither imports the other.
 
 The launcher gives every worker ``TORCHELASTIC_ERROR_FILE``, a path of its own. A worker
 function decorated with :func:`record` (or torch's ``torch.distributed.elastic.multiprocessing
 .errors.record``: the format is the same) writes the exception it dies of there as JSON; the
 failure summary prints that message and traceback, which beats scraping stderr.
 
-Standard library only, so ``from plugdist._launcher import record`` is cheap.
+Standard library only: the launcher imports it without torch. Users decorate their entry
+function with ``plugdist.record``.
 """
 
 from __future__ import annotations
