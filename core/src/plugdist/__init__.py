@@ -46,6 +46,7 @@ from .errors import (
     DistRankFailureError,
     DistStoreError,
     DistTimeoutError,
+    HookContractError,
     QueueEmptyError,
 )
 from .flight_recorder import dump_flight_recorder
@@ -122,5 +123,5 @@ __all__ = [
     "reduce_scatter_tensor", "register_rendezvous_handler", "scatter", "scatter_object_list",
     "send", "send_object_list", "set_debug_level", "set_debug_level_from_env",
     "DistRankFailureError", "DistExcludedError", "shrink_group", "grow_group",
-    "get_failed_ranks", "PLUGIN_API",
+    "get_failed_ranks", "PLUGIN_API", "HookContractError",
 ]

@@ -8,7 +8,9 @@
         ├── DistStoreError         a key-value store refused or failed a request
         │   ├── DistTimeoutError   (also a DistError) a wait ran past its timeout
         │   └── QueueEmptyError    a non-blocking queue_pop found the queue empty
-        └── DistNetworkError       a connection could not be made or was lost
+        ├── DistNetworkError       a connection could not be made or was lost
+        └── HookContractError      (also a TypeError) a backend class or plugin breaks the
+                                   hook contract: refused when the class is created
 
 Messages name what the user needs to act: rank, group, op, backend, and the fix. A timeout
 starts with torch's words for the same event (:func:`timed_out`, :func:`store_timeout`), which
@@ -29,6 +31,7 @@ __all__ = [
     "DistNetworkError",
     "DistTimeoutError",
     "QueueEmptyError",
+    "HookContractError",
     "where",
     "op_timeout",
     "timed_out",
@@ -81,6 +84,14 @@ class DistTimeoutError(DistStoreError):
 
 class QueueEmptyError(DistStoreError):
     """``queue_pop(key, block=False)`` found the queue empty."""
+
+
+class HookContractError(DistError, TypeError):
+    """A backend class, or a pluggy plugin, breaks the hook contract: a name that looks like a
+    hook but is none (a misspelling), or a hook whose parameters differ from its spec. A backend
+    class is refused when it is created; a plugin is left out by the registry, which reports it
+    (``plugdist info``) and raises this when it is asked for. The message names the class or
+    plugin, the hook, the nearest valid name and the change to make."""
 
 
 def where(*, rank: int | None = None, group: str | None = None, op: str | None = None,

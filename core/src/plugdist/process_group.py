@@ -43,6 +43,8 @@ from typing import Any, ClassVar
 import torch
 from torch.autograd import profiler as _torch_profiler
 
+from plugdist.hook_checks import check_backend_class
+
 from . import composition, observe, sparse
 from .abort import AbortSignal
 from .capabilities import ALL_REDUCE_OPS, Capabilities
@@ -157,6 +159,8 @@ class ProcessGroup:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        # misspelt hooks, hooks of the wrong parameters: refused here, once per class
+        check_backend_class(cls, ProcessGroup, BACKEND_HOOKS)
         # the blocking path may stand in for a public op only where that op is the core's own
         generic = cls.native_blocking is not ProcessGroup.native_blocking
         own = [op for op in _BLOCKING_OPS if getattr(cls, op) is getattr(ProcessGroup, op)]

@@ -5,7 +5,9 @@ asked for; cross-cutting hooks come from ``plugdist.plugins`` through a pluggy P
 Registrations made at runtime (``Backend.register_backend``, ``register_rendezvous_handler``,
 ...) win over an entry point of the same name. A plugin that fails to import is recorded with its
 error: it never breaks the others, ``plugdist info`` lists it, and asking for it by name raises an
-error that carries the reason.
+error that carries the reason. So is a ``plugdist.plugins`` plugin implementing a hook that
+``hookspecs`` does not specify (pluggy's ``check_pending``; a misspelt ``@hookimpl``): it is
+left out, the others run, and the error names the plugin, the hook and the nearest valid one.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from typing import Any
 
 import pluggy
 
-from . import debug_level, hookspecs
-from .errors import DistError
+from plugdist import debug_level, hookspecs
+from plugdist.errors import DistError, HookContractError
+from plugdist.hook_checks import unknown_hook
 
 __all__ = ["Registry", "registry", "PluginInfo", "GROUPS", "Backend", "PluginNotFoundError",
            "BACKENDS", "STORES", "PLUGIN_API", "PluginAPIError", "plugin_api_refusal",
-           "declared_plugin_api"]
+           "declared_plugin_api", "PluginHookError"]
 
 # The version of the backend plugin API: what docs/backends.md describes (the hooks, their
 # arguments, what they return). The minor number grows when hooks are added (a plugin written
@@ -50,6 +53,11 @@ class PluginNotFoundError(DistError, ValueError):
 
 class PluginAPIError(PluginNotFoundError):
     """A plugin written for a plugin API this core does not provide (see ``PLUGIN_API``)."""
+
+
+class PluginHookError(PluginNotFoundError, HookContractError):
+    """An installed plugin that breaks the hook contract: a backend class refused at its
+    creation, a pluggy plugin implementing a hook with no spec (see ``plugdist.hook_checks``)."""
 
 
 def _api_text(version: tuple[int, int]) -> str:
@@ -127,6 +135,7 @@ class Registry:
         self._runtime: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
         self._loaded: dict[tuple[str, str], Any] = {}
         self._errors: dict[tuple[str, str], str] = {}
+        self._contract_broken: set[tuple[str, str]] = set()  # of _errors: a HookContractError
         self._pm: pluggy.PluginManager | None = None
 
     # -- registration --------------------------------------------------------------------------
@@ -160,6 +169,8 @@ class Registry:
             if name in self._runtime[group]:
                 return self._runtime[group][name]
             key = (group, name)
+            if group == PLUGINS:
+                self.plugins()  # the pluggy plugins' checks record their refusals
             if key in self._loaded:
                 return self._loaded[key]
             if key not in self._errors:
@@ -168,7 +179,8 @@ class Registry:
                 return self._loaded[key]
         available = ", ".join(n for n in self.names(group) if (group, n) not in self._errors)
         if key in self._errors:
-            raise PluginNotFoundError(
+            error = PluginHookError if key in self._contract_broken else PluginNotFoundError
+            raise error(
                 f"the {_KIND[group]} {name!r} is installed but failed to load:\n"
                 f"{self._errors[key]}\nreinstall it or fix the error above (working ones: "
                 f"{available or 'none'})")
@@ -182,6 +194,8 @@ class Registry:
         from stevedore.exception import NoMatches
 
         def failed(_manager: Any, ep: Any, err: BaseException) -> None:
+            if isinstance(err, HookContractError):  # e.g. a misspelt hook of a backend class
+                self._contract_broken.add((group, ep.name))
             self._errors[(group, ep.name)] = "".join(
                 traceback.format_exception_only(type(err), err)).strip()
 
@@ -232,6 +246,7 @@ class Registry:
             if self._pm is None:
                 pm = pluggy.PluginManager(hookspecs.PROJECT)
                 pm.add_hookspecs(hookspecs)
+                eps = {}
                 for ep in importlib.metadata.entry_points(group=PLUGINS):
                     try:
                         plugin = ep.load()
@@ -241,11 +256,43 @@ class Registry:
                             self._errors[(PLUGINS, ep.name)] = refusal
                             continue
                         pm.register(plugin, name=ep.name)
+                        eps[ep.name] = ep
                     except Exception as err:  # noqa: BLE001 - a broken plugin must not break the rest
                         self._errors[(PLUGINS, ep.name)] = "".join(
                             traceback.format_exception_only(type(err), err)).strip()
+                self._check_pending(pm, eps)
                 self._pm = pm
             return self._pm
+
+    def _check_pending(self, pm: pluggy.PluginManager,
+                       eps: dict[str, importlib.metadata.EntryPoint]) -> None:
+        """pluggy's ``check_pending``, plugin by plugin: each plugin implementing a hook that has
+        no spec (a misspelt ``@hookimpl``) is unregistered and recorded as failed to load, with
+        the hook and the nearest specified one; the others stay registered."""
+        specified = [name for name, caller in vars(pm.hook).items()
+                     if not name.startswith("_") and caller.has_spec()]
+        for _ in range(len(eps) + 1):  # each round leaves out one plugin
+            try:
+                pm.check_pending()
+                return
+            except pluggy.PluginValidationError as err:
+                plugin = err.plugin
+                name = pm.get_name(plugin) or repr(plugin)
+                unknown = sorted(caller.name for caller in pm.get_hookcallers(plugin) or ()
+                                 if not caller.has_spec() and any(
+                                     impl.plugin is plugin and not impl.optionalhook
+                                     for impl in caller.get_hookimpls()))
+                ep = eps.get(name)
+                what = f"plugin {name!r} ({_origin(ep) if ep is not None else 'registered'})"
+                fix = ("Rename the function to {nearest!r} (a hookimpl's name is its hook's), or "
+                       "keep the name and pass @hookimpl(specname={nearest!r}); the hooks: "
+                       "plugdist.hookspecs. The plugin is left out until then.")
+                reasons = [unknown_hook(what, hook, specified, fix) for hook in unknown]
+                self._errors[(PLUGINS, name)] = (
+                    "\n".join(reasons or [f"{what}: {err}"])
+                    + f"\n(pluggy's check_pending: {err})")
+                self._contract_broken.add((PLUGINS, name))
+                pm.unregister(plugin)  # and with it its unknown hooks' implementations
 
     def wrap_group(self, group: Any, **kwargs: Any) -> Any:
         """Apply every plugin's ``plugdist_wrap_process_group`` in turn (wrappers chain)."""
