@@ -229,17 +229,21 @@ def _plugin_module(name: str, **hooks: Any) -> types.ModuleType:
 
 @pytest.fixture
 def fake_plugins(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
-    """Two plugdist.plugins entry points: ``good`` (observes group creation) and ``typo``
-    (implements ``plugdist_group_creatd``); a fresh Registry sees only them."""
-    seen: dict[str, list[Any]] = {"good": [], "typo": []}
+    """Three plugdist.plugins entry points: ``good`` (observes group creation), ``typo``
+    (implements ``plugdist_group_creatd``) and ``badarg`` (its plugdist_group_created takes
+    ``backnd``); a fresh Registry sees only them."""
+    seen: dict[str, list[Any]] = {"good": [], "typo": [], "badarg": []}
     good = _plugin_module("hook_checks_good", plugdist_group_created=lambda group, global_ranks,
                           backend: seen["good"].append(backend))
     typo = _plugin_module("hook_checks_typo", plugdist_group_creatd=lambda group, global_ranks,
                           backend: seen["typo"].append(backend))
+    badarg = _plugin_module("hook_checks_badarg", plugdist_group_created=lambda group,
+                            global_ranks, backnd: seen["badarg"].append(backnd))
     monkeypatch.setitem(sys.modules, "hook_checks_good", good)
     monkeypatch.setitem(sys.modules, "hook_checks_typo", typo)
-    eps = [importlib.metadata.EntryPoint("good", "hook_checks_good", PLUGINS),
-           importlib.metadata.EntryPoint("typo", "hook_checks_typo", PLUGINS)]
+    monkeypatch.setitem(sys.modules, "hook_checks_badarg", badarg)
+    eps = [importlib.metadata.EntryPoint(name, f"hook_checks_{name}", PLUGINS)
+           for name in ("good", "typo", "badarg")]
     real = importlib.metadata.entry_points
 
     def entry_points(**select: Any) -> Any:
@@ -256,8 +260,9 @@ def test_a_misspelt_hookimpl_is_refused_with_the_nearest_hook_and_spares_the_oth
     reg = Registry()
     pm = reg.plugins()  # does not raise: the broken plugin is left out, not fatal
     assert pm.get_plugin("good") is not None and pm.get_plugin("typo") is None
+    assert pm.get_plugin("badarg") is None
     pm.hook.plugdist_group_created(group=None, global_ranks=(0,), backend="gloo")
-    assert fake_plugins == {"good": ["gloo"], "typo": []}
+    assert fake_plugins == {"good": ["gloo"], "typo": [], "badarg": []}
     error = reg.load_error(PLUGINS, "typo")
     assert error is not None and reg.load_error(PLUGINS, "good") is None
     assert "plugin 'typo'" in error and "'plugdist_group_creatd'" in error
@@ -270,6 +275,18 @@ def test_a_misspelt_hookimpl_is_refused_with_the_nearest_hook_and_spares_the_oth
     assert "did you mean 'plugdist_group_created'?" in str(info.value)
     described = {p.name: p.error for p in reg.describe() if p.group == PLUGINS}
     assert described["good"] is None and "plugdist_group_created" in (described["typo"] or "")
+
+
+def test_a_hookimpl_taking_an_argument_its_hook_lacks_is_refused_with_the_nearest(
+        fake_plugins: dict[str, list[Any]]) -> None:
+    reg = Registry()
+    assert reg.plugins().get_plugin("badarg") is None
+    error = reg.load_error(PLUGINS, "badarg") or ""
+    assert "plugin 'badarg'" in error and "its plugdist_group_created takes 'backnd'" in error
+    assert "did you mean 'backend'? Rename it" in error
+    assert "are declared in the hookimpl but can not be found in the hookspec" in error  # pluggy's
+    with pytest.raises(PluginHookError, match="did you mean 'backend'"):
+        reg.load(PLUGINS, "badarg")
 
 
 def test_an_optional_hookimpl_without_a_spec_is_not_refused(

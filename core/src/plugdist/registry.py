@@ -13,6 +13,7 @@ left out, the others run, and the error names the plugin, the hook and the neare
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import sys
 import threading
 import traceback
@@ -24,7 +25,7 @@ import pluggy
 
 from plugdist import debug_level, hookspecs
 from plugdist.errors import DistError, HookContractError
-from plugdist.hook_checks import unknown_hook
+from plugdist.hook_checks import nearest, unknown_hook
 
 __all__ = ["Registry", "registry", "PluginInfo", "GROUPS", "Backend", "PluginNotFoundError",
            "BACKENDS", "STORES", "PLUGIN_API", "PluginAPIError", "plugin_api_refusal",
@@ -258,8 +259,13 @@ class Registry:
                         pm.register(plugin, name=ep.name)
                         eps[ep.name] = ep
                     except Exception as err:  # noqa: BLE001 - a broken plugin must not break the rest
-                        self._errors[(PLUGINS, ep.name)] = "".join(
-                            traceback.format_exception_only(type(err), err)).strip()
+                        text = "".join(traceback.format_exception_only(type(err), err)).strip()
+                        if isinstance(err, pluggy.PluginValidationError):
+                            hint = _argument_refusal(pm, err.plugin, ep)
+                            if hint is not None:
+                                self._contract_broken.add((PLUGINS, ep.name))
+                                text = f"{hint}\n(pluggy: {text})"
+                        self._errors[(PLUGINS, ep.name)] = text
                 self._check_pending(pm, eps)
                 self._pm = pm
             return self._pm
@@ -305,6 +311,40 @@ class Registry:
 
     def has_hook(self, hook_name: str) -> bool:
         return bool(getattr(self.plugins().hook, hook_name).get_hookimpls())
+
+
+def _argument_refusal(pm: pluggy.PluginManager, plugin: Any,
+                      ep: importlib.metadata.EntryPoint) -> str | None:
+    """Why pluggy refused to register ``plugin`` when a hookimpl takes arguments its hook does
+    not pass (a misspelt argument): each with the nearest one the hook passes; None when that
+    is not the trouble."""
+    reasons = []
+    for attr in dir(plugin):
+        opts = pm.parse_hookimpl_opts(plugin, attr)
+        if opts is None:
+            continue
+        hook = opts.get("specname") or attr
+        caller = getattr(pm.hook, hook, None)
+        if caller is None or caller.spec is None:
+            continue
+        passed = (*caller.spec.argnames, *caller.spec.kwargnames)
+        try:
+            params = inspect.signature(getattr(plugin, attr)).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        for p in params:
+            if (p.name in passed or p.default is not inspect.Parameter.empty
+                    or p.kind in (inspect.Parameter.VAR_POSITIONAL,
+                                  inspect.Parameter.VAR_KEYWORD)):
+                continue
+            near = nearest(p.name, passed)
+            fix = (f"did you mean {near!r}? Rename it" if near is not None
+                   else "remove it")
+            reasons.append(
+                f"plugin {ep.name!r} ({_origin(ep)}): its {hook} takes {p.name!r}, which the "
+                f"hook does not pass; {fix} (a hookimpl takes any of the hook's arguments: "
+                f"{', '.join(passed)}). The plugin is left out until then.")
+    return "\n".join(reasons) if reasons else None
 
 
 registry = Registry()
