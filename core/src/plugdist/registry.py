@@ -6,8 +6,9 @@ Registrations made at runtime (``Backend.register_backend``, ``register_rendezvo
 ...) win over an entry point of the same name. A plugin that fails to import is recorded with its
 error: it never breaks the others, ``plugdist info`` lists it, and asking for it by name raises an
 error that carries the reason. So is a ``plugdist.plugins`` plugin implementing a hook that
-``hookspecs`` does not specify (pluggy's ``check_pending``; a misspelt ``@hookimpl``): it is
-left out, the others run, and the error names the plugin, the hook and the nearest valid one.
+``hookspecs`` does not specify (pluggy's ``check_pending``; a misspelt ``@hookimpl``), or taking
+an argument its hook does not pass: it is left out, the others run, and the error names the
+plugin, the hook and the nearest valid name.
 """
 
 from __future__ import annotations
