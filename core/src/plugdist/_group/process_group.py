@@ -46,6 +46,7 @@ from torch.autograd import profiler as _torch_profiler
 
 from plugdist._backend.abort import AbortSignal
 from plugdist._backend.capabilities import ALL_REDUCE_OPS, Capabilities
+from plugdist._backend.hook_checks import check_backend_class
 from plugdist._backend.reduce_op import ReduceOp, check_reduce_op
 from plugdist._backend.work import Work, completed_work
 from plugdist._group import composition, sparse
@@ -162,6 +163,8 @@ class ProcessGroup:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        # misspelt hooks, hooks of the wrong parameters: refused here, once per class
+        check_backend_class(cls, ProcessGroup, BACKEND_HOOKS)
         # the blocking path may stand in for a public op only where that op is the core's own
         generic = cls.native_blocking is not ProcessGroup.native_blocking
         own = [op for op in _BLOCKING_OPS if getattr(cls, op) is getattr(ProcessGroup, op)]
