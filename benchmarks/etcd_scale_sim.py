@@ -48,7 +48,7 @@ from datetime import timedelta
 from typing import Any
 
 from plugdist.errors import DistError, DistTimeoutError
-from plugdist.membership import DEATHS
+from plugdist.store.worldkeys import DEATHS
 from plugdist_etcd import EtcdStore
 from plugdist_etcd.client import EtcdClient, b64, prefix_end, unb64
 from plugdist_etcd.testing import EtcdCluster

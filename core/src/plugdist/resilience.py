@@ -1,7 +1,7 @@
 """Surviving a dead rank: ``shrink_group``, ``grow_group``, ``get_failed_ranks`` and the join
 side of ``init_process_group(join=True)``.
 
-The mechanism is the same on every backend: :mod:`plugdist.membership` names the failed
+The mechanism is the same on every backend: :mod:`plugdist._resilience` names the failed
 members and records the epoch the survivors agree on; the groups of the old epoch are aborted
 and shut down, and the new world's default group is built through ``build_group`` on a fresh
 store prefix (so plugins such as the debug wrapper apply), unless the backend builds it
@@ -22,10 +22,14 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from plugdist._resilience.agreement import Decision
+from plugdist._resilience.joining import request_join
+from plugdist._resilience.membership import Membership
+from plugdist._resilience.policy import off_hint
+
 from . import groups
 from .errors import DistError
 from .log import get_logger, lifecycle
-from .membership import Decision, Membership, off_hint, request_join
 from .process_group import GroupOptions, ProcessGroup
 from .registry import BACKENDS, Backend, registry
 from .store import Store

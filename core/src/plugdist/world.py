@@ -62,7 +62,7 @@ class World:
             self.owned_store = False
             # torch's default group while it runs over ours (plugdist.torch_bridge.share_world)
             self.torch_default: Any = None
-            # liveness and the agreed epoch (plugdist.membership); None when resilience is off
+            # liveness and the agreed epoch (plugdist._resilience); None when resilience is off
             self.membership: Any = None
             self.epoch = 0
             self.group_options: Any = None  # the default group's pg_options, for rebuilds

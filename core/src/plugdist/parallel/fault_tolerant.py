@@ -33,9 +33,10 @@ from typing import Any, TypeVar
 
 import torch
 
+from plugdist._resilience.policy import off_hint
+
 from ..errors import DistError, DistRankFailureError
 from ..log import get_logger
-from ..membership import off_hint
 from ..world import world
 from .elastic_sampler import ElasticSampler
 
