@@ -25,9 +25,9 @@ __all__ = ["DEATHS", "DECLARED", "HEARTBEATS", "TRIM", "NO_TRIM", "CURRENT", "FO
 DEATHS = "plugdist/live/deaths"
 DECLARED = "plugdist/live/declared"
 HEARTBEATS = "plugdist/live/hb"
-# what was deleted so far (see Membership._trim): the epoch whose first rank did it, the death
-# log's entries up to ``log``, the join tickets up to ``tickets``, and ``done``: the tickets the
-# next trim may delete
+# what was deleted so far (see plugdist._resilience.cleanup.trim): the epoch whose first rank
+# did it, the death log's entries up to ``log``, the join tickets up to ``tickets``, and
+# ``done``: the tickets the next trim may delete
 TRIM = "plugdist/live/trim"
 NO_TRIM = json.dumps({"epoch": -1, "log": 0, "tickets": 0, "done": 0})
 CURRENT = "plugdist/epoch/current"
