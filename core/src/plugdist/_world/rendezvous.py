@@ -1,6 +1,6 @@
 """Rendezvous handlers: turn an ``init_method`` URL into ``(store, rank, world_size)``.
 
-Registered through the core's own ``plugdist.rendezvous`` entry points (``env``, ``tcp``,
+Registered through the core's own ``plugdist._world.rendezvous`` entry points (``env``, ``tcp``,
 ``file``), like any third-party scheme. A handler is called as
 ``handler(url, rank=..., world_size=..., timeout=...)`` where rank/world_size are -1 when the
 caller did not give them; it blocks until the store is reachable (bounded by ``timeout``).

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import torch
 
 from plugdist._log import get_logger
-from plugdist._resilience.membership import off_hint
+from plugdist._resilience.policy import off_hint
 from plugdist._world.state import world
 from plugdist.errors import BelowMinWorldSizeError, DistError, DistRankFailureError
 from plugdist.parallel.elastic_sampler import ElasticSampler
