@@ -26,7 +26,7 @@ from plugdist._registry import BACKENDS, RENDEZVOUS, STORES, Backend, PluginNotF
 from plugdist._resilience.guarded_store import GuardedPrefixStore
 from plugdist._resilience.membership import Membership
 from plugdist._resilience.policy import resilience_mode
-from plugdist._world.rendezvous import store_rendezvous_handler
+from plugdist._world.rendezvous import RendezvousHandler, store_rendezvous_handler
 from plugdist._world.state import GroupInfo, NotInitializedError, world
 from plugdist.errors import DistError, DistTimeoutError, timed_out, where
 from plugdist.store import PrefixStore, Store
@@ -138,9 +138,10 @@ def get_default_backend_for_device(device: Any) -> str:
                     f"pip install plugdist-gloo")
 
 
-def register_rendezvous_handler(scheme: str, handler: Any) -> None:
-    """Register ``handler(url, rank, world_size, timeout) -> (store, rank, world_size)`` for
-    ``scheme://`` URLs in this process; wins over an installed entry point."""
+def register_rendezvous_handler(scheme: str, handler: RendezvousHandler) -> None:
+    """Register ``handler(url, rank, world_size, timeout) -> (store, rank, world_size)`` (a
+    :class:`~plugdist._world.rendezvous.RendezvousHandler`) for ``scheme://`` URLs in this
+    process; wins over an installed entry point."""
     registry.register(RENDEZVOUS, scheme, handler)
 
 
@@ -192,7 +193,7 @@ def init_world(backend: str | None = None, init_method: str | None = None,
             raise ValueError(f"init_method {url!r} has no scheme; use env://, tcp://HOST:PORT or "
                              f"file:///PATH (registered: {', '.join(registry.names(RENDEZVOUS))})")
         if scheme in registry.names(RENDEZVOUS):
-            handler = registry.load(RENDEZVOUS, scheme)
+            handler: RendezvousHandler = registry.load(RENDEZVOUS, scheme)
         elif scheme in registry.names(STORES):   # any store URL is a rendezvous too
             handler = store_rendezvous_handler
         else:
