@@ -1,8 +1,9 @@
 """Key-value stores: the interface, the four implementations shipped with the core, and
 ``open_store(url)`` for any store installed through the ``plugdist.stores`` entry points."""
 
+from plugdist.store._server import TCPStoreLimits
+
 from ..errors import QueueEmptyError
-from ._tcp_server import TCPStoreLimits
 from .api import DEFAULT_STORE_TIMEOUT, Store
 from .file_store import FileStore
 from .hash_store import HashStore
