@@ -16,6 +16,8 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
 
+from plugdist.store.worldkeys import leaving_key, left_key
+
 from . import flight_recorder, log
 from . import membership as _membership
 from .debug_level import DebugLevel, get_debug_level
@@ -407,13 +409,12 @@ def _leave(closed_by_store: bool = False) -> None:
     if store is None or not world.owned_store or world.size <= 1:
         return
     try:
-        tag = "" if world.epoch == 0 else f"@{world.epoch}"
-        if store.add(f"plugdist/leaving{tag}", 1) == world.size:
-            store.set(f"plugdist/left{tag}", b"1")
+        if store.add(leaving_key(world.epoch), 1) == world.size:
+            store.set(left_key(world.epoch), b"1")
             if world.epoch and not closed_by_store:
                 store.set(_membership.CLOSED, str(world.epoch))  # tells waiting joiners
         if getattr(store, "is_master", False):
-            store.wait([f"plugdist/left{tag}"], _LEAVE_WAIT)
+            store.wait([left_key(world.epoch)], _LEAVE_WAIT)
     except DistError as err:
         get_logger(rank=world.rank).warning("destroy_process_group: peers did not all leave",
                                             error=str(err))

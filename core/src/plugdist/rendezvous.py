@@ -14,6 +14,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
 
+from plugdist.store.worldkeys import worker_attempt_root, worker_round_root
+
 from .errors import DistError
 from .store import PrefixStore, Store, TCPStore, TorchStoreAdapter, open_store
 
@@ -114,14 +116,14 @@ def _agent_store(world_size: int, timeout: timedelta) -> Store | None:
             host, _, port = announced.rpartition(":")
             store = TCPStore(host, int(port), None, is_master=False, timeout=timeout)
         round_ = env.get("PLUGDIST_RDZV_ROUND", "0")
-        return _OwningPrefixStore(f"plugdist/worker/round_{round_}", store)
+        return _OwningPrefixStore(worker_round_root(round_), store)
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR") \
             and env.get("MASTER_PORT"):
         import torch.distributed as tdist  # torchrun's store speaks torch's protocol
         client = tdist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
                                 False, timeout)
         attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return _OwningPrefixStore(f"plugdist/worker/attempt_{attempt}", TorchStoreAdapter(client))
+        return _OwningPrefixStore(worker_attempt_root(attempt), TorchStoreAdapter(client))
     return None
 
 
