@@ -33,7 +33,7 @@ __all__ = [
     "MEMBER_DELETES", "MEMBER_DELETE_PREFIXES", "template_pattern", "is_reserved", "epoch_key",
     "members_key", "decision_key", "grow_key", "seen_key", "arrived_key", "heartbeat_key",
     "declared_key", "death_key", "ticket_key", "admitted_key", "epoch_prefix", "joiner_uid",
-    "leaving_key", "left_key", "FT_FORGOTTEN", "ft_epoch_prefix", "ft_state_key",
+    "group_prefix", "leaving_key", "left_key", "FT_FORGOTTEN", "ft_epoch_prefix", "ft_state_key",
     "ft_step_key", "ft_block_prefix", "ft_vote_key", "worker_round_root",
     "worker_attempt_root", "rdzv_root",
 ]
@@ -182,6 +182,11 @@ def joiner_uid(ticket: int) -> str:
 
 
 # ---- the rest of the core's keys (not reserved) ----------------------------------------------
+
+def group_prefix(epoch: int, name: str) -> str:
+    """Where the groups of ``epoch`` keep their keys in the world's store."""
+    return f"plugdist/group/{name}" if epoch == 0 else f"plugdist/egroup/{epoch}/{name}"
+
 
 def leaving_key(epoch: int) -> str:
     """The counter of a group's ranks that reached destroy_process_group in ``epoch``."""
