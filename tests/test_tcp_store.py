@@ -248,15 +248,15 @@ def test_client_killed_while_blocked_in_get(master: TCPStore) -> None:
     with capture_logs() as logs:
         victim = spawn("get", spec=spec, key="never_set")
         wait_ready(victim)
-        assert eventually(lambda: b"never_set" in server._keys._waiting)  # parked on the server
+        assert eventually(lambda: b"never_set" in server._waiters.waiting)  # parked on the server
         bystander = spawn("get", spec=spec, key="later_set")
         wait_ready(bystander)
-        assert eventually(lambda: b"later_set" in server._keys._waiting)
+        assert eventually(lambda: b"later_set" in server._waiters.waiting)
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
         victim.stdout.close()  # type: ignore[union-attr]
         victim.stderr.close()  # type: ignore[union-attr]
-        assert eventually(lambda: b"never_set" not in server._keys._waiting)  # waiter forgotten
+        assert eventually(lambda: b"never_set" not in server._waiters.waiting)  # waiter forgotten
         master.set("later_set", "still served")
         assert result(bystander)["value"] == "still served"
         master.set("never_set", "too late")  # answering nobody must not hurt either
@@ -277,7 +277,7 @@ def test_garbage_from_clients_is_dropped_and_others_keep_working(master: TCPStor
     parked: list[bytes] = []
     waiter = threading.Thread(target=lambda: parked.append(good.get("after_garbage")))
     waiter.start()
-    assert eventually(lambda: b"after_garbage" in server._keys._waiting)
+    assert eventually(lambda: b"after_garbage" in server._waiters.waiting)
 
     def frame(op: int, body: bytes) -> bytes:
         return wire.HEADER.pack(len(body), op) + body
@@ -747,17 +747,17 @@ def test_one_client_cannot_grow_server_memory() -> None:
             s = raw_client(m.port)
             s.sendall(wire.request(wire.Op.WAIT, wire.F64.pack(60.0) + wire.pack_blobs(keys)))
             waiters.append(s)
-        assert eventually(lambda: server._keys._parked == 20)
-        assert len(server._keys._waiting) == 1 and len(server._keys._waiting[keys[0]]) == 20
+        assert eventually(lambda: server._waiters.parked == 20)
+        assert len(server._waiters.waiting) == 1 and len(server._waiters.waiting[keys[0]]) == 20
         m.set("never/0", "1")  # they all move on to the next missing key, still one entry
-        assert eventually(lambda: list(server._keys._waiting) == [keys[1]])
+        assert eventually(lambda: list(server._waiters.waiting) == [keys[1]])
         # sending while parked is against the protocol; past the allowance the client goes
         waiters[0].sendall(b"\0" * 8192)
         assert closed_by_server(waiters[0])
-        assert eventually(lambda: server._keys._parked == 19)
+        assert eventually(lambda: server._waiters.parked == 19)
         for s in waiters:
             s.close()
-        assert eventually(lambda: server._keys._parked == 0 and not server._keys._waiting)
+        assert eventually(lambda: server._waiters.parked == 0 and not server._waiters.waiting)
     reasons = [e["reason"] for e in logs if e["event"] == "tcp_store_client_dropped"]
     assert any("while its request was parked" in r for r in reasons), reasons
     slow.close()
@@ -867,18 +867,18 @@ def test_fuzz_wire_protocol() -> None:
     parked: list[bytes] = []
     waiter = threading.Thread(target=lambda: parked.append(watcher.get(release)), daemon=True)
     waiter.start()
-    assert eventually(lambda: server._keys._parked == 1)
+    assert eventually(lambda: server._waiters.parked == 1)
     # a mutated frame can be a valid DELETE_PREFIX (a GET with timeout 0.0 whose op code changed
     # reads as the prefix "", which deletes every plain key): a token holder may do that, so
     # the sentinels are then checked only for what is left of them
     prefix_deletes: list[bytes] = []
-    delete_prefix = server._keys._handlers[wire.Op.DELETE_PREFIX]
+    delete_prefix = server._commands.handlers[wire.Op.DELETE_PREFIX]
 
     def recorded_delete_prefix(conn: Any, buf: bytes, pos: int, end: int) -> Any:
         prefix_deletes.append(bytes(buf[pos:end]))
         return delete_prefix(conn, buf, pos, end)
 
-    server._keys._handlers[wire.Op.DELETE_PREFIX] = recorded_delete_prefix
+    server._commands.handlers[wire.Op.DELETE_PREFIX] = recorded_delete_prefix
     rounds: list[int] = []
 
     def connect(handshake: bool) -> socket.socket:
@@ -910,10 +910,10 @@ def test_fuzz_wire_protocol() -> None:
         assert len(rounds) >= FUZZ_EXAMPLES
         print(f"fuzz: {len(rounds)} rounds, {sum(rounds)} frames")
         # everything the fuzzing clients left behind goes away once they are gone
-        assert eventually(lambda: len(server._conns) == 2 and server._keys._parked == 1, 30)
-        assert not server._pending and list(server._keys._waiting) == [release.encode()]
+        assert eventually(lambda: len(server._conns) == 2 and server._waiters.parked == 1, 30)
+        assert not server._pending and list(server._waiters.waiting) == [release.encode()]
         assert all(len(c.inbuf) == 0 and len(c.out) == 0 for c in server._conns.values())
-        assert len(server._keys._deadlines) <= 2048
+        assert len(server._waiters.deadlines) <= 2048
     bugs = [e for e in logs if e["event"] in ("tcp_store_internal_error",
                                                "tcp_store_server_crashed")]
     assert bugs == []

@@ -40,7 +40,7 @@ PLUGIN_API: tuple[int, int] = (1, 0)
 
 BACKENDS = "plugdist.backends"
 STORES = "plugdist.stores"
-RENDEZVOUS = "plugdist._world.rendezvous"
+RENDEZVOUS = "plugdist.rendezvous"
 REDUCERS = "plugdist.reducers"
 COMM_HOOKS = "plugdist.comm_hooks"
 PLUGINS = "plugdist.plugins"

@@ -163,7 +163,9 @@ class StoreRendezvous:
         self._left: set[int] = set()
         self.store_url = ""   # set when a store plugin serves the rendezvous
         self.store = self._open_store()
-        self.prefix = f"plugdist/rdzv/{cfg.run_id}/"
+        from plugdist.store._worldkeys import rdzv_root  # the store is imported by now
+
+        self.prefix = rdzv_root(cfg.run_id)
         if cfg.local_addr:
             self.addr = cfg.local_addr
         elif self.store_host in ("127.0.0.1", "localhost", "::1"):

@@ -38,9 +38,14 @@ from plugdist.store._worldkeys import (
     CURRENT,
     JOIN_COUNT,
     JOIN_DONE,
-    epoch_key,
-    join_admitted,
-    join_ticket,
+    admitted_key,
+    arrived_key,
+    decision_key,
+    grow_key,
+    joiner_uid,
+    members_key,
+    seen_key,
+    ticket_key,
 )
 
 __all__ = ["Agreement", "Decision"]
@@ -81,14 +86,14 @@ class Agreement(DeathLog):
         if exclude is not None and self.uid in exclude:
             raise DistRankFailureError(f"[rank {self.rank}] shrink_group: this rank is in "
                                        f"ranks_to_exclude; only the ranks that stay call it")
-        decided = epoch_key(e, "next" if retry == 0 else f"next/{retry}")
+        decided = decision_key(e, retry)
         limit = timeout.total_seconds()
         deadline = time.monotonic() + limit
         if exclude is not None:
             record = {"excluded": [u for u in self.members if u in exclude]}
             record = json.loads(self._writes.compare_set(decided, b"", json.dumps(record)))
         else:
-            arrivals = epoch_key(e, f"shrink/{retry}/arrived")
+            arrivals = arrived_key(e, retry)
             append_log(self._writes, arrivals, self.uid)
             record = self._await_decision(store, decided, arrivals, deadline, limit)
         members = self._members_after(record)
@@ -177,15 +182,15 @@ class Agreement(DeathLog):
             raise self._excluded_error()
         store, e = self.store, self.epoch
         seq, self._grow_seq = self._grow_seq, self._grow_seq + 1
-        decided = epoch_key(e, f"grow/{seq}")
+        decided = grow_key(e, seq)
         if not store.check([decided]):
             done = store.add(JOIN_DONE, 0)
             count = store.add(JOIN_COUNT, 0)
             joiners = []
             for n in range(done + 1, count + 1):
-                if not store.check([join_ticket(n)]):
+                if not store.check([ticket_key(n)]):
                     break  # registered its ticket but not yet its liveness: next time
-                uid = f"j{n}"
+                uid = joiner_uid(n)
                 with self._lock:
                     dead = uid in self.failed
                 if not dead:
@@ -194,7 +199,7 @@ class Agreement(DeathLog):
             ours = json.dumps({"joiners": joiners, "done": done})
             if self._writes.compare_set(decided, b"", ours) == ours.encode() and joiners:
                 # the joiners read the new epoch's members as soon as they are admitted
-                self._writes.compare_set(epoch_key(e + 1, "members"), b"", json.dumps(
+                self._writes.compare_set(members_key(e + 1), b"", json.dumps(
                     self.members + [uid for _, uid in joiners]))
         record = json.loads(store.get(decided))
         joiners = [(int(n), uid) for n, uid in record["joiners"]]
@@ -208,7 +213,7 @@ class Agreement(DeathLog):
             return None
         members = self.members + [uid for _, uid in joiners]
         for n, _ in joiners:
-            self._writes.set(join_admitted(n), str(e + 1))
+            self._writes.set(admitted_key(n), str(e + 1))
         return Decision(e + 1, members, [uid for _, uid in joiners])
 
     def enter(self, decision: Decision) -> Decision:
@@ -221,7 +226,7 @@ class Agreement(DeathLog):
         worlds under one epoch. Raises DistExcludedError when that one leaves this process out."""
         store, writes = self.store, self._writes
         mine = json.dumps(decision.members)
-        recorded = writes.compare_set(epoch_key(decision.epoch, "members"), b"", mine)
+        recorded = writes.compare_set(members_key(decision.epoch), b"", mine)
         if recorded and recorded != mine.encode():
             members = json.loads(recorded)
             self._log.warning("epoch_decided_elsewhere", epoch=decision.epoch,
@@ -245,7 +250,7 @@ class Agreement(DeathLog):
         self._log = get_logger(rank=self.rank)
         # how far this member had read the death log: the next epoch's first rank trims up to
         # what every member of its epoch had read when it entered this one
-        writes.set(epoch_key(decision.epoch, f"seen/{self.uid}"), str(self._seen_deaths))
+        writes.set(seen_key(decision.epoch, self.uid), str(self._seen_deaths))
         if first:
             forget_epochs(writes, decision.epoch - 2)
             trim(store, writes, decision.epoch, self.members, self._join_done,

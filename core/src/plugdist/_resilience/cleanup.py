@@ -25,16 +25,17 @@ from plugdist.errors import DistError, DistTimeoutError
 from plugdist.store import Store
 from plugdist.store._worldkeys import (
     DEATHS,
-    DECLARED,
     FORGOTTEN,
-    HEARTBEATS,
     JOIN_COUNT,
     TRIM,
-    epoch_key,
+    admitted_key,
+    death_key,
+    declared_key,
     epoch_prefix,
     group_prefix,
-    join_admitted,
-    join_ticket,
+    heartbeat_key,
+    seen_key,
+    ticket_key,
 )
 
 __all__ = ["trim", "forget_failed", "forget_epochs"]
@@ -56,13 +57,13 @@ def trim(store: Store, writes: MemberWrites, epoch: int, members: Sequence[str],
         state = json.loads(raw)
         if state["epoch"] >= epoch:
             return
-        marks = [epoch_key(epoch - 1, f"seen/{u}") for u in members]
+        marks = [seen_key(epoch - 1, u) for u in members]
         if not store.check(marks):
             return
         floor = min(int(v) for v in store.multi_get(marks))
         # read after the members' marks: a joiner that takes a ticket now starts past them
         count = store.add(JOIN_COUNT, 0)
-        tickets = [join_ticket(n) for n in range(state["done"] + 1, count + 1)]
+        tickets = [ticket_key(n) for n in range(state["done"] + 1, count + 1)]
         if tickets:
             if not store.check(tickets):
                 return
@@ -71,10 +72,10 @@ def trim(store: Store, writes: MemberWrites, epoch: int, members: Sequence[str],
         if floor > state["log"]:
             forget_failed(store, writes, state["log"] + 1, floor, heartbeats)
             for n in range(state["log"] + 1, floor + 1):
-                writes.delete_key(f"{DEATHS}/{n}")
+                writes.delete_key(death_key(n))
         for n in range(state["tickets"] + 1, state["done"] + 1):
-            writes.delete_key(join_ticket(n))
-            writes.delete_key(join_admitted(n))
+            writes.delete_key(ticket_key(n))
+            writes.delete_key(admitted_key(n))
         # the grows this member took part in admitted their joiners into this epoch at
         # the latest: the next trim, from a later epoch, finds them entered or gone
         done = max(state["done"], join_done)
@@ -102,9 +103,9 @@ def forget_failed(store: Store, writes: MemberWrites, first: int, last: int,
         except (ValueError, TypeError, KeyError, AttributeError):
             continue  # skipped when it was read
         if cause in ("hung", "excluded", "reported"):
-            store.delete_key(f"{DECLARED}/{uid}")
+            store.delete_key(declared_key(uid))
         if cause not in ("joining", "decided") and heartbeats:
-            store.delete_key(f"{HEARTBEATS}/{uid}")
+            store.delete_key(heartbeat_key(uid))
 
 
 def forget_epochs(writes: MemberWrites, last: int) -> None:

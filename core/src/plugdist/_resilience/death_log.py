@@ -29,7 +29,7 @@ from plugdist._log import lifecycle
 from plugdist._resilience.state import MemberState
 from plugdist.errors import DistError, DistTimeoutError
 from plugdist.store import Store
-from plugdist.store._worldkeys import DEATHS
+from plugdist.store._worldkeys import DEATHS, joiner_uid
 
 __all__ = ["DeathLog", "store_reader"]
 
@@ -93,7 +93,7 @@ class DeathLog(MemberState):
     def _count_joiners(self) -> None:
         """``joiners_waiting`` from the announced tickets not yet admitted (under the lock)."""
         self.joiners_waiting = sum(1 for t in self._join_tickets
-                                   if t > self._join_done and f"j{t}" not in self.failed)
+                                   if t > self._join_done and joiner_uid(t) not in self.failed)
 
     def _how(self, record: dict[str, Any]) -> str:
         """How a member failed, from its death-log record."""

@@ -34,9 +34,10 @@ from plugdist.store._worldkeys import (
     CURRENT,
     DEATHS,
     JOIN_COUNT,
-    epoch_key,
-    join_admitted,
-    join_ticket,
+    admitted_key,
+    joiner_uid,
+    members_key,
+    ticket_key,
 )
 
 __all__ = ["Joiner", "request_join"]
@@ -92,21 +93,21 @@ class Joiner:
             self.identity = Identity(session, session.will, session.start)
             return self.identity
         self.ticket = store.add(JOIN_COUNT, 1)
-        self.uid = f"j{self.ticket}"
+        self.uid = joiner_uid(self.ticket)
         writes = PlainWrites(store, self.uid)
         self.epoch = int(store.compare_set(CURRENT, b"", b"0") or 0)
         will = plain_will(store, self.uid, self.hang_timeout)
         start = store.add(DEATHS, 0)
         self.identity = Identity(writes, will, start)
         # where this joiner started reading the death log: a trim keeps what comes after
-        store.set(join_ticket(self.ticket), json.dumps({"uid": self.uid, "start": start}))
+        store.set(ticket_key(self.ticket), json.dumps({"uid": self.uid, "start": start}))
         # the members learn of it from the wait they hold on the log, not by polling
         writes.record(json.dumps({"uid": self.uid, "cause": "joining", "ticket": self.ticket}))
         return self.identity
 
     def _await_admission(self, timeout: timedelta) -> tuple[int, list[str]]:
         """The epoch that admitted this process and its members."""
-        store, admitted = self.store, join_admitted(self.ticket)
+        store, admitted = self.store, admitted_key(self.ticket)
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
             try:
@@ -125,9 +126,9 @@ class Joiner:
                         f"{timed_out(here, timeout.total_seconds(), 'admission')}: the running "
                         f"ranks admit joiners when they call plugdist.grow_group()") from None
         epoch = int(store.get(admitted))
-        members_key = epoch_key(epoch, "members")
-        store.wait([members_key], timeout)
-        return epoch, json.loads(store.get(members_key))
+        members = members_key(epoch)
+        store.wait([members], timeout)
+        return epoch, json.loads(store.get(members))
 
 
 def request_join(store: Store, timeout: timedelta,

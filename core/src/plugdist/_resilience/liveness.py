@@ -37,11 +37,11 @@ from plugdist.store import PrefixStore, Store
 from plugdist.store._worldkeys import (
     CURRENT,
     DEATHS,
-    HEARTBEATS,
     JOIN_COUNT,
     JOIN_DONE,
     TRIM,
-    epoch_key,
+    heartbeat_key,
+    members_key,
 )
 
 __all__ = ["Liveness", "hold_will", "plain_will"]
@@ -174,11 +174,11 @@ class Liveness(DeathLog):
             epoch = self.epoch
         if self.store_liveness is None:
             if self.excluded_reason is None:
-                self._writes.add(f"{HEARTBEATS}/{self.uid}", 1)
+                self._writes.add(heartbeat_key(self.uid), 1)
         else:
             others = []  # the store's liveness covers hangs: nothing to beat or watch
         control = [CURRENT, JOIN_COUNT, JOIN_DONE, TRIM]
-        keys = [f"{HEARTBEATS}/{u}" for u in others] + control
+        keys = [heartbeat_key(u) for u in others] + control
         if not store.check(keys):
             # a member has not beaten yet, or its heartbeat went with the record of its death
             others, keys = [], control
@@ -201,7 +201,7 @@ class Liveness(DeathLog):
         self._declare(uid, {"cause": "hung", "after": round(silent, 1)})
 
     def _check_still_member(self, store: Store, current: int) -> None:
-        key = epoch_key(current, "members")
+        key = members_key(current)
         try:  # the new epoch's rank 0 writes its members: never wait for it here
             if not store.check([key]):
                 return

@@ -32,7 +32,14 @@ from plugdist._resilience.agreement import Agreement
 from plugdist._resilience.liveness import Liveness, plain_will
 from plugdist._resilience.writes import Identity, PlainWrites
 from plugdist.errors import DistStoreError
-from plugdist.store._worldkeys import CURRENT, HEARTBEATS, JOIN_COUNT, JOIN_DONE, NO_TRIM, TRIM
+from plugdist.store._worldkeys import (
+    CURRENT,
+    JOIN_COUNT,
+    JOIN_DONE,
+    NO_TRIM,
+    TRIM,
+    heartbeat_key,
+)
 
 if TYPE_CHECKING:
     from plugdist._group.process_group import ProcessGroup
@@ -68,7 +75,7 @@ class Membership(Agreement, Liveness):
         self._prepare_monitor()
         if not self._writes.protected:
             if self.store_liveness is None:
-                self.store.add(f"{HEARTBEATS}/{self.uid}", 1)
+                self.store.add(heartbeat_key(self.uid), 1)
             for counter in (JOIN_COUNT, JOIN_DONE):  # read together (multi_get)
                 self.store.add(counter, 0)
             self.store.compare_set(TRIM, b"", NO_TRIM)

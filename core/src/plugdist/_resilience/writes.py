@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from plugdist.store import Store
-from plugdist.store._worldkeys import DEATHS, DECLARED
+from plugdist.store._worldkeys import DEATHS, declared_key
 
 __all__ = ["MemberWrites", "PlainWrites", "Identity", "append_log", "DECLARING_CAUSES"]
 
@@ -66,7 +66,7 @@ class PlainWrites:
         across every member that declares it (a claim first). False when another's came first."""
         parsed = json.loads(record)
         if parsed.get("cause") in DECLARING_CAUSES:
-            claim = f"{DECLARED}/{parsed['uid']}"
+            claim = declared_key(parsed['uid'])
             if self._store.compare_set(claim, b"", self._uid) != self._uid.encode():
                 return False
         append_log(self._store, DEATHS, record)

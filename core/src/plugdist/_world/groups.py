@@ -30,7 +30,7 @@ from plugdist._world.rendezvous import RendezvousHandler, store_rendezvous_handl
 from plugdist._world.state import GroupInfo, NotInitializedError, world
 from plugdist.errors import DistError, DistTimeoutError, timed_out, where
 from plugdist.store import PrefixStore, Store
-from plugdist.store._worldkeys import CLOSED, group_prefix
+from plugdist.store._worldkeys import CLOSED, group_prefix, leaving_key, left_key
 
 __all__ = [
     "init_world", "destroy", "is_initialized", "is_available",
@@ -415,13 +415,12 @@ def _leave(closed_by_store: bool = False) -> None:
     if store is None or not world.owned_store or world.size <= 1:
         return
     try:
-        tag = "" if world.epoch == 0 else f"@{world.epoch}"
-        if store.add(f"plugdist/leaving{tag}", 1) == world.size:
-            store.set(f"plugdist/left{tag}", b"1")
+        if store.add(leaving_key(world.epoch), 1) == world.size:
+            store.set(left_key(world.epoch), b"1")
             if world.epoch and not closed_by_store:
                 store.set(CLOSED, str(world.epoch))  # tells waiting joiners
         if getattr(store, "is_master", False):
-            store.wait([f"plugdist/left{tag}"], _LEAVE_WAIT)
+            store.wait([left_key(world.epoch)], _LEAVE_WAIT)
     except DistError as err:
         get_logger(rank=world.rank).warning("destroy_process_group: peers did not all leave",
                                             error=str(err))

@@ -1,6 +1,6 @@
 """Rendezvous handlers: turn an ``init_method`` URL into ``(store, rank, world_size)``.
 
-Registered through the core's own ``plugdist._world.rendezvous`` entry points (``env``, ``tcp``,
+Registered through the core's own ``plugdist.rendezvous`` entry points (``env``, ``tcp``,
 ``file``), like any third-party scheme. A handler is called as
 ``handler(url, rank=..., world_size=..., timeout=...)`` where rank/world_size are -1 when the
 caller did not give them; it blocks until the store is reachable (bounded by ``timeout``).
@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, urlparse
 from plugdist._open_store import open_store
 from plugdist.errors import RendezvousError
 from plugdist.store import PrefixStore, Store, TCPStore, TorchStoreAdapter
+from plugdist.store._worldkeys import worker_attempt_root, worker_round_root
 
 __all__ = ["env_rendezvous_handler", "tcp_rendezvous_handler", "file_rendezvous_handler",
            "store_rendezvous_handler", "RendezvousError", "RendezvousHandler",
@@ -121,14 +122,14 @@ def _agent_store(world_size: int, timeout: timedelta) -> Store | None:
             host, _, port = announced.rpartition(":")
             store = TCPStore(host, int(port), None, is_master=False, timeout=timeout)
         round_ = env.get("PLUGDIST_RDZV_ROUND", "0")
-        return _OwningPrefixStore(f"plugdist/worker/round_{round_}", store)
+        return _OwningPrefixStore(worker_round_root(round_), store)
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR") \
             and env.get("MASTER_PORT"):
         import torch.distributed as tdist  # torchrun's store speaks torch's protocol
         client = tdist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
                                 False, timeout)
         attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return _OwningPrefixStore(f"plugdist/worker/attempt_{attempt}", TorchStoreAdapter(client))
+        return _OwningPrefixStore(worker_attempt_root(attempt), TorchStoreAdapter(client))
     return None
 
 

@@ -39,11 +39,18 @@ from plugdist._resilience.policy import off_hint
 from plugdist._world.state import world
 from plugdist.errors import BelowMinWorldSizeError, DistError, DistRankFailureError
 from plugdist.parallel.elastic_sampler import ElasticSampler
+from plugdist.store._worldkeys import FT_FORGOTTEN as _FORGOTTEN
+from plugdist.store._worldkeys import (
+    ft_block_prefix,
+    ft_epoch_prefix,
+    ft_state_key,
+    ft_step_key,
+    ft_vote_key,
+)
 
 __all__ = ["ResilientTraining", "ElasticSampler", "BelowMinWorldSizeError", "is_rank_failure"]
 
 _VOTE_BLOCK = 64  # the vote outcomes of this many steps are dropped from the store at once
-_FORGOTTEN = "plugdist/ft/forgotten"  # the votes of the epochs up to this one were dropped
 
 T = TypeVar("T")
 
@@ -200,7 +207,7 @@ class ResilientTraining:
                 self._agreements, self._agreed_epoch = 0, world.epoch
             self._agreements += 1
             block = self.step // _VOTE_BLOCK
-            key = f"plugdist/ft/{world.epoch}/step/{block}/{self.step}/{self._agreements}"
+            key = ft_vote_key(world.epoch, block, self.step, self._agreements)
             if self._decide(key, finished)[0]:
                 return result
             self._shrink()
@@ -215,10 +222,10 @@ class ResilientTraining:
             waiting = float(world.membership.joiners_waiting)
         block = self.step // _VOTE_BLOCK
         agreed, (waiting, stop) = self._decide(
-            f"plugdist/ft/{world.epoch}/step/{block}/{self.step}", finished,
+            ft_step_key(world.epoch, block, self.step), finished,
             (waiting, 1.0 if self._stop_asked else 0.0))
         if world.rank == 0 and self.step % _VOTE_BLOCK == 0 and block >= 2:
-            _forget(f"plugdist/ft/{world.epoch}/step/{block - 2}/")
+            _forget(ft_block_prefix(world.epoch, block - 2))
         return agreed, waiting, stop
 
     def _decide(self, key: str, finished: bool,
@@ -293,7 +300,7 @@ class ResilientTraining:
             return
         done = int(store.compare_set(_FORGOTTEN, b"", b"-1"))
         for epoch in range(done + 1, world.epoch - 1):
-            _forget(f"plugdist/ft/{epoch}/")
+            _forget(ft_epoch_prefix(epoch))
         if world.epoch - 2 > done:
             store.compare_set(_FORGOTTEN, str(done), str(world.epoch - 2))
 
@@ -328,7 +335,7 @@ class ResilientTraining:
                     if not is_rank_failure(err):
                         raise
                     done = False
-            if self._decide(f"plugdist/ft/{world.epoch}/state", done)[0]:
+            if self._decide(ft_state_key(world.epoch), done)[0]:
                 break
             self._shrink()
             ready = True

@@ -3,7 +3,7 @@
 points)."""
 
 from plugdist.errors import QueueEmptyError
-from plugdist.store._tcp_server import TCPStoreLimits
+from plugdist.store._server import TCPStoreLimits
 from plugdist.store.api import DEFAULT_STORE_TIMEOUT, Store
 from plugdist.store.file_store import FileStore
 from plugdist.store.hash_store import HashStore

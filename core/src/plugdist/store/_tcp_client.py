@@ -1,7 +1,7 @@
 """The TCPStore client's long-lived connections: wills (``TCPStore.hold_will``) with the one
 thread per process that renews them, and member identities (``TCPStore.claim_member``,
 ``TCPStore.join_member``): a will the server writes itself, plus the checked writes of a
-world's members (see :mod:`plugdist.store._tcp_worlds`). Also the client's timing constants.
+world's members (see :mod:`plugdist.store._server.worlds`). Also the client's timing constants.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class MemberSession:
     ``join_member``): ``will`` is its will (the server writes the death record itself when its
     connection drops or its ttl lapses; ``cancel()`` withdraws it and ends the identity), and
     the write methods change the world's reserved keys through the server's checks (see
-    :mod:`plugdist.store._tcp_worlds`). Keys are relative to the world's root. ``uid`` is the
+    :mod:`plugdist.store._server.worlds`). Keys are relative to the world's root. ``uid`` is the
     identity; ``start`` how far the death log ran when a joiner took its ``ticket`` (0 and 0
     for a rank). ``protected``: True, the server owns the membership keys. Thread-safe (each
     write borrows a connection of the store's pool)."""
@@ -264,7 +264,7 @@ class MemberSession:
 
     def record(self, record: bytes | str) -> bool:
         """Append ``record`` (a JSON object) to the world's death log, as the server allows it
-        (see :mod:`plugdist.store._tcp_worlds`): False when it declares a member another one
+        (see :mod:`plugdist.store._server.worlds`): False when it declares a member another one
         declared first (nothing appended)."""
         reply = self._request("record", w.request(w.Op.RECORD,
                                                   self._head + _blob(to_bytes(record))))

@@ -1,16 +1,23 @@
-"""The keys of a resilient world's membership, and the rule that reserves them in a store.
+"""The keys plugdist keeps in a store, spelled once: a resilient world's membership, the rule
+that reserves it, and the other keys of the core (a group's leave barrier, the fault-tolerant
+loop's votes, the launcher's and the workers' roots).
 
 A world keeps who is in it under a *root* of its store: the store's top (``env://``,
-``tcp://``) or a prefix (plugdist-run's worlds live under ``plugdist/worker/round_<n>/``).
-Below the root: the death log (``plugdist/live/deaths``, entries ``.../deaths/<n>``), the
-agreement and epoch records (``plugdist/epoch/...``), the join tickets (``plugdist/join/...``)
-and ``plugdist/closed``. :mod:`plugdist._resilience` owns what they mean.
+``tcp://``) or a prefix (plugdist-run's worlds live under :func:`worker_round_root`). Below the
+root: the death log (``plugdist/live/deaths``, entries ``.../deaths/<n>``), the agreement and
+epoch records (``plugdist/epoch/...``), the join tickets (``plugdist/join/...``) and
+``plugdist/closed``. :mod:`plugdist._resilience` owns what they mean.
 
 Every key whose name holds one of those segments, at the top or after a ``/``, is *reserved*: a
 TCPStore server refuses a plain write to it (set, add, compare_set, append, delete, queues, a
 will on it) from every client, and writes such keys only itself (a member's will, a join
 ticket) or through the checked operations of a world's members (docs/stores.md, "Who may write
 what"). Reads stay open to every client.
+
+What a member may write, and the shape of each value, is :data:`MEMBER_WRITES`; what it may
+delete, :data:`MEMBER_DELETES` and :data:`MEMBER_DELETE_PREFIXES`. They are templates whose
+``{fields}`` the key functions below fill and :func:`template_pattern` turns into the
+server's checks, so a key renamed here is renamed for the members and the server at once.
 """
 
 from __future__ import annotations
@@ -18,27 +25,99 @@ from __future__ import annotations
 import json
 import re
 
-__all__ = ["DEATHS", "DECLARED", "HEARTBEATS", "TRIM", "NO_TRIM", "CURRENT", "FORGOTTEN",
-           "JOIN", "JOIN_COUNT", "JOIN_DONE", "CLOSED", "epoch_key", "is_reserved",
-           "RESERVED_NAMES", "epoch_prefix", "join_ticket", "join_admitted", "group_prefix"]
+__all__ = [
+    "DEATHS", "DECLARED", "HEARTBEATS", "TRIM", "NO_TRIM", "CURRENT", "FORGOTTEN", "JOIN",
+    "JOIN_COUNT", "JOIN_DONE", "CLOSED", "LIVE", "EPOCH", "RESERVED_TREES", "RESERVED_NAMES",
+    "MEMBERS", "DECISION", "RETRY_DECISION", "GROW", "SEEN", "ARRIVED", "ARRIVAL", "HEARTBEAT",
+    "DECLARED_UID", "DEATH", "TICKET", "ADMITTED", "EPOCH_TREE", "MEMBER_WRITES",
+    "MEMBER_DELETES", "MEMBER_DELETE_PREFIXES", "template_pattern", "is_reserved", "epoch_key",
+    "members_key", "decision_key", "grow_key", "seen_key", "arrived_key", "heartbeat_key",
+    "declared_key", "death_key", "ticket_key", "admitted_key", "epoch_prefix", "joiner_uid",
+    "group_prefix", "leaving_key", "left_key", "FT_FORGOTTEN", "ft_epoch_prefix", "ft_state_key",
+    "ft_step_key", "ft_block_prefix", "ft_vote_key", "worker_round_root",
+    "worker_attempt_root", "rdzv_root",
+]
 
-DEATHS = "plugdist/live/deaths"
-DECLARED = "plugdist/live/declared"
-HEARTBEATS = "plugdist/live/hb"
+# ---- a world's membership (reserved) ---------------------------------------------------------
+
+LIVE = "plugdist/live"
+EPOCH = "plugdist/epoch"
+JOIN = "plugdist/join"
+CLOSED = "plugdist/closed"  # set when every member of the last epoch left
+RESERVED_TREES = (LIVE, EPOCH, JOIN)  # every key below these is reserved, and CLOSED
+
+DEATHS = f"{LIVE}/deaths"
+DECLARED = f"{LIVE}/declared"
+HEARTBEATS = f"{LIVE}/hb"
 # what was deleted so far (see plugdist._resilience.cleanup.trim): the epoch whose first rank
 # did it, the death log's entries up to ``log``, the join tickets up to ``tickets``, and
 # ``done``: the tickets the next trim may delete
-TRIM = "plugdist/live/trim"
+TRIM = f"{LIVE}/trim"
 NO_TRIM = json.dumps({"epoch": -1, "log": 0, "tickets": 0, "done": 0})
-CURRENT = "plugdist/epoch/current"
-FORGOTTEN = "plugdist/epoch/forgotten"  # the epochs up to this one were forgotten
-JOIN = "plugdist/join"
-JOIN_COUNT = "plugdist/join/count"
-JOIN_DONE = "plugdist/join/done"
-CLOSED = "plugdist/closed"  # set when every member of the last epoch left
+CURRENT = f"{EPOCH}/current"
+FORGOTTEN = f"{EPOCH}/forgotten"  # the epochs up to this one were forgotten
+JOIN_COUNT = f"{JOIN}/count"
+JOIN_DONE = f"{JOIN}/done"
 
-RESERVED_NAMES = "plugdist/live/, plugdist/epoch/, plugdist/join/ and plugdist/closed"
-_RESERVED = re.compile(rb"(?:^|/)plugdist/(?:(?:live|epoch|join)(?:/|$)|closed$)")
+# templates: a number field ({epoch}, {retry}, {seq}, {n}, {ticket}) holds digits, {uid} a
+# member id (no "/")
+EPOCH_TREE = EPOCH + "/{epoch}/"  # every record of one epoch
+MEMBERS = EPOCH + "/{epoch}/members"  # the epoch's members, a JSON list of uids
+DECISION = EPOCH + "/{epoch}/next"  # what follows the epoch, a JSON object
+RETRY_DECISION = EPOCH + "/{epoch}/next/{retry}"  # the same, decided again
+GROW = EPOCH + "/{epoch}/grow/{seq}"  # a grow's record, a JSON object
+SEEN = EPOCH + "/{epoch}/seen/{uid}"  # the deaths a member had seen, an int
+ARRIVED = EPOCH + "/{epoch}/shrink/{retry}/arrived"  # a log (its counter) of arrivals
+ARRIVAL = EPOCH + "/{epoch}/shrink/{retry}/arrived/{n}"  # one arrival: a uid
+HEARTBEAT = HEARTBEATS + "/{uid}"  # a member's heartbeat counter
+DECLARED_UID = DECLARED + "/{uid}"  # a member declared failed
+DEATH = DEATHS + "/{n}"  # an entry of the death log
+TICKET = JOIN + "/{ticket}"  # a join ticket, written by the server
+ADMITTED = JOIN + "/{ticket}/admitted"  # the epoch that admitted a joiner, an int
+
+# what a member may write under its world's root: the template, and the kind of value it holds
+# ("int", "members": a list of uids, "decision": an object whose "excluded" and "members" are
+# lists of uids, "object", "uid", "counter": written by add)
+MEMBER_WRITES: tuple[tuple[str, str], ...] = (
+    (CURRENT, "int"),
+    (FORGOTTEN, "int"),
+    (MEMBERS, "members"),
+    (DECISION, "decision"),
+    (RETRY_DECISION, "decision"),
+    (GROW, "object"),
+    (SEEN, "int"),
+    (ARRIVED, "counter"),
+    (ARRIVAL, "uid"),
+    (TRIM, "object"),
+    (HEARTBEAT, "counter"),
+    (JOIN_DONE, "int"),
+    (ADMITTED, "int"),
+)
+# what a member may delete besides those: the entries a trim forgets
+MEMBER_DELETES: tuple[str, ...] = (DEATH, TICKET, ADMITTED, DECLARED_UID, HEARTBEAT)
+# the prefixes a member may delete with delete_prefix (an epoch forgotten)
+MEMBER_DELETE_PREFIXES: tuple[str, ...] = (EPOCH_TREE,)
+
+_FIELD = re.compile(r"\{(\w+)\}")
+
+
+def template_pattern(template: str) -> re.Pattern[str]:
+    """A pattern matching exactly the keys ``template`` spells, each field a named group: digits
+    for the number fields, a member id for ``{uid}``."""
+    parts, at = [], 0
+    for field in _FIELD.finditer(template):
+        parts.append(re.escape(template[at:field.start()]))
+        name = field.group(1)
+        parts.append(f"(?P<{name}>[^/]+)" if name == "uid" else f"(?P<{name}>\\d+)")
+        at = field.end()
+    parts.append(re.escape(template[at:]))
+    return re.compile("".join(parts))
+
+
+RESERVED_NAMES = ", ".join(f"{tree}/" for tree in RESERVED_TREES) + f" and {CLOSED}"
+_RESERVED = re.compile(
+    b"(?:^|/)(?:(?:" + b"|".join(re.escape(t.encode()) for t in RESERVED_TREES)
+    + b")(?:/|$)|" + re.escape(CLOSED.encode()) + b"$)")
 
 
 def is_reserved(key: bytes) -> bool:
@@ -48,25 +127,113 @@ def is_reserved(key: bytes) -> bool:
 
 def epoch_key(epoch: int, tail: str) -> str:
     """The key ``tail`` of epoch ``epoch``'s agreement records."""
-    return f"plugdist/epoch/{epoch}/{tail}"
+    return f"{EPOCH}/{epoch}/{tail}"
+
+
+def members_key(epoch: int) -> str:
+    return MEMBERS.format(epoch=epoch)
+
+
+def decision_key(epoch: int, retry: int = 0) -> str:
+    """What follows ``epoch``, as decided at its ``retry``-th attempt."""
+    return DECISION.format(epoch=epoch) if retry == 0 \
+        else RETRY_DECISION.format(epoch=epoch, retry=retry)
+
+
+def grow_key(epoch: int, seq: int) -> str:
+    return GROW.format(epoch=epoch, seq=seq)
+
+
+def seen_key(epoch: int, uid: str) -> str:
+    return SEEN.format(epoch=epoch, uid=uid)
+
+
+def arrived_key(epoch: int, retry: int) -> str:
+    return ARRIVED.format(epoch=epoch, retry=retry)
+
+
+def heartbeat_key(uid: str) -> str:
+    return HEARTBEAT.format(uid=uid)
+
+
+def declared_key(uid: str) -> str:
+    return DECLARED_UID.format(uid=uid)
+
+
+def death_key(n: int) -> str:
+    return DEATH.format(n=n)
+
+
+def ticket_key(ticket: int) -> str:
+    return TICKET.format(ticket=ticket)
+
+
+def admitted_key(ticket: int) -> str:
+    return ADMITTED.format(ticket=ticket)
 
 
 def epoch_prefix(epoch: int) -> str:
-    """The prefix of every agreement record of epoch ``epoch``."""
-    return epoch_key(epoch, "")
+    return EPOCH_TREE.format(epoch=epoch)
 
 
-def join_ticket(n: int) -> str:
-    """Join ticket ``n``: the joiner's uid and where it started reading the death log."""
-    return f"{JOIN}/{n}"
+def joiner_uid(ticket: int) -> str:
+    """The member id of the joiner holding join ticket ``ticket``."""
+    return f"j{ticket}"
 
 
-def join_admitted(n: int) -> str:
-    """Set to the epoch that admitted the holder of join ticket ``n``."""
-    return f"{JOIN}/{n}/admitted"
-
+# ---- the rest of the core's keys (not reserved) ----------------------------------------------
 
 def group_prefix(epoch: int, name: str) -> str:
-    """Where the groups of ``epoch`` keep their keys in the world's store (not reserved: a
-    group's own keys are written by its members' plain operations)."""
+    """Where the groups of ``epoch`` keep their keys in the world's store."""
     return f"plugdist/group/{name}" if epoch == 0 else f"plugdist/egroup/{epoch}/{name}"
+
+
+def leaving_key(epoch: int) -> str:
+    """The counter of a group's ranks that reached destroy_process_group in ``epoch``."""
+    return "plugdist/leaving" + ("" if epoch == 0 else f"@{epoch}")
+
+
+def left_key(epoch: int) -> str:
+    """Set once every rank of ``epoch`` reached destroy_process_group."""
+    return "plugdist/left" + ("" if epoch == 0 else f"@{epoch}")
+
+
+_FT = "plugdist/ft"
+FT_FORGOTTEN = f"{_FT}/forgotten"  # the votes of the epochs up to this one were dropped
+
+
+def ft_epoch_prefix(epoch: int) -> str:
+    """Every vote of the fault-tolerant loop in ``epoch``."""
+    return f"{_FT}/{epoch}/"
+
+
+def ft_state_key(epoch: int) -> str:
+    return f"{_FT}/{epoch}/state"
+
+
+def ft_block_prefix(epoch: int, block: int) -> str:
+    """The step votes of one block of steps."""
+    return f"{_FT}/{epoch}/step/{block}/"
+
+
+def ft_step_key(epoch: int, block: int, step: int) -> str:
+    return f"{_FT}/{epoch}/step/{block}/{step}"
+
+
+def ft_vote_key(epoch: int, block: int, step: int, agreement: int) -> str:
+    return f"{_FT}/{epoch}/step/{block}/{step}/{agreement}"
+
+
+def worker_round_root(round_: str | int) -> str:
+    """The root of plugdist-run's world in its rendezvous round ``round_``."""
+    return f"plugdist/worker/round_{round_}"
+
+
+def worker_attempt_root(attempt: str | int) -> str:
+    """The root of a world under torchrun's agent store, in restart ``attempt``."""
+    return f"plugdist/worker/attempt_{attempt}"
+
+
+def rdzv_root(run_id: str) -> str:
+    """The launcher's rendezvous keys of run ``run_id``."""
+    return f"plugdist/rdzv/{run_id}/"

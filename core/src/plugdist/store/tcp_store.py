@@ -1,7 +1,7 @@
 """``TCPStore``: a key-value store served over TCP by the master process.
 
-The master (``is_master=True``) runs the server (see ``_tcp_server``) in a daemon thread and talks
-to it through a client connection like everyone else. Blocking calls are answered by the server
+The master (``is_master=True``) runs the server (see ``_server``) in a daemon thread and talks to
+it through a client connection like everyone else. Blocking calls are answered by the server
 when the keys arrive or the timeout passes; clients never poll. The wire protocol, including the
 token handshake every connection makes, is in ``_wire``; wills and member identities are in
 ``_tcp_client``; where the token comes from, and when a master needs one, in ``tokens``.
@@ -29,11 +29,11 @@ from plugdist.errors import (
     QueueEmptyError,
 )
 from plugdist.store import _wire as w
+from plugdist.store._server import StoreServer, TCPStoreLimits
 from plugdist.store._tcp_client import MIN_IO_TIMEOUT as _MIN_IO_TIMEOUT
 from plugdist.store._tcp_client import REPLY_GRACE as _REPLY_GRACE
 from plugdist.store._tcp_client import MemberSession, Will, read_log, renewer
 from plugdist.store._tcp_client import clamp_seconds as to_seconds
-from plugdist.store._tcp_server import StoreServer, TCPStoreLimits
 from plugdist.store._tokens import (
     TOKEN_ENV,
     TOKEN_FILE_ENV,

@@ -12,11 +12,12 @@ random secret returned to the holder) lets the holder's other connections act fo
 
 Members (the world's first-epoch ranks, and the joiners a members record admitted) write the
 agreement and epoch records through MEMBER, which checks the credential, the key (each reserved
-key has one kind of writer: :data:`_MEMBER_KEYS`) and the value (members lists name only
-identities this world knows), and append decisions and declared failures through RECORD. The
-server alone writes the death log's counter and its ``died`` and ``joining`` entries, the join
-tickets and ``closed`` (when every member of the current epoch has left). Only the serving
-thread uses it.
+key has one kind of writer: :data:`plugdist.store._worldkeys.MEMBER_WRITES`, whose templates
+are this module's checks) and the value (members lists name only identities this world knows),
+and append decisions and declared failures through RECORD. The server alone writes the death
+log's counter and its ``died`` and ``joining`` entries, the join tickets and ``closed`` (when
+every member of the current epoch has left). Only the serving thread uses it; nothing here
+blocks.
 """
 
 from __future__ import annotations
@@ -30,16 +31,25 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from plugdist.store import _wire as w
+from plugdist.store._server.replies import ok as _ok
+from plugdist.store._server.replies import pack_blob as _pack_blob
 from plugdist.store._wire import read_blob as _blob
 from plugdist.store._worldkeys import (
     CLOSED,
     CURRENT,
     DEATHS,
-    JOIN,
     JOIN_COUNT,
     JOIN_DONE,
+    MEMBER_DELETE_PREFIXES,
+    MEMBER_DELETES,
+    MEMBER_WRITES,
+    MEMBERS,
     NO_TRIM,
+    RESERVED_TREES,
     TRIM,
+    joiner_uid,
+    template_pattern,
+    ticket_key,
 )
 
 __all__ = ["Worlds"]
@@ -48,31 +58,18 @@ _I64_I64 = struct.Struct("!qq")
 _I64_F64 = struct.Struct("!qd")
 _I64_U32 = struct.Struct("!qI")
 
-# what a member may write under its world's root, by key: the kind of value each holds
-_MEMBER_KEYS: list[tuple[re.Pattern[str], str]] = [(re.compile(p), kind) for p, kind in (
-    (r"plugdist/epoch/current", "int"),
-    (r"plugdist/epoch/forgotten", "int"),
-    (r"plugdist/epoch/\d+/members", "members"),
-    (r"plugdist/epoch/\d+/next(?:/\d+)?", "decision"),
-    (r"plugdist/epoch/\d+/grow/\d+", "object"),
-    (r"plugdist/epoch/\d+/seen/[^/]+", "int"),
-    (r"plugdist/epoch/\d+/shrink/\d+/arrived", "counter"),
-    (r"plugdist/epoch/\d+/shrink/\d+/arrived/\d+", "uid"),
-    (r"plugdist/live/trim", "object"),
-    (r"plugdist/live/hb/[^/]+", "counter"),
-    (r"plugdist/join/done", "int"),
-    (r"plugdist/join/\d+/admitted", "int"),
-)]
-# what a member may delete besides those: the entries a trim forgets
-_MEMBER_DELETES = re.compile(r"plugdist/(?:live/deaths/\d+|join/\d+(?:/admitted)?|"
-                             r"live/declared/[^/]+|live/hb/[^/]+)")
-_MEMBER_DELETE_PREFIX = re.compile(r"plugdist/epoch/\d+/")
+# the server's checks of members' writes, built from worldkeys' templates (the one spelling)
+_MEMBER_KEYS: list[tuple[re.Pattern[str], str]] = [
+    (template_pattern(template), kind) for template, kind in MEMBER_WRITES]
+_MEMBER_DELETES = [template_pattern(template) for template in MEMBER_DELETES]
+_MEMBER_DELETE_PREFIXES = [template_pattern(template) for template in MEMBER_DELETE_PREFIXES]
+_MEMBERS = template_pattern(MEMBERS)
 _DECLARING = frozenset(("excluded", "reported", "hung"))
 _MAX_RECORD = 64 * 1024
 
 
 class KeyPrimitives(Protocol):
-    """What the worlds need of the key space (:class:`~plugdist.store._tcp_keyspace.KeySpace`,
+    """What the worlds need of the key space (:class:`~plugdist.store._server.keyspace.KeySpace`,
     which owns them): its writes, each waking whoever waits on the key."""
 
     def value(self, key: bytes) -> bytes | None: ...
@@ -136,8 +133,8 @@ class Worlds:
         world = self._worlds.get(root)
         if world is not None and afresh_if_closed \
                 and self._keys.value(root + CLOSED.encode()) is not None:
-            for name in (b"plugdist/live/", b"plugdist/epoch/", b"plugdist/join/", CLOSED.encode()):
-                self._keys.delete_prefix(root + name, reserved_too=True)
+            for name in (*(f"{tree}/" for tree in RESERVED_TREES), CLOSED):
+                self._keys.delete_prefix(root + name.encode(), reserved_too=True)
             world = None
         if world is None:
             world = self._worlds[root] = _World(root)
@@ -218,9 +215,9 @@ class Worlds:
         keys = self._keys
         ticket = keys.add_to(root + JOIN_COUNT.encode(), 1)
         assert isinstance(ticket, int)  # the server alone writes the counter
-        uid = f"j{ticket}"
+        uid = joiner_uid(ticket)
         start = int(keys.value(root + DEATHS.encode()) or 0)
-        keys.put(root + f"{JOIN}/{ticket}".encode(),
+        keys.put(root + ticket_key(ticket).encode(),
                  json.dumps({"uid": uid, "start": start}).encode())
         secret = self._hold(conn, world, uid, ttl)
         keys.append_entry(root + DEATHS.encode(), json.dumps(
@@ -301,13 +298,13 @@ class Worlds:
             if op == w.Op.DELETE_KEY:
                 key_b, _ = _blob(buf, pos, end)
                 rel = _rel(key_b)
-                if not _MEMBER_DELETES.fullmatch(rel):
+                if not any(p.fullmatch(rel) for p in _MEMBER_DELETES):
                     self._check_key(rel, "value")
                 return _ok(b"\x01" if keys.delete(root + rel.encode()) else b"\x00")
             if op == w.Op.DELETE_PREFIX:
                 prefix_b, _ = _blob(buf, pos, end)
                 rel = _rel(prefix_b)
-                reserved = bool(_MEMBER_DELETE_PREFIX.fullmatch(rel))
+                reserved = any(p.fullmatch(rel) for p in _MEMBER_DELETE_PREFIXES)
                 return _ok(w.I64.pack(keys.delete_prefix(root + rel.encode(), reserved)))
             raise _Refused(f"command {op} is not a member's write")
         except _Refused as e:
@@ -362,7 +359,9 @@ class Worlds:
     def _admit(self, world: _World, rel: str, value: bytes) -> None:
         """A members record was written: its joiners are members from now on."""
         members = json.loads(value)
-        world.members[int(rel.split("/")[2])] = members
+        match = _MEMBERS.fullmatch(rel)
+        assert match is not None  # a members record's key, checked before it was written
+        world.members[int(match.group("epoch"))] = members
         world.admitted.update(u for u in members if not u.isdigit())
 
     def op_record(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
@@ -402,14 +401,6 @@ class Worlds:
                      reason=why[:300])
         body = f"{op} refused: {why}".encode()
         return w.HEADER.pack(len(body), status) + body
-
-
-def _pack_blob(data: bytes) -> bytes:
-    return w.U32.pack(len(data)) + data
-
-
-def _ok(body: bytes) -> bytes:
-    return w.HEADER.pack(len(body), w.Status.OK) + body
 
 
 def _rel(key: bytes) -> str:
