@@ -147,8 +147,8 @@ def _attack_claim(store: Any, root: str) -> str:
 
 def _attack_forge(store: Any, root: str) -> str:
     """A member's checked write with a guessed credential."""
-    from plugdist.store._tcp_client import MemberSession
-    forged = MemberSession(store._request, None, root.encode(), "0",  # type: ignore[arg-type]
+    from plugdist.store._tcp_client import TCPStoreSession
+    forged = TCPStoreSession(store._request, None, root.encode(), "0",  # type: ignore[arg-type]
                            os.urandom(16))
     forged.set("plugdist/epoch/1/members", json.dumps(["0"]))
     return "forged write accepted"

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -303,14 +304,22 @@ def test_store_will_runs_when_the_holder_is_killed_and_not_when_cancelled() -> N
 
 
 class _StoreWithLiveness:
-    """A will whose store says it also sees stalled processes (as an etcd lease does)."""
+    """A will (plugdist.store.api.Will) whose store says it also sees stalled processes (as an
+    etcd lease does); it reads its log through the store's own read_log."""
+
+    death_timeout = None  # as liveness_timeout
 
     def __init__(self, liveness: float | None) -> None:
         self.liveness_timeout = liveness
         self.cancelled = False
+        self.store: Any = None
+        self.key = ""
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def read_log(self, start: int, timeout: float) -> list[bytes]:
+        return self.store.read_log(self.key, start, timedelta(seconds=timeout))
 
 
 @pytest.mark.timeout(30)
@@ -327,6 +336,7 @@ def test_membership_beats_only_where_the_stores_will_does_not_cover_hangs(livene
 
     class Store(HashStore):
         def hold_will(self, key: str, value: bytes | str) -> _StoreWithLiveness:
+            will.store, will.key = self, key
             return will
 
     class Group:

@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 from plugdist.errors import DistExcludedError, DistStoreError, DistTimeoutError
 from plugdist.store import PrefixStore, TCPStore, TCPStoreLimits
-from plugdist.store._tcp_client import MemberSession
+from plugdist.store._tcp_client import TCPStoreSession
 from plugdist.store._worldkeys import is_reserved
 
 HOST = "127.0.0.1"
@@ -113,7 +113,7 @@ def test_members_writes_are_checked(master: TCPStore) -> None:
     member failed counts once; a joiner may say it leaves, not that another died."""
     c = client(master)
     zero, one = c.claim_member("", "0", 2, 10.0), c.claim_member("", "1", 2, 10.0)
-    forged = MemberSession(c._request, zero.will, b"", "0", os.urandom(16))
+    forged = TCPStoreSession(c._request, zero.will, b"", "0", os.urandom(16))
     with pytest.raises(DistStoreError, match="holds no identity"):
         forged.set("plugdist/epoch/0/next", json.dumps({"excluded": ["1"]}))
     joiner = c.join_member("", 10.0)

@@ -43,6 +43,7 @@ from plugdist.store._worldkeys import (
     heartbeat_key,
     members_key,
 )
+from plugdist.store.api import Will
 
 __all__ = ["Liveness", "hold_will", "plain_will"]
 
@@ -57,7 +58,7 @@ _QUIET_INTERVAL = 0.5
 _kept_wills: list[Any] = []  # wills of stopped members left to run at this process's exit
 
 
-def hold_will(store: Store, key: str, value: str, ttl: float) -> Any:
+def hold_will(store: Store, key: str, value: str, ttl: float) -> Will:
     """``store.hold_will`` with a ttl, or without one for a store written before ttl existed."""
     try:
         return store.hold_will(key, value, ttl=ttl)
@@ -65,7 +66,7 @@ def hold_will(store: Store, key: str, value: str, ttl: float) -> Any:
         return store.hold_will(key, value)
 
 
-def plain_will(store: Store, uid: str, ttl: float) -> Any:
+def plain_will(store: Store, uid: str, ttl: float) -> Will | None:
     """The will of member ``uid`` on a store that does not own membership; None where the
     store has no wills (heartbeats alone then)."""
     try:
@@ -82,8 +83,9 @@ class Liveness(DeathLog):
         """Choose how the monitor waits on the death log, once the will is held: a parked wait
         on the will's own connection where it has one, else the store's (a clone of it where it
         can be cloned, so that the wait does not hold up the caller's requests)."""
-        will_reader = getattr(self._will, "read_log", None)
-        if will_reader is not None and self.store_liveness is not None:
+        will = self._will
+        if will is not None and self.store_liveness is not None:
+            will_reader = will.read_log
             # one parked wait at a time on the will's own connection; cancel() ends it
             self._reader = lambda start, wait: will_reader(start, wait)
             self._parked = True

@@ -66,7 +66,7 @@ class Membership(Agreement, Liveness):
         ``Store.claim_member``)."""
         held = identity or self._claim()
         self._writes, self._will, self._seen_deaths = held.writes, held.will, held.log_start
-        self.store_liveness = getattr(self._will, "liveness_timeout", None)
+        self.store_liveness = self._will.liveness_timeout if self._will is not None else None
         if only_with_store_liveness and self.store_liveness is None:
             if self._will is not None:
                 self._will.cancel()
@@ -107,7 +107,9 @@ class Membership(Agreement, Liveness):
         """Abort ``pg`` as soon as one of ``uids`` (its members, in group-rank order) fails."""
         pg.abort_signal.monitored = True
         # a transport error waits as long as the store takes to confirm a death
-        death = getattr(self._will, "death_timeout", self.store_liveness)
+        death = self._will.death_timeout if self._will is not None else None
+        if death is None:
+            death = self.store_liveness
         if death is not None:
             pg.abort_signal.confirm_grace = max(pg.abort_signal.confirm_grace, death + 1.0)
         with self._lock:

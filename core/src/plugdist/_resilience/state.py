@@ -26,6 +26,7 @@ from plugdist._resilience.policy import hang_timeout_setting, interval_setting
 from plugdist._resilience.writes import MemberWrites, PlainWrites
 from plugdist.errors import DistError, DistExcludedError, DistRankFailureError
 from plugdist.store import Store
+from plugdist.store.api import Will
 
 if TYPE_CHECKING:
     from plugdist._group.process_group import ProcessGroup
@@ -55,7 +56,7 @@ class MemberState:
         self._grow_seq = 0
         # processes waiting to join, as of the monitor's last look (every ``interval``)
         self.joiners_waiting = 0
-        self._will: Any = None
+        self._will: Will | None = None
         # how this process writes the world's keys: the store's checked member operations, or
         # plain writes (set in start)
         self._writes: MemberWrites = PlainWrites(store, uid)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from plugdist.store import Store
 from plugdist.store._worldkeys import DEATHS, declared_key
+from plugdist.store.api import Will
 
 __all__ = ["MemberWrites", "PlainWrites", "Identity", "append_log", "DECLARING_CAUSES"]
 
@@ -28,7 +29,9 @@ DECLARING_CAUSES = ("excluded", "reported", "hung")
 class MemberWrites(Protocol):
     """What membership needs of a write path."""
 
-    protected: bool  # True: the store checks every write against the world's members
+    @property
+    def protected(self) -> bool:
+        """True: the store checks every write against the world's members."""
 
     def set(self, key: str, value: bytes | str, /) -> Any: ...
     def add(self, key: str, amount: int, /) -> int: ...
@@ -45,7 +48,7 @@ class Identity:
     ``log_start``: the death log's entries it need not read (a joiner's, from its ticket)."""
 
     writes: MemberWrites
-    will: Any
+    will: Will | None
     log_start: int = 0
 
 

@@ -22,7 +22,7 @@ from plugdist.store._util import check_amount, check_key
 from plugdist.store.api import to_bytes
 from plugdist.store.api import to_seconds as _to_seconds
 
-__all__ = ["Will", "MemberSession", "REPLY_GRACE", "MIN_IO_TIMEOUT", "MAX_TIMEOUT",
+__all__ = ["TCPStoreWill", "TCPStoreSession", "REPLY_GRACE", "MIN_IO_TIMEOUT", "MAX_TIMEOUT",
            "clamp_seconds", "read_log", "renewer"]
 
 # extra seconds a client waits beyond a blocking call's timeout for the server's own answer
@@ -39,7 +39,7 @@ def clamp_seconds(timeout: timedelta | float | int) -> float:
     return min(max(_to_seconds(timeout), 0.0), MAX_TIMEOUT)
 
 
-class Will:
+class TCPStoreWill:
     """A will left with a TCPStore server (see ``TCPStore.hold_will``). ``cancel`` withdraws
     it and closes its connection; idempotent.
 
@@ -64,7 +64,7 @@ class Will:
 
     def __repr__(self) -> str:
         state = "cancelled" if self._conn is None else "held"
-        return f"Will({self.key!r}, ttl={self.liveness_timeout}, {self._where}, {state})"
+        return f"TCPStoreWill({self.key!r}, ttl={self.liveness_timeout}, {self._where}, {state})"
 
     def renew(self) -> bool:
         """Send one renewal (no reply). False once the will is cancelled or its connection is
@@ -152,12 +152,12 @@ class _Renewer:
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
-        self._due: list[tuple[float, int, Will]] = []
+        self._due: list[tuple[float, int, TCPStoreWill]] = []
         self._seq = 0
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
 
-    def add(self, will: Will) -> None:
+    def add(self, will: TCPStoreWill) -> None:
         with self._lock:
             self._seq += 1
             heapq.heappush(self._due, (time.monotonic() + will.renew_period, self._seq, will))
@@ -203,7 +203,7 @@ def read_log(request: Callable[..., bytes], key: str, start: int,
     return entries
 
 
-class MemberSession:
+class TCPStoreSession:
     """A member identity held with a TCPStore server (``TCPStore.claim_member`` or
     ``join_member``): ``will`` is its will (the server writes the death record itself when its
     connection drops or its ttl lapses; ``cancel()`` withdraws it and ends the identity), and
@@ -215,7 +215,7 @@ class MemberSession:
 
     protected = True
 
-    def __init__(self, request: Callable[..., bytes], will: Will, root: bytes, uid: str,
+    def __init__(self, request: Callable[..., bytes], will: TCPStoreWill, root: bytes, uid: str,
                  secret: bytes, start: int = 0, ticket: int = 0) -> None:
         self._request = request
         self.will = will
@@ -226,9 +226,9 @@ class MemberSession:
                                uid.encode(), w.U32.pack(len(secret)), secret))
 
     def __repr__(self) -> str:
-        return f"MemberSession({self.uid!r}, {self.will!r})"
+        return f"TCPStoreSession({self.uid!r}, {self.will!r})"
 
-    def using(self, store: Any) -> MemberSession:
+    def using(self, store: Any) -> TCPStoreSession:
         """This identity's writes through the connections of ``store``, another TCPStore client
         of the same server (a process whose members share a few connections); the identity
         itself stays on its own connection."""

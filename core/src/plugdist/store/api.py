@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["Store", "DEFAULT_STORE_TIMEOUT", "to_bytes", "to_seconds"]
+__all__ = ["Store", "Will", "MemberSession", "DEFAULT_STORE_TIMEOUT", "to_bytes", "to_seconds"]
 
 DEFAULT_STORE_TIMEOUT = timedelta(seconds=300)
 
@@ -40,6 +40,53 @@ def to_bytes(value: bytes | bytearray | memoryview | str) -> bytes:
 def to_seconds(timeout: timedelta | float | int) -> float:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
+
+
+class Will(Protocol):
+    """What :meth:`Store.hold_will` returns: a will the store executes unless ``cancel()`` is
+    called first.
+
+    ``liveness_timeout``: seconds within which the store executes the will of a process that
+    died *or stalled* (its ttl and check), or None where the store notices only a dropped
+    connection (membership then adds heartbeats). ``death_timeout``: how soon the will of a
+    process that died runs (0 for a store that sees a dropped connection at once), or None for
+    ``liveness_timeout``. ``read_log(start, timeout)``: :meth:`Store.read_log` of the will's own
+    log ``key`` (one parked reader at a time; a store that has no cheaper way calls its own
+    ``read_log``): blocks up to ``timeout`` seconds, then raises DistTimeoutError."""
+
+    @property
+    def liveness_timeout(self) -> float | None: ...
+    @property
+    def death_timeout(self) -> float | None: ...
+    def cancel(self) -> None: ...
+    def read_log(self, start: int, timeout: float, /) -> list[bytes]: ...
+
+
+class MemberSession(Protocol):
+    """What :meth:`Store.claim_member` and :meth:`Store.join_member` return: a member identity
+    the store holds, and the writes it checks. Keys are relative to the world's root; each
+    write raises DistStoreError when the store refuses it. ``protected``: the store owns the
+    membership keys (only sessions may write them). ``start``/``ticket``: for a joiner, how far
+    the death log ran when it took its ticket, and the ticket (0 and 0 for a rank)."""
+
+    @property
+    def will(self) -> Will: ...
+    @property
+    def uid(self) -> str: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def ticket(self) -> int: ...
+    @property
+    def protected(self) -> bool: ...
+
+    def set(self, key: str, value: bytes | str) -> None: ...
+    def add(self, key: str, amount: int) -> int: ...
+    def compare_set(self, key: str, expected_value: bytes | str,
+                    desired_value: bytes | str) -> bytes: ...
+    def delete_key(self, key: str) -> bool: ...
+    def delete_prefix(self, prefix: str) -> int: ...
+    def record(self, record: bytes | str) -> bool: ...
 
 class Store:
     """Base of every store. See the module docstring for the shared contract."""
@@ -152,7 +199,7 @@ class Store:
         returns how many. Used to forget the keys of finished epochs."""
         raise self._not_implemented("delete_prefix")
 
-    def hold_will(self, key: str, value: bytes | str, ttl: float | None = None) -> Any:
+    def hold_will(self, key: str, value: bytes | str, ttl: float | None = None) -> Will:
         """Optional (liveness for resilient groups): leave a will that the store itself
         executes when this process's hold ends without the returned object's ``cancel()`` — the
         process died, or lost the store: ``value`` is appended to the numbered log ``key`` (the
@@ -166,18 +213,13 @@ class Store:
         it (its will then has no ``liveness_timeout``). The renewal is the store's business (a
         thread of the store client), not the caller's.
 
-        The returned object has ``cancel()`` (idempotent) and may have ``liveness_timeout``
-        (seconds, or None/absent): set by a store whose liveness also notices a process that
-        stops running without dying, and that executes the will at most that long after the
-        process died or stalled; and ``death_timeout`` (seconds, default ``liveness_timeout``):
-        how soon a process that died (rather than stalled) has its will executed (0 for a store
-        that sees a dropped connection at once). Membership then writes no heartbeats of its
-        own and allows ``death_timeout`` (+1 s) for a transport's error to be confirmed. It may
-        also have ``read_log(start, timeout)``, :meth:`read_log` of its own log on the will's
-        own connection (a TCPStore's): membership waits on the death log through it."""
+        Returns a :class:`Will` (``cancel()``, ``liveness_timeout``, ``death_timeout``,
+        ``read_log``). Where ``liveness_timeout`` is set, membership writes no heartbeats of its
+        own and allows ``death_timeout`` (+1 s) for a transport's error to be confirmed; it
+        waits on the death log through the will's ``read_log``."""
         raise self._not_implemented("hold_will")
 
-    def claim_member(self, root: str, uid: str, world_size: int, ttl: float) -> Any:
+    def claim_member(self, root: str, uid: str, world_size: int, ttl: float) -> MemberSession:
         """Optional (a world whose membership the store owns): hold the identity ``uid``, a
         rank of the first epoch of a world of ``world_size`` ranks whose membership keys live
         under the key prefix ``root``, with a will that the store writes itself (as
@@ -185,14 +227,14 @@ class Store:
         ``plugdist/live/deaths``). A store that owns membership refuses a plain write to any key
         :func:`plugdist.store._worldkeys.is_reserved` names, and a claim on an identity another
         live process holds, whose holder left, or of another world size (DistStoreError saying
-        so). The returned session has ``will`` (as :meth:`hold_will` returns), ``uid``, and the
-        writes ``set``, ``add``, ``compare_set``, ``delete_key``, ``delete_prefix`` on keys
-        relative to ``root``, and ``record(json)`` (append to the death log), each checked by
-        the store. A store without it raises NotImplementedError: membership then writes its
+        so). Returns a :class:`MemberSession`: its ``will`` (as :meth:`hold_will`'s), ``uid``,
+        and the writes ``set``, ``add``, ``compare_set``, ``delete_key``, ``delete_prefix`` on
+        keys relative to ``root``, and ``record(json)`` (append to the death log), each checked
+        by the store. A store without it raises NotImplementedError: membership then writes its
         keys with plain writes, which any client of the store could forge."""
         raise self._not_implemented("claim_member")
 
-    def join_member(self, root: str, ttl: float) -> Any:
+    def join_member(self, root: str, ttl: float) -> MemberSession:
         """Optional, with :meth:`claim_member`: ask to join the world under ``root``; the store
         takes a ticket n, writes it, announces it in the death log and holds the identity
         ``j<n>`` for this process. The session has ``ticket`` and ``start`` (the death log's

@@ -32,7 +32,7 @@ from plugdist.store import _wire as w
 from plugdist.store._server import StoreServer, TCPStoreLimits
 from plugdist.store._tcp_client import MIN_IO_TIMEOUT as _MIN_IO_TIMEOUT
 from plugdist.store._tcp_client import REPLY_GRACE as _REPLY_GRACE
-from plugdist.store._tcp_client import MemberSession, Will, read_log, renewer
+from plugdist.store._tcp_client import TCPStoreSession, TCPStoreWill, read_log, renewer
 from plugdist.store._tcp_client import clamp_seconds as to_seconds
 from plugdist.store._tokens import (
     TOKEN_ENV,
@@ -617,7 +617,7 @@ class TCPStore(Store):
         return read_log(self._request, key, start,
                          to_seconds(timeout if timeout is not None else self._timeout))
 
-    def hold_will(self, key: str, value: bytes | str, ttl: float | None = None) -> Will:
+    def hold_will(self, key: str, value: bytes | str, ttl: float | None = None) -> TCPStoreWill:
         """Leave a will with the server: if this process's hold on it ends without
         ``cancel()`` (the process died, or its connection dropped), the server appends
         ``value`` to the numbered log ``key`` (the counter ``key`` becomes n, the value is at
@@ -629,7 +629,7 @@ class TCPStore(Store):
         if ttl is not None and not ttl > 0:
             raise ValueError(f"hold_will: ttl must be a positive number of seconds, got {ttl!r}")
         conn = self._connect(join=False, timeout=max(to_seconds(self._timeout), 1.0))
-        will = Will(self, conn, key, ttl)
+        will = TCPStoreWill(self, conn, key, ttl)
         try:
             will._send(k, v)
         except BaseException:
@@ -639,7 +639,7 @@ class TCPStore(Store):
             renewer().add(will)
         return will
 
-    def claim_member(self, root: str, uid: str, world_size: int, ttl: float) -> MemberSession:
+    def claim_member(self, root: str, uid: str, world_size: int, ttl: float) -> TCPStoreSession:
         """Hold the identity ``uid`` (a rank of the first epoch of a world of ``world_size``
         ranks, whose membership lives under the key prefix ``root``) on a connection of its own,
         with a will the server writes itself (see ``Store.claim_member``). Raises
@@ -651,7 +651,7 @@ class TCPStore(Store):
                          w.I64.pack(world_size), w.F64.pack(ttl)))
         return self._hold_identity("claim", root, uid, w.request(w.Op.CLAIM, body), ttl)
 
-    def join_member(self, root: str, ttl: float) -> MemberSession:
+    def join_member(self, root: str, ttl: float) -> TCPStoreSession:
         """Ask to join the world under ``root``: the server takes a ticket, writes it, announces
         it in the death log, and makes this process the joiner identity ``j<ticket>`` on a
         connection of its own (see ``Store.join_member``). Blocks for one round trip."""
@@ -660,7 +660,7 @@ class TCPStore(Store):
         return self._hold_identity("join", root, "", w.request(w.Op.JOIN, body), ttl)
 
     def _hold_identity(self, op: str, root: str, uid: str, frame: bytes,
-                       ttl: float) -> MemberSession:
+                       ttl: float) -> TCPStoreSession:
         if not ttl > 0:
             raise ValueError(f"{op}_member: ttl must be a positive number of seconds, got {ttl!r}")
         conn = self._connect(join=False, timeout=max(to_seconds(self._timeout), 1.0))
@@ -683,9 +683,9 @@ class TCPStore(Store):
         except BaseException:
             conn.close()
             raise
-        will = Will(self, conn, root + DEATHS, ttl)
+        will = TCPStoreWill(self, conn, root + DEATHS, ttl)
         renewer().add(will)
-        return MemberSession(self._request, will, root.encode(), uid, secret, start, ticket)
+        return TCPStoreSession(self._request, will, root.encode(), uid, secret, start, ticket)
 
     def close(self) -> None:
         """Close this store's connections; on the master also stop the server (other clients
