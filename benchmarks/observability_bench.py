@@ -133,7 +133,13 @@ def local(args: argparse.Namespace) -> None:
     from plugdist._backend.reduce_op import ReduceOp
     from plugdist._observability.flight_recorder import recorder
 
-    class Nothing(ProcessGroup):
+    try:  # plugin API 2: a backend under the group; before it, the group was the backend
+        from plugdist.backend import BackendBase
+    except ImportError:
+        BackendBase = None  # noqa: N806
+    base: Any = ProcessGroup if BackendBase is None else BackendBase
+
+    class Nothing(base):  # type: ignore[misc,valid-type]
         backend_name = "nothing"
 
         def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> None:
@@ -145,7 +151,8 @@ def local(args: argparse.Namespace) -> None:
         def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> None:
             return None
 
-    pg = Nothing(0, 2, GroupOptions(group_name="local", global_ranks=(0, 1)))
+    made = Nothing(0, 2, GroupOptions(group_name="local", global_ranks=(0, 1)))
+    pg = made if BackendBase is None else ProcessGroup(made)
     recorder.add_group(pg, None, (0, 1), 0)
     t = torch.ones(args.numel)
     total = ReduceOp.SUM

@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
-from plugdist import ProcessGroup
 from plugdist._group.process_group import BACKEND_HELPERS, BACKEND_HOOKS
+from plugdist.backend import BackendBase as ProcessGroup
 
 pytestmark = pytest.mark.timeout(60)
 

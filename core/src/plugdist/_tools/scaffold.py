@@ -107,10 +107,10 @@ import struct
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable
-from typing import ClassVar
 
 import torch
-from plugdist import DistError, GroupOptions, ProcessGroup, Store, Work
+from plugdist import DistError, Store
+from plugdist.backend import BackendBase, GroupOptions, Work
 
 __all__ = ["${cls}"]
 
@@ -145,11 +145,11 @@ def _recv_exact(sock: socket.socket, n: int, running: Callable[[], bool]) -> byt
     return b"".join(chunks)
 
 
-class ${cls}(ProcessGroup):
+class ${cls}(BackendBase):
     """send/recv over one TCP connection per (sender, receiver) pair."""
 
     backend_name = "${name}"
-    plugin_api: ClassVar[tuple[int, int]] = (1, 0)
+    plugin_api = (2, 0)  # written for plugdist's plugin API 2.x
     device_types = ("cpu",)
 
     def __init__(self, store: Store, rank: int, size: int, options: GroupOptions) -> None:
