@@ -18,7 +18,7 @@ EDITABLES := $(foreach d,$(filter-out pyproject.toml,$(DISTS:/pyproject.toml=)),
 # what mypy checks: the core's, every plugin's and every integration's sources
 TYPED := core/src/plugdist $(sort $(wildcard plugins/*/src)) $(sort $(wildcard integrations/*/src))
 
-.PHONY: test test-resilience lint demo bench info clean venv
+.PHONY: test test-fast test-resilience lint demo bench info clean venv
 
 venv: $(STAMP)
 
@@ -47,6 +47,14 @@ lint: $(STAMP)
 TEST_WORKERS ?= 2
 test: lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=30
+
+# the inner loop: everything but the SIGKILL scenarios and the files that start a job of
+# processes per test or build packages (a few minutes instead of about fifteen); make test runs all
+SLOW_TESTS := chaos fault_tolerance lightning huggingface huggingface_faults ulfm launcher_hosts \
+              torch_peer_death security backend_kit build_floor packaging scale
+test-fast: lint
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not resilience" \
+	    $(foreach t,$(SLOW_TESTS),--ignore=tests/test_$(t).py)
 
 # only the SIGKILL scenarios of resilient groups and fault-tolerant training (make test runs them
 # too)

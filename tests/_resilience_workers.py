@@ -240,7 +240,7 @@ def _rank2_dies_in_the_rebuild(arm_rank2: Any) -> None:
 def die_after_agreeing() -> None:
     """Rank 2 dies before it builds the new group: the others must notice while building, and
     agree again without it."""
-    from plugdist import resilience
+    from plugdist._lifecycle import regroup as resilience
 
     def arm() -> None:
         def die_on_entry(*_args: Any, **_kwargs: Any) -> None:

@@ -100,7 +100,7 @@ def die_after_agreeing() -> None:
     """Rank 3 dies mid-loop; rank 2 takes part in the survivors' agreement, then dies before
     the new group is built: MPI's shrink finds fewer survivors than agreed, and the others
     agree again without it."""
-    from plugdist import resilience
+    from plugdist._lifecycle import regroup as resilience
     from plugdist._world.state import world
 
     dist.init_process_group("mpi", timeout=TIMEOUT)

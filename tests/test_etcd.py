@@ -671,7 +671,7 @@ def test_an_unauthenticated_remote_etcd_says_its_membership_is_exposed() -> None
     No etcd is contacted (ttl=0: no job lease)."""
     import warnings
 
-    from plugdist import groups
+    from plugdist._world import groups
 
     remote = EtcdStore(["10.255.255.1:2379"], "job", ttl=0)
     why = remote.membership_exposure()

@@ -425,7 +425,7 @@ def test_the_stores_keys_stay_bounded_over_many_shrinks_and_grows(monkeypatch, k
     from datetime import timedelta
 
     from plugdist import HashStore, Store, TCPStore
-    from plugdist import membership as mm
+    from plugdist._resilience import membership as mm
 
     monkeypatch.setattr(mm, "_PARKED_WAIT", 1.0)  # a stranded reader looks again within 1 s
     limit = timedelta(seconds=30)
@@ -530,7 +530,7 @@ def test_a_joiner_that_gave_up_is_never_admitted() -> None:
     from datetime import timedelta
 
     from plugdist import TCPStore
-    from plugdist import membership as mm
+    from plugdist._resilience import membership as mm
     from plugdist.errors import DistTimeoutError
 
     limit = timedelta(seconds=20)
