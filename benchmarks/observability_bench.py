@@ -70,7 +70,10 @@ def run(args: argparse.Namespace) -> None:
     dist.init_process_group("mpi")
     pg = dist.group.WORLD
     rank = dist.get_rank()
-    comm = pg._comm  # the MPI plugin's communicator: the raw baseline on the same ranks
+    # the MPI plugin's communicator: the raw baseline on the same ranks (the group's backend
+    # since plugin API 2; the group itself before)
+    backend = pg.backend_for("cpu") if hasattr(pg, "backend_for") else pg
+    comm = backend._comm
     from mpi4py import MPI
 
     t = torch.ones(args.numel)
