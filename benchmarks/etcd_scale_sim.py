@@ -47,8 +47,8 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
-from plugdist._resilience.membership import DEATHS
 from plugdist.errors import DistError, DistTimeoutError
+from plugdist.store._worldkeys import DEATHS
 from plugdist_etcd import EtcdStore
 from plugdist_etcd.client import EtcdClient, b64, prefix_end, unb64
 from plugdist_etcd.testing import EtcdCluster

@@ -3,7 +3,7 @@ TCPStore, on this machine.
 
 Each simulated member is a thread that runs what a member process does against the store, with
 plugdist's real client (``TCPStore``, its ``Will`` and renewal thread), the real wire code and
-the real key layout of ``plugdist._resilience.membership``:
+the real key layout of ``plugdist._resilience``:
 
 * **rendezvous**: open a store client, ``add`` 1 to a counter, the last one ``set``s the go key,
   ``wait`` for it; then claim its identity (``claim_member(..., ttl=)``: one connection whose
@@ -59,10 +59,11 @@ from typing import Any
 # reads this as it loads, which importing plugdist does
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from plugdist._resilience.membership import DEATHS, _append_log, _epoch_key
+from plugdist._resilience.writes import append_log
 from plugdist.errors import DistNetworkError, DistTimeoutError
 from plugdist.store import TCPStore, TCPStoreLimits
 from plugdist.store import _wire as w
+from plugdist.store._worldkeys import DEATHS, epoch_key
 
 RDZV_COUNT = "plugdist/sim/rdzv/count"
 RDZV_GO = "plugdist/sim/rdzv/go"
@@ -247,8 +248,8 @@ class _Members:
     def shrink(self, epoch: int, survivors: int, coordinator: bool) -> None:
         """Every member of this process arrives (through a few shared connections); the
         coordinator then decides as membership's ``_await_decision`` does."""
-        arrivals = _epoch_key(epoch, "shrink/0/arrived")
-        decided = _epoch_key(epoch, "next")
+        arrivals = epoch_key(epoch, "shrink/0/arrived")
+        decided = epoch_key(epoch, "next")
         todo: queue.Queue[str] = queue.Queue()
         for uid in self.uids:
             todo.put(uid)
@@ -261,7 +262,7 @@ class _Members:
                         uid = todo.get_nowait()
                     except queue.Empty:
                         return
-                    _append_log(self.sessions[uid].using(store), arrivals, uid)
+                    append_log(self.sessions[uid].using(store), arrivals, uid)
             finally:
                 self.shared.put(store)
 

@@ -5,7 +5,7 @@
 # (.gpu-wheels/, gitignored: copy it along with the tree).
 #
 # Installs the repo's distributions offline into .gpu-venv (a venv with --system-site-packages,
-# so the image's torch/cupy/NCCL are used as they are), then runs tests/test_nccl.py and the
+# so the image's torch/cupy/NCCL are used as they are), then runs plugins/nccl/tests/test_nccl.py and the
 # conformance suite on nccl at world sizes 1 and 2. World size 2 runs on one GPU if there is only
 # one: each rank gets its own NCCL_HOSTID (NCCL otherwise refuses two ranks on one device) and
 # the ranks talk over loopback sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
@@ -15,7 +15,7 @@
 # Environment: PYTHON (default python3), GPU_WHEELS (.gpu-wheels), GPU_VENV (.gpu-venv),
 # GPU_CHECK_DRY_RUN=1 (run every step without a GPU: the GPU tests skip; verdict DRY-RUN),
 # GPU_CHECK_SETUP_ONLY=1 (stop after the install, verdict SETUP: to run other GPU scripts),
-# GPU_CHECK_WORKERS=N (run tests/test_nccl.py on N pytest-xdist workers, when the image has
+# GPU_CHECK_WORKERS=N (run plugins/nccl/tests/test_nccl.py on N pytest-xdist workers, when the image has
 # pytest-xdist: the tests share the GPU; a few minutes become about one).
 # Exit status: 0 PASS (or a clean dry run), 1 FAIL, 2 cannot run here (no CUDA device, ...).
 set -uo pipefail
@@ -112,7 +112,7 @@ parallel=()
 if [ "$workers" -gt 1 ] && "$vpy" -c "import xdist" 2>/dev/null; then
   parallel=(-n "$workers")
 fi
-run nccl-tests "${parallel[@]}" tests/test_nccl.py -k "not conformance_on_gpus"
+run nccl-tests "${parallel[@]}" plugins/nccl/tests/test_nccl.py -k "not conformance_on_gpus"
 run conformance-nccl --pyargs plugdist.testing.conformance --plugdist-backend nccl \
   --plugdist-world-sizes 1,2
 

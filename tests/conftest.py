@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,12 +11,6 @@ import pytest
 from plugdist.testing.hosts import Hosts
 
 HERE = Path(__file__).parent
-
-# flight-recorder dumps of worlds under DETAIL (every rank dumps on a planted error) go to a folder
-# of this session, not to torch's default /tmp/nccl_trace_rank_<rank>
-os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE",
-                      os.path.join(tempfile.mkdtemp(prefix="plugdist-fr-"), "rank_"))
-
 
 @pytest.fixture(scope="session")
 def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:

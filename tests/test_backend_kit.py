@@ -115,7 +115,40 @@ def test_the_package_names_its_entry_point_and_plugin_api() -> None:
     assert 'name = "plugdist-my-net"' in files["pyproject.toml"]
     module = files["src/plugdist_my_net/__init__.py"]
     assert 'backend_name = "my_net"' in module and "plugin_api" in module
-    assert "def shutdown(self)" in module and "thread.join()" in module
+    assert "def shutdown(self)" in module and "self._threads.join()" in module
+    assert "template" not in module.lower(), "a name of the template package was left"
+    from plugdist import PLUGIN_API
+    assert f"plugin_api: ClassVar[tuple[int, int]] = {PLUGIN_API!r}" in module
+
+
+def test_the_template_package_is_a_real_backend_written_for_this_plugin_api() -> None:
+    """The scaffold copies plugdist._tools.backend_template: real code (lint and mypy cover
+    it), a backend class that passes the core's class checks, written for the current API."""
+    from plugdist import PLUGIN_API
+    from plugdist._tools.backend_template import TemplateProcessGroup
+
+    assert TemplateProcessGroup.backend_name == "template"
+    assert TemplateProcessGroup.plugin_api == PLUGIN_API, (
+        "bump the template's plugin_api with PLUGIN_API")
+    assert TemplateProcessGroup.static_capabilities().is_native("send", "cpu")
+
+
+def test_the_scaffold_pins_what_the_repository_pins() -> None:
+    """The scaffolded pyproject builds with the setuptools floor and requires the core range
+    that the repository's own plugins do (they drifted apart once)."""
+    import re
+
+    from plugdist._tools.scaffold import SETUPTOOLS_FLOOR, core_requirement
+
+    pyproject = package_files("pins")["pyproject.toml"]
+    for dist in ("core", "plugins/toy", "plugins/gloo"):
+        text = (REPO / dist / "pyproject.toml").read_text()
+        floor = re.search(r'"setuptools>=([\d.]+)"', text)
+        assert floor is not None and floor.group(1) == SETUPTOOLS_FLOOR, dist
+    toy = (REPO / "plugins/toy/pyproject.toml").read_text()
+    assert f'"{core_requirement()}"' in toy, (core_requirement(), "plugins/toy/pyproject.toml")
+    assert f'"setuptools>={SETUPTOOLS_FLOOR}"' in pyproject
+    assert f'"{core_requirement()}"' in pyproject and '"torch>=2.3"' in pyproject
 
 
 @pytest.mark.timeout(120)

@@ -175,3 +175,24 @@ def test_torch_ddp_over_mpi_goes_on_after_a_killed_rank(tmp_path: Path) -> None:
                for x in f.read_text().splitlines()]
     sizes = check_run(done, lines, records, 40, 3)
     assert sizes == [4] * 10 + [3] * 30, sizes
+
+
+def test_exit_if_excluded_turns_exclusion_into_the_launchers_exit_code(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The exit the trainer integrations take when the others excluded this process: the code
+    plugdist-run replaces (as a decorator and as a context manager); other errors pass."""
+    from plugdist import DistExcludedError
+    from plugdist.parallel import exit_if_excluded
+
+    @exit_if_excluded()
+    def excluded() -> None:
+        raise DistExcludedError("declared failed by the others")
+
+    with pytest.raises(SystemExit) as leaving:
+        excluded()
+    assert leaving.value.code == DistExcludedError.exit_code == 75
+    assert "exiting with 75 for plugdist-run to replace" in capsys.readouterr().err
+    with pytest.raises(ValueError), exit_if_excluded():
+        raise ValueError("not an exclusion")
+    with exit_if_excluded():
+        pass

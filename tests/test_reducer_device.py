@@ -7,8 +7,9 @@ Without a GPU the parameters' device is the CPU, so the test makes ``meta`` torc
 device during forward and backward: a tensor the reducer creates without naming the parameters'
 device lands on ``meta`` and Gloo refuses it (the bucket-rebuild broadcast did, before the fix).
 The unused-parameter tensor is built from the CPU bitmap and moved to the parameters' device,
-which on CPU changes nothing: ``tests/test_nccl.py::test_ddp_on_cuda_two_ranks`` checks that path
-on a GPU (part of ``make gpu-check``)."""
+which on CPU changes nothing:
+``plugins/nccl/tests/test_nccl.py::test_ddp_on_cuda_two_ranks`` checks that path on a GPU
+(part of ``make gpu-check``)."""
 
 from __future__ import annotations
 

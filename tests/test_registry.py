@@ -150,7 +150,7 @@ def test_broken_store_plugin_is_reported(broken_site: Path) -> None:
     proc = _run("from plugdist._tools.cli import main; raise SystemExit(main(['info']))",
                 broken_site)
     assert proc.returncode == 0, proc.stderr
-    stores = proc.stdout.split("plugdist.stores:")[1].split("plugdist.rendezvous:")[0]
+    stores = proc.stdout.split("plugdist.stores:")[1].split("plugdist._world.rendezvous:")[0]
     assert "brokenstore" in stores and "FAILED TO LOAD" in stores
     assert "dirstore" in stores and "plugdist-toystore 0.0.1" in stores
     code = ("import plugdist as dist\n"

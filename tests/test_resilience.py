@@ -225,7 +225,7 @@ def test_resilient_groups_are_on_by_default_where_the_store_expires_wills(
 
 
 def test_a_misspelt_resilience_setting_is_refused_with_the_choices() -> None:
-    from plugdist._resilience.membership import resilience_mode
+    from plugdist._resilience.policy import resilience_mode
 
     assert [resilience_mode({"PLUGDIST_RESILIENCE": v}) for v in ("", "1", "off")] == [
         "auto", "on", "off"]
@@ -390,8 +390,9 @@ def test_a_failure_reported_by_a_backend_reaches_every_member() -> None:
     import json
 
     from plugdist._group.process_group import ProcessGroup
-    from plugdist._resilience.membership import DEATHS, Membership
+    from plugdist._resilience.membership import Membership
     from plugdist.store import HashStore
+    from plugdist.store._worldkeys import DEATHS
 
     store = HashStore()
     members = ["0", "1", "2"]
@@ -425,9 +426,13 @@ def test_the_stores_keys_stay_bounded_over_many_shrinks_and_grows(monkeypatch, k
     from datetime import timedelta
 
     from plugdist import HashStore, Store, TCPStore
-    from plugdist._resilience import membership as mm
+    from plugdist._resilience import liveness
+    from plugdist._resilience.joining import request_join
+    from plugdist._resilience.membership import Membership
+    from plugdist._resilience.writes import append_log
+    from plugdist.store._worldkeys import DEATHS, TRIM
 
-    monkeypatch.setattr(mm, "_PARKED_WAIT", 1.0)  # a stranded reader looks again within 1 s
+    monkeypatch.setattr(liveness, "_PARKED_WAIT", 1.0)  # a stranded reader looks again within 1 s
     limit = timedelta(seconds=30)
     tcp = TCPStore("127.0.0.1", 0, None, is_master=True, timeout=limit) if kind == "tcp" else None
     master: Store = tcp or HashStore()
@@ -465,8 +470,8 @@ def test_the_stores_keys_stay_bounded_over_many_shrinks_and_grows(monkeypatch, k
         return True
 
     first = ["0", "1", "2", "3"]
-    world = [mm.Membership(client(), u, first) for u in first]
-    stale: mm.Membership | None = None
+    world = [Membership(client(), u, first) for u in first]
+    stale: Membership | None = None
     try:
         for m in world:
             m.start()
@@ -480,13 +485,12 @@ def test_the_stores_keys_stay_bounded_over_many_shrinks_and_grows(monkeypatch, k
                 victim.stop(withdraw=False)
             else:
                 victim.stop()
-                mm._append_log(master, mm.DEATHS, json.dumps({"uid": victim.uid,
-                                                              "cause": "died"}))
+                append_log(master, DEATHS, json.dumps({"uid": victim.uid, "cause": "died"}))
             concurrently([lambda m=m: m.enter(m.agree_shrink(None, limit)) for m in world])
             for m in world:
                 assert eventually(lambda m=m, v=victim.uid: v in m.failed), (m.uid, victim.uid)
             ticket = f"plugdist/join/{round_ + 1}"
-            joined = concurrently([lambda: mm.request_join(client(), limit)] + [
+            joined = concurrently([lambda: request_join(client(), limit)] + [
                 lambda m=m, t=ticket: eventually(lambda: master.check([t])) and m.enter(
                     m.agree_grow(limit)) for m in world])
             joiner, decision = joined[0]
@@ -494,16 +498,16 @@ def test_the_stores_keys_stay_bounded_over_many_shrinks_and_grows(monkeypatch, k
             world.append(joiner)
             assert [m.epoch for m in world] == [2 * round_ + 2] * 4
             keys.append(master.num_keys())
-            logged.append(master.add(mm.DEATHS, 0))
+            logged.append(master.add(DEATHS, 0))
         assert logged[-1] >= 3 * 8, logged  # a death, a decision and a join request a round
         assert max(keys[2:]) <= keys[1] + 4, f"the store's keys grew: {keys}"
-        trim = json.loads(master.get(mm._TRIM))
+        trim = json.loads(master.get(TRIM))
         assert trim["log"] >= logged[-3] and trim["tickets"] >= 5, (trim, logged)
-        gone = [f"{mm.DEATHS}/1", "plugdist/join/1", "plugdist/join/1/admitted",
+        gone = [f"{DEATHS}/1", "plugdist/join/1", "plugdist/join/1/admitted",
                 "plugdist/epoch/1/members"]
         assert not [k for k in gone if master.check([k])]
         # member "0" was stopped (and declared dead) in round 0; it comes back as it was then
-        stale = mm.Membership(client(), "0", first)
+        stale = Membership(client(), "0", first)
         if tcp is not None:
             with pytest.raises(DistStoreError, match="already left"):
                 stale.start()
@@ -530,7 +534,8 @@ def test_a_joiner_that_gave_up_is_never_admitted() -> None:
     from datetime import timedelta
 
     from plugdist import TCPStore
-    from plugdist._resilience import membership as mm
+    from plugdist._resilience.joining import request_join
+    from plugdist._resilience.membership import Membership
     from plugdist.errors import DistTimeoutError
 
     limit = timedelta(seconds=20)
@@ -541,18 +546,18 @@ def test_a_joiner_that_gave_up_is_never_admitted() -> None:
         stores.append(TCPStore("127.0.0.1", master.port, None, timeout=limit))
         return stores[-1]
 
-    member = mm.Membership(client(), "0", ["0"])
+    member = Membership(client(), "0", ["0"])
     joined: list[Any] = []
     try:
         member.start()
         with pytest.raises(DistTimeoutError, match="admission"):
-            mm.request_join(client(), timedelta(seconds=0.5))
+            request_join(client(), timedelta(seconds=0.5))
         deadline = time.monotonic() + 10
         while "j1" not in member.failed and time.monotonic() < deadline:
             time.sleep(0.02)
         assert member.failed.get("j1", "").startswith("left (it gave up joining"), member.failed
         assert member.joiners_waiting == 0
-        waiting = threading.Thread(target=lambda: joined.append(mm.request_join(client(), limit)))
+        waiting = threading.Thread(target=lambda: joined.append(request_join(client(), limit)))
         waiting.start()
         while not master.check(["plugdist/join/2"]) and time.monotonic() < deadline + 10:
             time.sleep(0.02)

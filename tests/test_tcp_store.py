@@ -214,8 +214,8 @@ def test_requests_after_the_server_exited_fail_at_once() -> None:
     """Once the master's server is gone, every request fails at once, not only the first (on
     the pooled connection): a new connection that is refused is not retried for the store's
     timeout, as it is while a store is built and its server may not listen yet. (Retried, a
-    rank outliving rank 0 lost a whole timeout per store call, e.g. in tests/test_debug.py's
-    rank-0-exits-at-once test with resilient groups on.)"""
+    rank outliving rank 0 lost a whole timeout per store call, e.g. in
+    plugins/debug/tests/test_debug.py's rank-0-exits-at-once test with resilient groups on.)"""
     m = TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=30))
     client = TCPStore(HOST, m.port, timeout=timedelta(seconds=30))
     client.set("k", "v")

@@ -5,12 +5,16 @@ asked for; cross-cutting hooks come from ``plugdist.plugins`` through a pluggy P
 Registrations made at runtime (``Backend.register_backend``, ``register_rendezvous_handler``,
 ...) win over an entry point of the same name. A plugin that fails to import is recorded with its
 error: it never breaks the others, ``plugdist info`` lists it, and asking for it by name raises an
-error that carries the reason.
+error that carries the reason. So is a ``plugdist.plugins`` plugin implementing a hook that
+``hookspecs`` does not specify (pluggy's ``check_pending``; a misspelt ``@hookimpl``), or taking
+an argument its hook does not pass: it is left out, the others run, and the error names the
+plugin, the hook and the nearest valid name.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import sys
 import threading
 import traceback
@@ -23,18 +27,19 @@ import pluggy
 from plugdist import _debug_level as debug_level
 from plugdist import hookspecs
 from plugdist._backend.base import MIGRATION, PLUGIN_API, BackendBase
-from plugdist.errors import PluginAPIError, PluginNotFoundError
+from plugdist._backend.hook_checks import nearest, unknown_hook
+from plugdist.errors import HookContractError, PluginAPIError, PluginHookError, PluginNotFoundError
 
 __all__ = ["Registry", "registry", "PluginInfo", "GROUPS", "Backend", "PluginNotFoundError",
            "BACKENDS", "STORES", "PLUGIN_API", "PluginAPIError", "plugin_api_refusal",
-           "declared_plugin_api", "legacy_backend_refusal", "MIGRATION"]
+           "declared_plugin_api", "PluginHookError", "legacy_backend_refusal", "MIGRATION"]
 
 # the hook plugin API 1 had, which plugin API 2 replaced (see _old_hook_refusal)
 _OLD_WRAP_HOOK = "plugdist_wrap_process_group"
 
 BACKENDS = "plugdist.backends"
 STORES = "plugdist.stores"
-RENDEZVOUS = "plugdist.rendezvous"
+RENDEZVOUS = "plugdist._world.rendezvous"
 REDUCERS = "plugdist.reducers"
 COMM_HOOKS = "plugdist.comm_hooks"
 PLUGINS = "plugdist.plugins"
@@ -159,6 +164,7 @@ class Registry:
         self._runtime: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
         self._loaded: dict[tuple[str, str], Any] = {}
         self._errors: dict[tuple[str, str], str] = {}
+        self._contract_broken: set[tuple[str, str]] = set()  # of _errors: a HookContractError
         self._pm: pluggy.PluginManager | None = None
 
     # -- registration --------------------------------------------------------------------------
@@ -192,6 +198,8 @@ class Registry:
             if name in self._runtime[group]:
                 return self._runtime[group][name]
             key = (group, name)
+            if group == PLUGINS:
+                self.plugins()  # the pluggy plugins' checks record their refusals
             if key in self._loaded:
                 return self._loaded[key]
             if key not in self._errors:
@@ -200,7 +208,8 @@ class Registry:
                 return self._loaded[key]
         available = ", ".join(n for n in self.names(group) if (group, n) not in self._errors)
         if key in self._errors:
-            raise PluginNotFoundError(
+            error = PluginHookError if key in self._contract_broken else PluginNotFoundError
+            raise error(
                 f"the {_KIND[group]} {name!r} is installed but failed to load:\n"
                 f"{self._errors[key]}\nreinstall it or fix the error above (working ones: "
                 f"{available or 'none'})")
@@ -214,6 +223,8 @@ class Registry:
         from stevedore.exception import NoMatches
 
         def failed(_manager: Any, ep: Any, err: BaseException) -> None:
+            if isinstance(err, HookContractError):  # e.g. a misspelt hook of a backend class
+                self._contract_broken.add((group, ep.name))
             self._errors[(group, ep.name)] = "".join(
                 traceback.format_exception_only(type(err), err)).strip()
 
@@ -264,6 +275,7 @@ class Registry:
             if self._pm is None:
                 pm = pluggy.PluginManager(hookspecs.PROJECT)
                 pm.add_hookspecs(hookspecs)
+                eps = {}
                 for ep in importlib.metadata.entry_points(group=PLUGINS):
                     try:
                         plugin = ep.load()
@@ -273,11 +285,48 @@ class Registry:
                             self._errors[(PLUGINS, ep.name)] = refusal
                             continue
                         pm.register(plugin, name=ep.name)
+                        eps[ep.name] = ep
                     except Exception as err:  # noqa: BLE001 - a broken plugin must not break the rest
-                        self._errors[(PLUGINS, ep.name)] = "".join(
-                            traceback.format_exception_only(type(err), err)).strip()
+                        text = "".join(traceback.format_exception_only(type(err), err)).strip()
+                        if isinstance(err, pluggy.PluginValidationError):
+                            hint = _argument_refusal(pm, err.plugin, ep)
+                            if hint is not None:
+                                self._contract_broken.add((PLUGINS, ep.name))
+                                text = f"{hint}\n(pluggy: {text})"
+                        self._errors[(PLUGINS, ep.name)] = text
+                self._check_pending(pm, eps)
                 self._pm = pm
             return self._pm
+
+    def _check_pending(self, pm: pluggy.PluginManager,
+                       eps: dict[str, importlib.metadata.EntryPoint]) -> None:
+        """pluggy's ``check_pending``, plugin by plugin: each plugin implementing a hook that has
+        no spec (a misspelt ``@hookimpl``) is unregistered and recorded as failed to load, with
+        the hook and the nearest specified one; the others stay registered."""
+        specified = [name for name, caller in vars(pm.hook).items()
+                     if not name.startswith("_") and caller.has_spec()]
+        for _ in range(len(eps) + 1):  # each round leaves out one plugin
+            try:
+                pm.check_pending()
+                return
+            except pluggy.PluginValidationError as err:
+                plugin = err.plugin
+                name = pm.get_name(plugin) or repr(plugin)
+                unknown = sorted(caller.name for caller in pm.get_hookcallers(plugin) or ()
+                                 if not caller.has_spec() and any(
+                                     impl.plugin is plugin and not impl.optionalhook
+                                     for impl in caller.get_hookimpls()))
+                ep = eps.get(name)
+                what = f"plugin {name!r} ({_origin(ep) if ep is not None else 'registered'})"
+                fix = ("Rename the function to {nearest!r} (a hookimpl's name is its hook's), or "
+                       "keep the name and pass @hookimpl(specname={nearest!r}); the hooks: "
+                       "plugdist.hookspecs. The plugin is left out until then.")
+                reasons = [unknown_hook(what, hook, specified, fix) for hook in unknown]
+                self._errors[(PLUGINS, name)] = (
+                    "\n".join(reasons or [f"{what}: {err}"])
+                    + f"\n(pluggy's check_pending: {err})")
+                self._contract_broken.add((PLUGINS, name))
+                pm.unregister(plugin)  # and with it its unknown hooks' implementations
 
     def wrap_backend(self, backend: Any, **kwargs: Any) -> Any:
         """Apply every plugin's ``plugdist_wrap_backend`` in turn (wrappers chain)."""
@@ -290,6 +339,40 @@ class Registry:
 
     def has_hook(self, hook_name: str) -> bool:
         return bool(getattr(self.plugins().hook, hook_name).get_hookimpls())
+
+
+def _argument_refusal(pm: pluggy.PluginManager, plugin: Any,
+                      ep: importlib.metadata.EntryPoint) -> str | None:
+    """Why pluggy refused to register ``plugin`` when a hookimpl takes arguments its hook does
+    not pass (a misspelt argument): each with the nearest one the hook passes; None when that
+    is not the trouble."""
+    reasons = []
+    for attr in dir(plugin):
+        opts = pm.parse_hookimpl_opts(plugin, attr)
+        if opts is None:
+            continue
+        hook = opts.get("specname") or attr
+        caller = getattr(pm.hook, hook, None)
+        if caller is None or caller.spec is None:
+            continue
+        passed = (*caller.spec.argnames, *caller.spec.kwargnames)
+        try:
+            params = inspect.signature(getattr(plugin, attr)).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        for p in params:
+            if (p.name in passed or p.default is not inspect.Parameter.empty
+                    or p.kind in (inspect.Parameter.VAR_POSITIONAL,
+                                  inspect.Parameter.VAR_KEYWORD)):
+                continue
+            near = nearest(p.name, passed)
+            fix = (f"did you mean {near!r}? Rename it" if near is not None
+                   else "remove it")
+            reasons.append(
+                f"plugin {ep.name!r} ({_origin(ep)}): its {hook} takes {p.name!r}, which the "
+                f"hook does not pass; {fix} (a hookimpl takes any of the hook's arguments: "
+                f"{', '.join(passed)}). The plugin is left out until then.")
+    return "\n".join(reasons) if reasons else None
 
 
 registry = Registry()

@@ -37,7 +37,9 @@ docs/backends.md gives every hook's contract. What is here:
   and ``PlugdistStoreForTorch`` (a plugdist store as a torch one: imported on first use, since
   it imports torch.distributed);
 * failure reporting: ``report_failed_ranks``;
-* observation, for wrappers that run ops themselves: ``observing``, ``run_observed``.
+* observation, for wrappers that run ops themselves: ``observing``, ``run_observed``;
+* threads: ``BackendThreads`` (start them, stop them at shutdown and at program exit),
+  ``program_running``, ``recv_exact`` (a socket read that stops with them), ``POLL_SECONDS``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from plugdist._backend.base import BACKEND_HOOKS, DEFAULT_TIMEOUT, OPS, BackendB
 from plugdist._backend.capabilities import ALL_REDUCE_OPS, Capabilities
 from plugdist._backend.group import GroupLike
 from plugdist._backend.reduce_op import ReduceOp, check_reduce_op
+from plugdist._backend.threads import POLL_SECONDS, BackendThreads, program_running, recv_exact
 from plugdist._backend.work import Work, completed_work, failed_work, gather_works
 from plugdist._backend.wrapper import BackendWrapper
 from plugdist._group.process_group import ProcessGroup
@@ -90,6 +93,7 @@ __all__ = [
     "PlugdistStoreForTorch",
     "report_failed_ranks",
     "observing", "run_observed",
+    "BackendThreads", "POLL_SECONDS", "program_running", "recv_exact",
 ]
 
 

@@ -19,11 +19,15 @@
         ├── LaunchError            plugdist-run could not start a worker
         ├── PluginNotFoundError    (also a ValueError) no plugin of that name (or it failed to
         │   │                      load: the reason is in the message)
-        │   └── PluginAPIError     a plugin written for another plugin API
+        │   ├── PluginAPIError     a plugin written for another plugin API
+        │   └── PluginHookError    (also a HookContractError) an installed plugin that breaks
+        │                          the hook contract
         ├── BelowMinWorldSizeError  fault-tolerant training lost more ranks than it may
         ├── WorldClosedError       a process asked to join a world whose members had all left
-        └── WorldError             a test world's ranks failed or hung (plugdist.testing;
-                                   ``.results`` holds each rank's report)
+        ├── WorldError             a test world's ranks failed or hung (plugdist.testing;
+        │                          ``.results`` holds each rank's report)
+        └── HookContractError      (also a TypeError) a backend class or plugin breaks the
+                                   hook contract: refused when the class is created
 
 Messages name what the user needs to act: rank, group, op, backend, and the fix. A timeout
 starts with torch's words for the same event (:func:`timed_out`, :func:`store_timeout`), which
@@ -56,6 +60,8 @@ __all__ = [
     "BelowMinWorldSizeError",
     "WorldClosedError",
     "WorldError",
+    "HookContractError",
+    "PluginHookError",
     "where",
     "op_timeout",
     "timed_out",
@@ -158,6 +164,18 @@ class WorldError(DistError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (str(self), self.results))
+class HookContractError(DistError, TypeError):
+    """A backend class, or a pluggy plugin, breaks the hook contract: a name that looks like a
+    hook but is none (a misspelling), or a hook whose parameters differ from its spec. A backend
+    class is refused when it is created; a plugin is left out by the registry, which reports it
+    (``plugdist info``) and raises this when it is asked for. The message names the class or
+    plugin, the hook, the nearest valid name and the change to make."""
+
+
+class PluginHookError(PluginNotFoundError, HookContractError):
+    """An installed plugin that breaks the hook contract: a backend class refused at its
+    creation, a pluggy plugin implementing a hook with no spec (see
+    ``plugdist._backend.hook_checks``)."""
 
 
 def where(*, rank: int | None = None, group: str | None = None, op: str | None = None,

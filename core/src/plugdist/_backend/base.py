@@ -27,6 +27,7 @@ import torch
 
 from plugdist._backend.abort import AbortSignal
 from plugdist._backend.capabilities import ALL_REDUCE_OPS, Capabilities
+from plugdist._backend.hook_checks import check_backend_class
 from plugdist._backend.reduce_op import ReduceOp
 from plugdist._backend.work import Work
 from plugdist._log import lifecycle
@@ -147,6 +148,8 @@ class BackendBase:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        # misspelt hooks, hooks of the wrong parameters: refused here, once per class
+        check_backend_class(cls, BackendBase, BACKEND_HOOKS)
 
     def __init__(self, rank: int, size: int, options: GroupOptions | None = None) -> None:
         """The base class's part of a backend: its rank, size and options. A backend's own

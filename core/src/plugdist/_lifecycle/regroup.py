@@ -1,7 +1,7 @@
 """Surviving a dead rank: ``shrink_group``, ``grow_group``, ``get_failed_ranks`` and the join
 side of ``init_process_group(join=True)``.
 
-The mechanism is the same on every backend: :mod:`plugdist._resilience.membership` names the failed
+The mechanism is the same on every backend: :mod:`plugdist._resilience` names the failed
 members and records the epoch the survivors agree on; the groups of the old epoch are aborted
 and shut down, and the new world's default group is built through ``build_group`` on a fresh
 store prefix (so plugins such as the debug wrapper apply), unless the backend builds it
@@ -26,7 +26,10 @@ from plugdist._backend.base import BackendBase
 from plugdist._group.process_group import GroupOptions, ProcessGroup
 from plugdist._log import get_logger, lifecycle
 from plugdist._registry import BACKENDS, Backend, registry
-from plugdist._resilience.membership import Decision, Membership, off_hint, request_join
+from plugdist._resilience.agreement import Decision
+from plugdist._resilience.joining import request_join
+from plugdist._resilience.membership import Membership
+from plugdist._resilience.policy import off_hint
 from plugdist._world import groups
 from plugdist._world.state import world
 from plugdist.errors import DistError

@@ -32,11 +32,14 @@ from plugdist._registry import (
     legacy_backend_refusal,
     registry,
 )
-from plugdist._resilience import membership as _membership
-from plugdist._world.rendezvous import store_rendezvous_handler
+from plugdist._resilience.guarded_store import GuardedPrefixStore
+from plugdist._resilience.membership import Membership
+from plugdist._resilience.policy import resilience_mode
+from plugdist._world.rendezvous import RendezvousHandler, store_rendezvous_handler
 from plugdist._world.state import GroupInfo, NotInitializedError, world
 from plugdist.errors import DistError, DistTimeoutError, timed_out, where
 from plugdist.store import PrefixStore, Store
+from plugdist.store._worldkeys import CLOSED, group_prefix
 
 __all__ = [
     "init_world", "destroy", "is_initialized", "is_available",
@@ -152,9 +155,10 @@ def _known_world(factory: Any, timeout: timedelta) -> tuple[Store, int, int] | N
     return found
 
 
-def register_rendezvous_handler(scheme: str, handler: Any) -> None:
-    """Register ``handler(url, rank, world_size, timeout) -> (store, rank, world_size)`` for
-    ``scheme://`` URLs in this process; wins over an installed entry point."""
+def register_rendezvous_handler(scheme: str, handler: RendezvousHandler) -> None:
+    """Register ``handler(url, rank, world_size, timeout) -> (store, rank, world_size)`` (a
+    :class:`~plugdist._world.rendezvous.RendezvousHandler`) for ``scheme://`` URLs in this
+    process; wins over an installed entry point."""
     registry.register(RENDEZVOUS, scheme, handler)
 
 
@@ -213,7 +217,7 @@ def init_world(backend: str | None = None, init_method: str | None = None,
             raise ValueError(f"init_method {url!r} has no scheme; use env://, tcp://HOST:PORT or "
                              f"file:///PATH (registered: {', '.join(registry.names(RENDEZVOUS))})")
         if scheme in registry.names(RENDEZVOUS):
-            handler = registry.load(RENDEZVOUS, scheme)
+            handler: RendezvousHandler = registry.load(RENDEZVOUS, scheme)
         elif scheme in registry.names(STORES):   # any store URL is a rendezvous too
             handler = store_rendezvous_handler
         else:
@@ -230,11 +234,11 @@ def init_world(backend: str | None = None, init_method: str | None = None,
     world.owned_store = owned
     world.group_options = pg_options
     try:
-        resilience = _membership.resilience_mode()
+        resilience = resilience_mode()
         if world_size > 1 and resilience != "off" and _store_exposed(store, resilience):
             resilience = "off"
         if world_size > 1 and resilience != "off":
-            m = _membership.Membership(store, str(rank), [str(r) for r in range(world_size)])
+            m = Membership(store, str(rank), [str(r) for r in range(world_size)])
             if m.start(only_with_store_liveness=resilience == "auto"):
                 start_membership(m, started=True)
         pg = _build_group(name, tuple(range(world_size)), group_name or "0", timeout, pg_options)
@@ -266,7 +270,7 @@ def _store_exposed(store: Store, resilience: str) -> bool:
     return off
 
 
-def start_membership(m: _membership.Membership, started: bool = False) -> None:
+def start_membership(m: Membership, started: bool = False) -> None:
     """Make ``m`` the world's membership and start it (unless ``started``). At exit its will is
     withdrawn (a clean exit is not a failure), unless the program is ending on an uncaught
     exception: then the will stays, and runs when the process's connections close, so the
@@ -304,7 +308,7 @@ def _note_uncaught_exceptions() -> None:
     sys.excepthook = hook
 
 
-def _leave_at_exit(m: _membership.Membership) -> None:
+def _leave_at_exit(m: Membership) -> None:
     m.stop(withdraw=not _uncaught["seen"])
 
 
@@ -314,11 +318,11 @@ def _build_group(backend: str, global_ranks: tuple[int, ...], name: str, timeout
     """Build this process's member of a group of the world and record it there. ``factory``:
     stands in for the backend's constructor (see :func:`build_group`)."""
     assert world.store is not None  # callers hold an initialized world
-    prefix = _membership.group_prefix(world.epoch, name)
+    prefix = group_prefix(world.epoch, name)
     m = world.membership
     uids = m.uids_of(global_ranks) if m is not None else ()
     base = (PrefixStore(prefix, world.store) if m is None
-            else _membership.GuardedPrefixStore(prefix, world.store, m, uids))
+            else GuardedPrefixStore(prefix, world.store, m, uids))
     info = GroupInfo(name=name, backend=backend, global_ranks=global_ranks, store=base,
                      timeout=timeout)
 
@@ -498,7 +502,7 @@ def _leave(closed_by_store: bool = False) -> None:
         if store.add(f"plugdist/leaving{tag}", 1) == world.size:
             store.set(f"plugdist/left{tag}", b"1")
             if world.epoch and not closed_by_store:
-                store.set(_membership.CLOSED, str(world.epoch))  # tells waiting joiners
+                store.set(CLOSED, str(world.epoch))  # tells waiting joiners
         if getattr(store, "is_master", False):
             store.wait([f"plugdist/left{tag}"], _LEAVE_WAIT)
     except DistError as err:

@@ -1,6 +1,6 @@
 """Rendezvous handlers: turn an ``init_method`` URL into ``(store, rank, world_size)``.
 
-Registered through the core's own ``plugdist.rendezvous`` entry points (``env``, ``tcp``,
+Registered through the core's own ``plugdist._world.rendezvous`` entry points (``env``, ``tcp``,
 ``file``), like any third-party scheme. A handler is called as
 ``handler(url, rank=..., world_size=..., timeout=...)`` where rank/world_size are -1 when the
 caller did not give them; it blocks until the store is reachable (bounded by ``timeout``).
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable
 from datetime import timedelta
+from typing import Protocol
 from urllib.parse import parse_qs, urlparse
 
 from plugdist._open_store import open_store
@@ -22,7 +22,17 @@ __all__ = ["env_rendezvous_handler", "tcp_rendezvous_handler", "file_rendezvous_
            "store_rendezvous_handler", "RendezvousError", "RendezvousHandler",
            "slurm_first_host", "adopt_launcher_env", "join_store"]
 
-RendezvousHandler = Callable[..., tuple[Store, int, int]]
+
+
+class RendezvousHandler(Protocol):
+    """What the ``plugdist.rendezvous`` entry points (and ``register_rendezvous_handler``) name:
+    called once per rank by ``init_process_group(init_method=url)``. Blocks until the rank can
+    reach the job's store, bounded by ``timeout``; returns ``(store, rank, world_size)``, rank
+    and world size taken from the caller (-1: not given), the URL or the environment. Raises
+    RendezvousError when none of them says enough."""
+
+    def __call__(self, url: str, rank: int = -1, world_size: int = -1,
+                 timeout: timedelta = ...) -> tuple[Store, int, int]: ...
 
 
 def _query_int(url: str, name: str, given: int) -> int:

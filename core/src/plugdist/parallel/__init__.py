@@ -23,11 +23,12 @@ from plugdist.parallel.join import Join, Joinable, JoinHook
 from plugdist.parallel.logging_data import DDPLogger
 from plugdist.parallel.reducer import BucketedReducer, Reducer, ReducerOptions
 from plugdist.parallel.torch_hooks import resilient_allreduce_hook
+from plugdist.parallel.trainer_steps import TrainerSteps, exit_if_excluded
 
 __all__ = [
     "DistributedDataParallel", "Reducer", "ReducerOptions", "BucketedReducer", "GradBucket",
     "CommHook", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "Join", "Joinable",
     "JoinHook", "DDPLogger", "compute_bucket_assignment", "DEFAULT_FIRST_BUCKET_BYTES",
     "resilient_allreduce_hook", "ResilientTraining", "ElasticSampler", "BelowMinWorldSizeError",
-    "is_rank_failure",
+    "is_rank_failure", "TrainerSteps", "exit_if_excluded",
 ]

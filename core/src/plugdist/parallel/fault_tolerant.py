@@ -17,8 +17,9 @@
    world size changes no sample of the epoch is skipped or seen twice by committed steps.
 
 :meth:`ResilientTraining.run_step` does all three for a step function. A trainer that owns the
-optimizer step itself (Lightning, Hugging Face's Trainer) calls the parts instead:
-``vote``, ``recover`` and ``admit``, and ``agree`` for collectives outside the step.
+optimizer step itself calls the parts instead: ``vote``, ``recover`` and ``admit``, and
+``agree`` for collectives outside the step; :class:`plugdist.parallel.TrainerSteps` runs them
+as a trainer's micro-batch loop (the Lightning and Hugging Face integrations use it).
 
 All members and joiners call the same methods in the same order; see docs/fault_tolerance.md.
 """
@@ -34,7 +35,7 @@ from typing import Any, TypeVar
 import torch
 
 from plugdist._log import get_logger
-from plugdist._resilience.membership import off_hint
+from plugdist._resilience.policy import off_hint
 from plugdist._world.state import world
 from plugdist.errors import BelowMinWorldSizeError, DistError, DistRankFailureError
 from plugdist.parallel.elastic_sampler import ElasticSampler

@@ -4,7 +4,7 @@ A world keeps who is in it under a *root* of its store: the store's top (``env:/
 ``tcp://``) or a prefix (plugdist-run's worlds live under ``plugdist/worker/round_<n>/``).
 Below the root: the death log (``plugdist/live/deaths``, entries ``.../deaths/<n>``), the
 agreement and epoch records (``plugdist/epoch/...``), the join tickets (``plugdist/join/...``)
-and ``plugdist/closed``. :mod:`plugdist._resilience.membership` owns what they mean.
+and ``plugdist/closed``. :mod:`plugdist._resilience` owns what they mean.
 
 Every key whose name holds one of those segments, at the top or after a ``/``, is *reserved*: a
 TCPStore server refuses a plain write to it (set, add, compare_set, append, delete, queues, a
@@ -20,14 +20,14 @@ import re
 
 __all__ = ["DEATHS", "DECLARED", "HEARTBEATS", "TRIM", "NO_TRIM", "CURRENT", "FORGOTTEN",
            "JOIN", "JOIN_COUNT", "JOIN_DONE", "CLOSED", "epoch_key", "is_reserved",
-           "RESERVED_NAMES"]
+           "RESERVED_NAMES", "epoch_prefix", "join_ticket", "join_admitted", "group_prefix"]
 
 DEATHS = "plugdist/live/deaths"
 DECLARED = "plugdist/live/declared"
 HEARTBEATS = "plugdist/live/hb"
-# what was deleted so far (see Membership._trim): the epoch whose first rank did it, the death
-# log's entries up to ``log``, the join tickets up to ``tickets``, and ``done``: the tickets the
-# next trim may delete
+# what was deleted so far (see plugdist._resilience.cleanup.trim): the epoch whose first rank
+# did it, the death log's entries up to ``log``, the join tickets up to ``tickets``, and
+# ``done``: the tickets the next trim may delete
 TRIM = "plugdist/live/trim"
 NO_TRIM = json.dumps({"epoch": -1, "log": 0, "tickets": 0, "done": 0})
 CURRENT = "plugdist/epoch/current"
@@ -49,3 +49,24 @@ def is_reserved(key: bytes) -> bool:
 def epoch_key(epoch: int, tail: str) -> str:
     """The key ``tail`` of epoch ``epoch``'s agreement records."""
     return f"plugdist/epoch/{epoch}/{tail}"
+
+
+def epoch_prefix(epoch: int) -> str:
+    """The prefix of every agreement record of epoch ``epoch``."""
+    return epoch_key(epoch, "")
+
+
+def join_ticket(n: int) -> str:
+    """Join ticket ``n``: the joiner's uid and where it started reading the death log."""
+    return f"{JOIN}/{n}"
+
+
+def join_admitted(n: int) -> str:
+    """Set to the epoch that admitted the holder of join ticket ``n``."""
+    return f"{JOIN}/{n}/admitted"
+
+
+def group_prefix(epoch: int, name: str) -> str:
+    """Where the groups of ``epoch`` keep their keys in the world's store (not reserved: a
+    group's own keys are written by its members' plain operations)."""
+    return f"plugdist/group/{name}" if epoch == 0 else f"plugdist/egroup/{epoch}/{name}"

@@ -1,17 +1,18 @@
 """``ResilientDDPStrategy``: Lightning's DDP over a plugdist world that survives a rank loss.
 
-How a step survives (automatic optimization): Lightning runs the step's closure (training_step
-and backward, DDP's all_reduce in it) inside ``optimizer.step``. The strategy runs that closure
-until an attempt is committed by every member (``ResilientTraining.vote``); an attempt that a
-member did not finish is discarded, the survivors shrink (``recover``: fresh DDP reducer, zeroed
-gradients) and redo it, every micro-batch of an accumulated step included. Clipping and the
-optimizer's update run after the commit only.
+The loop is ``plugdist.parallel.TrainerSteps``'s; this module maps Lightning onto it. How a step
+survives (automatic optimization): Lightning runs the step's closure (training_step and backward,
+DDP's all_reduce in it) inside ``optimizer.step``. The strategy runs that closure through
+``TrainerSteps.commit`` (attempt, vote, recover, replay the earlier micro-batches of an
+accumulated step, which Lightning ran outside ``optimizer_step``: ``TrainerSteps.micro_batch``).
+Clipping and the optimizer's update run after the commit only.
 
 Collectives outside the step (checkpoint barriers and broadcasts, ``self.log(sync_dist=True)``
 at epoch end, validation's metric syncs, early-stopping decisions) go through the strategy's
 ``barrier``/``broadcast``/``reduce``/``all_gather``; each is run until every member completed it
-(``ResilientTraining.agree``). Inside a step, such a collective that fails marks the attempt as
-failed and returns this rank's own value; the step's vote then discards the attempt.
+(``TrainerSteps.agree``). Inside a step, such a collective that fails marks the attempt as
+failed and returns this rank's own value (``TrainerSteps.in_attempt``); the step's vote then
+discards the attempt.
 
 Joiners (``plugdist-run --replace-failed``) are admitted at the next epoch boundary: the members
 grow the world, resync DDP and send a Lightning checkpoint over the group; the joiner loads it
@@ -22,10 +23,9 @@ boundary after a world change, every rank rebuilds its data loaders over the cur
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import lightning.pytorch as pl
 import plugdist
@@ -34,13 +34,10 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
-from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from plugdist import DistExcludedError
-from plugdist.parallel import ResilientTraining, is_rank_failure, resilient_allreduce_hook
+from plugdist.parallel import TrainerSteps, resilient_allreduce_hook
 from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 
@@ -48,7 +45,7 @@ from .environment import PlugdistEnvironment, joining
 
 __all__ = ["ResilientDDPStrategy", "WorldChangeHook"]
 
-T = TypeVar("T")
+MicroBatch = tuple[tuple[Any, ...], dict[str, Any]]  # training_step's arguments
 
 # what a ModelCheckpoint decides its next save from, beside its state_dict
 _CHECKPOINT_MARKS = ("_last_global_step_saved", "_last_checkpoint_saved",
@@ -89,19 +86,15 @@ class ResilientDDPStrategy(DDPStrategy):
                          **ddp_kwargs)
         self._backend, self._min_world_size = backend, min_world_size
         self._on_world_change = on_world_change
-        self.skipped_samples = 0
-        self._training: ResilientTraining | None = None
+        self._steps: TrainerSteps[MicroBatch] | None = None
         self._join_late = False    # a joiner: joins right before its DDP constructor
-        self._silent = False       # a joiner's collectives are its own until the epoch boundary
         self._received: dict[str, Any] | None = None   # the checkpoint a joiner received
         self._reload = False       # rebuild the data loaders at the next epoch boundary
-        self._size = 0             # the world size the strategy last saw
-        self._in_step = False      # inside a step attempt: a failure there fails the attempt
-        self._failed_in_step = False
-        self._recording = True
-        self._window: list[tuple[tuple[Any, ...], dict[str, Any]]] = []  # the step's micro-batches
-        self._open: int | None = None  # in optimizer_step: its micro-batches before the last
         self._boundary_installed = False
+
+    @property
+    def skipped_samples(self) -> int:
+        return self._steps.skipped_samples if self._steps is not None else 0
 
     @property
     def _module(self) -> pl.LightningModule:
@@ -121,22 +114,21 @@ class ResilientDDPStrategy(DDPStrategy):
         elif not plugdist.is_initialized():
             plugdist.init_process_group(self._backend, timeout=self._timeout, torch_world=True)
         self.set_world_ranks()
-        self._size = self.world_size
 
     def configure_ddp(self) -> None:
         if self._join_late:
             # returns once the members admitted this process; they then wait in the DDP
             # constructor's collectives and the state transfer below
             plugdist.init_process_group(self._backend, timeout=self._timeout, torch_world=True)
-            self._join_late, self._silent = False, True
+            self._join_late = False
             self.set_world_ranks()
-            self._size = self.world_size
         super().configure_ddp()
         assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
-        self._training = ResilientTraining(
-            self.model, None, state_dict=self._state, load_state_dict=self._receive,
-            min_world_size=self._min_world_size, timeout=self._timeout,
-            on_world_change=self._world_changed)
+        # a joiner receives the checkpoint here (kept until setup restores it)
+        self._steps = TrainerSteps(
+            self.model, state_dict=self._state, load_state_dict=self._receive,
+            on_world_change=self._world_changed, untrained_per_rank=self._untrained_per_rank,
+            min_world_size=self._min_world_size, timeout=self._timeout)
 
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
@@ -165,12 +157,10 @@ class ResilientDDPStrategy(DDPStrategy):
 
     def _epoch_boundary(self, start_epoch: Callable[[], None]) -> None:
         """Before the fit loop starts an epoch (its data loader not yet iterated): admit
-        joiners, and rebuild the data loaders if the world changed."""
-        if self._silent:
-            self._silent = False     # from here on this joiner runs what the members run
+        joiners (a joiner meets the members here), and rebuild the data loaders if the world
+        changed."""
+        if self._steps is not None and self._steps.begin_epoch(self._trainer.current_epoch):
             self._reload = True
-        elif self._training is not None:
-            self._training.admit()
         if self._reload:
             self._reload = False
             trainer = self._trainer
@@ -178,26 +168,17 @@ class ResilientDDPStrategy(DDPStrategy):
             trainer.fit_loop.epoch_loop.val_loop._combined_loader = None
         start_epoch()
 
-    def _world_changed(self) -> None:
+    def _world_changed(self, old: int, new: int) -> None:
         """After a shrink or a grow: Lightning's ranks, the data at the next epoch boundary, the
-        samples that a shrink leaves untrained, the user's hook."""
-        old, new = self._size, self.world_size
-        self._size = new
+        user's hook."""
         self.set_world_ranks()
         self._reload = True
-        trainer = self._trainer
-        if new < old:
-            lost = (old - new) * self._untrained_per_rank(trainer)
-            if lost:
-                self.skipped_samples += lost
-                rank_zero_warn(f"plugdist: {old - new} rank(s) died in epoch "
-                               f"{trainer.current_epoch}: {lost} sample(s) of their shards are "
-                               f"not trained on this epoch ({self.skipped_samples} in all)")
         if self._on_world_change is not None:
-            self._on_world_change(trainer, old, new)
+            self._on_world_change(self._trainer, old, new)
 
-    def _untrained_per_rank(self, trainer: pl.Trainer) -> int:
+    def _untrained_per_rank(self) -> int:
         """How many samples of a rank's shard of this epoch no committed step has taken."""
+        trainer = self._trainer
         loader = trainer.fit_loop._combined_loader
         if loader is None or not loader.flattened:
             return 0
@@ -211,18 +192,13 @@ class ResilientDDPStrategy(DDPStrategy):
         batches = trainer.num_training_batches
         if batches != float("inf"):
             shard = min(shard, int(batches) * batch_size)
-        # processed micro-batches (the one running a step is not yet) less those of a step not
-        # yet committed
-        current = trainer.fit_loop.epoch_loop.batch_progress.current
-        processed = cast(_ProcessedTracker, current).processed
-        committed = processed - (len(self._window) if self._open is None else self._open)
-        return max(0, shard - committed * batch_size)
+        assert self._steps is not None
+        return max(0, shard - self._steps.committed_in_epoch * batch_size)
 
     # -- the state a joiner receives ---------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         trainer = self._trainer
         return {"checkpoint": trainer._checkpoint_connector.dump_checkpoint(weights_only=False),
-                "skipped_samples": self.skipped_samples,
                 "checkpoint_marks": [{name: getattr(cb, name) for name in _CHECKPOINT_MARKS}
                                      for cb in trainer.checkpoint_callbacks]}
 
@@ -250,103 +226,61 @@ class ResilientDDPStrategy(DDPStrategy):
             for name, value in marks.items():
                 setattr(cb, name, value)
         trainer.num_sanity_val_steps = 0
-        self.skipped_samples = state["skipped_samples"]
 
     # -- the step ----------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._training is None or self._trainer.state.fn != TrainerFn.FITTING:
+        steps = self._steps
+        if steps is None or steps.in_step or self._trainer.state.fn != TrainerFn.FITTING:
+            # outside fit, or the step's last micro-batch (or a replayed one) in commit()
             return super().training_step(*args, **kwargs)
-        if self._recording:
-            self._window.append((args, kwargs))
-        outer, self._in_step = self._in_step, True
-        try:
-            return super().training_step(*args, **kwargs)
-        except Exception as err:
-            if outer or not is_rank_failure(err):
-                raise
-            # an earlier micro-batch of an accumulated step (Lightning runs it outside
-            # optimizer_step): fail the step's attempt, let Lightning go on to its last one
-            self._failed_in_step = True
-            return _zero_loss(self._module)
-        finally:
-            self._in_step = outer
+        # an earlier micro-batch of an accumulated step (Lightning runs it outside
+        # optimizer_step): recorded for a redo; a rank failure fails the step's attempt and
+        # Lightning goes on to the last one
+        return steps.micro_batch((args, kwargs), lambda: super(ResilientDDPStrategy, self)
+                                 .training_step(*args, **kwargs), self._zero_loss)
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: pl.LightningModule | torch.nn.Module | None = None,
                        **kwargs: Any) -> Any:
-        training = self._training
-        if training is None:
+        steps = self._steps
+        if steps is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        # Lightning ran the micro-batches before the last outside optimizer_step
-        earlier, self._window = self._window, []
-        self._open = len(earlier)
 
-        @_leave_if_excluded
-        def committed_closure() -> Any:
-            redo = False
-            while True:
-                self._in_step = True
-                try:
-                    if redo:
-                        self._replay(earlier, optimizer)
-                    result = closure()
-                    finished = not self._failed_in_step
-                except Exception as err:
-                    if not is_rank_failure(err):
-                        raise
-                    finished = False
-                finally:
-                    self._in_step = False
-                    self._failed_in_step = False
-                if training.vote(finished):
-                    return result
-                training.recover()
-                redo = True
+        def replay(micro_batch: MicroBatch) -> None:
+            """An earlier micro-batch again, without DDP's gradient sync, as Lightning ran it."""
+            args, kw = micro_batch
+            with self.block_backward_sync():
+                output = self.training_step(*args, **kw)
+                result = ClosureResult.from_training_step_output(
+                    output, self._trainer.accumulate_grad_batches)
+                if result.closure_loss is not None:
+                    self.backward(result.closure_loss, optimizer)
 
-        try:
-            return super().optimizer_step(optimizer, committed_closure, model, **kwargs)
-        finally:
-            self._window, self._open = [], None
+        return super().optimizer_step(optimizer, lambda: steps.commit(closure, replay), model,
+                                      **kwargs)
 
-    def _replay(self, micro_batches: list[tuple[tuple[Any, ...], dict[str, Any]]],
-                optimizer: Optimizer) -> None:
-        """The micro-batches of an accumulated step before its last, again (without DDP's
-        gradient sync, as Lightning ran them)."""
-        trainer = self._trainer
-        self._recording = False
-        try:
-            for args, kwargs in micro_batches:
-                with self.block_backward_sync():
-                    output = self.training_step(*args, **kwargs)
-                    result = ClosureResult.from_training_step_output(
-                        output, trainer.accumulate_grad_batches)
-                    if result.closure_loss is not None:
-                        self.backward(result.closure_loss, optimizer)
-        finally:
-            self._recording = True
+    def _zero_loss(self) -> torch.Tensor:
+        """A loss whose backward gives zero gradients: what a failed micro-batch contributes."""
+        params = [p for p in self._module.parameters() if p.requires_grad]
+        return sum((p.sum() * 0.0 for p in params), torch.zeros(()))
 
     # -- collectives outside the step --------------------------------------------------------
     def _collective(self, run: Callable[[], Any], alone: Callable[[], Any]) -> Any:
         """``run()`` where every member completes it; ``alone()`` (this rank's own value) where
         there is no world yet, a joiner has not reached the members, or a step's attempt has
         already failed."""
-        if self._silent or not torch.distributed.is_initialized():
+        steps = self._steps
+        if not torch.distributed.is_initialized() or (steps is not None and steps.joining):
             return alone()
-        training = self._training
-        if training is None:
+        if steps is None:
             return run()
-        if self._in_step:
-            try:
-                return run()
-            except Exception as err:
-                if not is_rank_failure(err):
-                    raise
-                self._failed_in_step = True
-                return alone()
-        return _leave_if_excluded(training.agree)(run)
+        if steps.in_step:
+            return steps.in_attempt(run, alone)
+        return steps.agree(run)
 
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        if self._training is not None and not (self._silent or self._in_step):
+        steps = self._steps
+        if steps is not None and not (steps.joining or steps.in_step):
             # the agreement's vote is an all_reduce of every member: a barrier already
             self._collective(lambda: None, lambda: None)
         else:
@@ -387,23 +321,6 @@ class ResilientDDPStrategy(DDPStrategy):
             lambda: torch.stack([tensor] * max(1, self.world_size)))
 
 
-def _leave_if_excluded(fn: Callable[..., T]) -> Callable[..., T]:
-    """``fn``, except that when the others have excluded this process from the world (it was
-    stopped or stalled past the hang timeout, and they went on), the process exits with
-    ``DistExcludedError.exit_code``: plugdist-run takes that for a lost rank and, with
-    ``--replace-failed``, starts a new process in its place."""
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> T:
-        try:
-            return fn(*args, **kwargs)
-        except DistExcludedError as err:
-            print(f"plugdist: {err}; exiting with {err.exit_code} for plugdist-run to replace "
-                  f"this process", file=sys.stderr, flush=True)
-            raise SystemExit(err.exit_code) from err
-    return run
-
-
 def _not_resuming(loop: _Loop) -> None:
     """``loop`` and its children go on as loops that were never stopped (they were loaded from a
     checkpoint taken between two epochs, where Lightning's own resume logic has nothing to do)."""
@@ -419,9 +336,3 @@ def _loops(loop: _Loop) -> list[_Loop]:
         if isinstance(child, _Loop):
             found += _loops(child)
     return found
-
-
-def _zero_loss(module: torch.nn.Module) -> torch.Tensor:
-    """A loss whose backward gives zero gradients: what a failed micro-batch contributes."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    return sum((p.sum() * 0.0 for p in params), torch.zeros(()))

@@ -1,19 +1,22 @@
 """``ResilientTrainer``: Hugging Face's ``Trainer`` over a plugdist world that survives a rank loss.
 
 A callback cannot catch what a backward raises, so this is a ``Trainer`` subclass; it keeps the
-Trainer's own loop (``_run_epoch``) and takes over four points of it:
+Trainer's own loop (``_run_epoch``) and maps four points of it onto ``plugdist.parallel``'s
+``TrainerSteps``, which holds the loop:
 
 - **the step** (``training_step`` of an update step's last micro-batch, where DDP all_reduces
-  the accumulated gradients): run until every member committed the attempt
-  (``ResilientTraining.vote``); a failed attempt makes the survivors shrink (fresh DDP reducer,
-  gradients zeroed) and redo the whole update step, its earlier micro-batches included, with
-  the loss normalisation (``num_items_in_batch``) counted again over the survivors. Clipping,
-  ``optimizer.step()`` and the scheduler run after the commit, as Trainer does them.
+  the accumulated gradients): ``TrainerSteps.commit`` runs it until every member committed the
+  attempt; a failed attempt makes the survivors shrink (fresh DDP reducer, gradients zeroed)
+  and redo the whole update step, its earlier micro-batches included
+  (``TrainerSteps.micro_batch`` recorded them), with the loss normalisation
+  (``num_items_in_batch``) counted again over the survivors. Clipping, ``optimizer.step()`` and
+  the scheduler run after the commit, as Trainer does them.
 - **collectives outside the step** (the logged loss's gather, the FLOs' broadcast, evaluation
   and prediction, checkpoint saving, the input-token count): each call of the Trainer method
-  that holds them runs until every member completed it (``ResilientTraining.agree``); before a
+  that holds them runs until every member completed it (``TrainerSteps.agree``); before a
   redo the Trainer's logging counters are put back as they were. The loss normalisation's count
-  (``num_items_in_batch``) is part of the update step: its failure fails the step's attempt.
+  (``num_items_in_batch``) is part of the update step: its failure fails the step's attempt
+  (``TrainerSteps.in_attempt``).
 - **the world** after a shrink or grow: Accelerate's ``PartialState``/``AcceleratorState``
   (``num_processes``, ``process_index``), hence ``args.world_size``, ``should_save``,
   ``is_world_process_zero``; at the next epoch boundary the data shards
@@ -27,10 +30,8 @@ Trainer's own loop (``_run_epoch``) and takes over four points of it:
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
-import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -39,14 +40,11 @@ import plugdist
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from accelerate.state import AcceleratorState, PartialState
-from plugdist import DistExcludedError
-from plugdist.parallel import ResilientTraining, is_rank_failure, resilient_allreduce_hook
+from plugdist.parallel import TrainerSteps, resilient_allreduce_hook
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState, TrainerState
 
 __all__ = ["ResilientTrainer", "WorldChangeHook"]
-
-_log = logging.getLogger(__name__)
 
 WorldChangeHook = Callable[["ResilientTrainer", int, int], None]
 """``hook(trainer, old_world_size, new_world_size)``: called on every rank after the world shrank
@@ -75,19 +73,16 @@ class ResilientTrainer(Trainer):
                 "joins the running world there), and start the script with plugdist-run")
         super().__init__(*args, **kwargs)
         self._on_world_change, self._min_world_size = on_world_change, min_world_size
-        self.skipped_samples = 0
-        self._training: ResilientTraining | None = None
-        self._size = plugdist.get_world_size()
+        self._steps: TrainerSteps[dict[str, Any]] | None = None
         self._received: dict[str, Any] | None = None
-        self._silent = False          # a joiner: until the members' epoch, it trains nothing
-        self._resume_epoch = 0
-        self._epoch = 0               # the epoch _run_epoch runs
-        self._epoch_batches = 0       # this rank's micro-batches in it
-        self._committed_batches = 0   # of those, in committed steps
+        self._epoch_batches = 0       # this rank's micro-batches in the epoch _run_epoch runs
         self._update_steps = 0        # update steps per epoch at the world size of the last one
-        self._window: list[tuple[dict[str, Any], Any]] = []  # the update step's micro-batches
-        self._failed_in_step = False  # a collective of the update step's attempt failed
-        self._agreeing = False
+
+    @property
+    def skipped_samples(self) -> int:
+        """Samples no rank trains on because their rank died (the rest of its shard of that
+        epoch); the same on every rank, and carried to joiners."""
+        return self._steps.skipped_samples if self._steps is not None else 0
 
     # -- the run's shape ---------------------------------------------------------------------
     def set_initial_training_values(self, args: Any, dataloader: Any) -> Any:
@@ -111,9 +106,10 @@ class ResilientTrainer(Trainer):
         # torch's DDP divides by the group's size at construction; this hook by the current one
         model.register_comm_hook(None, resilient_allreduce_hook)  # type: ignore[arg-type]
         # a joiner's DDP constructor above met the members' resync; the state follows
-        self._training = ResilientTraining(
-            model, None, state_dict=self._state, load_state_dict=self._receive,
-            min_world_size=self._min_world_size, on_world_change=self._world_changed)
+        self._steps = TrainerSteps(
+            model, state_dict=self._state, load_state_dict=self._receive,
+            on_world_change=self._world_changed, untrained_per_rank=self._untrained_per_rank,
+            min_world_size=self._min_world_size)
         if self._received is not None:
             self._restore(self._received)
             self._received = None
@@ -125,21 +121,18 @@ class ResilientTrainer(Trainer):
                    steps_trained_in_current_epoch: Any) -> Any:
         """An epoch boundary: admit joiners, shard the data over the current world, then
         Trainer's epoch with the step counts of this world."""
-        if self._silent:
-            if epoch < self._resume_epoch:
+        steps = self._steps
+        if steps is not None:
+            if steps.joining and epoch < steps.epoch:
                 return None    # the members trained it before this process joined
-            self._silent = False
-        else:
-            self._epoch = epoch
-            if self._training is not None:
-                self._training.admit()
+            steps.begin_epoch(epoch)
         self._shard(train_dataloader)
         steps_in_epoch = len(train_dataloader)
         ga = self.args.gradient_accumulation_steps
         num_update_steps_per_epoch = max(math.ceil(steps_in_epoch / ga), 1)
         if num_update_steps_per_epoch != self._update_steps:
             self._follow_schedule(epoch, num_update_steps_per_epoch)
-        self._epoch, self._epoch_batches, self._committed_batches = epoch, steps_in_epoch, 0
+        self._epoch_batches = steps_in_epoch
         return super()._run_epoch(model, epoch, train_dataloader, steps_in_epoch,
                                   num_update_steps_per_epoch, trial, ignore_keys_for_eval,
                                   start_time, resume_from_checkpoint, epochs_trained,
@@ -153,7 +146,8 @@ class ResilientTrainer(Trainer):
                 f"Accelerate's BatchSamplerShard in the train dataloader, got "
                 f"{type(sampler).__name__} (an IterableDataset or dispatch_batches=True are not "
                 f"supported)")
-        sampler.num_processes, sampler.process_index = self._size, plugdist.get_rank()
+        sampler.num_processes = plugdist.get_world_size()
+        sampler.process_index = plugdist.get_rank()
 
     def _follow_schedule(self, epoch: int, update_steps: int) -> None:
         """An epoch-based run whose steps per epoch changed: the schedule's length becomes the
@@ -173,10 +167,8 @@ class ResilientTrainer(Trainer):
         self.callback_handler.lr_scheduler = scheduler
 
     # -- the world ---------------------------------------------------------------------------
-    def _world_changed(self) -> None:
-        old, new = self._size, plugdist.get_world_size()
+    def _world_changed(self, old: int, new: int) -> None:
         rank = plugdist.get_rank()
-        self._size = new
         one_node = os.environ.get("GROUP_WORLD_SIZE") == "1"   # plugdist-run on one host
         for shared in (PartialState._shared_state, AcceleratorState._shared_state):
             if shared:
@@ -185,17 +177,14 @@ class ResilientTrainer(Trainer):
                     shared["local_process_index"] = rank
         self.state.is_world_process_zero = self.is_world_process_zero()
         self.state.is_local_process_zero = self.is_local_process_zero()
-        if new < old:
-            left = max(0, self._epoch_batches - self._committed_batches)
-            lost = (old - new) * left * self.args.per_device_train_batch_size
-            if lost:
-                self.skipped_samples += lost
-                if self.is_world_process_zero():
-                    _log.warning("plugdist: %d rank(s) died in epoch %d: %d sample(s) of their "
-                                 "shards are not trained on this epoch (%d in all)",
-                                 old - new, self._epoch, lost, self.skipped_samples)
         if self._on_world_change is not None:
             self._on_world_change(self, old, new)
+
+    def _untrained_per_rank(self) -> int:
+        """This rank's samples of the epoch in no committed update step."""
+        assert self._steps is not None
+        left = max(0, self._epoch_batches - self._steps.committed_in_epoch)
+        return left * self.args.per_device_train_batch_size
 
     # -- the state a joiner receives ---------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -204,11 +193,11 @@ class ResilientTrainer(Trainer):
             type(cb).__name__: cb.state() for cb in [*self.callback_handler.callbacks, self.control]
             if isinstance(cb, ExportableState)}
         assert self.optimizer is not None and self.lr_scheduler is not None
-        return {"epoch": self._epoch, "trainer_state": state,
+        return {"trainer_state": state,
                 "model": self.accelerator.unwrap_model(self.model_wrapped).state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "lr_scheduler": self.lr_scheduler.state_dict(),
-                "update_steps": self._update_steps, "skipped_samples": self.skipped_samples}
+                "update_steps": self._update_steps}
 
     def _receive(self, state: dict[str, Any]) -> None:
         self._received = state
@@ -229,94 +218,53 @@ class ResilientTrainer(Trainer):
             if isinstance(cb, ExportableState) and isinstance(saved, dict):
                 for name, value in saved.get("attributes", {}).items():
                     setattr(cb, name, value)
-        self._resume_epoch, self._update_steps = state["epoch"], state["update_steps"]
-        self.skipped_samples = state["skipped_samples"]
-        self._silent = True
+        self._update_steps = state["update_steps"]
 
     # -- the step ----------------------------------------------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
-        try:
-            return self._training_step(model, inputs, num_items_in_batch)
-        except DistExcludedError as err:
-            raise _leave(err) from err
-
-    def _training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
-                       num_items_in_batch: Any) -> torch.Tensor:
-        training = self._training
-        if training is None:
+        steps = self._steps
+        if steps is None:
             return super().training_step(model, inputs, num_items_in_batch)
+        # the loss normalisation's count of the update step (shared by its micro-batches)
+        items, counted = [num_items_in_batch], num_items_in_batch is not None
+
+        def run(micro_inputs: dict[str, Any]) -> torch.Tensor:
+            return super(ResilientTrainer, self).training_step(model, micro_inputs, items[0])
+
         if not self.accelerator.gradient_state.sync_gradients:
             # an earlier micro-batch of the update step: no collective, unless the model's own
             # (its buffers' broadcast); if one fails, the update step's attempt has failed
-            self._window.append((inputs, num_items_in_batch))
-            try:
-                return super().training_step(model, inputs, num_items_in_batch)
-            except Exception as err:
-                if not is_rank_failure(err):
-                    raise
-                self._failed_in_step = True
-                return torch.zeros((), device=self.args.device)
-        earlier, self._window = self._window, []
-        redo = False
-        while True:
-            try:
-                if redo:
-                    for micro_inputs, micro_items in earlier:
-                        with self.accelerator.no_sync(model):
-                            super().training_step(model, micro_inputs, micro_items)
-                loss = super().training_step(model, inputs, num_items_in_batch)
-                finished = not self._failed_in_step
-            except Exception as err:
-                if not is_rank_failure(err):
-                    raise
-                finished = False
-            finally:
-                self._failed_in_step = False
-            if training.vote(finished):
-                self._committed_batches += len(earlier) + 1
-                return loss
-            training.recover()
-            redo = True
-            if num_items_in_batch is not None:   # the loss is normalised over the survivors
-                batches = [micro_inputs for micro_inputs, _ in earlier] + [inputs]
-                num_items_in_batch = self._get_num_items_in_batch(batches, self.args.device)
-                earlier = [(micro_inputs, num_items_in_batch) for micro_inputs, _ in earlier]
+            return steps.micro_batch(inputs, lambda: run(inputs),
+                                     lambda: torch.zeros((), device=self.args.device))
+        earlier_inputs = steps.recorded
+
+        def replay(micro_inputs: dict[str, Any]) -> None:
+            with self.accelerator.no_sync(model):
+                run(micro_inputs)
+
+        def recount() -> None:   # the loss is normalised over the survivors
+            if counted:   # (a count that failed fails the next attempt too: counted again)
+                items[0] = self._get_num_items_in_batch([*earlier_inputs, inputs],
+                                                        self.args.device)
+
+        return steps.commit(lambda: run(inputs), replay, recount)
 
     # -- collectives outside the step --------------------------------------------------------
     def _agreed(self, run: Callable[[], Any], before_redo: Callable[[], None] | None = None
                 ) -> Any:
-        """``run()`` until every member completed it; ``before_redo()`` before each run again.
-        Inside another agreement (or before a joiner trains), ``run()`` as it is."""
-        training = self._training
-        if training is None or self._agreeing or self._silent:
+        """``run()`` until every member completed it; ``before_redo()`` before each run again."""
+        if self._steps is None:
             return run()
-        first = [True]
-
-        def attempt() -> Any:
-            if not first[0] and before_redo is not None:
-                before_redo()
-            first[0] = False
-            return run()
-
-        self._agreeing = True
-        try:
-            return training.agree(attempt)
-        except DistExcludedError as err:
-            raise _leave(err) from err
-        finally:
-            self._agreeing = False
+        return self._steps.agree(run, before_redo)
 
     def _get_num_items_in_batch(self, batch_samples: list[Any], device: Any) -> Any:
         """Part of the update step: when its gather fails, the step's attempt has failed (its
         vote discards it) and the count is taken again over the survivors for the redo."""
-        try:
-            return super()._get_num_items_in_batch(batch_samples, device)
-        except Exception as err:
-            if self._training is None or not is_rank_failure(err):
-                raise
-            self._failed_in_step = True
-            return None
+        parent = super()._get_num_items_in_batch
+        if self._steps is None:
+            return parent(batch_samples, device)
+        return self._steps.in_attempt(lambda: parent(batch_samples, device), lambda: None)
 
     def _track_num_input_tokens(self, inputs: Any) -> Any:
         return self._agreed(lambda: super(ResilientTrainer, self)._track_num_input_tokens(inputs))
@@ -331,7 +279,8 @@ class ResilientTrainer(Trainer):
         return back
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        if self._silent:   # a joiner's eval_on_start: the members are training
+        if self._steps is not None and self._steps.joining:
+            # a joiner's eval_on_start: the members are training
             return {}
         return self._agreed(lambda: super(ResilientTrainer, self).evaluate(*args, **kwargs),
                             self._counters_back())
@@ -371,12 +320,3 @@ class ResilientTrainer(Trainer):
             del self.state.log_history[logged:]
             self.control = dataclasses.replace(control)
         return back
-
-
-def _leave(err: DistExcludedError) -> SystemExit:
-    """The others have excluded this process from the world (it was stopped or stalled past the
-    hang timeout, and they went on): exit with ``DistExcludedError.exit_code``, which
-    plugdist-run takes for a lost rank and, with ``--replace-failed``, replaces."""
-    print(f"plugdist: {err}; exiting with {err.exit_code} for plugdist-run to replace this "
-          f"process", file=sys.stderr, flush=True)
-    return SystemExit(err.exit_code)

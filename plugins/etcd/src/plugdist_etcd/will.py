@@ -70,7 +70,7 @@ class EtcdWill:
     ``liveness_timeout``: at most this many seconds pass between the holder's last renewal
     (its death, or the start of a stall) and the lease's expiry; the will then runs within a
     round trip or two. Because a stalled holder stops renewing too, this covers hangs of the
-    whole process as well as deaths (``plugdist._resilience.membership`` then writes no heartbeats).
+    whole process as well as deaths (``plugdist._resilience`` then writes no heartbeats).
     ``cancel()`` withdraws it (a clean exit); idempotent, blocks for up to two round trips.
     """
 

@@ -9,10 +9,11 @@ docs/backends.md states. Slow by design (two store round trips per message): it 
 contract, not a fast path.
 
 Threads: a send is one store ``set`` on the caller's thread; a receive runs on a thread of its
-own that waits in short slices, so ``shutdown`` can stop it, fail what is still pending, and join
-every thread. A program that exits without ``destroy_process_group`` is not held up either: the
-slices also end once the main thread has finished (the interpreter joins plain threads only
-after that, which is why these are not a ThreadPoolExecutor's, joined before it).
+own (started through the core's ``BackendThreads``) that waits in short slices, so ``shutdown``
+can stop it, fail what is still pending, and join every thread. A program that exits without
+``destroy_process_group`` is not held up either: ``BackendThreads.running()`` also turns false
+once the main thread has finished (the interpreter joins plain threads only after that, which is
+why these are not a ThreadPoolExecutor's, joined before it).
 """
 
 from __future__ import annotations
@@ -23,12 +24,21 @@ from datetime import timedelta
 from time import monotonic
 
 import torch
-from plugdist import DistError, DistTimeoutError, Store
-from plugdist.backend import BackendBase, GroupOptions, Work
+from plugdist.backend import (
+    POLL_SECONDS,
+    BackendBase,
+    BackendThreads,
+    DistError,
+    DistTimeoutError,
+    GroupOptions,
+    Store,
+    Work,
+    program_running,
+)
 
 __all__ = ["ToyProcessGroup"]
 
-_POLL = timedelta(seconds=0.2)  # how often a waiting receive checks for shutdown
+_POLL = timedelta(seconds=POLL_SECONDS)  # how often a waiting receive checks for shutdown
 
 
 class ToyProcessGroup(BackendBase):
@@ -44,8 +54,7 @@ class ToyProcessGroup(BackendBase):
         self._lock = threading.Lock()
         self._sent: dict[tuple[int, int], int] = defaultdict(int)
         self._received: dict[tuple[int, int], int] = defaultdict(int)
-        self._closed = threading.Event()
-        self._receivers: set[threading.Thread] = set()  # receive threads still running
+        self._threads = BackendThreads("toy")  # the receive threads
 
     @classmethod
     def is_available(cls) -> tuple[bool, str]:
@@ -79,11 +88,7 @@ class ToyProcessGroup(BackendBase):
         assert src is not None  # supports_any_source is False: the core refuses src=None first
         key = self._key(src, self.group_rank, tag, self._next(self._received, src, tag))
         work = self.work("recv", source_rank=src)
-        thread = threading.Thread(target=self._receive, args=(key, tensor, work),
-                                  name=f"toy-recv-{key}")
-        with self._lock:
-            self._receivers.add(thread)
-        thread.start()
+        self._threads.start(self._receive, f"recv-{key}", key, tensor, work)
         return work
 
     def _receive(self, key: str, tensor: torch.Tensor, work: Work) -> None:
@@ -92,9 +97,9 @@ class ToyProcessGroup(BackendBase):
         try:
             deadline = monotonic() + self.timeout.total_seconds()
             while True:
-                if not threading.main_thread().is_alive():
+                if not program_running():
                     return  # the program is exiting: nobody can wait on the Work any more
-                if self._closed.is_set():
+                if self._threads.closed:
                     raise DistError(f"{self.where('recv')} the group was shut down")
                 try:
                     self._store.wait([key], _POLL)
@@ -111,15 +116,9 @@ class ToyProcessGroup(BackendBase):
             work.set_exception(err)
         else:
             work.set_result([tensor])
-        finally:
-            with self._lock:
-                self._receivers.discard(threading.current_thread())
 
     def shutdown(self) -> None:
         """Stop the receive threads (each notices within one poll), failing every receive still
         pending, and join them: no thread of ours outlives the group."""
-        self._closed.set()
-        with self._lock:
-            running = list(self._receivers)
-        for thread in running:
-            thread.join()
+        self._threads.close()
+        self._threads.join()

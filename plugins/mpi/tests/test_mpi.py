@@ -1,8 +1,9 @@
 """The MPI plugin (plugdist-mpi) against real worlds started by the venv's ``mpiexec`` (MPICH).
 
-One world per size (2, 3, 4) runs every check of ``tests/_mpi_workers.py`` on every rank; each
-check is then its own test, failing with the message of every rank where it failed. The 2-rank
-world runs MPI at ``MPI_THREAD_SERIALIZED``, the others at mpi4py's default ``MULTIPLE``.
+One world per size (2, 3, 4) runs every check of ``_mpi_workers.py`` (beside this file) on
+every rank; each check is then its own test, failing with the message of every rank where it
+failed. The 2-rank world runs MPI at ``MPI_THREAD_SERIALIZED``, the others at mpi4py's default
+``MULTIPLE``.
 """
 
 from __future__ import annotations
