@@ -70,7 +70,10 @@ def run(args: argparse.Namespace) -> None:
     dist.init_process_group("mpi")
     pg = dist.group.WORLD
     rank = dist.get_rank()
-    comm = pg._comm  # the MPI plugin's communicator: the raw baseline on the same ranks
+    # the MPI plugin's communicator: the raw baseline on the same ranks (the group's backend
+    # since plugin API 2; the group itself before)
+    backend = pg.backend_for("cpu") if hasattr(pg, "backend_for") else pg
+    comm = backend._comm
     from mpi4py import MPI
 
     t = torch.ones(args.numel)
@@ -133,7 +136,13 @@ def local(args: argparse.Namespace) -> None:
     from plugdist._backend.reduce_op import ReduceOp
     from plugdist._observability.flight_recorder import recorder
 
-    class Nothing(ProcessGroup):
+    try:  # plugin API 2: a backend under the group; before it, the group was the backend
+        from plugdist.backend import BackendBase
+    except ImportError:
+        BackendBase = None  # noqa: N806
+    base: Any = ProcessGroup if BackendBase is None else BackendBase
+
+    class Nothing(base):  # type: ignore[misc,valid-type]
         backend_name = "nothing"
 
         def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> None:
@@ -145,7 +154,8 @@ def local(args: argparse.Namespace) -> None:
         def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> None:
             return None
 
-    pg = Nothing(0, 2, GroupOptions(group_name="local", global_ranks=(0, 1)))
+    made = Nothing(0, 2, GroupOptions(group_name="local", global_ranks=(0, 1)))
+    pg = made if BackendBase is None else ProcessGroup(made)
     recorder.add_group(pg, None, (0, 1), 0)
     t = torch.ones(args.numel)
     total = ReduceOp.SUM

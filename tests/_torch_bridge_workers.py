@@ -650,8 +650,8 @@ def detail_suite(rank: int, n: int, port: int) -> dict[str, str | None]:
 
     def wrapped() -> None:
         for group in (tdist.group.WORLD, sub):
-            inner = type(group.plugdist_group).__name__
-            if inner != "DebugProcessGroup":
+            inner = type(group.plugdist_group.backend_for("cpu")).__name__
+            if inner != "DebugBackend":
                 raise AssertionError(f"{group!r} is not wrapped by plugdist-debug ({inner})")
 
     def ddp_builds() -> None:

@@ -23,6 +23,18 @@ def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
+@pytest.fixture(scope="session")
+def legacy_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the test-only ``plugdist-legacy`` distribution (backends and a hook
+    written for plugin API 1), installed (not editable) with pip for a subprocess to put on its
+    PYTHONPATH. Installed once per test session."""
+    target = tmp_path_factory.mktemp("legacy-site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--target", str(target),
+                    str(HERE / "plugins" / "plugdist-legacy")], check=True, timeout=160)
+    return target
+
+
 def _etcd_cluster(size: int):  # type: ignore[no-untyped-def]
     testing = pytest.importorskip("plugdist_etcd.testing")
     if testing.etcd_binary() is None:

@@ -1,6 +1,6 @@
 """The backend author's contract stays complete: every hook a backend may define
-(``plugdist._group.process_group.BACKEND_HOOKS``, which must name every ``native_*`` hook of
-``ProcessGroup``) has a row in docs/backends.md and, where the base class defines it, a docstring
+(``plugdist.backend.BACKEND_HOOKS``, which must name every ``native_*`` hook of
+``BackendBase``) has a row in docs/backends.md and, where the base class defines it, a docstring
 of its own; every row of that page names a real hook or helper. Fails on a new hook added without
 its documentation, as pluggy's and datasette's hook references are checked."""
 
@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
-from plugdist import ProcessGroup
 from plugdist._group.process_group import BACKEND_HELPERS, BACKEND_HOOKS
+from plugdist.backend import BackendBase
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,10 +23,10 @@ def _documented() -> list[str]:
 
 
 def test_every_native_hook_is_a_listed_backend_hook() -> None:
-    natives = {name for name in dir(ProcessGroup) if name.startswith("native_")}
+    natives = {name for name in dir(BackendBase) if name.startswith("native_")}
     missing = sorted(natives - set(BACKEND_HOOKS))
-    assert not missing, (f"ProcessGroup hooks missing from BACKEND_HOOKS "
-                         f"(core/src/plugdist/_group/process_group.py): {missing}")
+    assert not missing, (f"BackendBase hooks missing from BACKEND_HOOKS "
+                         f"(core/src/plugdist/_backend/base.py): {missing}")
 
 
 def test_every_hook_and_helper_has_a_row_on_the_page() -> None:
@@ -46,14 +46,14 @@ def test_every_row_on_the_page_names_a_hook_or_helper() -> None:
 def test_every_hook_the_base_class_defines_has_its_own_docstring() -> None:
     undocumented = []
     for name in (*BACKEND_HOOKS, *BACKEND_HELPERS):
-        member = inspect.getattr_static(ProcessGroup, name, None)
+        member = inspect.getattr_static(BackendBase, name, None)
         if isinstance(member, (classmethod, staticmethod)):
             member = member.__func__
         if not callable(member):
             continue  # attributes (documented on the page), hooks the base class lacks
         if not (member.__doc__ or "").strip():
             undocumented.append(name)
-    assert not undocumented, f"ProcessGroup members without a docstring: {undocumented}"
+    assert not undocumented, f"BackendBase members without a docstring: {undocumented}"
 
 
 def test_the_page_states_the_current_plugin_api() -> None:

@@ -8,17 +8,18 @@ paths run across real processes in their conformance runs and error-path tests.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import plugdist as dist
 import pytest
 import torch
-from plugdist import ProcessGroup, ReduceOp, Work
+from plugdist import ReduceOp, Work
 from plugdist._registry import BACKENDS, registry
+from plugdist.backend import BackendBase
 
 
-class Solo(ProcessGroup):
+class Solo(BackendBase):
     """One rank: an all_reduce leaves the tensor as it is. Records the path of every call."""
 
     backend_name = "solo"
@@ -49,25 +50,22 @@ class Solo(ProcessGroup):
 
 
 class Observed(Solo):
-    """Overrides public ops, as a wrapper does: the blocking path must not bypass them."""
+    """Sees every public op (``wrap_op``), as a wrapper does: the blocking path must not bypass
+    it."""
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
-        self.calls.append(("public", op))
-        return super().all_reduce(tensor, op)
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Work:
-        self.calls.append(("public", "broadcast"))
-        return super().broadcast(tensor, src)
+    def wrap_op(self, op: str, args: dict[str, Any], run: Callable[[], Work]) -> Work:
+        self.calls.append(("public", args["op"] if op == "all_reduce" else op))
+        return run()
 
 
 @contextlib.contextmanager
 def world_of(backend: type[Solo]) -> Iterator[Solo]:
-    """A one-rank default group of ``backend``, through the frontend."""
+    """A one-rank default group of ``backend``, through the frontend; yields its backend."""
     dist.Backend.register_backend("solo", backend, devices=["cpu"])
     try:
         dist.init_process_group("solo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            yield dist.group.WORLD
+            yield dist.group.WORLD.backend_for("cpu")
         finally:
             dist.destroy_process_group()
     finally:
@@ -157,7 +155,7 @@ def test_a_declined_or_failed_blocking_call_leaves_no_intent_behind() -> None:
             dist.broadcast(torch.ones(4, 4).t(), src=0)
         solo.calls.clear()
         # the next op of this thread is not mistaken for the synchronous one that failed
-        work = solo.broadcast(torch.ones(2))
+        work = dist.group.WORLD.broadcast(torch.ones(2))
         assert work.wait() and solo.calls == [("work", "broadcast")]
 
 
@@ -195,7 +193,7 @@ class Lean(Solo):
 
 def test_hot_sync_ops_take_their_lean_hooks() -> None:
     with world_of(Lean) as pg:
-        assert set(type(pg)._lean) == {"all_reduce", "broadcast", "reduce",
+        assert set(dist.group.WORLD._lean) == {"all_reduce", "broadcast", "reduce",
                                        "all_gather_into_tensor", "reduce_scatter_tensor",
                                        "all_to_all_single"}
         t = torch.arange(6.0).reshape(3, 2)
@@ -225,8 +223,10 @@ def test_lean_routes_refuse_what_the_public_op_refuses() -> None:
         t = torch.ones(4)
         cases = [
             (lambda: dist.broadcast(t, src=1), ValueError, "src=1 is not a member"),
-            (lambda: pg.run_blocking("broadcast", t, 1), ValueError, "src=1 is not a rank"),
-            (lambda: pg.run_blocking("reduce", t, -1), ValueError, "dst=-1 is not a rank"),
+            (lambda: dist.group.WORLD.run_blocking("broadcast", t, 1), ValueError,
+             "src=1 is not a rank"),
+            (lambda: dist.group.WORLD.run_blocking("reduce", t, -1), ValueError,
+             "dst=-1 is not a rank"),
             (lambda: dist.all_gather_into_tensor(torch.empty(5), t), ValueError,
              "output must hold world_size x input"),
             (lambda: dist.all_gather_into_tensor(torch.empty(4, dtype=torch.int64), t),

@@ -156,11 +156,12 @@ def _core_private_members() -> dict[str, set[str]]:
     class attributes, ``self._x``)."""
     import inspect
 
-    from plugdist.backend import AbortSignal, ProcessGroup, Store, Work
+    from plugdist.backend import AbortSignal, BackendBase, BackendWrapper, ProcessGroup, Store, Work
     from plugdist.store import FileStore, HashStore, PrefixStore, TCPStore
 
     members: dict[str, set[str]] = {}
-    for cls in (ProcessGroup, Work, AbortSignal, Store, PrefixStore, TCPStore, HashStore,
+    for cls in (BackendBase, BackendWrapper, ProcessGroup, Work, AbortSignal, Store, PrefixStore,
+                TCPStore, HashStore,
                 FileStore):
         names = members.setdefault(cls.__name__, set())
         for klass in cls.__mro__:

@@ -25,6 +25,7 @@ import torch
 from plugdist import GroupOptions, ProcessGroup, ReduceOp, Work, dump_flight_recorder
 from plugdist._backend.work import completed_work
 from plugdist._observability.flight_recorder import recorder
+from plugdist.backend import BackendBase
 from plugdist.testing import run_world
 from plugdist.testing.pytest_plugin import available_backends
 
@@ -169,7 +170,7 @@ def test_lifecycle_events_are_json_lines(tmp_path: Path) -> None:
 
 
 # -- the recorder's entries, in-process ----------------------------------------------------------
-class _Echo(ProcessGroup):
+class _Echo(BackendBase):
     """One rank, ops done at once: enough to read the entries the core records."""
 
     backend_name = "echo"
@@ -197,8 +198,8 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_entries_speak_torchs_terms(recording: None, tmp_path: Path) -> None:
-    echo = _Echo(0, 1, GroupOptions(group_name="e", global_ranks=(0,)))
-    nccl = _Nccl(0, 1, GroupOptions(group_name="n", global_ranks=(0,)))
+    echo = ProcessGroup(_Echo(0, 1, GroupOptions(group_name="e", global_ranks=(0,))))
+    nccl = ProcessGroup(_Nccl(0, 1, GroupOptions(group_name="n", global_ranks=(0,))))
     for pg in (echo, nccl):
         recorder.add_group(pg, None, (0,), 0)
     t = torch.ones(3, dtype=torch.float64)
@@ -221,7 +222,7 @@ def test_entries_speak_torchs_terms(recording: None, tmp_path: Path) -> None:
 
 def test_nothing_is_recorded_when_nobody_watches(tmp_path: Path) -> None:
     recorder.reset()
-    pg = _Echo(0, 1, GroupOptions(group_name="quiet", global_ranks=(0,)))
+    pg = ProcessGroup(_Echo(0, 1, GroupOptions(group_name="quiet", global_ranks=(0,))))
     pg.run_blocking("all_reduce", torch.ones(2), ReduceOp.SUM)
     assert not recorder.on
     assert pickle.loads(Path(dump_flight_recorder(tmp_path / "d")).read_bytes())["entries"] == []

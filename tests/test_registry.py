@@ -7,10 +7,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import plugdist as dist
 import pytest
+import torch
 from plugdist._registry import BACKENDS, PluginNotFoundError, Registry, registry
+from plugdist.backend import BackendBase, Work, completed_work
+from plugdist.errors import DistError
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(180)
@@ -165,3 +169,52 @@ def test_broken_store_plugin_is_reported(broken_site: Path) -> None:
     assert "ERR the store 'brokenstore' is installed but failed to load" in proc.stdout
     assert "plugdist_dependency_that_does_not_exist" in proc.stdout
     assert "ERR2 the store 'brokenstore'" in proc.stdout and "TCP OK True" in proc.stdout
+
+
+# -- one group, one backend per device type -----------------------------------------------------
+class _Meta(BackendBase):
+    """Ops on ``meta`` tensors, done at once; records what reached it."""
+
+    backend_name = "metaonly"
+    device_types = ("meta",)
+
+    def __init__(self, store: Any, rank: int, size: int, options: Any) -> None:
+        super().__init__(rank, size, options)
+        self.calls: list[str] = []
+
+    def native_all_reduce(self, *, tensor: torch.Tensor, op: Any) -> Work:
+        self.calls.append("all_reduce")
+        return completed_work([tensor])
+
+
+def test_a_device_map_builds_one_group_over_a_backend_per_device_type() -> None:
+    dist.Backend.register_backend("metaonly", _Meta)
+    try:
+        dist.init_process_group("cpu:gloo,meta:metaonly", store=dist.HashStore(), rank=0,
+                                world_size=1)
+        try:
+            pg = dist.group.WORLD
+            assert isinstance(pg, dist.ProcessGroup) and pg.device_types == ("cpu", "meta")
+            gloo, meta = pg.backend_for("cpu"), pg.backend_for("meta")
+            assert type(gloo).__name__ == "GlooProcessGroup" and isinstance(meta, _Meta)
+            assert pg.backends == {"cpu": gloo, "meta": meta}
+            # torch's default group runs over it, as torch's device map of plugdist_* backends
+            assert torch.distributed.is_initialized()
+            assert torch.distributed.group.WORLD.plugdist_group is pg
+            t = torch.ones(3)
+            dist.all_reduce(t)                               # gloo's
+            dist.all_reduce(t, async_op=True).wait()
+            assert meta.calls == [] and torch.equal(t, torch.ones(3))
+            dist.all_reduce(torch.ones(3, device="meta"))    # the meta backend's
+            assert meta.calls == ["all_reduce"]
+            with pytest.raises(ValueError, match="no backend for cuda tensors"):
+                pg.backend_for("cuda")
+        finally:
+            dist.destroy_process_group()
+        with pytest.raises(DistError, match="mapped to cpu but handles meta"):
+            dist.init_process_group("cpu:metaonly", store=dist.HashStore(), rank=0, world_size=1)
+        with pytest.raises(ValueError, match="names each device type once"):
+            dist.init_process_group("cpu:gloo,cpu:toy", store=dist.HashStore(), rank=0,
+                                    world_size=1)
+    finally:
+        registry.unregister(BACKENDS, "metaonly")

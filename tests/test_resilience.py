@@ -399,6 +399,7 @@ def test_a_failure_reported_by_a_backend_reaches_every_member() -> None:
     at once and aborts its groups; the death log tells the others, once per failed member."""
     import json
 
+    from plugdist._backend.base import BackendBase
     from plugdist._group.process_group import ProcessGroup
     from plugdist._resilience.membership import Membership
     from plugdist.store import HashStore
@@ -407,7 +408,7 @@ def test_a_failure_reported_by_a_backend_reaches_every_member() -> None:
     store = HashStore()
     members = ["0", "1", "2"]
     reporter, other = Membership(store, "0", members), Membership(store, "1", members)
-    pg = ProcessGroup(0, 3)
+    pg = ProcessGroup(BackendBase(0, 3))
     reporter.watch(pg, members)
     reporter.report([2], "MPI reported it: MPI_ERR_PROC_FAILED")
     reporter.report([2, 0], "again")  # known already, or this process itself: ignored

@@ -3,7 +3,7 @@
 The level is read once on first use and may be changed at runtime; plugins observe changes
 through the ``plugdist_debug_level_changed`` hook, which the registry calls as an observer of
 this module (this module imports nothing of plugdist's, so the hook specs can name its enum).
-DETAIL is carried out by a plugin that implements ``plugdist_wrap_process_group`` (the
+DETAIL is carried out by a plugin that implements ``plugdist_wrap_backend`` (the
 ``plugdist-debug`` distribution).
 """
 

@@ -26,17 +26,16 @@ import pluggy
 
 from plugdist import _debug_level as debug_level
 from plugdist import hookspecs
+from plugdist._backend.base import MIGRATION, PLUGIN_API, BackendBase
 from plugdist._backend.hook_checks import nearest, unknown_hook
 from plugdist.errors import HookContractError, PluginAPIError, PluginHookError, PluginNotFoundError
 
 __all__ = ["Registry", "registry", "PluginInfo", "GROUPS", "Backend", "PluginNotFoundError",
            "BACKENDS", "STORES", "PLUGIN_API", "PluginAPIError", "plugin_api_refusal",
-           "declared_plugin_api", "PluginHookError"]
+           "declared_plugin_api", "PluginHookError", "legacy_backend_refusal", "MIGRATION"]
 
-# The version of the backend plugin API: what docs/backends.md describes (the hooks, their
-# arguments, what they return). The minor number grows when hooks are added (a plugin written
-# for 1.0 keeps working under 1.3); the major number changes when a hook changes or goes away.
-PLUGIN_API: tuple[int, int] = (1, 0)
+# the hook plugin API 1 had, which plugin API 2 replaced (see _old_hook_refusal)
+_OLD_WRAP_HOOK = "plugdist_wrap_process_group"
 
 BACKENDS = "plugdist.backends"
 STORES = "plugdist.stores"
@@ -57,13 +56,42 @@ def _api_text(version: tuple[int, int]) -> str:
 def declared_plugin_api(obj: Any, module: str | None = None) -> Any:
     """The plugin API version ``obj`` (what an entry point names) declares: its own
     ``plugin_api`` attribute (a backend class's, a hook module's), else that of ``module`` (the
-    entry point's module; default: the one defining ``obj``), else (1, 0), the API as it was
+    entry point's module; default: the one defining ``obj``). Without one: (2, 0) for a
+    subclass of ``BackendBase`` (which plugin API 2.0 introduced), else (1, 0), the API as it was
     before it had a version."""
+    declared = _own_declaration(obj, module)
+    if declared is None:
+        origin = module or getattr(obj, "__module__", None) or ""
+        if origin.split(".")[0] == "plugdist":  # the core's own (its stores, its rendezvous)
+            return PLUGIN_API
+        return (2, 0) if isinstance(obj, type) and issubclass(obj, BackendBase) else (1, 0)
+    return declared
+
+
+def _own_declaration(obj: Any, module: str | None) -> Any:
     declared = getattr(obj, "plugin_api", None)
     if declared is None:
         found = sys.modules.get(module or getattr(obj, "__module__", None) or "")
         declared = getattr(found, "plugin_api", None)
-    return (1, 0) if declared is None else declared
+    return declared
+
+
+def legacy_backend_refusal(name: str, obj: Any, origin: str) -> str:
+    """The refusal of a backend written for plugin API 1 (a ``ProcessGroup`` subclass): what to
+    change, exactly."""
+    what = obj.__name__ if isinstance(obj, type) else type(obj).__name__
+    return (f"backend {name!r} ({origin}) is written for plugdist plugin API 1 ({what} is a "
+            f"ProcessGroup with native_* hooks), but this plugdist provides plugin API "
+            f"{_api_text(PLUGIN_API)}, where the group users hold and the backend under it are "
+            f"separate classes. To port {what}: {MIGRATION}. Or install a version of the "
+            f"plugin written for plugin API {PLUGIN_API[0]}.x")
+
+
+def _is_legacy_backend(obj: Any) -> bool:
+    """A class written for plugin API 1: a backend class that is no BackendBase (it subclasses
+    the ProcessGroup users hold, which carried the native hooks then)."""
+    return (isinstance(obj, type) and not issubclass(obj, BackendBase)
+            and any(n.startswith("native_") for n in dir(obj)))
 
 
 def plugin_api_refusal(kind: str, name: str, obj: Any, origin: str,
@@ -73,13 +101,24 @@ def plugin_api_refusal(kind: str, name: str, obj: Any, origin: str,
 
     A plugin declares ``plugin_api = (major, minor)``: the API version it was written for,
     standing for every version from it up to the next major one. The core accepts it when the
-    majors are equal and the core's minor is at least the plugin's."""
+    majors are equal and the core's minor is at least the plugin's. A backend factory that is
+    a function and declares nothing is judged by what it returns (``build_group`` refuses
+    anything but a ``BackendBase``)."""
+    if kind == "backend" and not isinstance(obj, type) and _own_declaration(obj, module) is None:
+        return None
     declared = declared_plugin_api(obj, module)
     if (not isinstance(declared, tuple) or len(declared) != 2
             or not all(isinstance(v, int) for v in declared)):
         return (f"{kind} {name!r} ({origin}) declares plugin_api = {declared!r}; it must be a "
                 f"(major, minor) tuple of ints such as {PLUGIN_API!r}")
+    if kind == "backend" and _is_legacy_backend(obj) and declared < PLUGIN_API:
+        return legacy_backend_refusal(name, obj, origin)
     if declared[0] == PLUGIN_API[0] and declared[1] <= PLUGIN_API[1]:
+        if kind == "plugin" and hasattr(obj, _OLD_WRAP_HOOK):
+            return (f"plugin {name!r} ({origin}) implements {_OLD_WRAP_HOOK}, which plugin API "
+                    f"2.0 replaced: rename it plugdist_wrap_backend(backend, store, "
+                    f"debug_level), which receives a backend and returns a "
+                    f"plugdist.backend.BackendWrapper around it (or None)")
         return None
     fix = (f"upgrade plugdist to one that provides plugin API {_api_text(declared)}"
            if declared > PLUGIN_API else
@@ -289,14 +328,14 @@ class Registry:
                 self._contract_broken.add((PLUGINS, name))
                 pm.unregister(plugin)  # and with it its unknown hooks' implementations
 
-    def wrap_group(self, group: Any, **kwargs: Any) -> Any:
-        """Apply every plugin's ``plugdist_wrap_process_group`` in turn (wrappers chain)."""
-        for impl in reversed(self.plugins().hook.plugdist_wrap_process_group.get_hookimpls()):
-            wrapped = impl.function(group=group, **{k: v for k, v in kwargs.items()
-                                                    if k in impl.argnames})
+    def wrap_backend(self, backend: Any, **kwargs: Any) -> Any:
+        """Apply every plugin's ``plugdist_wrap_backend`` in turn (wrappers chain)."""
+        for impl in reversed(self.plugins().hook.plugdist_wrap_backend.get_hookimpls()):
+            wrapped = impl.function(backend=backend, **{k: v for k, v in kwargs.items()
+                                                        if k in impl.argnames})
             if wrapped is not None:
-                group = wrapped
-        return group
+                backend = wrapped
+        return backend
 
     def has_hook(self, hook_name: str) -> bool:
         return bool(getattr(self.plugins().hook, hook_name).get_hookimpls())

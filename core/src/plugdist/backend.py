@@ -6,10 +6,11 @@ plugdist only this module and the other public ones (``plugdist``, ``plugdist.st
 plugdist is private and may change in any release. The names here are covered by
 :data:`plugdist.PLUGIN_API`: a change that breaks them bumps its major version.
 
-    from plugdist.backend import ProcessGroup, GroupOptions, Work
+    from plugdist.backend import BackendBase, GroupOptions, Work
 
-    class FooProcessGroup(ProcessGroup):
+    class FooBackend(BackendBase):
         backend_name = "foo"
+        plugin_api = (2, 0)
 
         def __init__(self, store, rank, size, options):
             super().__init__(rank, size, options)
@@ -20,9 +21,12 @@ plugdist is private and may change in any release. The names here are covered by
 
 docs/backends.md gives every hook's contract. What is here:
 
-* the base class and what describes a group: ``ProcessGroup`` (subclass it, override
-  ``native_*`` hooks), ``GroupOptions``, ``Capabilities``, ``OPS``, ``BACKEND_HOOKS``,
-  ``DEFAULT_TIMEOUT``, ``GroupLike`` (a group's identity, for helpers that take one);
+* the base class and what describes a group: ``BackendBase`` (subclass it, override
+  ``native_*`` hooks), ``BackendWrapper`` (subclass it to wrap a backend: it forwards
+  everything), ``GroupOptions``, ``Capabilities``, ``OPS``, ``BACKEND_HOOKS``,
+  ``DEFAULT_TIMEOUT``, ``GroupLike`` (a group's identity, for helpers that take one), and
+  ``ProcessGroup``, the group users hold over one backend per device type (not a base class
+  for backends since plugin API 2.0);
 * completing ops: ``Work``, ``completed_work``, ``failed_work``, ``gather_works``;
 * aborting: ``AbortSignal``, ``wait_sliced`` (a blocking wait that an abort releases);
 * reductions: ``ReduceOp``, ``ALL_REDUCE_OPS``, ``check_reduce_op``;
@@ -44,18 +48,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from plugdist._backend.abort import AbortSignal, wait_sliced
+from plugdist._backend.base import BACKEND_HOOKS, DEFAULT_TIMEOUT, OPS, BackendBase, GroupOptions
 from plugdist._backend.capabilities import ALL_REDUCE_OPS, Capabilities
 from plugdist._backend.group import GroupLike
 from plugdist._backend.reduce_op import ReduceOp, check_reduce_op
 from plugdist._backend.threads import POLL_SECONDS, BackendThreads, program_running, recv_exact
 from plugdist._backend.work import Work, completed_work, failed_work, gather_works
-from plugdist._group.process_group import (
-    BACKEND_HOOKS,
-    DEFAULT_TIMEOUT,
-    OPS,
-    GroupOptions,
-    ProcessGroup,
-)
+from plugdist._backend.wrapper import BackendWrapper
+from plugdist._group.process_group import ProcessGroup
 from plugdist._lifecycle.regroup import report_failed_ranks
 from plugdist._log import get_logger, set_log_level
 from plugdist._observability.observe import active as observing
@@ -80,7 +80,8 @@ if TYPE_CHECKING:
     from plugdist.store._for_torch import PlugdistStoreForTorch
 
 __all__ = [
-    "ProcessGroup", "GroupOptions", "Capabilities", "OPS", "BACKEND_HOOKS", "DEFAULT_TIMEOUT",
+    "BackendBase", "BackendWrapper", "ProcessGroup", "GroupOptions", "Capabilities", "OPS",
+    "BACKEND_HOOKS", "DEFAULT_TIMEOUT",
     "GroupLike",
     "Work", "completed_work", "failed_work", "gather_works",
     "AbortSignal", "wait_sliced",

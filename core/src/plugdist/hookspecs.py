@@ -14,6 +14,7 @@ import pluggy
 if TYPE_CHECKING:
     import argparse
 
+    from plugdist._backend.base import BackendBase
     from plugdist._debug_level import DebugLevel
     from plugdist._group.process_group import ProcessGroup
     from plugdist.store.api import Store
@@ -26,14 +27,17 @@ __all__ = ["hookspec", "hookimpl", "PROJECT"]
 
 
 @hookspec
-def plugdist_wrap_process_group(group: ProcessGroup, store: Store,
-                                debug_level: DebugLevel) -> ProcessGroup | None:
-    """Return a ProcessGroup that wraps ``group`` (used exactly like it), or None to leave it.
+def plugdist_wrap_backend(backend: BackendBase, store: Store,
+                          debug_level: DebugLevel) -> BackendBase | None:
+    """Return a backend that wraps ``backend`` (a ``plugdist.backend.BackendWrapper`` around
+    it: it forwards every hook and attribute), or None to leave it.
 
-    Called on every member rank for every group built by ``init_process_group`` and
-    ``new_group``, after the backend group exists and before anyone uses it. Wrappers chain:
-    each plugin receives the group returned by the one before. ``store`` is a store private to
-    this group (for side channels independent of the backend).
+    Called on every member rank for each backend of every group (one per device type), after
+    the backend exists and before the ProcessGroup over it is used. Wrappers chain: each plugin
+    receives the backend returned by the one before. ``store`` is a store private to this
+    group and backend (for side channels independent of the backend). A wrapper that overrides
+    ``wrap_op`` sees every public op of the group (plugin API 2.0; it replaced
+    ``plugdist_wrap_process_group``).
     """
 
 

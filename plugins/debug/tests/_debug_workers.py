@@ -37,9 +37,9 @@ def _error_of(fn: Callable[[], Any]) -> dict[str, Any]:
 
 
 def _wrapped(pg: Any) -> bool:
-    from plugdist_debug import DebugProcessGroup
+    from plugdist_debug import DebugBackend
 
-    return isinstance(pg, DebugProcessGroup)
+    return all(isinstance(b, DebugBackend) for b in pg.backends.values())
 
 
 # -- mismatches and stuck ranks (3 ranks, rank 1 is the odd one) ----------------------------------
@@ -247,6 +247,7 @@ def numbering_matches_flight_recorder(rank: int, ws: int) -> dict[str, Any]:
             for e in recorder.snapshot()["entries"]
             if e["process_group"][0] == "0" and not e["is_p2p"]]
     debug = [(e["seq"], e["op"], e["state"])
-             for e in dist.group.WORLD.recorder.snapshot()["entries"] if e["seq"] is not None]
+             for e in dist.group.WORLD.backend_for("cpu").recorder.snapshot()["entries"]
+             if e["seq"] is not None]
     dist.barrier()
     return {"error": err, "core": core, "debug": debug}

@@ -235,7 +235,7 @@ def test_analyze_reports_missing_and_incomplete(tmp_path: Path) -> None:
 def test_core_warns_once_when_detail_has_no_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
     from plugdist._registry import registry
 
-    assert registry.has_hook("plugdist_wrap_process_group"), "plugdist-debug is not registered"
+    assert registry.has_hook("plugdist_wrap_backend"), "plugdist-debug is not registered"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         groups._warn_if_detail_unserved(DebugLevel.DETAIL)     # served: silent

@@ -19,6 +19,7 @@ from typing import Any
 import plugdist as dist
 import pytest
 import torch
+from plugdist import ProcessGroup
 from plugdist._backend.reduce_op import ReduceOp
 from plugdist._group.process_group import OPS, GroupOptions
 from plugdist.errors import DistError, DistNetworkError, DistTimeoutError
@@ -168,7 +169,8 @@ def _show(t: torch.Tensor) -> Any:
 def collectives_world(rank: int, n: int) -> dict[str, Any]:
     pg = dist.group.WORLD
     c = Checks(rank)
-    c.check(isinstance(pg, GlooProcessGroup), "default group type", type(pg).__name__)
+    c.check(isinstance(pg.backend_for("cpu"), GlooProcessGroup), "default group's backend type",
+            type(pg.backend_for("cpu")).__name__)
     caps = pg.capabilities()
     c.check(all(caps.is_native(op, "cpu") for op in OPS), "every op native on cpu",
             sorted(op for op in OPS if not caps.is_native(op, "cpu")), [])
@@ -227,11 +229,12 @@ def collectives_world(rank: int, n: int) -> dict[str, Any]:
 def _lean_hooks(pg: Any, c: Checks, rank: int, n: int) -> None:
     """Synchronous hot ops take the lean hooks (no GlooWork) and get every rank's answer,
     staged dtypes (bfloat16, bool) included."""
-    c.check(set(type(pg)._lean) == {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
-                                    "reduce_scatter_tensor", "all_to_all_single"},
-            "every hot op has a lean hook", sorted(type(pg)._lean))
+    c.check(set(pg._lean) == {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
+                              "reduce_scatter_tensor", "all_to_all_single"},
+            "every hot op has a lean hook", sorted(pg._lean))
     t = values(torch.float32, rank)
-    c.check(pg.native_broadcast_blocking(tensor=t, src=n - 1) is None, "lean hook returns None")
+    c.check(pg.backend_for("cpu").native_broadcast_blocking(tensor=t, src=n - 1) is None,
+            "lean hook returns None")
     c.check(same_bytes(t, values(torch.float32, n - 1)), "lean broadcast", _show(t))
     for dtype in (torch.float32, torch.bfloat16, torch.int16, torch.bool):
         red = ReduceOp.MAX
@@ -367,10 +370,10 @@ def test_collectives_every_op_dtype_and_reduction() -> None:
 
 
 # -- failures: a silent rank, then a dead one ---------------------------------------------------
-def _group(store: TCPStore, name: str, rank: int, n: int, seconds: float) -> GlooProcessGroup:
+def _group(store: TCPStore, name: str, rank: int, n: int, seconds: float) -> ProcessGroup:
     opts = GroupOptions(group_name=name, timeout=timedelta(seconds=seconds),
                         global_ranks=tuple(range(n)))
-    return GlooProcessGroup(PrefixStore(name, store), rank, n, opts)
+    return ProcessGroup(GlooProcessGroup(PrefixStore(name, store), rank, n, opts))
 
 
 def failure_world(rank: int, n: int) -> dict[str, Any]:
@@ -458,7 +461,7 @@ def churn_world(rank: int, n: int, rounds: int) -> dict[str, Any]:
     for i in range(rounds):
         opts = GroupOptions(group_name=f"churn{i}", timeout=timedelta(seconds=30),
                             global_ranks=tuple(range(n)))
-        pg = GlooProcessGroup(PrefixStore(f"churn{i}", store), rank, n, opts)
+        pg = ProcessGroup(GlooProcessGroup(PrefixStore(f"churn{i}", store), rank, n, opts))
         t = torch.full((4,), float(rank))
         pg.all_reduce(t).wait()
         if t.tolist() != [float(sum(range(n)))] * 4:
@@ -566,7 +569,7 @@ def test_store_bridge_serves_torch_cpp_callers() -> None:
 
 @pytest.mark.timeout(60)
 def test_single_rank_group_and_shutdown() -> None:
-    pg = GlooProcessGroup(HashStore(), 0, 1, GroupOptions(group_name="solo"))
+    pg = ProcessGroup(GlooProcessGroup(HashStore(), 0, 1, GroupOptions(group_name="solo")))
     t = torch.tensor([3, 65535], dtype=torch.uint16)
     assert pg.all_reduce(t, op=ReduceOp.MAX).wait()
     assert t.tolist() == [3, 65535]

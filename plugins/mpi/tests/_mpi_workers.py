@@ -22,6 +22,7 @@ from typing import Any
 
 import plugdist as dist
 import torch
+from plugdist import ProcessGroup
 from plugdist._backend.reduce_op import ReduceOp
 from plugdist._group.process_group import OPS, GroupOptions
 from plugdist._world.state import world as _world
@@ -142,7 +143,7 @@ def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def check_world_is_mpi(rank: int, ws: int) -> None:
     from mpi4py import MPI
 
-    pg = dist.group.WORLD
+    pg = dist.group.WORLD.backend_for("cpu")
     assert isinstance(pg, MPIProcessGroup), type(pg)
     assert (pg.rank(), pg.size()) == (MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size) == (rank, ws)
     level = os.environ.get("PLUGDIST_MPI_THREAD_LEVEL", "multiple")
@@ -431,8 +432,8 @@ def check_any_source_in_subgroup(rank: int, ws: int) -> None:
     members = list(range(ws))[::-1]   # the frontend sorts ranks: the object API keeps order
     top = ws - 1
     store = PrefixStore("mpi-test/reversed", _world.store)
-    pg = MPIProcessGroup(store, members.index(rank), ws,
-                         GroupOptions(group_name="reversed", global_ranks=tuple(members)))
+    pg = ProcessGroup(MPIProcessGroup(store, members.index(rank), ws, GroupOptions(
+        group_name="reversed", global_ranks=tuple(members))))
     try:
         assert pg.rank() == members.index(rank)
         t = torch.tensor([float(rank)])
@@ -461,8 +462,8 @@ def check_members_only_construction(rank: int, ws: int) -> None:
     members = (0, ws - 1)
     if rank in members:
         store = PrefixStore("mpi-test/ends", _world.store)
-        pg = MPIProcessGroup(store, members.index(rank), 2,
-                             GroupOptions(group_name="ends", global_ranks=members))
+        pg = ProcessGroup(MPIProcessGroup(store, members.index(rank), 2,
+                                          GroupOptions(group_name="ends", global_ranks=members)))
         try:
             t = torch.tensor([rank + 1.0])
             pg.all_reduce(t).wait()
@@ -610,8 +611,9 @@ def check_sync_hot_ops_take_their_lean_hooks(rank: int, ws: int) -> None:
     with every rank's answer, for predefined and user-defined (float16) MPI ops alike; cases it
     cannot do in place (no MPI spec made yet, overlapping tensors) it leaves to native_blocking,
     and the frontend still gets them right (or refuses them, naming the fix)."""
-    pg = dist.group.WORLD
-    assert set(type(pg)._lean) == LEAN_OPS
+    group = dist.group.WORLD
+    pg = group.backend_for("cpu")  # the backend: its lean hooks
+    assert set(group._lean) == LEAN_OPS
     cases = [(torch.float32, R.SUM), (torch.int64, R.MAX), (torch.float16, R.SUM),
              (torch.bfloat16, R.MIN)]
     for dtype, op in cases:
@@ -671,8 +673,9 @@ def check_sync_hot_ops_take_their_lean_hooks(rank: int, ws: int) -> None:
 def check_sync_ops_run_on_the_calling_thread(rank: int, ws: int) -> None:
     """Every collective the blocking path may take runs through native_blocking (None, not
     NotImplemented: no Work made) with every rank's answer, staging copies included."""
-    pg = dist.group.WORLD
-    assert pg._blocking_ops == OPS_BLOCKING
+    group = dist.group.WORLD
+    pg = group.backend_for("cpu")  # the backend: its native_blocking
+    assert group._blocking_ops == OPS_BLOCKING
     t = torch.full((3,), float(rank))
     assert pg.native_blocking("broadcast", {"tensor": t, "src": ws - 1}) is None
     same(t, torch.full((3,), float(ws - 1)), "blocking broadcast")
@@ -712,10 +715,11 @@ def check_stuck_peer_times_out(rank: int, ws: int) -> None:
     if rank > 1:
         dist.barrier()
         return
-    pg = MPIProcessGroup(PrefixStore("pair", store), rank, 2,
-                         GroupOptions(group_name="pair", global_ranks=(0, 1)))
+    backend = MPIProcessGroup(PrefixStore("pair", store), rank, 2,
+                              GroupOptions(group_name="pair", global_ranks=(0, 1)))
     # from now on every wait without its own timeout gives up after half a second
-    pg.options = dataclasses.replace(pg.options, timeout=timedelta(seconds=0.5))
+    backend.options = dataclasses.replace(backend.options, timeout=timedelta(seconds=0.5))
+    pg = ProcessGroup(backend)
     try:
         if rank == 0:
             t = torch.ones(2)

@@ -2,7 +2,7 @@
 
 The one protocol of a group for the modules that must not import the group class itself: the
 composition of ops (:mod:`plugdist._group.composition`), sparse all_reduce, and a backend's own
-Work classes (plugdist-gloo's). A ``ProcessGroup`` satisfies it.
+Work classes (plugdist-gloo's). A backend (``BackendBase``) and a ``ProcessGroup`` satisfy it.
 """
 
 from __future__ import annotations

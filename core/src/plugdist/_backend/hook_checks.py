@@ -3,7 +3,7 @@
 A backend overrides hooks by name, and a misspelt name is not an error Python would catch: a
 class defining ``native_allreduce`` (for ``native_all_reduce``) works, slowly, with all_reduce
 composed from the backend's other ops. :func:`check_backend_class` refuses such a class when it
-is created (``ProcessGroup.__init_subclass__`` calls it), naming the class, the hook, the nearest
+is created (``BackendBase.__init_subclass__`` calls it), naming the class, the hook, the nearest
 valid name and the fix:
 
 * every name that looks like a hook (``native_*``, ``*_blocking``; not private ones, not the
@@ -13,7 +13,7 @@ valid name and the fix:
   further parameters only with defaults, ``**kwargs`` standing for any keyword-only ones and
   ``*args`` for positional ones; a classmethod stays a classmethod.
 
-This module knows nothing of ``ProcessGroup``: the caller passes the base class and the names
+This module knows nothing of ``BackendBase``: the caller passes the base class and the names
 of its hooks. Nothing here runs per op. :func:`nearest` and :func:`unknown_hook` also word the
 registry's refusal of a pluggy plugin implementing a hook that has no spec.
 """

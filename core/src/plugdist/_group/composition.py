@@ -1,5 +1,10 @@
 """Composing the ops a backend lacks from the ones it has.
 
+Runs against the backend (:class:`~plugdist._backend.base.BackendBase`, or any
+:class:`~plugdist._backend.group.GroupLike` with its ``native_*`` hooks): the ProcessGroup hands
+each validated op to :func:`run_op` with the backend of the op's device type, and every op a
+recipe issues is that backend's native hook (or another recipe), never the group's public op.
+
 Each op has an ordered list of recipes, each naming the ops it needs. :func:`plan` decides, per
 device, how every op runs: native ops first; then, repeatedly, an op whose recipe needs only ops
 already decided becomes composed from that recipe, until nothing changes. A recipe therefore only

@@ -1,97 +1,70 @@
-"""``ProcessGroup``: what a backend implements, and what every caller uses.
+"""``ProcessGroup``: what users hold. The backend under it is a separate object.
 
-Two layers in one class (the template-method pattern):
+A ProcessGroup validates, dispatches, composes and observes; the transport is one
+:class:`~plugdist._backend.base.BackendBase` **per device type** (``init_process_group(
+"cpu:gloo,cuda:nccl")`` builds one group over two backends, as torch registers one backend per
+device on its ProcessGroup). Each op goes to the backend of its tensors' device type.
 
-* **Public ops** (``all_reduce``, ``broadcast``, ... ``send``, ``recv``): what the frontend, DDP,
-  the debug wrapper and users of the explicit object API call. They validate arguments (clear
-  errors naming rank, group, op and backend, raised before anything is sent), then run the op
-  natively if the backend can, or compose it from the backend's native ops
-  (:mod:`plugdist._group.composition`). Every public op returns a
+* **Public ops** (``all_reduce``, ``broadcast``, ... ``send``, ``recv``): what the frontend, DDP
+  and users of the explicit object API call. They validate arguments (clear errors naming rank,
+  group, op and backend, raised before anything is sent), then run the op natively if the
+  backend can, or compose it from the backend's native ops (:mod:`plugdist._group.composition`,
+  which runs against the backend). Every public op returns a
   :class:`~plugdist._backend.work.Work`.
 * **The blocking path** (``run_blocking(op, ...)``): what the synchronous frontend calls. It
   validates exactly as the public op does, then runs the backend's ``native_<op>_blocking``
-  (the hot ops on plain tensors of its ``lean_device_types``, checks cached) or
-  ``native_blocking``, which finish the op on the calling thread with no Work at all (a Work
-  costs tens of microseconds, the whole budget of a small message). Without those hooks, for
-  composed ops, and for any op whose public method a class overrides (a wrapper), it waits on
-  the public op's Work.
-* **Native hooks** (``native_all_reduce``, ...): what a backend overrides. Each receives already
-  validated arguments in *group* ranks and returns a Work, or ``NotImplemented`` for arguments it
-  cannot handle (e.g. uneven all_to_all lists), in which case the core composes the op. A backend
-  overrides only what it does
-  natively; ``capabilities()`` is derived from which hooks it overrides (override it for finer
-  control, e.g. an op native on CUDA only).
+  (the hot ops on plain tensors of its ``lean_device_types``, checks and the backend cached
+  per signature) or ``native_blocking``, which finish the op on the calling thread with no Work
+  at all (a Work costs tens of microseconds, the whole budget of a small message). Without those
+  hooks, for composed ops, and for a backend that intercepts public ops (a wrapper's
+  ``wrap_op``), it waits on the public op's Work.
+* **Observation**: every op passes :func:`plugdist._observability.observe.active` once.
 
 Contract for every op: all members of the group call it, in the same order, with matching
 arguments. Public ops never block on the network unless the backend is synchronous; the returned
 Work's ``wait`` does, bounded by the group's timeout.
 
-The registry calls a backend's factory (its entry point) as ``factory(store, rank, size,
-options)``: ``store`` is private to this group, ``rank``/``size`` are the group rank and size,
-``options`` a :class:`GroupOptions`. A subclass's ``__init__`` takes those four and calls
-``super().__init__(rank, size, options)``. :data:`BACKEND_HOOKS` names everything a backend may
-define; docs/backends.md gives each one's contract (a test checks that both stay complete).
+:func:`plugdist._world.groups.build_group` builds every group: the backends through their
+factories (entry points), each wrapped by the plugins' wrappers, then the ProcessGroup over them.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch.autograd import profiler as _torch_profiler
 
-from plugdist._backend.abort import AbortSignal
-from plugdist._backend.capabilities import ALL_REDUCE_OPS, Capabilities
-from plugdist._backend.hook_checks import check_backend_class
+from plugdist._backend.base import (
+    BACKEND_HELPERS,
+    BACKEND_HOOKS,
+    DEFAULT_TIMEOUT,
+    LEAN_OPS,
+    MIGRATION,
+    OPS,
+    PLUGIN_API,
+    BackendBase,
+    GroupOptions,
+)
+from plugdist._backend.capabilities import Capabilities
 from plugdist._backend.reduce_op import ReduceOp, check_reduce_op
 from plugdist._backend.work import Work, completed_work
 from plugdist._group import composition, sparse
-from plugdist._log import lifecycle
 from plugdist._observability import observe
 from plugdist._observability.flight_recorder import recorder as _recorder
-from plugdist.errors import DistTimeoutError, op_timeout, where
+from plugdist.errors import DistTimeoutError
 
 __all__ = ["ProcessGroup", "GroupOptions", "Capabilities", "OPS", "DEFAULT_TIMEOUT",
-           "BACKEND_HOOKS"]
-
-DEFAULT_TIMEOUT = timedelta(minutes=30)
-
-OPS: tuple[str, ...] = (
-    "send", "recv", "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
-    "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
-    "all_to_all_single", "barrier",
-)
-
+           "BACKEND_HOOKS", "BACKEND_HELPERS"]
 
 # ops that may run through ``native_blocking``: not send/recv, whose Works carry results (the
 # sender of an any-source receive) and whose callers may pair them with ops issued later
 _BLOCKING_OPS = frozenset(OPS) - {"send", "recv"}
-
-# ops with a lean blocking route of their own (``native_<op>_blocking``, see _LEAN below): the
-# list-free ops that training loops and benchmarks call synchronously most
-_LEAN_OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
-             "reduce_scatter_tensor", "all_to_all_single")
-
-# Everything a backend class may define, each documented in docs/backends.md (a test keeps the
-# two in step, and checks every method here has a docstring). Class attributes first, then the
-# optional members the base class lacks (the core asks with getattr), then methods.
-BACKEND_HOOKS: tuple[str, ...] = (
-    "backend_name", "device_types", "lean_device_types", "native_reduce_ops",
-    "supports_any_source",
-    "refused_reduce_ops", "rebuild_refusal", "grow_refusal",
-    "plugin_api", "default_for", "launcher", "is_available", "rendezvous",
-    "__init__", "static_capabilities", "capabilities", "shutdown", "native_abort",
-    "native_shrink", "native_blocking", "native_sparse_all_reduce",
-    *(f"native_{op}" for op in OPS),
-    *(f"native_{op}_blocking" for op in _LEAN_OPS),
-)
-# what the base class gives a backend to call (documented there too)
-BACKEND_HELPERS: tuple[str, ...] = ("work", "timeout_error", "where", "rank", "size",
-                                    "group_rank", "group_size", "options", "abort_signal")
 
 
 class _Waiting(threading.local):
@@ -106,83 +79,85 @@ _waiting = _Waiting()
 _DONE = completed_work()
 
 
-@dataclass(frozen=True)
-class GroupOptions:
-    """What the core tells a backend about the group it is building."""
-
-    group_name: str = "0"
-    timeout: timedelta = DEFAULT_TIMEOUT
-    global_ranks: tuple[int, ...] = ()
-    backend_options: Any = None  # the user's ``pg_options``, passed through untouched
-    # the group is the whole world: the default group that init_process_group builds (a backend
-    # that knows the world itself, as MPI does, checks the core's ranks against its own)
-    is_world: bool = False
-
-
-_derived: dict[type[ProcessGroup], Capabilities] = {}
-
-
-def _derived_capabilities(cls: type[ProcessGroup]) -> Capabilities:
-    caps = _derived.get(cls)
-    if caps is None:
-        native = frozenset(
-            (op, dev) for op in OPS for dev in cls.device_types
-            if getattr(cls, "native_" + op) is not getattr(ProcessGroup, "native_" + op))
-        caps = _derived[cls] = Capabilities(
-            native=native, reduce_ops=frozenset(cls.native_reduce_ops),
-            any_source_recv=cls.supports_any_source, device_types=tuple(cls.device_types),
-            refused_reduce_ops=frozenset(cls.refused_reduce_ops))
-    return caps
+# (op, reduction, dtype, device type): what the lean route's checks depend on
+_LeanKey = tuple[str, ReduceOp | None, torch.dtype, str]
 
 
 def _device_type(t: torch.Tensor) -> str:
     return "cpu" if t.is_cpu else t.device.type  # is_cpu skips building a torch.device
 
 
+def _first_device(args: Mapping[str, Any]) -> str | None:
+    """The device type of the first tensor among a public op's arguments (lists included)."""
+    for v in args.values():
+        if isinstance(v, torch.Tensor):
+            return _device_type(v)
+        if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor):
+            return _device_type(v[0])
+    return None
+
+
 class ProcessGroup:
-    """A group of processes and the collectives among them. See the module docstring."""
+    """A group of processes and the collectives among them, over one backend per device type.
+    See the module docstring."""
 
-    backend_name: ClassVar[str] = "unknown"
-    device_types: ClassVar[tuple[str, ...]] = ("cpu",)
-    # the device types whose tensors the lean blocking hooks (native_<op>_blocking) accept
-    lean_device_types: ClassVar[tuple[str, ...]] = ("cpu",)
-    native_reduce_ops: ClassVar[frozenset[ReduceOp]] = ALL_REDUCE_OPS
-    supports_any_source: ClassVar[bool] = False
-    refused_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset()
-    # non-empty: why this backend's groups cannot be rebuilt with other members (shrink_group
-    # and grow_group refuse with it); empty: the core's default rebuild works
-    rebuild_refusal: ClassVar[str] = ""
-    # non-empty: why this backend cannot admit new processes (grow_group and join=True refuse
-    # with it) even where it can shrink
-    grow_refusal: ClassVar[str] = ""
-    _caps: Capabilities | None = None  # this group's capabilities, fixed at first use
-    # set per class by __init_subclass__: which ops run_blocking may hand to native_blocking,
-    # and the lean route (see _LEAN) of each op that has one here
-    _blocking_ops: ClassVar[frozenset[str]] = frozenset()
-    _lean: ClassVar[dict[str, Callable[..., bool]]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # misspelt hooks, hooks of the wrong parameters: refused here, once per class
-        check_backend_class(cls, ProcessGroup, BACKEND_HOOKS)
+    def __init__(self, backends: BackendBase | Mapping[str, BackendBase], *legacy: Any) -> None:
+        """The group over ``backends``: one backend (it serves every type in its
+        ``device_types``), or a mapping of device type to backend. Every backend must be this
+        process's member of the same group (same rank, size and options)."""
+        if legacy or isinstance(backends, int):
+            # a plugin API 1 backend's super().__init__(rank, size, options)
+            raise TypeError(f"{type(self).__name__} calls ProcessGroup.__init__(rank, size, "
+                            f"options), a backend's constructor under plugin API 1; plugdist "
+                            f"now provides plugin API {PLUGIN_API[0]}.{PLUGIN_API[1]}, where "
+                            f"ProcessGroup is the group users hold. To port it: {MIGRATION}")
+        if isinstance(backends, BackendBase):
+            by_device = {d: backends for d in backends.device_types}
+            distinct: list[BackendBase] = [backends]
+        else:
+            by_device = dict(backends)
+            distinct = list({id(b): b for b in by_device.values()}.values())
+        if not distinct:
+            raise ValueError("a ProcessGroup needs at least one backend")
+        for b in distinct:
+            if not isinstance(b, BackendBase):
+                raise TypeError(f"a ProcessGroup runs over backends (plugdist.backend."
+                                f"BackendBase), got {type(b).__name__}")
+        first = distinct[0]
+        self._backend = first
+        self._backends = by_device
+        self._distinct = tuple(distinct)
+        # the one backend of a single-backend group (the hot paths skip the device lookup)
+        self._single: BackendBase | None = first if len(distinct) == 1 else None
+        self.group_rank = first.group_rank
+        self.group_size = first.group_size
+        self.options = first.options
+        self.abort_signal = first.abort_signal
+        if len(distinct) == 1:
+            self.backend_name = first.backend_name
+        else:
+            self.backend_name = ",".join(f"{d}:{b.backend_name}" for d, b in by_device.items())
+        self.device_types: tuple[str, ...] = tuple(by_device)
+        self._caps: Capabilities | None = None
+        # (op, reduction, dtype, device type) -> the backend whose lean hook takes that op on a
+        # plain tensor, or None (_native_lean)
+        self._lean_checked: dict[_LeanKey, BackendBase | None] = {}
+        cls = type(self)
+        if any(b.implements("wrap_op") for b in distinct):
+            # a wrapper sees every public op: no route stands in for one
+            self._lean: dict[str, Callable[..., bool]] = {}
+            self._blocking_ops: frozenset[str] = frozenset()
+            for op in OPS:
+                if getattr(cls, op) is getattr(ProcessGroup, op):
+                    setattr(self, op, functools.partial(self._intercepted, op,
+                                                        getattr(self, op)))
+            return
         # the blocking path may stand in for a public op only where that op is the core's own
-        generic = cls.native_blocking is not ProcessGroup.native_blocking
         own = [op for op in _BLOCKING_OPS if getattr(cls, op) is getattr(ProcessGroup, op)]
-        cls._blocking_ops = frozenset(own) if generic else frozenset()
-        cls._lean = {op: _LEAN[op] for op in _LEAN_OPS if op in own and getattr(
-            cls, f"native_{op}_blocking") is not getattr(ProcessGroup, f"native_{op}_blocking")}
-
-    def __init__(self, rank: int, size: int, options: GroupOptions | None = None) -> None:
-        """The base class's part of a group: its rank, size and options. A backend's own
-        ``__init__`` takes ``(store, rank, size, options)`` (what its factory is called with)
-        and calls this first."""
-        self.group_rank = rank
-        self.group_size = size
-        self.options = options or GroupOptions(global_ranks=tuple(range(size)))
-        # (op, reduction, dtype, device type) -> whether the lean route takes that op on a plain
-        # tensor (_native_lean)
-        self._lean_checked: dict[tuple[str, ReduceOp | None, torch.dtype, str], bool] = {}
-        self.abort_signal = AbortSignal()
+        generic = any(b.implements("native_blocking") for b in distinct)
+        self._blocking_ops = frozenset(own) if generic else frozenset()
+        self._lean = {op: _LEAN[op] for op in LEAN_OPS if op in own and any(
+            b.implements(f"native_{op}_blocking") for b in distinct)}
 
     # -- identity ----------------------------------------------------------------------------
     def rank(self) -> int:
@@ -205,70 +180,105 @@ class ProcessGroup:
     def backend(self) -> str:
         return self.backend_name
 
-    @classmethod
-    def static_capabilities(cls) -> Capabilities:
-        """Native ``(op, device)`` pairs, derived from the ``native_*`` hooks this class overrides.
-        Override (returning a cached object) for finer control; ``plugdist info`` shows it."""
-        return _derived_capabilities(cls)
+    @property
+    def backends(self) -> dict[str, BackendBase]:
+        """Device type -> the backend that runs this group's ops on it."""
+        return dict(self._backends)
+
+    def backend_for(self, device: str | torch.device) -> BackendBase:
+        """The backend that runs this group's ops on tensors of ``device`` (a type or device)."""
+        kind = device if isinstance(device, str) else device.type
+        try:
+            return self._backends[kind.split(":")[0]]
+        except KeyError:
+            raise ValueError(f"{self.where('backend_for')} no backend for {kind} tensors (this "
+                             f"group has {', '.join(self._backends)})") from None
+
+    @property
+    def supports_any_source(self) -> bool:
+        return self._backend.supports_any_source
+
+    @property
+    def rebuild_refusal(self) -> str:
+        """Why this group cannot be rebuilt with other members (its backends'), or ""."""
+        return next((b.rebuild_refusal for b in self._distinct if b.rebuild_refusal), "")
+
+    @property
+    def grow_refusal(self) -> str:
+        """Why this group cannot admit new processes (its backends'), or ""."""
+        return next((b.grow_refusal for b in self._distinct if b.grow_refusal), "")
 
     def capabilities(self) -> Capabilities:
-        """What this group does natively; called on every op. Wrappers return the inner group's."""
+        """What this group does natively: its backend's, or every backend's for its devices."""
         caps = self._caps
         if caps is None:
-            caps = self._caps = self.static_capabilities()
+            if self._single is not None:
+                caps = self._single.capabilities()
+            else:
+                parts = [(d, b.capabilities()) for d, b in self._backends.items()]
+                caps = Capabilities(
+                    native=frozenset((op, dev) for d, c in parts for op, dev in c.native
+                                     if dev == d),
+                    reduce_ops=frozenset().union(*(c.reduce_ops for _d, c in parts)),
+                    any_source_recv=self._backend.capabilities().any_source_recv,
+                    device_types=self.device_types,
+                    refused_reduce_ops=frozenset().union(
+                        *(c.refused_reduce_ops for _d, c in parts)))
+            self._caps = caps
         return caps
 
+    def where(self, op: str) -> str:
+        """``[rank R, group G, backend B, op O]``: the prefix of every error about ``op``."""
+        return self._backend.where(op) if self._single is not None else \
+            f"[rank {self.group_rank}, group {self.group_name!r}, backend " \
+            f"{self.backend_name!r}, op {op}]"
+
+    def timeout_error(self, op: str, seconds: float | None = None) -> DistTimeoutError:
+        """The error for ``op`` not completing within ``seconds`` (default: the group's
+        timeout), worded as ``Work.wait``'s."""
+        return self._backend.timeout_error(op, seconds)
+
+    def work(self, op: str, **kwargs: Any) -> Work:
+        """A fresh pending Work carrying this group's context (see ``BackendBase.work``)."""
+        return self._backend.work(op, **kwargs)
+
     def shutdown(self) -> None:
-        """Release sockets, threads and communicators; called once per group by
-        destroy_process_group (make it idempotent anyway). Stop and *join* every thread the
-        backend started, and close its sockets, before returning: a thread still running when
-        the interpreter exits (daemon or not) can crash the process at exit. Fail (do not
-        abandon) Works still pending. Must not wait on peers: they may be gone already."""
+        """Shut every backend of the group down (see ``BackendBase.shutdown``)."""
+        for b in self._distinct:
+            b.shutdown()
 
     def abort(self, reason: str = "the group was aborted", ranks: tuple[int, ...] = ()) -> None:
         """Fail every op in flight on this rank, and every later one, with
         ``DistRankFailureError`` (``reason``; ``ranks``: the failed global ranks). Non-blocking,
-        idempotent, any thread; then the backend's ``native_abort``. The group cannot be used
+        idempotent, any thread; then each backend's ``native_abort``. The group cannot be used
         again: shut it down, and continue on a group of the survivors (``shrink_group``)."""
-        self.abort_signal.fire(reason, ranks)
-        self.native_abort()
-
-    def native_abort(self) -> None:
-        """Optional: release what the backend has in flight (the core already releases every
-        thread waiting on a Work of this group, and refuses new ops). Must not block."""
+        for b in self._distinct:
+            b.abort_signal.fire(reason, ranks)
+        for b in self._distinct:
+            b.native_abort()
 
     def native_shrink(self, keep: Sequence[int], options: GroupOptions) -> Any:
-        """Optional: this group's survivors as a new group, natively (NCCL's ncclCommShrink,
-        MPI's ULFM). ``keep``: the group ranks that stay, in order; every one of them calls it.
-        Return NotImplemented to have the core build a fresh group of the survivors through the
-        backend's constructor on a fresh store prefix (the default, which every backend gets);
-        raise a DistError when the backend cannot survive a member's failure at all."""
-        return NotImplemented
-
-    def work(self, op: str, **kwargs: Any) -> Work:
-        """A fresh pending Work carrying this group's context (rank, group, backend, timeout,
-        abort signal) for a ``native_*`` hook to return and complete later with
-        ``set_result``/``set_exception`` from any thread. ``kwargs``: ``source_rank=`` for
-        receives."""
-        return Work(op=op, rank=self.group_rank, group=self.group_name, backend=self.backend_name,
-                    timeout=self.timeout, abort=self.abort_signal, **kwargs)
-
-    def where(self, op: str) -> str:
-        """``[rank R, group G, backend B, op O]``: the prefix of every error about ``op``."""
-        return where(rank=self.group_rank, group=self.group_name, op=op, backend=self.backend_name)
-
-    def timeout_error(self, op: str, seconds: float | None = None) -> DistTimeoutError:
-        """The error for ``op`` not completing within ``seconds`` (default: the group's timeout),
-        worded as ``Work.wait``'s."""
-        if seconds is None:
-            seconds = self.timeout.total_seconds()
-        lifecycle("op_timeout", group=self.group_name, group_rank=self.group_rank,
-                  backend=self.backend_name, level="warning", op=op, timeout_s=seconds)
-        return op_timeout(self.where(op), seconds)
+        """The backend's own shrink of this group (``BackendBase.native_shrink``): a new
+        backend for the survivors, or NotImplemented (always, for a group of several
+        backends: the core rebuilds it)."""
+        if self._single is None:
+            return NotImplemented
+        return self._single.native_shrink(keep, options)
 
     def __repr__(self) -> str:
+        inner = ", ".join(repr(b) for b in self._distinct)
         return (f"<{type(self).__name__} backend={self.backend_name!r} group={self.group_name!r} "
-                f"rank={self.group_rank}/{self.group_size}>")
+                f"rank={self.group_rank}/{self.group_size} over {inner}>")
+
+    # -- wrappers: a backend's wrap_op sees every public op -----------------------------------
+    def _intercepted(self, op: str, public: Callable[..., Work], *args: Any,
+                     **kwargs: Any) -> Work:
+        bound = _signature(op).bind(*args, **kwargs)
+        bound.apply_defaults()
+        named = dict(bound.arguments)
+        device = _first_device(named)
+        backend = self._backend if device is None else self._backends.get(device, self._backend)
+        return backend.wrap_op(op, named, lambda: public(*args, **kwargs))
 
     # -- public ops: validate, then run natively or composed --------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Work:
@@ -408,35 +418,41 @@ class ProcessGroup:
         work.wait()
 
     def _native_lean(self, op: str, tensor: Any, red: ReduceOp | None = None,
-                     name: str = "tensor") -> bool:
-        """Whether the lean route takes ``op`` (with reduction ``red``) on ``tensor``: a plain
-        contiguous tensor of a device type in ``lean_device_types`` on which the op is native;
-        raises what the public op's checks of ``tensor`` and ``red`` would. For such tensors
-        those checks depend only on (op, red, dtype, device type): cached."""
+                     name: str = "tensor") -> BackendBase | None:
+        """The backend whose lean route takes ``op`` (with reduction ``red``) on ``tensor``: a
+        plain contiguous tensor of a device type in that backend's ``lean_device_types`` on
+        which the op is native and whose ``native_<op>_blocking`` it implements; else None.
+        Raises what the public op's checks of ``tensor`` and ``red`` would. For such tensors
+        those checks, and the backend, depend only on (op, red, dtype, device type): cached."""
         if (type(tensor) is not torch.Tensor or not tensor.is_contiguous() or tensor.is_conj()
                 or tensor.is_neg()):
-            return False  # the public op checks (and refuses) the rest
+            return None  # the public op checks (and refuses) the rest
         device = "cpu" if tensor.is_cpu else tensor.device.type
         key = (op, red, tensor.dtype, device)
-        native = self._lean_checked.get(key)
-        if native is None:
-            if device in self.lean_device_types:
-                self._check_tensor(op, tensor, name)
-                if red is not None:
-                    self._check_reduce(op, red, tensor)
-                caps = self.capabilities()
-                native = caps.is_native(op, device) and (red is None or red in caps.reduce_ops)
-            else:
-                native = False
-            self._lean_checked[key] = native
-        return native
+        try:
+            return self._lean_checked[key]
+        except KeyError:
+            pass
+        backend = self._backends.get(device)
+        found = None
+        if backend is not None and device in backend.lean_device_types:
+            self._check_tensor(op, tensor, name)
+            if red is not None:
+                self._check_reduce(op, red, tensor)
+            caps = backend.capabilities()
+            if (caps.is_native(op, device) and (red is None or red in caps.reduce_ops)
+                    and backend.implements(f"native_{op}_blocking")):
+                found = backend
+        self._lean_checked[key] = found
+        return found
 
     def _sparse_all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
         """all_reduce of a sparse COO tensor: the backend's own, else composed (see
         :mod:`plugdist._group.sparse`; blocks for a small header exchange)."""
         sparse.check_all_reduce(self.where("all_reduce"), tensor, op)
         self._check_device("all_reduce", tensor, "tensor")
-        work = self.native_sparse_all_reduce(tensor=tensor)
+        backend = self._single or self._backends[_device_type(tensor)]
+        work = backend.native_sparse_all_reduce(tensor=tensor)
         return sparse.all_reduce(self, tensor) if work is NotImplemented else work
 
     def barrier(self) -> Work:
@@ -453,165 +469,13 @@ class ProcessGroup:
         then ``work.source_rank()`` names the sender."""
         self._check_tensor("recv", tensor)
         if src is None:
-            if not self.capabilities().any_source_recv:
+            if not (self._single or self._backends[_device_type(tensor)]
+                    ).capabilities().any_source_recv:
                 raise RuntimeError(f"{self.where('recv')} this backend cannot receive from any "
                                    f"source; pass src=")
         else:
             self._check_peer("recv", src, "src")
         return self._run("recv", tensor, tensor=tensor, src=src, tag=tag)
-
-    # -- native hooks: a backend overrides those it does natively ---------------------------
-    # Every native_<op> hook below takes keyword arguments only, already validated, ranks as
-    # *group* ranks. It returns a Work (``self.work(op)``) that the backend completes later,
-    # from any thread, with ``work.set_result([output tensors])`` or ``work.set_exception(err)``;
-    # or ``NotImplemented`` (never a Work) to have the core compose this one call. It must not
-    # block on the network: a blocking transport hands the op to a thread of its own.
-    # Ops are matched across ranks by issue order: the n-th collective issued on a group is
-    # the n-th on every rank, and the n-th send from A to B with tag T is the n-th receive on B
-    # from A with tag T. Two issued ops may be in flight at once (a composition issues several
-    # before waiting on any), so a backend must not serialise an op behind one issued later.
-    def native_blocking(self, op: str, kwargs: dict[str, Any]) -> Any:
-        """Optional. ``native_<op>(**kwargs)`` run to completion on the calling thread, with no
-        Work: return None when done, or NotImplemented to have the core wait on a Work instead.
-        Must raise the op's error as a DistError, and ``timeout_error(op)`` once the group's
-        timeout has passed (the op may then still finish in the background, so keep its buffers
-        alive). Never asked for send or recv."""
-        return NotImplemented
-
-    # The lean hooks for the ops called synchronously most: the op on plain contiguous tensors
-    # (no lazy conj/neg bit) of a device type in ``lean_device_types`` (CPU by default), checked
-    # as the public op checks them (ranks are group ranks), run to completion on the calling
-    # thread — for a stream-ordered device (CUDA), to the point a Work's ``wait()`` would reach:
-    # queued so that the caller's current stream sees the result. Same contract as
-    # native_blocking; NotImplemented leaves the call to native_blocking, then to a Work. Only
-    # hooks a backend overrides are ever called.
-    def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> Any:
-        """Optional lean route of a synchronous all_reduce on a plain tensor (see
-        ``native_blocking``): reduce ``tensor`` in place; None when done, or NotImplemented."""
-        return NotImplemented
-
-    def native_broadcast_blocking(self, *, tensor: torch.Tensor, src: int) -> Any:
-        """Optional lean route of a synchronous broadcast from group rank ``src`` (see
-        ``native_blocking``): None when done, or NotImplemented."""
-        return NotImplemented
-
-    def native_reduce_blocking(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Any:
-        """Optional lean route of a synchronous reduce into ``tensor`` on group rank ``dst``
-        (see ``native_blocking``): None when done, or NotImplemented."""
-        return NotImplemented
-
-    def native_all_gather_into_tensor_blocking(self, *, output: torch.Tensor,
-                                               tensor: torch.Tensor) -> Any:
-        """Optional lean route of a synchronous all_gather_into_tensor (``output`` holds size x
-        ``tensor`` elements; see ``native_blocking``): None when done, or NotImplemented."""
-        return NotImplemented
-
-    def native_reduce_scatter_tensor_blocking(self, *, output: torch.Tensor, input: torch.Tensor,
-                                              op: ReduceOp) -> Any:
-        """Optional lean route of a synchronous reduce_scatter_tensor (``input`` holds size x
-        ``output`` elements; see ``native_blocking``): None when done, or NotImplemented."""
-        return NotImplemented
-
-    def native_all_to_all_single_blocking(self, *, output: torch.Tensor,
-                                          input: torch.Tensor) -> Any:
-        """Optional lean route of a synchronous all_to_all_single with even splits only: the
-        rows of both tensors (of one shape) shared out alike (see ``native_blocking``). None
-        when done, or NotImplemented."""
-        return NotImplemented
-
-    def native_sparse_all_reduce(self, *, tensor: torch.Tensor) -> Any:
-        """Optional: sum the sparse COO ``tensor`` over the group into ``tensor`` (its contents
-        replaced, as ``copy_`` does) and return a Work; NotImplemented (the default) has the core
-        compose it from dense all_gathers. Checked already: ReduceOp.SUM, device."""
-        return NotImplemented
-
-    def native_broadcast(self, *, tensor: torch.Tensor, src: int) -> Work:
-        """Copy ``tensor`` of group rank ``src`` into ``tensor`` on every rank. Complete the
-        Work with ``[tensor]``."""
-        raise NotImplementedError
-
-    def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
-        """Reduce ``tensor`` over the group with ``op`` (one of ``native_reduce_ops``), result
-        in ``tensor`` on every rank. Complete the Work with ``[tensor]``."""
-        raise NotImplementedError
-
-    def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
-        """Reduce ``tensor`` over the group with ``op`` into ``tensor`` on group rank ``dst``
-        (other ranks' tensors may be used as scratch). Complete the Work with ``[tensor]``."""
-        raise NotImplementedError
-
-    def native_all_gather(self, *, output_tensors: list[torch.Tensor],
-                          tensor: torch.Tensor) -> Work:
-        """Copy every rank's ``tensor`` into ``output_tensors[rank]`` (one per rank, each of
-        ``tensor``'s shape and dtype) on every rank. Complete the Work with
-        ``output_tensors``."""
-        raise NotImplementedError
-
-    def native_all_gather_into_tensor(self, *, output: torch.Tensor, tensor: torch.Tensor) -> Work:
-        """Every rank's ``tensor``, concatenated in rank order, into the flat ``output`` (size x
-        ``tensor.numel()`` elements). Complete the Work with ``[output]``."""
-        raise NotImplementedError
-
-    def native_gather(self, *, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None,
-                      dst: int) -> Work:
-        """Every rank's ``tensor`` into ``gather_list[rank]`` on group rank ``dst``
-        (``gather_list`` is None elsewhere). Complete the Work with ``gather_list`` on ``dst``,
-        ``[]`` elsewhere."""
-        raise NotImplementedError
-
-    def native_scatter(self, *, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None,
-                       src: int) -> Work:
-        """``scatter_list[rank]`` of group rank ``src`` into ``tensor`` on every rank
-        (``scatter_list`` is None elsewhere). Complete the Work with ``[tensor]``."""
-        raise NotImplementedError
-
-    def native_reduce_scatter(self, *, output: torch.Tensor, input_list: list[torch.Tensor],
-                              op: ReduceOp) -> Work:
-        """Reduce ``input_list[rank]`` over the group with ``op`` into ``output`` on each
-        ``rank``. Complete the Work with ``[output]``."""
-        raise NotImplementedError
-
-    def native_reduce_scatter_tensor(self, *, output: torch.Tensor, input: torch.Tensor,
-                                     op: ReduceOp) -> Work:
-        """As ``native_reduce_scatter``, with the flat ``input`` (size x ``output.numel()``
-        elements, rank ``r``'s share at ``r * output.numel()``). Complete the Work with
-        ``[output]``."""
-        raise NotImplementedError
-
-    def native_all_to_all(self, *, output_tensors: list[torch.Tensor],
-                          input_tensors: list[torch.Tensor]) -> Work:
-        """Send ``input_tensors[r]`` to rank ``r`` and receive rank ``r``'s into
-        ``output_tensors[r]`` (sizes may differ per rank: return NotImplemented for what the
-        transport cannot do). Complete the Work with ``output_tensors``."""
-        raise NotImplementedError
-
-    def native_all_to_all_single(self, *, output: torch.Tensor, input: torch.Tensor,
-                                 output_split_sizes: list[int],
-                                 input_split_sizes: list[int]) -> Work:
-        """all_to_all over the rows of two tensors: ``input_split_sizes[r]`` rows go to rank
-        ``r``, ``output_split_sizes[r]`` rows come from it (both lists always given, one entry
-        per rank). Complete the Work with ``[output]``."""
-        raise NotImplementedError
-
-    def native_barrier(self) -> Work:
-        """Complete the Work (with ``[]``) only once every rank of the group has called it."""
-        raise NotImplementedError
-
-    def native_send(self, *, tensor: torch.Tensor, dst: int, tag: int) -> Work:
-        """Send ``tensor``'s bytes to group rank ``dst`` (never this rank) under ``tag``. The
-        caller may reuse ``tensor`` once the Work completed, so copy it (or keep it unchanged)
-        until then; the Work may complete before ``dst`` received it. Complete with
-        ``[tensor]``. Matching: the n-th send to ``dst`` with ``tag`` meets ``dst``'s n-th
-        receive from this rank with that tag."""
-        raise NotImplementedError
-
-    def native_recv(self, *, tensor: torch.Tensor, src: int | None, tag: int) -> Work:
-        """Receive the matching send (see ``native_send``) from group rank ``src`` into
-        ``tensor`` (same number of bytes). ``src`` is None only if the class sets
-        ``supports_any_source``: then take the first message from any rank with ``tag``.
-        Create the Work as ``self.work("recv", source_rank=src)`` (for any-source, pass a
-        callable returning the sender once known) and complete it with ``[tensor]``."""
-        raise NotImplementedError
 
     # -- dispatch ----------------------------------------------------------------------------
     def _run(self, op: str, sample: torch.Tensor, **kwargs: Any) -> Work:
@@ -632,22 +496,24 @@ class ProcessGroup:
 
     def _dispatch_unobserved(self, op: str, device: str, kwargs: dict[str, Any],
                              gathering: bool) -> Work:
+        backend = self._single or self._backends[device]
         if gathering:
-            return composition.reduce_by_gathering(self, self.capabilities(), op, device, kwargs)
+            return composition.reduce_by_gathering(backend, backend.capabilities(), op, device,
+                                                   kwargs)
         call = _waiting.call
         if call is not None and call[0] is self and call[1] == op:
             _waiting.call = None  # for this dispatch only, not the ops a composition issues
-            if (self.capabilities().is_native(op, device)
-                    and self.native_blocking(op, kwargs) is not NotImplemented):
+            if (backend.capabilities().is_native(op, device)
+                    and backend.native_blocking(op, kwargs) is not NotImplemented):
                 return _DONE
-        return composition.run_op(self, op, device, kwargs)
+        return composition.run_op(backend, op, device, kwargs)
 
     def _run_reduction(self, op_name: str, sample: torch.Tensor, out: torch.Tensor | None,
                        **kwargs: Any) -> Work:
         """Reductions: AVG becomes SUM then a local divide when the backend lacks AVG; any other
         reduction the backend lacks is composed from all_gather plus a local reduce."""
-        caps = self.capabilities()
         device = _device_type(sample)
+        caps = (self._single or self._backends[device]).capabilities()
         red = kwargs["op"]
         if red in caps.reduce_ops:
             return self._dispatch(op_name, device, kwargs)
@@ -682,7 +548,7 @@ class ProcessGroup:
                              f"{name}.resolve_conj().resolve_neg() (a copy)")
 
     def _check_device(self, op: str, tensor: torch.Tensor, name: str) -> None:
-        if _device_type(tensor) not in self.capabilities().device_types:
+        if _device_type(tensor) not in self._backends:
             raise ValueError(f"{self.where(op)} {name} is on {tensor.device}, but backend "
                              f"{self.backend_name!r} handles "
                              f"{', '.join(self.device_types)} tensors; "
@@ -705,7 +571,8 @@ class ProcessGroup:
                 check_reduce_op(red, tensor.dtype)
             except (TypeError, ValueError) as err:  # context formatted only on error: hot path
                 raise type(err)(f"{self.where(op)} {err}") from None
-        if red in self.capabilities().refused_reduce_ops:
+        if red in (self._single or self._backends[_device_type(tensor)]
+                   ).capabilities().refused_reduce_ops:
             raise ValueError(f"{self.where(op)} ReduceOp.{red.name} is not supported by backend "
                              f"{self.backend_name!r}; use another reduction or another backend")
 
@@ -761,44 +628,56 @@ def _same_kind(t: Any, like: torch.Tensor) -> bool:
 
 
 def _lean_all_reduce(pg: ProcessGroup, tensor: Any, op: Any = ReduceOp.SUM) -> bool:
-    return (pg._native_lean("all_reduce", tensor, op)
-            and pg.native_all_reduce_blocking(tensor=tensor, op=op) is not NotImplemented)
+    b = pg._native_lean("all_reduce", tensor, op)
+    return (b is not None
+            and b.native_all_reduce_blocking(tensor=tensor, op=op) is not NotImplemented)
 
 
 def _lean_broadcast(pg: ProcessGroup, tensor: Any, src: Any = 0) -> bool:
-    return (type(src) is int and 0 <= src < pg.group_size and pg._native_lean("broadcast", tensor)
-            and pg.native_broadcast_blocking(tensor=tensor, src=src) is not NotImplemented)
+    if type(src) is not int or not 0 <= src < pg.group_size:
+        return False
+    b = pg._native_lean("broadcast", tensor)
+    return (b is not None
+            and b.native_broadcast_blocking(tensor=tensor, src=src) is not NotImplemented)
 
 
 def _lean_reduce(pg: ProcessGroup, tensor: Any, dst: Any = 0, op: Any = ReduceOp.SUM) -> bool:
-    return (type(dst) is int and 0 <= dst < pg.group_size and pg._native_lean("reduce", tensor, op)
-            and pg.native_reduce_blocking(tensor=tensor, dst=dst, op=op) is not NotImplemented)
+    if type(dst) is not int or not 0 <= dst < pg.group_size:
+        return False
+    b = pg._native_lean("reduce", tensor, op)
+    return (b is not None
+            and b.native_reduce_blocking(tensor=tensor, dst=dst, op=op) is not NotImplemented)
 
 
 def _lean_all_gather_into_tensor(pg: ProcessGroup, output: Any, tensor: Any) -> bool:
-    return (pg._native_lean("all_gather_into_tensor", tensor) and _same_kind(output, tensor)
+    b = pg._native_lean("all_gather_into_tensor", tensor)
+    return (b is not None and _same_kind(output, tensor)
             and output.numel() == tensor.numel() * pg.group_size
-            and pg.native_all_gather_into_tensor_blocking(output=output, tensor=tensor)
+            and b.native_all_gather_into_tensor_blocking(output=output, tensor=tensor)
             is not NotImplemented)
 
 
 def _lean_reduce_scatter_tensor(pg: ProcessGroup, output: Any, input: Any,
                                 op: Any = ReduceOp.SUM) -> bool:
-    return (pg._native_lean("reduce_scatter_tensor", output, op, "output")
+    b = pg._native_lean("reduce_scatter_tensor", output, op, "output")
+    return (b is not None
             and _same_kind(input, output) and input.numel() == output.numel() * pg.group_size
-            and pg.native_reduce_scatter_tensor_blocking(output=output, input=input, op=op)
+            and b.native_reduce_scatter_tensor_blocking(output=output, input=input, op=op)
             is not NotImplemented)
 
 
 def _lean_all_to_all_single(pg: ProcessGroup, output: Any, input: Any,
                             output_split_sizes: Any = None, input_split_sizes: Any = None) -> bool:
     """Only even splits (none given) of two tensors of one shape."""
-    if output_split_sizes or input_split_sizes or not pg._native_lean("all_to_all_single", input):
+    if output_split_sizes or input_split_sizes:
+        return False
+    b = pg._native_lean("all_to_all_single", input)
+    if b is None:
         return False
     shape = input.shape
     return (_same_kind(output, input) and len(shape) > 0 and output.shape == shape
             and shape[0] % pg.group_size == 0
-            and pg.native_all_to_all_single_blocking(output=output, input=input)
+            and b.native_all_to_all_single_blocking(output=output, input=input)
             is not NotImplemented)
 
 
@@ -808,3 +687,10 @@ _LEAN: dict[str, Callable[..., bool]] = {
     "reduce_scatter_tensor": _lean_reduce_scatter_tensor,
     "all_to_all_single": _lean_all_to_all_single,
 }
+
+
+@functools.cache
+def _signature(op: str) -> inspect.Signature:
+    """The public op's parameters (without ``self``), for binding a call by name."""
+    sig = inspect.signature(getattr(ProcessGroup, op))
+    return sig.replace(parameters=list(sig.parameters.values())[1:])

@@ -5,7 +5,7 @@ The mechanism is the same on every backend: :mod:`plugdist._resilience` names th
 members and records the epoch the survivors agree on; the groups of the old epoch are aborted
 and shut down, and the new world's default group is built through ``build_group`` on a fresh
 store prefix (so plugins such as the debug wrapper apply), unless the backend builds it
-natively (``ProcessGroup.native_shrink``). torch's default group over plugdist's world follows:
+natively (``BackendBase.native_shrink``). torch's default group over plugdist's world follows:
 a new torch group over the new default group (:func:`plugdist._torch.bridge.follow_world`).
 
 Above :mod:`plugdist._world.groups` and the torch bridge; nothing below imports it.
@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from plugdist._backend.base import BackendBase
 from plugdist._group.process_group import GroupOptions, ProcessGroup
 from plugdist._log import get_logger, lifecycle
 from plugdist._registry import BACKENDS, Backend, registry
@@ -211,7 +212,7 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
 
 
 def _abandoned_if_a_member_fails(m: Membership, uids: tuple[str, ...],
-                                 backend: str) -> Callable[..., ProcessGroup] | None:
+                                 backend: str) -> Callable[..., BackendBase] | None:
     """The backend's constructor, run on a helper thread while the calling thread watches
     ``uids``: it returns the group, or raises the failure as soon as one of them is known to
     have failed. A backend's connect to a peer that died after it published its address may
@@ -222,11 +223,13 @@ def _abandoned_if_a_member_fails(m: Membership, uids: tuple[str, ...],
     ``_NAMING_GRACE`` for liveness to name the member, so that the survivors agree again.
     None (build on the calling thread) for a backend whose groups live on an accelerator,
     whose current device is set per thread."""
+    if groups.device_map(backend) is not None:
+        return None  # a backend per device type: each built on the calling thread
     factory = registry.load(BACKENDS, backend)
     if any(t != "cpu" for t in getattr(factory, "device_types", ("cpu",))):
         return None
 
-    def build(*args: Any) -> ProcessGroup:
+    def build(*args: Any) -> BackendBase:
         done, lock = threading.Event(), threading.Lock()
         outcome: dict[str, Any] = {}
 
@@ -265,7 +268,7 @@ def _abandoned_if_a_member_fails(m: Membership, uids: tuple[str, ...],
             if failure is not None:
                 raise failure from error
             raise error
-        group: ProcessGroup = outcome["group"]
+        group: BackendBase = outcome["group"]
         return group
 
     return build
@@ -293,8 +296,9 @@ def _let_builds_left_behind_end() -> None:
 
 
 def _native_shrink(old: ProcessGroup, keep: list[int],
-                   decision: Decision) -> ProcessGroup | None:
-    """The backend's own shrink of ``old`` (None: build a fresh group instead)."""
+                   decision: Decision) -> BackendBase | None:
+    """The backend's own shrink of ``old``: the survivors' new backend (None: build a fresh
+    one instead)."""
     options = GroupOptions(group_name=f"e{decision.epoch}", timeout=old.timeout,
                            global_ranks=tuple(range(len(decision.members))),
                            backend_options=world.group_options)
@@ -310,8 +314,11 @@ def join_world(backend: str, store: Store, timeout: timedelta, pg_options: Any) 
         raise DistError("init_process_group was already called in this process; call "
                         "destroy_process_group() first to re-initialize")
     name = Backend(backend)
-    factory = registry.load(BACKENDS, name)  # an unknown backend fails before anyone waits
-    refusal = getattr(factory, "grow_refusal", "")
+    mapped = groups.device_map(name)
+    # an unknown backend fails before anyone waits
+    factories = [registry.load(BACKENDS, kind)
+                 for kind in (dict.fromkeys(mapped.values()) if mapped else (name,))]
+    refusal = next((r for f in factories if (r := getattr(f, "grow_refusal", ""))), "")
     if refusal:
         raise DistError(f"init_process_group(join=True): backend {backend!r} cannot admit a new "
                         f"process into a running world: {refusal}")

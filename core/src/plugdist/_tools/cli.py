@@ -8,10 +8,10 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from plugdist._backend.base import OPS, BackendBase
 from plugdist._backend.capabilities import Capabilities
 from plugdist._backend.reduce_op import ReduceOp
 from plugdist._group import composition
-from plugdist._group.process_group import OPS, ProcessGroup
 from plugdist._registry import BACKENDS, GROUPS, registry
 
 __all__ = ["main", "backend_table", "reduction_lines"]
@@ -24,7 +24,7 @@ _MARK = {"native": "native", "composed": "composed", "unsupported": "-"}
 
 def backend_table(factory: Any) -> list[tuple[str, list[str]]]:
     """Rows ``(op, [mark per device])`` for a backend class, as in the seed document's table."""
-    if not (isinstance(factory, type) and issubclass(factory, ProcessGroup)):
+    if not (isinstance(factory, type) and issubclass(factory, BackendBase)):
         return []
     caps = factory.static_capabilities()
     rows = []

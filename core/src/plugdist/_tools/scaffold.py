@@ -57,7 +57,7 @@ def _module(names: dict[str, str]) -> str:
                 ("PLUGDIST_TEMPLATE_HOST", names["host_env"]),
                 (f'"{_TEMPLATE}"', f'"{names["name"]}"'),
                 (f"``{_TEMPLATE}``", f"``{names['name']}``"),
-                ("plugin_api: ClassVar[tuple[int, int]] = (1, 0)",
+                ("plugin_api: ClassVar[tuple[int, int]] = (2, 0)",
                  f"plugin_api: ClassVar[tuple[int, int]] = {PLUGIN_API!r}"))
     for old, new in replaced:
         source = source.replace(old, new)

@@ -41,6 +41,7 @@ from plugdist._group.process_group import ProcessGroup
 from plugdist._registry import BACKENDS, registry
 from plugdist._torch.device_map import caller_device_map, other_devices
 from plugdist._world.groups import build_group, retire_group
+from plugdist._world.groups import device_map as parse_device_map
 from plugdist.errors import where
 from plugdist.store import PrefixStore, Store, TorchStoreAdapter
 from plugdist.store._for_torch import PlugdistStoreForTorch
@@ -579,12 +580,15 @@ def share_world(group: ProcessGroup, backend: str, store: Store, rank: int, worl
     one)."""
     if not tdist.is_available() or tdist.is_initialized():
         return None
-    autoload.register([backend])
+    mapped = parse_device_map(backend)  # "cpu:gloo,cuda:nccl": torch's own map, plugdist_*
+    autoload.register(list(dict.fromkeys(mapped.values())) if mapped else [backend])
+    spec = (",".join(f"{device}:{torch_name(kind)}" for device, kind in mapped.items())
+            if mapped else torch_name(backend))
     torch_store = PlugdistStoreForTorch(store, store.timeout)
-    _adopting.group = group
+    _adopting.group = group  # the first factory torch calls adopts the whole group
     try:
-        tdist.init_process_group(torch_name(backend), store=torch_store, rank=rank,
-                                 world_size=world_size, timeout=timeout)
+        tdist.init_process_group(spec, store=torch_store, rank=rank, world_size=world_size,
+                                 timeout=timeout)
     finally:
         _adopting.group = None
     shared: Any = tdist.group.WORLD

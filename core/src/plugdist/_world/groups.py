@@ -17,12 +17,21 @@ from typing import Any
 from urllib.parse import urlparse
 
 from plugdist import _log as log
+from plugdist._backend.base import BackendBase
 from plugdist._debug_level import DebugLevel, get_debug_level
 from plugdist._group.process_group import DEFAULT_TIMEOUT, GroupOptions, ProcessGroup
 from plugdist._launch_protocol import mark_resilient
 from plugdist._log import get_logger
 from plugdist._observability import flight_recorder
-from plugdist._registry import BACKENDS, RENDEZVOUS, STORES, Backend, PluginNotFoundError, registry
+from plugdist._registry import (
+    BACKENDS,
+    RENDEZVOUS,
+    STORES,
+    Backend,
+    PluginNotFoundError,
+    legacy_backend_refusal,
+    registry,
+)
 from plugdist._resilience.guarded_store import GuardedPrefixStore
 from plugdist._resilience.membership import Membership
 from plugdist._resilience.policy import resilience_mode
@@ -138,6 +147,14 @@ def get_default_backend_for_device(device: Any) -> str:
                     f"pip install plugdist-gloo")
 
 
+def _known_world(factory: Any, timeout: timedelta) -> tuple[Store, int, int] | None:
+    """``factory.rendezvous(timeout)``: the world as a backend that knows it finds it (MPI
+    under mpiexec), or None (``BackendBase.rendezvous``'s default; a factory function)."""
+    find = getattr(factory, "rendezvous", None)
+    found: tuple[Store, int, int] | None = find(timeout) if callable(find) else None
+    return found
+
+
 def register_rendezvous_handler(scheme: str, handler: RendezvousHandler) -> None:
     """Register ``handler(url, rank, world_size, timeout) -> (store, rank, world_size)`` (a
     :class:`~plugdist._world.rendezvous.RendezvousHandler`) for ``scheme://`` URLs in this
@@ -169,7 +186,14 @@ def init_world(backend: str | None = None, init_method: str | None = None,
     if store is not None and init_method is not None:
         raise ValueError("pass either init_method or store to init_process_group, not both")
     name = Backend(backend) if backend else get_default_backend_for_device("cpu")
-    factory = registry.load(BACKENDS, name)
+    mapped = device_map(name)
+    # every backend named is loaded now, so an unknown one fails before anyone waits
+    factories = [registry.load(BACKENDS, kind)
+                 for kind in (dict.fromkeys(mapped.values()) if mapped else (name,))]
+    found_world = None
+    if store is None and init_method is None:
+        found_world = next((found for f in factories
+                            if (found := _known_world(f, timeout)) is not None), None)
     if store is not None:
         if rank < 0 or world_size < 1:
             raise ValueError(f"init_process_group with an explicit store needs rank= and "
@@ -177,10 +201,10 @@ def init_world(backend: str | None = None, init_method: str | None = None,
         if rank >= world_size:
             raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
         owned = False
-    elif init_method is None and hasattr(factory, "rendezvous"):
+    elif found_world is not None:
         # The backend knows the world itself (MPI under mpiexec): as in torch, rank= and
         # world_size= are not needed, and MASTER_ADDR in the environment does not matter.
-        store, r, ws = factory.rendezvous(timeout)
+        store, r, ws = found_world
         if (rank >= 0 and rank != r) or (world_size > 0 and world_size != ws):
             warnings.warn(f"init_process_group({name!r}): the backend found rank {r} of {ws} "
                           f"processes and ignores rank={rank}, world_size={world_size}",
@@ -289,7 +313,7 @@ def _leave_at_exit(m: Membership) -> None:
 
 
 def _build_group(backend: str, global_ranks: tuple[int, ...], name: str, timeout: timedelta,
-                 pg_options: Any, factory: Callable[..., ProcessGroup] | None = None
+                 pg_options: Any, factory: Callable[..., BackendBase] | None = None
                  ) -> ProcessGroup:
     """Build this process's member of a group of the world and record it there. ``factory``:
     stands in for the backend's constructor (see :func:`build_group`)."""
@@ -317,11 +341,13 @@ def build_group(backend: str, store: Store, global_ranks: tuple[int, ...], group
                 name: str, timeout: timedelta, pg_options: Any = None, *,
                 global_rank: int | None = None,
                 record: Callable[[ProcessGroup], None] | None = None,
-                factory: Callable[..., ProcessGroup] | None = None,
+                factory: Callable[..., BackendBase] | None = None,
                 is_world: bool = False) -> ProcessGroup:
-    """Build this process's member of a group: the backend's group on ``store`` (private to the
-    group), wrapped by the plugins (the debug plugin at DETAIL), once every member has built
-    its side; then ``record`` it and announce it to the plugins. Blocks up to ``timeout`` for
+    """Build this process's member of a group: the backend on ``store`` (private to the group)
+    through its factory (the entry point), wrapped by the plugins (the debug plugin at DETAIL),
+    in a ProcessGroup; once every member has built its side, ``record`` it and announce it to
+    the plugins. ``backend`` may name a backend per device type (``"cpu:gloo,cuda:nccl"``,
+    :func:`device_map`): one backend of each, one group over them. Blocks up to ``timeout`` for
     the other members. ``factory`` stands in for the backend's constructor (same arguments);
     ``is_world``: the group is the whole world (``GroupOptions.is_world``).
 
@@ -332,17 +358,29 @@ def build_group(backend: str, store: Store, global_ranks: tuple[int, ...], group
     me = group_rank if global_rank is None else global_rank
     options = GroupOptions(group_name=name, timeout=timeout, global_ranks=global_ranks,
                            backend_options=pg_options, is_world=is_world)
-    if factory is None:
-        factory = registry.load(BACKENDS, backend)
-    try:
-        pg = factory(PrefixStore("backend", store), group_rank, len(global_ranks), options)
-    except DistError:
-        raise
-    except Exception as err:
-        raise DistError(f"{where(rank=me, group=name, backend=backend)} could not create "
-                        f"the group: {type(err).__name__}: {err}") from err
+    devices = device_map(backend)
     level = get_debug_level()
-    pg = registry.wrap_group(pg, store=PrefixStore("debug", store), debug_level=level)
+    if factory is not None or devices is None:
+        pg = ProcessGroup(_make_backend(backend, factory, store, "", group_rank, global_ranks,
+                                        options, me, level))
+    else:
+        by_name: dict[str, BackendBase] = {}
+        try:
+            for kind in dict.fromkeys(devices.values()):
+                by_name[kind] = _make_backend(kind, None, store, f"/{kind}", group_rank,
+                                              global_ranks, options, me, level)
+                wanted = [d for d, k in devices.items() if k == kind]
+                handled = by_name[kind].device_types
+                if any(d not in handled for d in wanted):
+                    raise DistError(
+                        f"{where(rank=me, group=name, backend=backend)} backend {kind!r} is "
+                        f"mapped to {', '.join(wanted)} but handles {', '.join(handled)} "
+                        f"tensors; map it to those (e.g. 'cpu:gloo,cuda:nccl')")
+        except BaseException:
+            for b in by_name.values():
+                b.shutdown()
+            raise
+        pg = ProcessGroup({d: by_name[k] for d, k in devices.items()})
     _warn_if_detail_unserved(level)
     try:
         _store_barrier(store, "created", group_rank, len(global_ranks), timeout, name)
@@ -355,6 +393,51 @@ def build_group(backend: str, store: Store, global_ranks: tuple[int, ...], group
     registry.plugins().hook.plugdist_group_created(group=pg, global_ranks=global_ranks,
                                                    backend=backend)
     return pg
+
+
+def device_map(backend: str) -> dict[str, str] | None:
+    """A backend spec naming a backend per device type, ``"cpu:gloo,cuda:nccl"`` (torch's form),
+    as ``{"cpu": "gloo", "cuda": "nccl"}``; None for a plain backend name."""
+    if ":" not in backend:
+        return None
+    out: dict[str, str] = {}
+    for part in backend.split(","):
+        device, sep, kind = (p.strip().lower() for p in part.partition(":"))
+        if not sep or not device or not kind or device in out:
+            raise ValueError(f"backend {backend!r}: a device map names each device type once, "
+                             f"as 'cpu:gloo,cuda:nccl'")
+        out[device] = kind
+    return out
+
+
+def _make_backend(backend: str, factory: Callable[..., Any] | None, store: Store, suffix: str,
+                  group_rank: int, global_ranks: tuple[int, ...], options: GroupOptions,
+                  me: int, level: DebugLevel) -> BackendBase:
+    """One backend of a group: its factory called on ``store``'s ``backend<suffix>`` prefix,
+    refused unless it is a ``BackendBase`` (a plugin API 1 backend is told what to change),
+    then wrapped by the plugins (``debug<suffix>``)."""
+    name = options.group_name
+    make: Any = registry.load(BACKENDS, backend) if factory is None else factory
+    if isinstance(make, type) and issubclass(make, ProcessGroup):
+        raise DistError(f"{where(rank=me, group=name, backend=backend)} "
+                        f"{legacy_backend_refusal(backend, make, 'its factory')}")
+    try:
+        made = make(PrefixStore("backend" + suffix, store), group_rank, len(global_ranks),
+                       options)
+    except DistError:
+        raise
+    except Exception as err:
+        raise DistError(f"{where(rank=me, group=name, backend=backend)} could not create "
+                        f"the group: {type(err).__name__}: {err}") from err
+    if not isinstance(made, BackendBase):
+        shutdown = getattr(made, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        raise DistError(f"{where(rank=me, group=name, backend=backend)} "
+                        f"{legacy_backend_refusal(backend, made, 'what its factory returned')}")
+    wrapped: BackendBase = registry.wrap_backend(made, store=PrefixStore("debug" + suffix, store),
+                                                 debug_level=level)
+    return wrapped
 
 
 def _announce(pg: ProcessGroup, store: Store, global_ranks: tuple[int, ...], me: int) -> None:
@@ -378,7 +461,7 @@ def retire_group(pg: ProcessGroup) -> None:
 def _warn_if_detail_unserved(level: DebugLevel) -> None:
     global _warned_no_debug_plugin
     if level is DebugLevel.DETAIL and not _warned_no_debug_plugin \
-            and not registry.has_hook("plugdist_wrap_process_group"):
+            and not registry.has_hook("plugdist_wrap_backend"):
         _warned_no_debug_plugin = True
         warnings.warn("TORCH_DISTRIBUTED_DEBUG=DETAIL asks for collective checks, but no debug "
                       "plugin is installed: pip install plugdist-debug", RuntimeWarning,

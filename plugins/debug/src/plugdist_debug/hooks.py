@@ -8,26 +8,27 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from plugdist import DebugLevel, ProcessGroup, Store
+from plugdist import DebugLevel, Store
+from plugdist.backend import BackendBase
 from plugdist.hookspecs import hookimpl
 
 from . import cli, ddp_logging
 from .flight_recorder import install_signal_handler
 from .verbosity import follow_debug_level
-from .wrapper import DebugProcessGroup
+from .wrapper import DebugBackend
 
-plugin_api = (1, 0)  # written for plugdist's plugin API 1.x (checked when the plugin loads)
+plugin_api = (2, 0)  # written for plugdist's plugin API 2.x (checked when the plugin loads)
 
 
 @hookimpl
-def plugdist_wrap_process_group(group: ProcessGroup, store: Store,
-                                debug_level: DebugLevel) -> ProcessGroup | None:
-    """At DETAIL, wrap ``group`` in a DebugProcessGroup; below it, leave it alone."""
+def plugdist_wrap_backend(backend: BackendBase, store: Store,
+                          debug_level: DebugLevel) -> BackendBase | None:
+    """At DETAIL, wrap ``backend`` in a DebugBackend; below it, leave it alone."""
     follow_debug_level(debug_level)
     if DebugLevel(debug_level) is not DebugLevel.DETAIL:
         return None
     install_signal_handler()
-    return DebugProcessGroup(group, store)
+    return DebugBackend(backend, store)
 
 
 @hookimpl

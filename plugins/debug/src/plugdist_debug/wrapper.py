@@ -1,11 +1,15 @@
-"""``DebugProcessGroup``: the DETAIL wrapper, used exactly like the group it wraps.
+"""``DebugBackend``: the DETAIL wrapper around a group's backend.
 
-Every public collective first records a flight-recorder entry, then checks its fingerprint
-across the group (:mod:`plugdist_debug.exchange`), and only then hands the call, unchanged, to
-the wrapped group's public op — so argument validation, composition and the returned Work are
-the wrapped group's own. Point-to-point ops are recorded but not checked: they are not
-collective. Anything else (``rank()``, ``capabilities()``, a backend's own attributes) is the
-wrapped group's.
+It sees every public op of the group (its ``wrap_op``, called before the group validates the
+op): a collective first records a flight-recorder entry, then checks its fingerprint across the
+group (:mod:`plugdist_debug.exchange`), and only then hands the call, unchanged, on — so
+argument validation, composition and the returned Work are the group's own. The fingerprint is
+the **public op's** (what the user called: op, tensors, reduction, root, splits), not the ops a
+composition issues underneath: those differ by backend and device (a send/recv backend composes
+an all_reduce from point-to-point messages, which are not collective), while the public op is
+what every rank must agree on. Point-to-point ops are recorded but not checked: they are not
+collective. Everything else (hooks, class attributes, capabilities, a backend's own attributes)
+is the wrapped backend's, forwarded by :class:`plugdist.backend.BackendWrapper`.
 
 Thread-safety: collectives are serialised by a lock held from the check until the wrapped op
 was issued, so sequence numbers follow issue order; point-to-point ops take a separate lock, so
@@ -22,10 +26,8 @@ from typing import Any
 
 import torch
 from plugdist.backend import (
-    OPS,
-    Capabilities,
-    GroupOptions,
-    ProcessGroup,
+    BackendBase,
+    BackendWrapper,
     ReduceOp,
     Store,
     Work,
@@ -37,7 +39,7 @@ from .exchange import FingerprintExchange, GroupIdentity
 from .fingerprint import Fingerprint, TensorSpec, spec_of
 from .flight_recorder import FAILED, Entry, FlightRecorder, recorders
 
-__all__ = ["DebugProcessGroup"]
+__all__ = ["DebugBackend"]
 
 
 def _numel(t: Any) -> int:
@@ -59,23 +61,20 @@ def _row_counts(t: Any, splits: Sequence[int] | None, size: int) -> tuple[int, .
     return tuple(c * per_row for c in counts)
 
 
-class DebugProcessGroup(ProcessGroup):
-    """Checks every collective across ranks before the wrapped group runs it. See the module
+class DebugBackend(BackendWrapper):
+    """Checks every collective across ranks before the wrapped backend runs it. See the module
     docstring. Built by the plugin's wrap hook; ``store`` must be private to the group."""
 
-    def __init__(self, inner: ProcessGroup, store: Store) -> None:
-        super().__init__(inner.rank(), inner.size(), inner.options)
-        self._inner = inner
-        # one abort signal for both: aborting this group releases the wrapped group's waits
-        self.abort_signal = inner.abort_signal
-        global_ranks = tuple(inner.options.global_ranks) or tuple(range(inner.size()))
-        self._ident = GroupIdentity(inner.group_name, inner.backend_name, inner.rank(),
+    def __init__(self, wrapped: BackendBase, store: Store) -> None:
+        super().__init__(wrapped)
+        global_ranks = tuple(self.options.global_ranks) or tuple(range(self.group_size))
+        self._ident = GroupIdentity(self.group_name, self.backend_name, self.group_rank,
                                     global_ranks)
-        self.recorder = FlightRecorder(group_name=inner.group_name, group_rank=inner.rank(),
-                                       global_ranks=global_ranks, backend=inner.backend_name,
-                                       timeout=inner.timeout)
+        self.recorder = FlightRecorder(group_name=self.group_name, group_rank=self.group_rank,
+                                       global_ranks=global_ranks, backend=self.backend_name,
+                                       timeout=self.timeout)
         recorders.add(self.recorder)
-        self._exchange = FingerprintExchange(store, self._ident, inner.timeout,
+        self._exchange = FingerprintExchange(store, self._ident, self.timeout,
                                              on_failure=self._check_failed)
         self._checking: Entry | None = None
         self._lock = threading.RLock()
@@ -85,57 +84,27 @@ class DebugProcessGroup(ProcessGroup):
         self._seq = 0
         self._p2p_seq = 0
 
-    # -- identity: the wrapped group's -----------------------------------------------------------
-    @property
-    def wrapped(self) -> ProcessGroup:
-        """The group this one wraps."""
-        return self._inner
-
-    @property  # type: ignore[override]
-    def backend_name(self) -> str:  # type: ignore[override]
-        return self._inner.backend_name
-
-    @property  # type: ignore[override]
-    def device_types(self) -> tuple[str, ...]:  # type: ignore[override]
-        return self._inner.device_types
-
-    @property  # type: ignore[override]
-    def supports_any_source(self) -> bool:  # type: ignore[override]
-        return self._inner.supports_any_source
-
-    @property  # type: ignore[override]
-    def rebuild_refusal(self) -> str:  # type: ignore[override]
-        return self._inner.rebuild_refusal
-
-    @property  # type: ignore[override]
-    def grow_refusal(self) -> str:  # type: ignore[override]
-        return self._inner.grow_refusal
-
-    def capabilities(self) -> Capabilities:
-        return self._inner.capabilities()
-
-    # -- resilience: the wrapped group's mechanisms ---------------------------------------------
-    def native_abort(self) -> None:
-        self._inner.native_abort()  # the signal is shared (see __init__)
-
-    def native_shrink(self, keep: Sequence[int], options: GroupOptions) -> Any:
-        return self._inner.native_shrink(keep, options)  # the core wraps the result again
-
     def shutdown(self) -> None:
         recorders.remove(self.recorder)
-        self._inner.shutdown()
-
-    def __getattr__(self, name: str) -> Any:
-        # only reached for names this class lacks: a backend's own attributes
-        if name == "_inner":
-            raise AttributeError(name)
-        return getattr(self._inner, name)
+        self.wrapped.shutdown()
 
     def __repr__(self) -> str:
-        return f"<DebugProcessGroup wrapping {self._inner!r}>"
+        return f"<DebugBackend wrapping {self.wrapped!r}>"
+
+    def wrap_op(self, op: str, args: dict[str, Any], run: Callable[[], Work]) -> Work:
+        """Every public op of the group: a collective checked across ranks first, a
+        point-to-point op recorded; then the wrapped backend's ``wrap_op`` (``run``)."""
+        def inner() -> Work:
+            return self.wrapped.wrap_op(op, args, run)
+
+        if op in ("send", "recv"):
+            return self._p2p(op, inner, args.get("tensor"),
+                             args.get("dst" if op == "send" else "src"))
+        specs, check = _FINGERPRINTS[op](args, self.group_size)
+        return self._collective(op, args, inner, specs, **check)
 
     # -- the check -------------------------------------------------------------------------------
-    def _collective(self, op: str, args: tuple[Any, ...], run: Callable[[], Work],
+    def _collective(self, op: str, args: dict[str, Any], run: Callable[[], Work],
                     tensors: Sequence[TensorSpec] = (), **check: Any) -> Work:
         """The op, checked first; one observed op of the core (profiler event, flight-recorder
         entry), marked started only when the wrapped group gets it."""
@@ -215,115 +184,83 @@ class DebugProcessGroup(ProcessGroup):
             entry = self.recorder.record(op, p2p_seq=self._p2p_seq, peer=peer, fingerprint=fp)
             return self._issue(entry, run)
 
-    # -- public ops: check, then the wrapped group's own op ------------------------------------
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Work:
-        return self._collective(
-            "broadcast", (tensor, src), lambda: self._inner.broadcast(tensor, src),
-            [spec_of("tensor", tensor)], root=src)
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
-        return self._collective(
-            "all_reduce", (tensor, op), lambda: self._inner.all_reduce(tensor, op),
-            [spec_of("tensor", tensor)], reduce_op=op)
-
-    def reduce(self, tensor: torch.Tensor, dst: int = 0, op: ReduceOp = ReduceOp.SUM) -> Work:
-        return self._collective(
-            "reduce", (tensor, dst, op), lambda: self._inner.reduce(tensor, dst, op),
-            [spec_of("tensor", tensor)], reduce_op=op, root=dst)
-
-    def all_gather(self, output_tensors: Sequence[torch.Tensor], tensor: torch.Tensor) -> Work:
-        specs = [spec_of("tensor", tensor)]
-        specs += [spec_of(f"output_tensors[{i}]", t) for i, t in enumerate(output_tensors)]
-        return self._collective("all_gather", (output_tensors, tensor),
-                                lambda: self._inner.all_gather(output_tensors, tensor), specs)
-
-    def all_gather_into_tensor(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
-        return self._collective(
-            "all_gather_into_tensor", (output, tensor),
-            lambda: self._inner.all_gather_into_tensor(output, tensor),
-            [spec_of("tensor", tensor), spec_of("output", output)])
-
-    def gather(self, tensor: torch.Tensor, gather_list: Sequence[torch.Tensor] | None = None,
-               dst: int = 0) -> Work:
-        # gather_list exists on dst only: not part of what every rank must agree on
-        return self._collective(
-            "gather", (tensor, gather_list, dst),
-            lambda: self._inner.gather(tensor, gather_list, dst),
-            [spec_of("tensor", tensor)], root=dst)
-
-    def scatter(self, tensor: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None = None,
-                src: int = 0) -> Work:
-        return self._collective(
-            "scatter", (tensor, scatter_list, src),
-            lambda: self._inner.scatter(tensor, scatter_list, src),
-            [spec_of("tensor", tensor)], root=src)
-
-    def reduce_scatter(self, output: torch.Tensor, input_list: Sequence[torch.Tensor],
-                       op: ReduceOp = ReduceOp.SUM) -> Work:
-        specs = [spec_of("output", output)]
-        specs += [spec_of(f"input_list[{i}]", t) for i, t in enumerate(input_list)]
-        return self._collective(
-            "reduce_scatter", (output, input_list, op),
-            lambda: self._inner.reduce_scatter(output, input_list, op), specs,
-            reduce_op=op)
-
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
-                              op: ReduceOp = ReduceOp.SUM) -> Work:
-        return self._collective(
-            "reduce_scatter_tensor", (output, input, op),
-            lambda: self._inner.reduce_scatter_tensor(output, input, op),
-            [spec_of("output", output), spec_of("input", input)], reduce_op=op)
-
-    def all_to_all(self, output_tensors: Sequence[torch.Tensor],
-                   input_tensors: Sequence[torch.Tensor]) -> Work:
-        # shapes differ between ranks by design; dtypes must not, and sizes must pair up
-        specs = [TensorSpec(f"input_tensors[{i}]", None, s.dtype, s.device)
-                 for i, s in enumerate(spec_of("", t) for t in input_tensors)]
-        specs += [TensorSpec(f"output_tensors[{i}]", None, s.dtype, s.device)
-                  for i, s in enumerate(spec_of("", t) for t in output_tensors)]
-        paired = len(input_tensors) == len(output_tensors) == self.group_size
-        return self._collective(
-            "all_to_all", (output_tensors, input_tensors),
-            lambda: self._inner.all_to_all(output_tensors, input_tensors), specs,
-            sends=tuple(_numel(t) for t in input_tensors) if paired else None,
-            recvs=tuple(_numel(t) for t in output_tensors) if paired else None)
-
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
-                          output_split_sizes: Sequence[int] | None = None,
-                          input_split_sizes: Sequence[int] | None = None) -> Work:
-        # rows of different shapes are a local error: left to the wrapped group to report
-        rows_match = (isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor)
-                      and output.shape[1:] == input.shape[1:])
-        return self._collective(
-            "all_to_all_single", (output, input, output_split_sizes, input_split_sizes),
-            lambda: self._inner.all_to_all_single(output, input, output_split_sizes,
-                                                  input_split_sizes),
-            [spec_of("output", output, rows_vary=True), spec_of("input", input, rows_vary=True)],
-            sends=_row_counts(input, input_split_sizes, self.group_size) if rows_match else None,
-            recvs=_row_counts(output, output_split_sizes, self.group_size) if rows_match else None)
-
-    def barrier(self) -> Work:
-        return self._collective("barrier", (), self._inner.barrier)
-
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
-        return self._p2p("send", lambda: self._inner.send(tensor, dst, tag), tensor, dst)
-
-    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
-        return self._p2p("recv", lambda: self._inner.recv(tensor, src, tag), tensor, src)
+# -- what each collective's fingerprint holds, from the public op's arguments by name -------------
+_Check = tuple[list[TensorSpec], dict[str, Any]]
 
 
-def _forward_native(op: str) -> Callable[..., Work]:
-    def native(self: DebugProcessGroup, **kwargs: Any) -> Work:
-        return getattr(self._inner, "native_" + op)(**kwargs)
-
-    native.__name__ = "native_" + op
-    native.__doc__ = f"The wrapped group's ``native_{op}``, unchecked (for code that composes " \
-                     f"ops on this group directly)."
-    return native
+def _fp_broadcast(a: dict[str, Any], size: int) -> _Check:
+    return [spec_of("tensor", a["tensor"])], {"root": a["src"]}
 
 
-# an op the core adds later, inherited unwrapped from ProcessGroup, composes through these and
-# so still reaches the wrapped backend (unchecked) instead of failing
-for _op in OPS:
-    setattr(DebugProcessGroup, "native_" + _op, _forward_native(_op))
-del _op
+def _fp_all_reduce(a: dict[str, Any], size: int) -> _Check:
+    return [spec_of("tensor", a["tensor"])], {"reduce_op": a["op"]}
+
+
+def _fp_reduce(a: dict[str, Any], size: int) -> _Check:
+    return [spec_of("tensor", a["tensor"])], {"reduce_op": a["op"], "root": a["dst"]}
+
+
+def _fp_all_gather(a: dict[str, Any], size: int) -> _Check:
+    specs = [spec_of("tensor", a["tensor"])]
+    specs += [spec_of(f"output_tensors[{i}]", t) for i, t in enumerate(a["output_tensors"])]
+    return specs, {}
+
+
+def _fp_all_gather_into_tensor(a: dict[str, Any], size: int) -> _Check:
+    return [spec_of("tensor", a["tensor"]), spec_of("output", a["output"])], {}
+
+
+def _fp_gather(a: dict[str, Any], size: int) -> _Check:
+    # gather_list exists on dst only: not part of what every rank must agree on
+    return [spec_of("tensor", a["tensor"])], {"root": a["dst"]}
+
+
+def _fp_scatter(a: dict[str, Any], size: int) -> _Check:
+    return [spec_of("tensor", a["tensor"])], {"root": a["src"]}
+
+
+def _fp_reduce_scatter(a: dict[str, Any], size: int) -> _Check:
+    specs = [spec_of("output", a["output"])]
+    specs += [spec_of(f"input_list[{i}]", t) for i, t in enumerate(a["input_list"])]
+    return specs, {"reduce_op": a["op"]}
+
+
+def _fp_reduce_scatter_tensor(a: dict[str, Any], size: int) -> _Check:
+    return [spec_of("output", a["output"]), spec_of("input", a["input"])], {"reduce_op": a["op"]}
+
+
+def _fp_all_to_all(a: dict[str, Any], size: int) -> _Check:
+    # shapes differ between ranks by design; dtypes must not, and sizes must pair up
+    ins, outs = a["input_tensors"], a["output_tensors"]
+    specs = [TensorSpec(f"input_tensors[{i}]", None, s.dtype, s.device)
+             for i, s in enumerate(spec_of("", t) for t in ins)]
+    specs += [TensorSpec(f"output_tensors[{i}]", None, s.dtype, s.device)
+              for i, s in enumerate(spec_of("", t) for t in outs)]
+    paired = len(ins) == len(outs) == size
+    return specs, {"sends": tuple(_numel(t) for t in ins) if paired else None,
+                   "recvs": tuple(_numel(t) for t in outs) if paired else None}
+
+
+def _fp_all_to_all_single(a: dict[str, Any], size: int) -> _Check:
+    output, input = a["output"], a["input"]
+    # rows of different shapes are a local error: left to the group to report
+    rows_match = (isinstance(output, torch.Tensor) and isinstance(input, torch.Tensor)
+                  and output.shape[1:] == input.shape[1:])
+    specs = [spec_of("output", output, rows_vary=True), spec_of("input", input, rows_vary=True)]
+    return specs, {
+        "sends": _row_counts(input, a["input_split_sizes"], size) if rows_match else None,
+        "recvs": _row_counts(output, a["output_split_sizes"], size) if rows_match else None}
+
+
+def _fp_barrier(a: dict[str, Any], size: int) -> _Check:
+    return [], {}
+
+
+_FINGERPRINTS: dict[str, Callable[[dict[str, Any], int], _Check]] = {
+    "broadcast": _fp_broadcast, "all_reduce": _fp_all_reduce, "reduce": _fp_reduce,
+    "all_gather": _fp_all_gather, "all_gather_into_tensor": _fp_all_gather_into_tensor,
+    "gather": _fp_gather, "scatter": _fp_scatter, "reduce_scatter": _fp_reduce_scatter,
+    "reduce_scatter_tensor": _fp_reduce_scatter_tensor, "all_to_all": _fp_all_to_all,
+    "all_to_all_single": _fp_all_to_all_single, "barrier": _fp_barrier,
+}

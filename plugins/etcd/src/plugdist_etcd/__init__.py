@@ -12,7 +12,7 @@ from .store import EtcdStore
 from .url import etcd_store_factory, parse_etcd_url
 from .will import EtcdWill
 
-plugin_api = (1, 0)  # written for plugdist's plugin API 1.x (checked when the store loads)
+plugin_api = (2, 0)  # written for plugdist's plugin API 2.x (checked when the store loads)
 
 __all__ = ["EtcdStore", "EtcdClient", "EtcdError", "EtcdUnavailableError", "TLSConfig", "Lease",
            "EtcdWill", "etcd_store_factory", "parse_etcd_url"]

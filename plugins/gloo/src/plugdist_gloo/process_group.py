@@ -19,9 +19,9 @@ from typing import Any, ClassVar
 
 import torch
 from plugdist.backend import (
+    BackendBase,
     GroupOptions,
     PlugdistStoreForTorch,
-    ProcessGroup,
     ReduceOp,
     Work,
     get_logger,
@@ -174,7 +174,7 @@ def _absent_ranks(store: Store, size: int) -> list[int]:
         return []
 
 
-class GlooProcessGroup(ProcessGroup):
+class GlooProcessGroup(BackendBase):
     """A group of CPU processes talking through Gloo (TCP).
 
     Construction is collective and blocking: every rank of the group must construct it with the
@@ -185,7 +185,7 @@ class GlooProcessGroup(ProcessGroup):
     """
 
     backend_name: ClassVar[str] = "gloo"
-    plugin_api: ClassVar[tuple[int, int]] = (1, 0)  # written for plugdist's plugin API 1.x
+    plugin_api = (2, 0)  # written for plugdist's plugin API 2.x
     device_types: ClassVar[tuple[str, ...]] = ("cpu",)
     default_for: ClassVar[tuple[str, ...]] = ("cpu",)  # init_process_group() with no backend
     native_reduce_ops: ClassVar[frozenset[ReduceOp]] = frozenset(

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, NoReturn
 
 import torch
 from plugdist import ReduceOp
-from plugdist.backend import GroupOptions, ProcessGroup, Work, get_logger, report_failed_ranks
+from plugdist.backend import BackendBase, GroupOptions, Work, get_logger, report_failed_ranks
 from plugdist.errors import (
     DistBackendError,
     DistError,
@@ -80,7 +80,7 @@ class _Here(threading.local):
     active = False
 
 
-class MPIProcessGroup(ProcessGroup):
+class MPIProcessGroup(BackendBase):
     """A group of processes started by ``mpiexec``, talking through MPI (mpi4py).
 
     Construction is collective over the group's members only (non-members never call it) and
@@ -94,7 +94,7 @@ class MPIProcessGroup(ProcessGroup):
     """
 
     backend_name: ClassVar[str] = "mpi"
-    plugin_api: ClassVar[tuple[int, int]] = (1, 0)  # written for plugdist's plugin API 1.x
+    plugin_api = (2, 0)  # written for plugdist's plugin API 2.x
     # replaced when the first group is built, from the MPI actually loaded (_setup_ulfm)
     rebuild_refusal: ClassVar[str] = (
         "an MPI group's members are fixed by mpiexec: MPICH's mpiexec ends every rank when one "
@@ -128,7 +128,7 @@ class MPIProcessGroup(ProcessGroup):
         """A group over all of ``base`` (a communicator every member holds), on a duplicate of
         it; collective over ``base``."""
         group = cls.__new__(cls)
-        ProcessGroup.__init__(group, rank, size, options)
+        BackendBase.__init__(group, rank, size, options)
         MPI = group._prepare()
         group._adopt(lambda: _dup(MPI, base), tuple(options.global_ranks))
         return group
@@ -266,7 +266,7 @@ class MPIProcessGroup(ProcessGroup):
             raise self._translate(op, exc) from exc
 
     def _mpi_work(self, op: str, source_rank: Callable[[], int] | int = -1) -> MPIWork:
-        """A pending MPIWork carrying this group's context (``ProcessGroup.work``'s, as MPIWork)."""
+        """A pending MPIWork carrying this group's context (``BackendBase.work``'s, as MPIWork)."""
         return MPIWork(op=op, rank=self.group_rank, group=self.group_name,
                        backend=self.backend_name, timeout=self.timeout, source_rank=source_rank)
 

@@ -42,7 +42,7 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
-from plugdist.backend import GroupOptions, ProcessGroup, ReduceOp, Work, get_logger
+from plugdist.backend import BackendBase, GroupOptions, ReduceOp, Work, get_logger
 from plugdist.errors import DistBackendError, DistError, DistTimeoutError, timed_out, where
 from plugdist.store import Store
 
@@ -79,7 +79,7 @@ class _P2P:
     work: NCCLWork
 
 
-class NCCLProcessGroup(ProcessGroup):
+class NCCLProcessGroup(BackendBase):
     """A group of processes, one GPU each, talking through NCCL.
 
     Construction is cheap and local unless ``NCCLOptions.device_id`` is given (then collective,
@@ -91,7 +91,7 @@ class NCCLProcessGroup(ProcessGroup):
     """
 
     backend_name: ClassVar[str] = "nccl"
-    plugin_api: ClassVar[tuple[int, int]] = (1, 0)  # written for plugdist's plugin API 1.x
+    plugin_api = (2, 0)  # written for plugdist's plugin API 2.x
     device_types: ClassVar[tuple[str, ...]] = ("cuda",)
     lean_device_types: ClassVar[tuple[str, ...]] = ("cuda",)
     default_for: ClassVar[tuple[str, ...]] = ("cuda",)
@@ -438,7 +438,10 @@ class NCCLProcessGroup(ProcessGroup):
         replays.after(slot, stream)
 
     def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> Any:
-        dtype, per = REDUCE_CODES[tensor.dtype]
+        codes = REDUCE_CODES.get(tensor.dtype)
+        if codes is None:  # a dtype NCCL cannot reduce: the Work route raises the error
+            return NotImplemented
+        dtype, per = codes
         count, red, ptr = tensor.numel() * per, reduce_code(op, tensor.dtype), tensor.data_ptr()
         if not count:
             return None
@@ -456,7 +459,10 @@ class NCCLProcessGroup(ProcessGroup):
                             lambda c, s: c.broadcast(ptr, ptr, count, codes[0], src, s))
 
     def native_reduce_blocking(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Any:
-        dtype, per = REDUCE_CODES[tensor.dtype]
+        codes = REDUCE_CODES.get(tensor.dtype)
+        if codes is None:  # a dtype NCCL cannot reduce: the Work route raises the error
+            return NotImplemented
+        dtype, per = codes
         count, red, ptr = tensor.numel() * per, reduce_code(op, tensor.dtype), tensor.data_ptr()
         if not count:
             return None
@@ -476,7 +482,10 @@ class NCCLProcessGroup(ProcessGroup):
 
     def native_reduce_scatter_tensor_blocking(self, *, output: torch.Tensor, input: torch.Tensor,
                                               op: ReduceOp) -> Any:
-        dtype, per = REDUCE_CODES[output.dtype]
+        codes = REDUCE_CODES.get(output.dtype)
+        if codes is None:  # a dtype NCCL cannot reduce: the Work route raises the error
+            return NotImplemented
+        dtype, per = codes
         count, red = output.numel() * per, reduce_code(op, output.dtype)
         inp, out = input.data_ptr(), output.data_ptr()
         if not count:
@@ -670,13 +679,9 @@ class NCCLProcessGroup(ProcessGroup):
             _end_process(err)
 
     # -- validation ----------------------------------------------------------------------------
-    def _check_reduce(self, op: str, red: ReduceOp, tensor: torch.Tensor) -> None:
-        if red in self.refused_reduce_ops and not (tensor.dtype.is_floating_point
-                                                   or tensor.dtype.is_complex):
-            raise ValueError(f"{self.where(op)} ReduceOp.{red.name} is not supported by NCCL "
-                             f"(it has no bitwise reductions); use SUM/MIN/MAX, or a gloo group "
-                             f"on CPU tensors")
-        super()._check_reduce(op, red, tensor)
+    def _check_reduction(self, op: str, tensor: torch.Tensor) -> None:
+        """What NCCL adds to the core's checks of a reduction: a dtype it can reduce (the core
+        refuses the bitwise reductions itself: ``refused_reduce_ops``)."""
         try:
             check_reducible(tensor.dtype)
         except TypeError as exc:
@@ -684,6 +689,7 @@ class NCCLProcessGroup(ProcessGroup):
 
     # -- native hooks ---------------------------------------------------------------------------
     def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        self._check_reduction("all_reduce", tensor)
         if tensor.numel() == 0:
             return self._issue("all_reduce", tensor, _nothing, [tensor], [tensor])
         buf, red = reduction_buffer(tensor), nccl_op(op, tensor.dtype)
@@ -698,6 +704,7 @@ class NCCLProcessGroup(ProcessGroup):
             [tensor], [tensor])
 
     def native_reduce(self, *, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
+        self._check_reduction("reduce", tensor)
         buf, red = reduction_buffer(tensor), nccl_op(op, tensor.dtype)
         # NCCL writes recvbuff on the root only: elsewhere the input stays as it was
         return self._issue("reduce", tensor, _if_any(
@@ -727,6 +734,7 @@ class NCCLProcessGroup(ProcessGroup):
 
     def native_reduce_scatter_tensor(self, *, output: torch.Tensor, input: torch.Tensor,
                                      op: ReduceOp) -> Work:
+        self._check_reduction("reduce_scatter_tensor", output)
         out, inp = reduction_buffer(output), reduction_buffer(input)
         red = nccl_op(op, output.dtype)
         return self._issue("reduce_scatter_tensor", output, _if_any(
@@ -735,6 +743,7 @@ class NCCLProcessGroup(ProcessGroup):
 
     def native_reduce_scatter(self, *, output: torch.Tensor, input_list: list[torch.Tensor],
                               op: ReduceOp) -> Work:
+        self._check_reduction("reduce_scatter", output)
         flat = self._scratch(output, (self.group_size * output.numel(),))
         out = reduction_buffer(output)
         red = nccl_op(op, output.dtype)

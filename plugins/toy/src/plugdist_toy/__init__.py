@@ -22,16 +22,15 @@ import threading
 from collections import defaultdict
 from datetime import timedelta
 from time import monotonic
-from typing import ClassVar
 
 import torch
 from plugdist.backend import (
     POLL_SECONDS,
+    BackendBase,
     BackendThreads,
     DistError,
     DistTimeoutError,
     GroupOptions,
-    ProcessGroup,
     Store,
     Work,
     program_running,
@@ -42,11 +41,11 @@ __all__ = ["ToyProcessGroup"]
 _POLL = timedelta(seconds=POLL_SECONDS)  # how often a waiting receive checks for shutdown
 
 
-class ToyProcessGroup(ProcessGroup):
+class ToyProcessGroup(BackendBase):
     """Point-to-point over the group's store; every collective composed by the core."""
 
     backend_name = "toy"                    # profiler events read plugdist:toy:<op>
-    plugin_api: ClassVar[tuple[int, int]] = (1, 0)  # written for plugdist's plugin API 1.x
+    plugin_api = (2, 0)  # written for plugdist's plugin API 2.x
     device_types = ("cpu",)
 
     def __init__(self, store: Store, rank: int, size: int, options: GroupOptions) -> None:

@@ -27,10 +27,10 @@ import torch
 
 from plugdist.backend import (
     POLL_SECONDS,
+    BackendBase,
     BackendThreads,
     DistError,
     GroupOptions,
-    ProcessGroup,
     Store,
     Work,
     recv_exact,
@@ -43,11 +43,11 @@ _HELLO = struct.Struct("!q")   # the connecting rank
 
 
 
-class TemplateProcessGroup(ProcessGroup):
+class TemplateProcessGroup(BackendBase):
     """send/recv over one TCP connection per (sender, receiver) pair."""
 
     backend_name = "template"
-    plugin_api: ClassVar[tuple[int, int]] = (1, 0)
+    plugin_api: ClassVar[tuple[int, int]] = (2, 0)
     device_types = ("cpu",)
 
     def __init__(self, store: Store, rank: int, size: int, options: GroupOptions) -> None:

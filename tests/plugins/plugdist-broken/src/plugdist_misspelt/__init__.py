@@ -7,6 +7,8 @@ from typing import Any
 
 from plugdist.hookspecs import hookimpl
 
+plugin_api = (2, 0)  # written for plugin API 2.x: refused for its misspelt hook, not its version
+
 
 @hookimpl
 def plugdist_group_creatd(group: Any, global_ranks: tuple[int, ...], backend: str) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from plugdist import ProcessGroup
+from plugdist.backend import BackendBase
 
 
-class MisspeltProcessGroup(ProcessGroup):
+class MisspeltProcessGroup(BackendBase):
     backend_name = "misspelt"
 
     def native_allreduce(self, *, tensor: Any, op: Any) -> Any:

@@ -17,7 +17,7 @@ from plugdist.errors import DistStoreError, DistTimeoutError
 from plugdist.store import Store
 from plugdist.store.api import to_bytes, to_seconds
 
-plugin_api = (1, 0)  # written for plugdist's plugin API 1.x (checked when the store loads)
+plugin_api = (2, 0)  # written for plugdist's plugin API 2.x (checked when the store loads)
 
 
 class DirStore(Store):
