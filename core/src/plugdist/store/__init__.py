@@ -12,4 +12,5 @@ from plugdist.store.tcp_store import TOKEN_ENV, TCPStore
 from plugdist.store.torch_store import TorchStoreAdapter
 
 __all__ = ["Store", "TCPStore", "FileStore", "HashStore", "PrefixStore", "DEFAULT_STORE_TIMEOUT",
-           "TCPStoreLimits", "QueueEmptyError", "TOKEN_ENV", "TorchStoreAdapter", "Will", "MemberSession"]
+           "TCPStoreLimits", "QueueEmptyError", "TOKEN_ENV", "TorchStoreAdapter", "Will",
+           "MemberSession"]
