@@ -218,3 +218,22 @@ def test_a_device_map_builds_one_group_over_a_backend_per_device_type() -> None:
                                     world_size=1)
     finally:
         registry.unregister(BACKENDS, "metaonly")
+
+
+def test_the_registry_and_open_store_import_no_torch() -> None:
+    """plugdist-run's launcher runs on a bare plugdist package without torch, and opens its
+    rendezvous store by URL (plugdist._open_store -> the registry): neither may import torch
+    (the plugin API's version once came from the backend base class, which imports it)."""
+    code = ("import importlib.util, sys, types\n"
+            "spec = importlib.util.find_spec('plugdist')\n"
+            "pkg = types.ModuleType('plugdist')\n"
+            "pkg.__path__ = list(spec.submodule_search_locations)\n"
+            "pkg.__spec__ = spec; sys.modules['plugdist'] = pkg\n"
+            "import plugdist._open_store, plugdist._registry, plugdist._launcher\n"
+            "from plugdist._registry import STORES, registry\n"
+            "assert 'tcp' in registry.names(STORES)\n"
+            "print('torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False", "importing them loaded torch"

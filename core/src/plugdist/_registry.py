@@ -26,7 +26,7 @@ import pluggy
 
 from plugdist import _debug_level as debug_level
 from plugdist import hookspecs
-from plugdist._backend.base import MIGRATION, PLUGIN_API, BackendBase
+from plugdist._backend.api_version import MIGRATION, PLUGIN_API
 from plugdist._backend.hook_checks import nearest, unknown_hook
 from plugdist.errors import HookContractError, PluginAPIError, PluginHookError, PluginNotFoundError
 
@@ -53,6 +53,14 @@ def _api_text(version: tuple[int, int]) -> str:
     return f"{version[0]}.{version[1]}"
 
 
+def _is_backend_base(obj: Any) -> bool:
+    """Whether ``obj`` is a subclass of ``plugdist.backend.BackendBase``. Read from the loaded
+    modules, not imported: a class derived from it has loaded it, and the registry must not
+    import torch (through the base class) for plugdist-run's launcher, which runs without it."""
+    base = sys.modules.get("plugdist._backend.base")
+    return base is not None and isinstance(obj, type) and issubclass(obj, base.BackendBase)
+
+
 def declared_plugin_api(obj: Any, module: str | None = None) -> Any:
     """The plugin API version ``obj`` (what an entry point names) declares: its own
     ``plugin_api`` attribute (a backend class's, a hook module's), else that of ``module`` (the
@@ -64,7 +72,7 @@ def declared_plugin_api(obj: Any, module: str | None = None) -> Any:
         origin = module or getattr(obj, "__module__", None) or ""
         if origin.split(".")[0] == "plugdist":  # the core's own (its stores, its rendezvous)
             return PLUGIN_API
-        return (2, 0) if isinstance(obj, type) and issubclass(obj, BackendBase) else (1, 0)
+        return (2, 0) if _is_backend_base(obj) else (1, 0)
     return declared
 
 
@@ -90,7 +98,7 @@ def legacy_backend_refusal(name: str, obj: Any, origin: str) -> str:
 def _is_legacy_backend(obj: Any) -> bool:
     """A class written for plugin API 1: a backend class that is no BackendBase (it subclasses
     the ProcessGroup users hold, which carried the native hooks then)."""
-    return (isinstance(obj, type) and not issubclass(obj, BackendBase)
+    return (isinstance(obj, type) and not _is_backend_base(obj)
             and any(n.startswith("native_") for n in dir(obj)))
 
 

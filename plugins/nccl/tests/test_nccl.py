@@ -502,7 +502,7 @@ import threading, time, sys
 sys.path.insert(0, {tests!r})
 from datetime import timedelta
 from plugdist._log import get_logger
-from plugdist._group.process_group import GroupOptions
+from plugdist.backend import GroupOptions
 from plugdist_nccl import process_group as m
 from plugdist_nccl.communicator import Communicator
 from plugdist_nccl.watchdog import Watchdog
@@ -510,7 +510,7 @@ from test_nccl import _CupyLikeComm
 
 raw = _CupyLikeComm()
 pg = m.NCCLProcessGroup.__new__(m.NCCLProcessGroup)
-m.ProcessGroup.__init__(pg, 0, 1, GroupOptions(group_name="exit-test"))
+m.BackendBase.__init__(pg, 0, 1, GroupOptions(group_name="exit-test"))
 pg._state, pg._broken, pg._closed, pg._log = threading.Lock(), None, False, get_logger()
 pg._p2p, pg._stream, pg._comm = [], None, Communicator(raw)
 pg._watchdog = Watchdog("exit-test", on_start=lambda: None,

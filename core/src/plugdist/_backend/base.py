@@ -33,7 +33,7 @@ from plugdist._backend.work import Work
 from plugdist._log import lifecycle
 from plugdist.errors import DistTimeoutError, op_timeout, where
 
-__all__ = ["BackendBase", "GroupOptions", "PLUGIN_API", "MIGRATION", "OPS", "LEAN_OPS",
+__all__ = ["BackendBase", "GroupOptions", "OPS", "LEAN_OPS",
            "DEFAULT_TIMEOUT", "BACKEND_HOOKS", "BACKEND_HELPERS", "BACKEND_ATTRIBUTES",
            "BACKEND_METHODS"]
 
@@ -44,17 +44,6 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)
 # for 1.0 keeps working under 1.3); the major number changes when a hook changes or goes away.
 # 2.0: a backend subclasses plugdist.backend.BackendBase (no longer ProcessGroup, which is what
 # users hold), and wrappers wrap a backend (plugdist_wrap_backend, not plugdist_wrap_process_group)
-PLUGIN_API: tuple[int, int] = (2, 0)
-
-# what a backend written for plugin API 1 changes to run on plugin API 2 (the core's refusals
-# of such a backend say it)
-MIGRATION = (
-    "subclass plugdist.backend.BackendBase instead of ProcessGroup (from plugdist.backend import "
-    "BackendBase); keep the native_* hooks, the class attributes, __init__(store, rank, size, "
-    "options) and its super().__init__(rank, size, options) as they are; declare plugin_api = "
-    "(2, 0). A wrapper subclasses plugdist.backend.BackendWrapper and is returned by the "
-    "plugdist_wrap_backend hook (docs/backends.md, 'Plugin API 2: what to change')")
-
 OPS: tuple[str, ...] = (
     "send", "recv", "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
     "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",

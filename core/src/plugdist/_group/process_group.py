@@ -40,14 +40,13 @@ from typing import Any
 import torch
 from torch.autograd import profiler as _torch_profiler
 
+from plugdist._backend.api_version import MIGRATION, PLUGIN_API
 from plugdist._backend.base import (
     BACKEND_HELPERS,
     BACKEND_HOOKS,
     DEFAULT_TIMEOUT,
     LEAN_OPS,
-    MIGRATION,
     OPS,
-    PLUGIN_API,
     BackendBase,
     GroupOptions,
 )
