@@ -157,6 +157,13 @@ class MPIWork(Work):
                 deadline = None if seconds is None else time.perf_counter() + seconds
                 if not engine.drive(self, p, deadline):
                     raise self.timeout_error(seconds)
+        fut = self.lazy_future
+        if fut is not None and not fut.done():
+            # the completing thread publishes the state first, then completes the future
+            # outside the lock: the waiter returns once the future is done too (microseconds)
+            settled_by = time.perf_counter() + 5.0
+            while not fut.done() and time.perf_counter() < settled_by:
+                time.sleep(0)
         if self._state == _FAILED:
             raise self._error  # type: ignore[misc]  # set with _FAILED
         return True
