@@ -139,12 +139,7 @@ class TrainerSteps(Generic[B]):
         self._window.append(batch)
         outer, self._in_step = self._in_step, True
         try:
-            return run()
-        except Exception as err:
-            if not is_rank_failure(err):
-                raise
-            self._failed = True
-            return fallback()
+            return self.in_attempt(run, fallback)
         finally:
             self._in_step = outer
 
