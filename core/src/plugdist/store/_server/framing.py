@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import struct
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from plugdist.store import _wire as w
 from plugdist.store._server.commands import Commands
 from plugdist.store._server.conn import READ, WRITE, Conn, ProtocolError, Selector, have
 from plugdist.store._server.limits import TCPStoreLimits
+from plugdist.store._server.replies import reply as reply_frame
 from plugdist.store._server.sliced import Sliced
 from plugdist.store._server.turns import TURN_REQUESTS, TURN_SECONDS, Turns
 
@@ -45,13 +47,15 @@ _CHUNKED = 1024 * 1024
 class Framing:
     """The frames of one server's connections. ``pending``: the connections whose deadlines
     :meth:`sweep_stalled` watches (shared with the other parts); ``turns``: whose turn it is;
-    ``drop(conn, why, gone=False)`` and ``close(conn)``: the server's. Set once it runs:
+    ``drop(conn, why, gone=False)`` and ``close(conn)``: the server's; ``log``, its logger,
+    and ``warn``, its rate-limited one (:class:`~plugdist.store._server.limits.Throttle`). Set
+    once it runs:
     ``sel`` (the selector), ``hello`` (the handshake's check of a HELLO) and ``port`` (for log
     lines)."""
 
     def __init__(self, limits: TCPStoreLimits, commands: Commands, pending: set[Conn],
                  turns: Turns, drop: Callable[..., None], close: Callable[[Conn], None],
-                 log: Any) -> None:
+                 log: Any, warn: Callable[..., None]) -> None:
         self._limits = limits
         self._commands = commands
         self._pending = pending
@@ -62,6 +66,7 @@ class Framing:
         self._drop = drop
         self._close = close
         self._log = log
+        self._warn = warn
         self.sel: Selector
         self.hello: Callable[[Conn, bytes], int]
         self.port = 0
@@ -163,6 +168,8 @@ class Framing:
                 except (ValueError, IndexError, struct.error, UnicodeDecodeError,
                         OverflowError) as e:
                     raise ProtocolError(f"malformed {w.Op(op).name} request: {e}") from None
+                except Exception as e:  # a server bug: answer this request, serve on
+                    reply = self.internal_error(conn, w.Op(op).name, e)
                 pos = stop
                 if isinstance(reply, Sliced):  # read on at the next turns
                     conn.sliced = reply
@@ -178,9 +185,8 @@ class Framing:
         except ProtocolError as e:
             self._drop(conn, str(e))
             return
-        except Exception as e:  # a server bug: lose this client, keep serving the others
-            self._log.error("tcp_store_internal_error", port=self.port, peer=conn.peer,
-                            error=repr(e))
+        except Exception as e:  # a server bug outside a command: lose this client only
+            self.internal_error(conn, "framing", e)
             self._close(conn)
             return
         if pos >= end:
@@ -199,6 +205,18 @@ class Framing:
                 and conn.sliced is None:
             self._later.append(conn)  # whole requests left: served at the next turn
 
+    def internal_error(self, conn: Conn | None, where: str, e: BaseException) -> bytes:
+        """A bug of the server met while serving ``conn`` (``where``: the command or the
+        part): logged (rate-limited, with the traceback), and the ERROR reply that answers the
+        request instead, so the client raises and the serving loop goes on."""
+        self._warn("tcp_store_internal_error", "error", port=self.port,
+                   peer=conn.peer if conn is not None else "-", where=where, error=repr(e),
+                   traceback=traceback.format_exc(limit=8))
+        return reply_frame(w.Status.ERROR, (f"{where} failed inside the store's server ({e!r}); "
+                                            f"the server logged it (tcp_store_internal_error) "
+                                            f"and serves on: report it with that log line"
+                                            ).encode())
+
     def _control_frames(self, conn: Conn) -> None:
         """Run the RENEW and WILL_DROP frames at the front of a parked connection's input (its
         holder renews, or withdraws, its will while its own request waits)."""
@@ -208,7 +226,10 @@ class Framing:
             length, op = w.HEADER.unpack_from(buf, pos)
             if length or op not in w.CONTROL_OPS:
                 break
-            self._commands.handle(conn, op, b"", 0, 0)
+            try:
+                self._commands.handle(conn, op, b"", 0, 0)
+            except Exception as e:  # RENEW and WILL_DROP have no reply to carry an error
+                self.internal_error(conn, w.Op(op).name, e)
             pos += 5
         if pos:
             del buf[:pos]

@@ -167,9 +167,13 @@ class KeySpace:
 
     def append_entry(self, log: bytes, value: bytes) -> int:
         """Append ``value`` to the numbered log ``log`` (its counter becomes n, the value lands
-        at ``log/n``) and wake its readers; returns n. The server's own appends only."""
+        at ``log/n``) and wake its readers; returns n, or 0 when the counter holds no number
+        (nothing appended; logged). The server's own appends only."""
         self.execute_wills([(log, value)])
-        return int(self.data[log])
+        try:
+            return int(self.data.get(log, b"0"))
+        except ValueError:
+            return 0
 
     def execute_wills(self, wills: list[tuple[bytes, bytes]]) -> None:
         """Connections with wills closed: append each value to the numbered log at its key (the

@@ -79,8 +79,9 @@ class StoreServer:
         self._worlds = Worlds(keys, self._warn)
         self._commands = Commands(keys, self._worlds)
         self._frames = frames = Framing(limits, self._commands, self._pending, turns,
-                                        self._drop, self._close, self._log)
-        turns.attach(frames.process, frames.on_readable, frames.send, frames.watch)
+                                        self._drop, self._close, self._log, self._warn)
+        turns.attach(frames.process, frames.on_readable, frames.send, frames.watch,
+                     frames.internal_error)
         wills.read = frames.on_readable
         self._lobby = lobby = Lobby(self._conns, self._pending, self.token, limits, self._log,
                                     turns.serve_conn, frames.send)
@@ -180,81 +181,84 @@ class StoreServer:
         next_sweep = 0.0
         try:
             while not self._stop_event.is_set():
-                delay = None
-                deadline = waiters.next_deadline()
-                if deadline is not None:
-                    delay = min(max(0.0, deadline - time.monotonic()), 3600.0)
-                if lobby.paused_until:
-                    pause = max(0.0, lobby.paused_until - time.monotonic())
-                    delay = pause if delay is None else min(delay, pause)
-                if pending:
-                    sweep = max(0.0, next_sweep - time.monotonic())
-                    delay = sweep if delay is None else min(delay, sweep)
-                if will_deadlines:
-                    due = max(0.0, will_deadlines[0][0] - time.monotonic())
-                    delay = due if delay is None else min(delay, due)
-                held = warn.next_flush()
-                if held is not None:
-                    wait = max(0.0, held - time.monotonic())
-                    delay = wait if delay is None else min(delay, wait)
-                if resting:
-                    wait = max(0.0, resting[0][0] - time.monotonic())
-                    delay = wait if delay is None else min(delay, wait)
-                if graveyard or orphans or keys.untidy:
-                    delay = 0.0
-                if later:  # connections with requests left over from the last turn
-                    delay = 0.0
-                    resume.extend(later)
-                    later.clear()
-                unproven: list[Conn] = []
-                accept = False
-                for key, mask in sel.select(delay):
-                    conn = key.data
-                    if conn is None:
-                        if key.fileobj is lsock:
-                            accept = True
-                        elif key.fileobj is wake:
-                            try:
-                                wake.recv(64)
-                            except OSError:
-                                pass
-                        continue
-                    if conn.closed:
-                        continue
-                    if mask & WRITE:
-                        flush(conn)
-                    if mask & READ and not conn.closed and not conn.paused \
-                            and not conn.resting:
-                        if conn.proven:
-                            serve_conn(conn)
-                        else:
-                            unproven.append(conn)
-                if unproven or accept:
-                    lobby.serve(unproven, accept)
-                now = time.monotonic()
-                if resting:
-                    turns.wake_rested(now)
-                waiters.expire(now)
-                if graveyard:
-                    frames.bury()
-                if orphans:
-                    turns.step_orphan()
-                if keys.untidy:
-                    keys.tidy()
-                if warn.next_flush() is not None:
-                    warn.flush(now)
-                if will_deadlines and will_deadlines[0][0] <= now:
-                    wills.lapse(now)
-                if wills.dying:
-                    dying, wills.dying = wills.dying, []
-                    keys.execute_wills(dying)
-                if pending and now >= next_sweep:
-                    frames.sweep_stalled(now)
-                    next_sweep = now + frames.sweep_interval()
-                if lobby.paused_until:
-                    lobby.resume_accepts(now)
-                if resume:
-                    turns.serve_resumed()
+                try:
+                    delay = None
+                    deadline = waiters.next_deadline()
+                    if deadline is not None:
+                        delay = min(max(0.0, deadline - time.monotonic()), 3600.0)
+                    if lobby.paused_until:
+                        pause = max(0.0, lobby.paused_until - time.monotonic())
+                        delay = pause if delay is None else min(delay, pause)
+                    if pending:
+                        sweep = max(0.0, next_sweep - time.monotonic())
+                        delay = sweep if delay is None else min(delay, sweep)
+                    if will_deadlines:
+                        due = max(0.0, will_deadlines[0][0] - time.monotonic())
+                        delay = due if delay is None else min(delay, due)
+                    held = warn.next_flush()
+                    if held is not None:
+                        wait = max(0.0, held - time.monotonic())
+                        delay = wait if delay is None else min(delay, wait)
+                    if resting:
+                        wait = max(0.0, resting[0][0] - time.monotonic())
+                        delay = wait if delay is None else min(delay, wait)
+                    if graveyard or orphans or keys.untidy:
+                        delay = 0.0
+                    if later:  # connections with requests left over from the last turn
+                        delay = 0.0
+                        resume.extend(later)
+                        later.clear()
+                    unproven: list[Conn] = []
+                    accept = False
+                    for key, mask in sel.select(delay):
+                        conn = key.data
+                        if conn is None:
+                            if key.fileobj is lsock:
+                                accept = True
+                            elif key.fileobj is wake:
+                                try:
+                                    wake.recv(64)
+                                except OSError:
+                                    pass
+                            continue
+                        if conn.closed:
+                            continue
+                        if mask & WRITE:
+                            flush(conn)
+                        if mask & READ and not conn.closed and not conn.paused \
+                                and not conn.resting:
+                            if conn.proven:
+                                serve_conn(conn)
+                            else:
+                                unproven.append(conn)
+                    if unproven or accept:
+                        lobby.serve(unproven, accept)
+                    now = time.monotonic()
+                    if resting:
+                        turns.wake_rested(now)
+                    waiters.expire(now)
+                    if graveyard:
+                        frames.bury()
+                    if orphans:
+                        turns.step_orphan()
+                    if keys.untidy:
+                        keys.tidy()
+                    if warn.next_flush() is not None:
+                        warn.flush(now)
+                    if will_deadlines and will_deadlines[0][0] <= now:
+                        wills.lapse(now)
+                    if wills.dying:
+                        dying, wills.dying = wills.dying, []
+                        keys.execute_wills(dying)
+                    if pending and now >= next_sweep:
+                        frames.sweep_stalled(now)
+                        next_sweep = now + frames.sweep_interval()
+                    if lobby.paused_until:
+                        lobby.resume_accepts(now)
+                    if resume:
+                        turns.serve_resumed()
+                except Exception as e:  # a server bug: log it (rate-limited), serve on
+                    self._frames.internal_error(None, "the serving loop", e)
         except Exception as e:  # a bug here must not leave clients hanging silently
             self._log.error("tcp_store_server_crashed", port=self.port, error=repr(e))
             raise
@@ -299,7 +303,11 @@ class StoreServer:
             self._wills.dying.append(conn.will)  # executed together at the end of this turn
             conn.will = None
         if conn.identity is not None:
-            self._worlds.released(conn)
+            try:
+                self._worlds.released(conn)
+            except Exception as e:  # a bug must not leave the socket open or the loop dead
+                conn.identity = None
+                self._frames.internal_error(conn, "releasing an identity", e)
         self._conns.pop(conn.sock.fileno(), None)
         try:
             self._sel.unregister(conn.sock)

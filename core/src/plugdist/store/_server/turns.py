@@ -55,13 +55,15 @@ class Turns:
         self.charged = 0.0  # work charged to the connection being served, beyond its time
 
     def attach(self, process: Callable[..., None], on_readable: Callable[[Conn], None],
-               send: Callable[[Conn, bytes], None], watch: Callable[[Conn], None]) -> None:
-        """The framing's: run the input a connection holds, read it, send to it, and watch it
-        in the selector for what it now waits for."""
+               send: Callable[[Conn, bytes], None], watch: Callable[[Conn], None],
+               internal_error: Callable[[Conn | None, str, BaseException], bytes]) -> None:
+        """The framing's: run the input a connection holds, read it, send to it, watch it in
+        the selector for what it now waits for, and report a server bug (the ERROR reply)."""
         self._process = process
         self._on_readable = on_readable
         self._send = send
         self._watch = watch
+        self._internal_error = internal_error
 
     def serve_conn(self, conn: Conn, force: bool = False) -> None:
         """Read from ``conn`` (or, ``force``, run the requests left in its buffer), charging the
@@ -102,6 +104,8 @@ class Turns:
         except (ValueError, IndexError, struct.error, UnicodeDecodeError, OverflowError) as e:
             self._drop(conn, f"malformed request: {e}")
             return False
+        except Exception as e:  # a server bug: answer the request, serve on
+            reply = self._internal_error(conn, "a request read in slices", e)
         if isinstance(reply, Sliced):
             conn.sliced = reply  # the same request's next part (a reply packed in slices)
             self.later.append(conn)
@@ -120,6 +124,9 @@ class Turns:
             nxt = self.orphans[0].step()
         except (ValueError, IndexError, struct.error, UnicodeDecodeError, OverflowError):
             nxt = None  # malformed: nothing of it was written
+        except Exception as e:  # a server bug: let go of it, serve on
+            self._internal_error(None, "a left client's request", e)
+            nxt = None
         if isinstance(nxt, Sliced):
             self.orphans[0] = nxt
         else:

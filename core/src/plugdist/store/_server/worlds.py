@@ -129,7 +129,9 @@ class Worlds:
     def _world(self, root: bytes, afresh_if_closed: bool = False) -> _World:
         """The world under ``root``, made (with its control keys) when there is none, or, with
         ``afresh_if_closed``, when every member of the last one left (a process that builds a
-        world again on the same store: nobody needs the old one's membership any more)."""
+        world again on the same store: nobody needs the old one's membership any more).
+        Raises _Refused for a root that breaks :func:`check_root`'s rule."""
+        check_root(root)
         world = self._worlds.get(root)
         if world is not None and afresh_if_closed \
                 and self._keys.value(root + CLOSED.encode()) is not None:
@@ -147,7 +149,12 @@ class Worlds:
 
     def _current(self, world: _World) -> tuple[int, list[str]]:
         raw = self._keys.value(world.root + CURRENT.encode())
-        epoch = int(raw) if raw else 0
+        try:
+            epoch = int(raw) if raw else 0
+        except ValueError:  # only members' checked writes reach it; never raise for it
+            self._notice("tcp_store_world_unreadable", root=_name(world.root),
+                         key=CURRENT, value=_name(raw or b"")[:64])
+            epoch = 0
         if epoch == 0 and 0 not in world.members:
             return 0, [str(r) for r in range(world.size)]
         return epoch, world.members.get(epoch, [])
@@ -169,7 +176,8 @@ class Worlds:
         uid = uid_b.decode()
         try:
             self._check_free(conn)
-            if size < 1 or not uid.isdigit() or int(uid) >= size:
+            if size < 1 or not (uid.isascii() and uid.isdigit()) or uid != str(int(uid)) \
+                    or int(uid) >= size:  # one spelling per rank: "01" or "\u0661" is not "1"
                 raise _Refused(f"claim of member {uid!r} in a world of {size} ranks: the rank is "
                                f"out of range")
             world = self._world(root, afresh_if_closed=True)
@@ -209,9 +217,9 @@ class Worlds:
         (ttl,) = w.F64.unpack_from(buf, pos)
         try:
             self._check_free(conn)
+            world = self._world(root)
         except _Refused as e:
             return self._refuse(conn, "join", str(e))
-        world = self._world(root)
         keys = self._keys
         ticket = keys.add_to(root + JOIN_COUNT.encode(), 1)
         assert isinstance(ticket, int)  # the server alone writes the counter
@@ -234,7 +242,7 @@ class Worlds:
             del world.held[uid]
             world.secrets.pop(uid, None)
         world.left.add(uid)
-        epoch, members = self._current(world)
+        epoch, members = self._current(world)  # total: an unreadable epoch reads as 0
         if members and all(u in world.left for u in members):
             key = world.root + CLOSED.encode()
             if self._keys.value(key) is None:
@@ -248,6 +256,7 @@ class Worlds:
         root, pos = _blob(buf, pos, end)
         uid_b, pos = _blob(buf, pos, end)
         secret, pos = _blob(buf, pos, end)
+        check_root(root)
         uid = uid_b.decode(errors="replace")
         world = self._worlds.get(root)
         held = world.secrets.get(uid) if world is not None else None
@@ -401,6 +410,20 @@ class Worlds:
                      reason=why[:300])
         body = f"{op} refused: {why}".encode()
         return w.HEADER.pack(len(body), status) + body
+
+
+def check_root(root: bytes) -> None:
+    """A world's root is empty or ends in ``/``: only then are the keys under it reserved
+    (:func:`plugdist.store._worldkeys.is_reserved` matches a name at the top or after a ``/``),
+    so only then can no plain write reach its membership. Raises _Refused naming the rule."""
+    if root and not root.endswith(b"/"):
+        raise _Refused(f"world root {_name(root)[:200]!r} must be empty or end in '/' (the "
+                       f"keys under any other root are not reserved, so any client could write "
+                       f"its membership); use {_name(root)[:200] + '/'!r}")
+
+
+def _name(key: bytes) -> str:
+    return key.decode(errors="replace")
 
 
 def _rel(key: bytes) -> str:

@@ -1,0 +1,118 @@
+"""The TCPStore server never dies of a request: a world's root must end in ``/`` (or be empty),
+a bug in a handler or a deferred action answers ERROR and is logged while the loop serves on,
+and a sequence fuzzer drives many connections through claims, joins, members' writes, records,
+plain writes and closes at every point. Real server, real sockets on loopback. (Single frames
+fuzzed: ``test_tcp_store.py::test_fuzz_wire_protocol``; strangers against real worlds:
+``test_security.py``.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from plugdist._log import get_logger
+from plugdist.errors import DistStoreError
+from plugdist.store import TCPStore
+from plugdist.store import _wire as wire
+from structlog.testing import capture_logs
+
+HOST = "127.0.0.1"
+T = timedelta(seconds=20)
+
+
+def eventually(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.fixture
+def master() -> Iterator[TCPStore]:
+    get_logger()  # configure logging before a test captures it
+    m = TCPStore(HOST, 0, is_master=True, timeout=T, token="")
+    yield m
+    m.close()
+
+
+def client(m: TCPStore) -> TCPStore:
+    return TCPStore(HOST, m.port, timeout=T, token="")
+
+
+@pytest.mark.timeout(60)
+def test_a_world_root_is_empty_or_ends_in_a_slash(master: TCPStore) -> None:
+    """Under a root without a trailing ``/`` the world's keys would not be reserved: a claim, a
+    join, a member's write and a record there are refused, naming the rule."""
+    c = client(master)
+    with pytest.raises(DistStoreError, match="must be empty or end in '/'"):
+        c.claim_member("x", "0", 2, 10.0)
+    with pytest.raises(DistStoreError, match="must be empty or end in '/'"):
+        c.join_member("x", 10.0)
+    member = c.claim_member("x/", "0", 1, 10.0)  # with the slash: a world like any other
+    with pytest.raises(DistStoreError, match="reserved|membership"):
+        c.set("x/plugdist/epoch/current", "nope")
+    c.set("xplugdist/epoch/current", "nope")  # a plain key, of no world
+    from plugdist.store._tcp_client import TCPStoreSession
+    bad = TCPStoreSession(c._request, None, b"x", "0", os.urandom(16))  # type: ignore[arg-type]
+    with pytest.raises(DistStoreError, match="must be empty or end in '/'"):
+        bad.set("plugdist/epoch/current", "1")
+    with pytest.raises(DistStoreError, match="must be empty or end in '/'"):
+        bad.record(json.dumps({"uid": "0", "cause": "left"}))
+    member.will.cancel()
+    c.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_bug_in_a_handler_answers_error_and_the_server_serves_on(master: TCPStore) -> None:
+    """A handler that raises what no malformed request raises (a server bug): that request is
+    answered ERROR, the bug logged once with its traceback, the connection and every other
+    one served on."""
+    server = master._server
+    assert server is not None
+    c = client(master)
+    c.set("k", "v")
+
+    def broken(conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        raise RuntimeError("a bug")
+
+    real = server._commands.handlers[wire.Op.NUM_KEYS]
+    server._commands.handlers[wire.Op.NUM_KEYS] = broken
+    try:
+        with capture_logs() as logs:
+            with pytest.raises(DistStoreError, match="inside the store's server"):
+                c.num_keys()
+            assert c.get("k") == b"v"  # the same connection, served on
+    finally:
+        server._commands.handlers[wire.Op.NUM_KEYS] = real
+    bugs = [e for e in logs if e["event"] == "tcp_store_internal_error"]
+    assert len(bugs) == 1 and "RuntimeError: a bug" in bugs[0]["traceback"], bugs
+    assert server.alive and master.get("k") == b"v"
+    c.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_release_that_meets_an_unreadable_epoch_is_skipped_not_raised(
+        master: TCPStore) -> None:
+    """A world's release parses its current epoch; a value that does not parse (which no
+    client can write any more: the root rule and the members' checked writes) is logged and
+    read as the first epoch: the member's death is still written and the server serves on."""
+    server = master._server
+    assert server is not None
+    c = client(master)
+    member = c.claim_member("w/", "0", 2, 10.0)
+    server._keys.data[b"w/plugdist/epoch/current"] = b"not a number"
+    with capture_logs() as logs:
+        member.will._conn.close()  # dropped: the server releases the identity
+        assert eventually(lambda: master.check(["w/plugdist/live/deaths/1"]))
+    assert json.loads(master.get("w/plugdist/live/deaths/1")) == {"uid": "0", "cause": "died"}
+    assert any(e["event"] == "tcp_store_world_unreadable" for e in logs), logs
+    assert not [e for e in logs if e["event"] == "tcp_store_internal_error"]
+    assert server.alive and c.add("after", 1) == 1
+    c.close()
