@@ -116,3 +116,25 @@ def test_a_release_that_meets_an_unreadable_epoch_is_skipped_not_raised(
     assert not [e for e in logs if e["event"] == "tcp_store_internal_error"]
     assert server.alive and c.add("after", 1) == 1
     c.close()
+
+
+def test_a_token_file_other_users_can_read_is_refused(tmp_path: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """As ssh refuses a private key others can read: the error names the fix."""
+    from plugdist.store._tokens import read_token_file
+
+    path = tmp_path / "job.token"
+    path.write_text("s3cret\n")
+    for mode in (0o644, 0o640, 0o620, 0o604):
+        path.chmod(mode)
+        with pytest.raises(DistStoreError, match=f"chmod 600 {path}"):
+            read_token_file(str(path))
+    path.chmod(0o600)
+    assert read_token_file(str(path)) == b"s3cret"
+    path.chmod(0o400)
+    assert read_token_file(str(path)) == b"s3cret"
+    path.chmod(0o644)
+    monkeypatch.delenv("PLUGDIST_STORE_TOKEN", raising=False)
+    monkeypatch.setenv("PLUGDIST_STORE_TOKEN_FILE", str(path))  # the way a job gives it
+    with pytest.raises(DistStoreError, match="chmod 600"):
+        TCPStore(HOST, 0, is_master=True, timeout=T)

@@ -23,11 +23,14 @@ __all__ = ["TOKEN_ENV", "TOKEN_FILE_ENV", "resolve_token", "read_token_file", "i
 TOKEN_ENV = "PLUGDIST_STORE_TOKEN"
 TOKEN_FILE_ENV = "PLUGDIST_STORE_TOKEN_FILE"
 _warned_tokenless: set[str] = set()
+# a token file's mode bits that let users other than its owner read or change it
+_OTHERS = stat.S_IRGRP | stat.S_IWGRP | stat.S_IROTH | stat.S_IWOTH
 
 
 def read_token_file(path: str) -> bytes:
     """The token in the file ``path`` (trailing whitespace and newlines dropped). Raises
-    DistStoreError when it cannot be read or is empty; warns once when other users may read it."""
+    DistStoreError when it cannot be read, is empty, or other users may read or change it (as
+    ssh refuses such a private key: the token would be theirs too)."""
     try:
         with open(path, "rb") as f:
             mode = os.fstat(f.fileno()).st_mode
@@ -36,13 +39,14 @@ def read_token_file(path: str) -> bytes:
         raise DistStoreError(f"cannot read the store's token file {path!r} ({e.strerror or e}); "
                              f"{TOKEN_FILE_ENV} / token_file= must name a file this process can "
                              f"read") from e
+    if mode & _OTHERS:
+        raise DistStoreError(f"the store's token file {path!r} can be read or changed by other "
+                             f"users (mode {stat.S_IMODE(mode):o}), so its token is not this "
+                             f"job's secret; `chmod 600 {path}` (only its owner may read it), "
+                             f"and make a new token if others may have read this one")
     if not token:
         raise DistStoreError(f"the store's token file {path!r} is empty; write a secret into it "
                              f"(e.g. `openssl rand -hex 32 > {path}; chmod 600 {path}`)")
-    if mode & (stat.S_IRGRP | stat.S_IROTH) and path not in _warned_tokenless:
-        _warned_tokenless.add(path)
-        warnings.warn(f"the store's token file {path!r} can be read by other users (mode "
-                      f"{stat.S_IMODE(mode):o}); `chmod 600 {path}`", UserWarning, stacklevel=3)
     return token
 
 
