@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -138,3 +139,61 @@ def test_a_token_file_other_users_can_read_is_refused(tmp_path: Any,
     monkeypatch.setenv("PLUGDIST_STORE_TOKEN_FILE", str(path))  # the way a job gives it
     with pytest.raises(DistStoreError, match="chmod 600"):
         TCPStore(HOST, 0, is_master=True, timeout=T)
+
+
+def raw_client(port: int) -> socket.socket:
+    """A tokenless connection that did the handshake by hand (and then misbehaves)."""
+    s = socket.create_connection((HOST, port), timeout=10)
+    got = b""
+    while len(got) < wire.GREETING.size:
+        got += s.recv(wire.GREETING.size - len(got))
+    s.sendall(wire.HELLO.pack(wire.MAGIC, wire.VERSION, 0, os.urandom(wire.NONCE_SIZE),
+                              wire.NO_PROOF))
+    got = b""
+    while len(got) < wire.WELCOME.size:
+        got += s.recv(wire.WELCOME.size - len(got))
+    return s
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.timeout(120)
+def test_a_reply_over_the_limit_is_refused_and_unread_replies_cost_no_copy(
+        master: TCPStore) -> None:
+    """A MULTI_GET naming one 8 MiB value 64 times (a 512 MiB reply) is refused naming the
+    limit, before anything is packed; 7 times (56 MiB) is answered. Eight clients that send
+    such requests and never read hold no copy of their replies (they refer to the stored
+    value): the server's memory does not grow by their size, and another client is served."""
+    server = master._server
+    assert server is not None
+    c = client(master)
+    big = os.urandom(8 << 20)
+    c.set("big", big)
+    with pytest.raises(DistStoreError, match=r"max_reply_bytes"):
+        c.multi_get(["big"] * 64)
+    assert c.multi_get(["big"] * 7) == [big] * 7
+    frame = wire.request(wire.Op.MULTI_GET, wire.F64.pack(10.0) + wire.pack_blobs([b"big"] * 7))
+    before = rss()
+    hogs = [raw_client(master.port) for _ in range(8)]
+    for s in hogs:
+        s.setblocking(False)
+        for _ in range(50):  # pipelined; never read: the server stops reading it soon
+            try:
+                s.send(frame)
+            except BlockingIOError:
+                break
+    assert eventually(lambda: sum(1 for x in server._conns.values() if x.paused) == 8)
+    unread = sum(len(x.out) for x in server._conns.values())
+    assert unread >= 8 * (7 << 23) // 2  # each holds a reply of 56 MiB, less what was sent
+    grown = rss() - before
+    assert grown < 100 << 20, f"the server's memory grew by {grown >> 20} MiB"
+    for i in range(20):
+        c.set(f"small/{i}", str(i))
+        assert c.get(f"small/{i}") == str(i).encode()
+    for s in hogs:
+        s.close()
+    assert eventually(lambda: len(server._conns) == 2)
+    c.close()

@@ -18,7 +18,7 @@ from typing import Any
 
 from plugdist.store import _wire as w
 from plugdist.store._server.keyspace import KeySpace
-from plugdist.store._server.replies import OK_EMPTY, name, ok, reply, seconds
+from plugdist.store._server.replies import OK_EMPTY, Reply, name, ok, ok_value, reply, seconds
 from plugdist.store._server.sliced import SLICE_KEYS, KeysRead, Sliced, ValuesWritten
 from plugdist.store._server.waiters import Waiter
 from plugdist.store._server.worlds import Worlds
@@ -34,7 +34,7 @@ _F64_I64 = struct.Struct("!dq")
 _F64_U8_U32 = struct.Struct("!dBI")
 _F64_I64_U32 = struct.Struct("!dqI")
 
-Handler = Callable[[Any, bytes, int, int], "bytes | None | Sliced"]
+Handler = Callable[[Any, bytes, int, int], "Reply | None | Sliced"]
 
 
 class Commands:
@@ -65,7 +65,7 @@ class Commands:
         return op in self.handlers
 
     def handle(self, conn: Any, op: int, buf: bytes, pos: int,
-               end: int) -> bytes | None | Sliced:
+               end: int) -> Reply | None | Sliced:
         """Run command ``op`` (one it :meth:`knows`) on its body ``buf[pos:end]``: the reply
         frame (empty for RENEW and WILL_DROP, which have none), or None when the request was
         parked (``conn.waiter`` is set until it is answered through ``answer``), or a
@@ -122,14 +122,14 @@ class Commands:
         self._keys.put(key, value)
         return OK_EMPTY
 
-    def _op_get(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None | Sliced:
+    def _op_get(self, conn: Any, buf: bytes, pos: int, end: int) -> Reply | None | Sliced:
         timeout, kl = _F64_U32.unpack_from(buf, pos)
         if pos + 12 + kl != end:
             raise ValueError("key length does not match the frame")
         key = bytes(buf[pos + 12:end])
         value = self._data.get(key)
         if value is not None:
-            return ok(value)
+            return ok_value(value)
         return self._waiters.wait_for(conn, w.Op.GET, [key], timeout)
 
     def _op_add(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
@@ -202,7 +202,7 @@ class Commands:
             self._keys.created_value(key)
         return OK_EMPTY
 
-    def _op_compare_set(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+    def _op_compare_set(self, conn: Any, buf: bytes, pos: int, end: int) -> Reply:
         key, pos = _blob(buf, pos, end)
         expected, pos = _blob(buf, pos, end)
         desired, _ = _blob(buf, pos, end)
@@ -211,12 +211,12 @@ class Commands:
         refusal = self._keys.too_big("compare_set", key, len(desired))
         if refusal:
             return refusal
-        return ok(self._keys.compare_set(key, expected, desired))
+        return ok_value(self._keys.compare_set(key, expected, desired))
 
     def _keyed(self, op: w.Op, buf: bytes, pos: int, end: int,
                each: Callable[[list[bytes]], bool] | None,
-               finish: Callable[[list[bytes]], bytes | None | Sliced],
-               keep: bool = False) -> bytes | None | Sliced:
+               finish: Callable[[list[bytes]], Reply | None | Sliced],
+               keep: bool = False) -> Reply | None | Sliced:
         """A request whose body at ``pos`` is its keys (u32 n, n blobs): refused past
         ``max_keys``, answered at once up to ``SLICE_KEYS`` keys, else read in slices (see
         :class:`~plugdist.store._server.sliced.KeysRead`)."""
@@ -229,7 +229,7 @@ class Commands:
         return KeysRead(self._keys, buf, pos + 4, end, n, each, finish, keep).step()
 
     def _awaited(self, conn: Any, op: w.Op, buf: bytes, pos: int,
-                 end: int) -> bytes | None | Sliced:
+                 end: int) -> Reply | None | Sliced:
         """WAIT or MULTI_GET: its keys looked at as they are read, until one is missing."""
         (timeout,) = w.F64.unpack_from(buf, pos)
         data, queues, removals = self._data, self._queues, self._keys.removals
@@ -244,20 +244,20 @@ class Commands:
                     seen[0] += 1
             return True
 
-        def finish(keys: list[bytes]) -> bytes | None | Sliced:  # none removed: no second look
+        def finish(keys: list[bytes]) -> Reply | None | Sliced:  # none removed: no second look
             return self._waiters.wait_for(conn, op, keys, timeout,
                                           seen[0] if self._keys.removals == removals else 0)
 
         return self._keyed(op, buf, pos + 8, end, each, finish, keep=True)
 
-    def _op_wait(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None | Sliced:
+    def _op_wait(self, conn: Any, buf: bytes, pos: int, end: int) -> Reply | None | Sliced:
         return self._awaited(conn, w.Op.WAIT, buf, pos, end)
 
     def _op_multi_get(self, conn: Any, buf: bytes, pos: int,
-                      end: int) -> bytes | None | Sliced:
+                      end: int) -> Reply | None | Sliced:
         return self._awaited(conn, w.Op.MULTI_GET, buf, pos, end)
 
-    def _op_check(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None | Sliced:
+    def _op_check(self, conn: Any, buf: bytes, pos: int, end: int) -> Reply | None | Sliced:
         """Whether every key is present; a CHECK read in slices looks at each slice as it is
         read (a key deleted meanwhile, in a slice already read, still counts as present)."""
         found = [True]
@@ -288,7 +288,7 @@ class Commands:
         return ok(w.I64.pack(self._keys.delete_prefix(prefix, reserved_too=False)))
 
     def _op_multi_set(self, conn: Any, buf: bytes, pos: int,
-                      end: int) -> bytes | None | Sliced:
+                      end: int) -> Reply | None | Sliced:
         """All or nothing: every pair is checked as it is read (a slice at a time for many),
         and only then written: at one instant up to ``SLICE_KEYS`` pairs, else that many a
         turn, in order (see :class:`~plugdist.store._server.sliced.ValuesWritten`)."""
@@ -312,7 +312,7 @@ class Commands:
                     return False
             return True
 
-        def finish(items: list[bytes]) -> bytes | Sliced:
+        def finish(items: list[bytes]) -> Reply | Sliced:
             if refused:
                 return refused[0]
             if len(items) <= 2 * SLICE_KEYS:
@@ -335,7 +335,7 @@ class Commands:
         poppers = self._waiters.poppers.get(key)
         if poppers:
             # a parked pop takes the value directly, oldest pop first
-            self._waiters.finish(poppers[0], ok(value))
+            self._waiters.finish(poppers[0], ok_value(value))
             return OK_EMPTY
         q = self._queues.get(key)
         if q is None:
@@ -345,7 +345,7 @@ class Commands:
             self._waiters.key_created(key)
         return OK_EMPTY
 
-    def _op_queue_pop(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
+    def _op_queue_pop(self, conn: Any, buf: bytes, pos: int, end: int) -> Reply | None:
         timeout, block, kl = _F64_U8_U32.unpack_from(buf, pos)
         timeout = seconds(timeout)
         if pos + 13 + kl != end:
@@ -359,7 +359,7 @@ class Commands:
             if not q:
                 del self._queues[key]
                 self._keys.removals += 1
-            return ok(value)
+            return ok_value(value)
         if not block:
             return reply(w.Status.QUEUE_EMPTY, f"queue {name(key)!r} is empty".encode())
         if timeout <= 0:

@@ -8,6 +8,8 @@ socket is ready or the loop's next deadline).
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 import select
 import selectors
@@ -16,11 +18,12 @@ from typing import Any
 
 from plugdist.store._server.sliced import Sliced
 
-__all__ = ["READ", "WRITE", "Conn", "ProtocolError", "Selector", "have"]
+__all__ = ["READ", "WRITE", "Conn", "Outbox", "ProtocolError", "Selector", "have"]
 
 READ = selectors.EVENT_READ
 WRITE = selectors.EVENT_WRITE
 _MAX_EVENTS = 1024  # readiness events taken from the kernel per turn of the loop
+_JOIN_BELOW = 64 * 1024  # pieces of an outbox smaller than this are joined
 
 
 if hasattr(selectors, "EpollSelector"):
@@ -55,6 +58,52 @@ else:  # pragma: no cover - not Linux
     Selector = selectors.DefaultSelector  # type: ignore[misc,assignment]
 
 
+class Outbox:
+    """The bytes of a connection's replies the kernel has not taken yet, as the pieces they
+    came in (a large value is the stored one, never copied), small pieces joined. ``len`` is
+    how many bytes wait."""
+
+    __slots__ = ("chunks", "size")
+
+    def __init__(self) -> None:
+        self.chunks: collections.deque[bytes | bytearray | memoryview] = collections.deque()
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def add(self, data: bytes | bytearray | memoryview) -> None:
+        n = len(data)
+        if not n:
+            return
+        self.size += n
+        chunks = self.chunks
+        if n < _JOIN_BELOW:
+            if chunks and type(chunks[-1]) is bytearray and len(chunks[-1]) < _JOIN_BELOW:
+                chunks[-1] += data  # type: ignore[operator]
+            else:
+                chunks.append(bytearray(data))
+        else:
+            chunks.append(data)
+
+    def send(self, sock: socket.socket) -> int:
+        """Send what the kernel takes now (up to 64 pieces at once); the bytes sent. Raises
+        BlockingIOError and the like as ``socket.sendmsg`` does."""
+        chunks = self.chunks
+        n = sock.sendmsg(list(itertools.islice(chunks, 64)))
+        self.size -= n
+        left = n
+        while left:
+            head = chunks[0]
+            if len(head) <= left:
+                left -= len(head)
+                chunks.popleft()
+            else:
+                chunks[0] = memoryview(head)[left:]
+                left = 0
+        return n
+
+
 def have(conn: Conn) -> int:
     """Bytes received of ``conn``'s unparsed input."""
     return len(conn.inbuf) + conn.tail_len
@@ -80,7 +129,7 @@ class Conn:
         self.tail: list[bytes] = []  # of a large partial frame, the bytes after inbuf's
         self.tail_len = 0
         self.need = 0             # length inbuf (and tail) must reach before parsing is worth it
-        self.out = bytearray()    # bytes the kernel has not taken yet
+        self.out = Outbox()       # bytes the kernel has not taken yet
         self.handshaken = False
         self.proven = False       # proved its token, or (no token) sent a first request
         self.nonce = nonce        # the server nonce sent in this connection's greeting

@@ -26,6 +26,7 @@ from plugdist.store import _wire as w
 from plugdist.store._server.commands import Commands
 from plugdist.store._server.conn import READ, WRITE, Conn, ProtocolError, Selector, have
 from plugdist.store._server.limits import TCPStoreLimits
+from plugdist.store._server.replies import Parts, Reply
 from plugdist.store._server.replies import reply as reply_frame
 from plugdist.store._server.sliced import Sliced
 from plugdist.store._server.turns import TURN_REQUESTS, TURN_SECONDS, Turns
@@ -311,9 +312,20 @@ class Framing:
                                     f"{slowest.need} bytes in {now - slowest.started:.3g}s)")
 
 
-    def send(self, conn: Conn, data: bytes) -> None:
-        if conn.out:
-            conn.out += data
+    def send(self, conn: Conn, data: Reply) -> None:
+        """Send a reply frame (bytes, or :class:`Parts` that refer to stored values): what the
+        kernel does not take waits in ``conn.out``, and the selector watches for writability."""
+        out = conn.out
+        if isinstance(data, Parts):  # a large reply, never joined
+            for part in data:
+                out.add(part)
+            if len(out) == data.size:  # nothing waited before it
+                self.flush(conn)
+                if out:
+                    self.watch(conn)
+            return
+        if out:
+            out.add(data)
             return
         try:
             n = conn.sock.send(data)
@@ -323,7 +335,7 @@ class Framing:
             self._drop(conn, f"send failed: {e}")
             return
         if n < len(data):
-            conn.out += data[n:]
+            out.add(memoryview(data)[n:])
             self.watch(conn)
 
     def watch(self, conn: Conn) -> None:
@@ -347,13 +359,12 @@ class Framing:
 
     def flush(self, conn: Conn) -> None:
         try:
-            n = conn.sock.send(conn.out)
+            conn.out.send(conn.sock)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
             self._drop(conn, f"send failed: {e}")
             return
-        del conn.out[:n]
         if conn.paused and len(conn.out) <= self._limits.max_unread_reply_bytes // 2:
             conn.paused = False
             self._turns.mind_deadlines(conn)

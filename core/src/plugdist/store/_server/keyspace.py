@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plugdist.store import _wire as w
-from plugdist.store._server.replies import name, ok, reply, seconds
+from plugdist.store._server.replies import Reply, name, ok, reply, seconds
 from plugdist.store._server.sliced import SLICE_KEYS, Sliced
 from plugdist.store._server.waiters import Waiters
 from plugdist.store._worldkeys import RESERVED_NAMES, is_reserved
@@ -30,18 +30,20 @@ class KeySpace:
     """The data of one server. ``answer(conn, reply)`` sends a parked request's reply (after
     ``conn.waiter`` was cleared); ``max_value_bytes`` bounds a value (a SET, a MULTI_SET's, a
     COMPARE_SET's, what APPEND or QUEUE_PUSH may store); ``max_keys`` bounds the keys of one
-    request (CHECK, WAIT, MULTI_GET, MULTI_SET); ``arm_will(conn)`` is called when ``conn``
+    request (CHECK, WAIT, MULTI_GET, MULTI_SET); ``max_reply_bytes`` a reply's body (a
+    MULTI_GET's values together); ``arm_will(conn)`` is called when ``conn``
     leaves a will with a ttl (``conn.will_ttl``/``conn.will_deadline`` set), so the server can
     watch the deadline, which RENEW moves without calling it again. ``notice(event, **fields)``
     logs a refusal (the server rate-limits it)."""
 
-    def __init__(self, answer: Callable[[Any, bytes | Sliced], None], max_value_bytes: int,
+    def __init__(self, answer: Callable[[Any, Reply | Sliced], None], max_value_bytes: int,
                  arm_will: Callable[[Any], None] | None = None, *,
-                 max_keys: int = 1 << 20,
+                 max_keys: int = 1 << 20, max_reply_bytes: int = w.MAX_FRAME,
                  notice: Callable[..., None] | None = None) -> None:
         self._arm_will = arm_will
         self.max_value_bytes = max_value_bytes
         self.max_keys = max_keys
+        self.max_reply_bytes = max_reply_bytes
         self.notice = notice or (lambda event, **fields: None)
         self.data: dict[bytes, bytes] = {}
         self.queues: dict[bytes, deque[bytes]] = {}
@@ -71,7 +73,7 @@ class KeySpace:
         if not items:
             self._garbage.popleft()
 
-    def wait_again(self, conn: Any, keys: list[bytes], timeout: float) -> bytes | None | Sliced:
+    def wait_again(self, conn: Any, keys: list[bytes], timeout: float) -> Reply | None | Sliced:
         """A MULTI_GET being answered found a key deleted: wait for all its keys again, for
         ``timeout`` more seconds."""
         return self.waiters.wait_for(conn, w.Op.MULTI_GET, keys, max(timeout, 0.0))
@@ -225,6 +227,16 @@ class KeySpace:
         return reply(w.Status.ERROR, (
             f"{op} of {n} keys refused: this server takes at most {self.max_keys} keys per "
             f"request (TCPStoreLimits.max_keys_per_request); split it").encode())
+
+    def reply_too_big(self, op: str, n: int, size: int) -> bytes | None:
+        """The refusal of a request of ``n`` keys whose reply body would be ``size`` bytes,
+        when that is over ``max_reply_bytes`` (else None): found before the reply is packed."""
+        if size <= self.max_reply_bytes:
+            return None
+        return reply(w.Status.ERROR, (
+            f"{op} of {n} keys refused: its reply would be {size} bytes (or more), over this "
+            f"server's limit of {self.max_reply_bytes} bytes per reply "
+            f"(TCPStoreLimits.max_reply_bytes); ask for fewer keys at a time").encode())
 
     def too_big(self, op: str, key: bytes, size: int) -> bytes | None:
         if size <= self.max_value_bytes:

@@ -44,6 +44,10 @@ class TCPStoreLimits:
     ``max_parked_inbound_bytes``: bytes a client may send while its blocking request is parked
     (one request at a time is the protocol; more drops it). ``max_unread_reply_bytes``: when a
     client's unread replies pass this, the server stops reading its requests until it reads.
+    ``max_reply_bytes``: one reply's body (a MULTI_GET's values together; more: refused with an
+    error naming it, before anything is packed); at most the frame limit a client reads.
+    Replies of large values refer to the stored values (no copy), so what a client leaves
+    unread costs the server its share of this limit, not new memory.
     """
 
     max_frame_bytes: int = w.MAX_FRAME
@@ -56,7 +60,13 @@ class TCPStoreLimits:
     max_connections: int = 65536
     max_parked_inbound_bytes: int = 64 * 1024
     max_unread_reply_bytes: int = 1024 * 1024
+    max_reply_bytes: int = w.MAX_FRAME
 
+    def __post_init__(self) -> None:
+        if not self.max_value_bytes + 64 <= self.max_reply_bytes <= w.MAX_FRAME:
+            raise ValueError(f"TCPStoreLimits.max_reply_bytes={self.max_reply_bytes} must hold "
+                             f"one value (max_value_bytes={self.max_value_bytes}, plus 64) and "
+                             f"be at most the protocol's frame limit {w.MAX_FRAME}")
 
 
 _LOG_BURST = 10  # lines of one warning logged at once before the rate limit applies

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from plugdist.store import _wire as w
 
-__all__ = ["MAX_TIMEOUT", "OK_EMPTY", "name", "ok", "pack_blob", "reply", "seconds",
-           "whole_seconds"]
+__all__ = ["MAX_TIMEOUT", "OK_EMPTY", "Blobs", "Parts", "Reply", "name", "ok", "ok_value",
+           "ok_values", "pack_blob", "reply", "seconds", "whole_seconds"]
 
 MAX_TIMEOUT = 1e7  # seconds; longer ones are clamped (the deadline heap needs finite numbers)
 
@@ -35,6 +35,76 @@ def reply(status: w.Status, body: bytes) -> bytes:
 def ok(body: bytes) -> bytes:
     """An OK reply frame carrying ``body``."""
     return w.HEADER.pack(len(body), 0) + body
+
+
+# a reply whose values together pass this is sent in parts that refer to the stored values
+# (no copy: a stranger's MULTI_GET naming one large value many times costs no memory)
+_JOIN_BELOW = 64 * 1024
+_REFER_FROM = 4096  # a value this large is one part of its own; smaller ones are joined
+
+
+class Parts(list[bytes]):
+    """A reply frame in pieces, the header first, sent as they are (``sendmsg``) and never
+    joined: its values are the stored ones, not copies."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, parts: list[bytes], size: int) -> None:
+        super().__init__(parts)
+        self.size = size  # bytes in all
+
+
+Reply = bytes | Parts
+
+
+def ok_value(value: bytes) -> Reply:
+    """An OK reply frame carrying ``value``, in parts when it is large."""
+    if len(value) < _JOIN_BELOW:
+        return w.HEADER.pack(len(value), 0) + value
+    return Parts([w.HEADER.pack(len(value), 0), value], 5 + len(value))
+
+
+def ok_values(values: list[bytes]) -> Reply:
+    """An OK reply frame carrying ``values`` as blobs (a MULTI_GET's), in parts when large."""
+    size = 4 + 4 * len(values) + sum(map(len, values))
+    if size < _JOIN_BELOW:
+        return ok(w.pack_blobs(values))
+    blobs = Blobs(len(values))
+    blobs.add(values)
+    return blobs.reply()
+
+
+class Blobs:
+    """The body of a reply of ``n`` blobs, added a few at a time (a slice a turn): large
+    values become parts of their own (referred to, not copied), the small pieces between them
+    are joined. :meth:`reply` makes the frame once all ``n`` were added."""
+
+    __slots__ = ("parts", "small", "size")
+
+    def __init__(self, n: int) -> None:
+        self.parts: list[bytes] = []
+        self.small = [w.U32.pack(n)]
+        self.size = 4
+
+    def add(self, values: list[bytes]) -> None:
+        pack, small, parts = w.U32.pack, self.small, self.parts
+        for v in values:
+            small.append(pack(len(v)))
+            if len(v) < _REFER_FROM:
+                small.append(v)
+            else:
+                parts.append(b"".join(small))
+                parts.append(v)
+                small.clear()
+            self.size += 4 + len(v)
+
+    def reply(self) -> Reply:
+        if self.small:
+            self.parts.append(b"".join(self.small))
+            self.small = []
+        if self.size < _JOIN_BELOW:
+            return ok(b"".join(self.parts))
+        return Parts([w.HEADER.pack(self.size, 0), *self.parts], 5 + self.size)
 
 
 def pack_blob(data: bytes) -> bytes:

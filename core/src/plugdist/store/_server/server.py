@@ -74,7 +74,8 @@ class StoreServer:
         self._turns = turns = Turns(self._pending, self._drop)
         self._wills = wills = Wills(self._drop)
         self._keys = keys = KeySpace(turns.answer, limits.max_value_bytes, wills.arm,
-                                     max_keys=limits.max_keys_per_request, notice=self._warn)
+                                     max_keys=limits.max_keys_per_request,
+                                     max_reply_bytes=limits.max_reply_bytes, notice=self._warn)
         self._waiters = keys.waiters
         self._worlds = Worlds(keys, self._warn)
         self._commands = Commands(keys, self._worlds)

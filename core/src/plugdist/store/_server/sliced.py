@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from plugdist.store import _wire as w
-from plugdist.store._server.replies import OK_EMPTY, ok
+from plugdist.store._server.replies import OK_EMPTY, Blobs, Reply
 
 __all__ = ["SLICE_KEYS", "KeysRead", "Sliced", "ValuesRead", "ValuesWritten"]
 
@@ -26,10 +26,11 @@ class Space(Protocol):
     """What slices need of the key space and its waiters."""
 
     def value(self, key: bytes) -> bytes | None: ...
+    def reply_too_big(self, op: str, n: int, size: int) -> bytes | None: ...
     def put_all(self, values: dict[bytes, bytes]) -> None: ...
     def discard(self, items: list[bytes]) -> None: ...
     def wait_again(self, conn: Any, keys: list[bytes],
-                   timeout: float) -> bytes | None | Sliced: ...
+                   timeout: float) -> Reply | None | Sliced: ...
 
 
 class Sliced:
@@ -41,7 +42,7 @@ class Sliced:
     __slots__ = ()
     must_finish = False  # True: finished even when its client leaves first
 
-    def step(self) -> bytes | None | Sliced:
+    def step(self) -> Reply | None | Sliced:
         """The next slice's work: the reply once done, else a :class:`Sliced` (``self`` or what
         follows it) to step at the next turn. Raises ValueError for a malformed body."""
         raise NotImplementedError
@@ -61,14 +62,14 @@ class KeysRead(Sliced):
 
     def __init__(self, space: Space, buf: bytes, pos: int, end: int, n: int,
                  each: Callable[[list[bytes]], bool] | None,
-                 finish: Callable[[list[bytes]], bytes | None | Sliced],
+                 finish: Callable[[list[bytes]], Reply | None | Sliced],
                  keep: bool = False, must_finish: bool = False) -> None:
         self.space, self.must_finish = space, must_finish
         self.buf, self.pos, self.end, self.left = buf, pos, end, n
         self.keys: list[bytes] = []  # the slices read, kept for ``finish`` when ``keep``
         self.each, self.finish, self.keep = each, finish, keep
 
-    def step(self) -> bytes | None | Sliced:
+    def step(self) -> Reply | None | Sliced:
         buf, pos, end, unpack = self.buf, self.pos, self.end, w.U32.unpack_from
         take = min(self.left, SLICE_KEYS)
         part = []
@@ -96,31 +97,38 @@ class KeysRead(Sliced):
 
 
 class ValuesRead(Sliced):
-    """A MULTI_GET of many keys whose every key was present: its values taken and packed
-    ``SLICE_KEYS`` keys a turn, each slice's values at one instant. A key deleted before its
-    slice is read sends the request back to waiting (with what is left of its timeout)."""
+    """A MULTI_GET of many keys whose every key was present: its values taken ``SLICE_KEYS``
+    keys a turn, each slice's values at one instant, and sent as they are stored (never
+    copied). A key deleted before its slice is read sends the request back to waiting (with
+    what is left of its timeout); a reply that grows past the server's reply limit is
+    refused."""
 
-    __slots__ = ("space", "conn", "keys", "deadline", "done", "parts")
+    __slots__ = ("space", "conn", "keys", "deadline", "done", "blobs", "size")
 
     def __init__(self, space: Space, conn: Any, keys: list[bytes], deadline: float) -> None:
         self.space, self.conn, self.keys, self.deadline = space, conn, keys, deadline
         self.done = 0
-        self.parts = [w.U32.pack(len(keys))]
+        self.blobs = Blobs(len(keys))
+        self.size = 4 + 4 * len(keys)  # the reply's body so far, with the blobs' lengths
 
-    def step(self) -> bytes | None | Sliced:
+    def step(self) -> Reply | None | Sliced:
         stop = self.done + SLICE_KEYS
         keys = self.keys[self.done:stop]
         values = [v for v in map(self.space.value, keys) if v is not None]
         if len(values) < len(keys):
             left = self.deadline - time.monotonic()
             return self.space.wait_again(self.conn, self.keys, left)
-        pack = w.U32.pack
-        self.parts.append(b"".join([b for v in values for b in (pack(len(v)), v)]))
+        self.size += sum(map(len, values))
+        refusal = self.space.reply_too_big("multi_get", len(self.keys), self.size)
+        if refusal:  # found before the values are packed, a slice at a time
+            self.abandon()
+            return refusal
+        self.blobs.add(values)
         self.done = stop
         if stop < len(self.keys):
             return self
         self.space.discard(self.keys)
-        return ok(b"".join(self.parts))
+        return self.blobs.reply()
 
     def abandon(self) -> None:
         self.space.discard(self.keys)
@@ -137,7 +145,7 @@ class ValuesWritten(Sliced):
     def __init__(self, space: Space, items: list[bytes]) -> None:
         self.space, self.items, self.done = space, items, 0
 
-    def step(self) -> bytes | Sliced:
+    def step(self) -> Reply | Sliced:
         items, stop = self.items, self.done + 2 * SLICE_KEYS
         self.space.put_all(dict(zip(items[self.done:stop:2], items[self.done + 1:stop:2],
                                     strict=True)))

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plugdist.store._server.conn import Conn, have
+from plugdist.store._server.replies import Reply
 from plugdist.store._server.sliced import Sliced
 
 __all__ = ["HEAVY", "TURN_REQUESTS", "TURN_SECONDS", "Turns"]
@@ -55,7 +56,7 @@ class Turns:
         self.charged = 0.0  # work charged to the connection being served, beyond its time
 
     def attach(self, process: Callable[..., None], on_readable: Callable[[Conn], None],
-               send: Callable[[Conn, bytes], None], watch: Callable[[Conn], None],
+               send: Callable[[Conn, Reply], None], watch: Callable[[Conn], None],
                internal_error: Callable[[Conn | None, str, BaseException], bytes]) -> None:
         """The framing's: run the input a connection holds, read it, send to it, watch it in
         the selector for what it now waits for, and report a server bug (the ERROR reply)."""
@@ -132,7 +133,7 @@ class Turns:
         else:
             self.orphans.pop(0)
 
-    def answer(self, conn: Any, reply: bytes | Sliced) -> None:
+    def answer(self, conn: Any, reply: Reply | Sliced) -> None:
         """The key space answered ``conn``'s parked request: send it, then read on (a reply
         made in slices is made at the next turns first)."""
         if isinstance(reply, Sliced):

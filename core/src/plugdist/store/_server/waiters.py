@@ -18,7 +18,17 @@ from typing import Any
 
 from plugdist.errors import store_timeout
 from plugdist.store import _wire as w
-from plugdist.store._server.replies import OK_EMPTY, name, ok, reply, seconds, whole_seconds
+from plugdist.store._server.replies import (
+    OK_EMPTY,
+    Reply,
+    name,
+    ok,
+    ok_value,
+    ok_values,
+    reply,
+    seconds,
+    whole_seconds,
+)
 from plugdist.store._server.sliced import SLICE_KEYS, Sliced, Space, ValuesRead
 
 __all__ = ["Waiter", "Waiters"]
@@ -51,7 +61,7 @@ class Waiters:
     ``max_value_bytes`` bounds a LOG_READ's reply."""
 
     def __init__(self, space: Space, data: dict[bytes, bytes], queues: dict[bytes, deque[bytes]],
-                 answer: Callable[[Any, bytes | Sliced], None], max_value_bytes: int) -> None:
+                 answer: Callable[[Any, Reply | Sliced], None], max_value_bytes: int) -> None:
         self._space = space
         self._data = data
         self._queues = queues
@@ -139,7 +149,7 @@ class Waiters:
             if not lst:
                 del self.waiting[key]  # type: ignore[arg-type]
 
-    def finish(self, waiter: Waiter, answer: bytes | Sliced) -> None:
+    def finish(self, waiter: Waiter, answer: Reply | Sliced) -> None:
         """Answer ``waiter`` with ``answer`` (a reply frame, or one made in slices)."""
         self._unpark(waiter)
         if not isinstance(answer, Sliced):
@@ -166,13 +176,16 @@ class Waiters:
                 waiter.pos = len(waiter.keys)
                 self.finish(waiter, self._ready_reply(waiter))
 
-    def _ready_reply(self, waiter: Waiter) -> bytes | Sliced:
+    def _ready_reply(self, waiter: Waiter) -> Reply | Sliced:
         if waiter.op == w.Op.GET:
-            return ok(self._data[waiter.keys[0]])
+            return ok_value(self._data[waiter.keys[0]])
         if waiter.op == w.Op.MULTI_GET:
             if len(waiter.keys) > SLICE_KEYS:
                 return ValuesRead(self._space, waiter.conn, waiter.keys, waiter.deadline)
-            return ok(w.pack_blobs([self._data[k] for k in waiter.keys]))
+            values = [self._data[k] for k in waiter.keys]
+            return self._space.reply_too_big(
+                "multi_get", len(values), 4 + 4 * len(values) + sum(map(len, values))) \
+                or ok_values(values)
         if waiter.op == w.Op.LOG_READ:
             return self.log_entries(waiter.log, waiter.count)
         return OK_EMPTY
@@ -215,7 +228,7 @@ class Waiters:
             self.finish(waiter, reply(w.Status.TIMEOUT, msg.encode()))
 
     def wait_for(self, conn: Any, op: w.Op, keys: list[bytes], timeout: float,
-                 seen: int = 0) -> bytes | None | Sliced:
+                 seen: int = 0) -> Reply | None | Sliced:
         """Answer, or park, a request for ``keys``, of which the first ``seen`` were seen
         present (a request read in slices looked at each as it read it)."""
         waiter = Waiter(conn, op, keys, timeout)
