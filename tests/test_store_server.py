@@ -197,3 +197,76 @@ def test_a_reply_over_the_limit_is_refused_and_unread_replies_cost_no_copy(
         s.close()
     assert eventually(lambda: len(server._conns) == 2)
     c.close()
+
+
+def bound_to(host: str, port: int) -> socket.socket:
+    """A guest from the loopback address ``host`` that sent one request (proven, no token)."""
+    s = socket.create_connection((HOST, port), timeout=10, source_address=(host, 0))
+    got = b""
+    while len(got) < wire.GREETING.size:
+        got += s.recv(wire.GREETING.size - len(got))
+    s.sendall(wire.HELLO.pack(wire.MAGIC, wire.VERSION, 0, os.urandom(wire.NONCE_SIZE),
+                              wire.NO_PROOF) + wire.request(wire.Op.NUM_KEYS, b""))
+    got = b""
+    while len(got) < wire.WELCOME.size + 13:
+        chunk = s.recv(64)
+        if not chunk:
+            break
+        got += chunk
+    return s
+
+
+def hung_up(s: socket.socket) -> bool:
+    s.settimeout(0.001)
+    try:
+        return s.recv(64) == b""
+    except (TimeoutError, BlockingIOError):
+        return False
+    except OSError:
+        return True
+
+
+@pytest.mark.timeout(90)
+def test_guests_are_bounded_and_members_connections_never_are() -> None:
+    """Without a token, a connection is a member's once it holds an identity or its client
+    vouched with the identity's credential; the others are guests: at most
+    ``max_guests_per_address`` from one address (a new one displaces the oldest), displaced
+    rather than a new connection refused when the server is full, and dropped when idle. The
+    member's connections are never touched, and a guest client whose pooled connection was
+    dropped while idle simply opens another."""
+    from plugdist.store import TCPStoreLimits
+    get_logger()
+    limits = TCPStoreLimits(max_connections=12, max_guests_per_address=3,
+                            guest_idle_timeout=timedelta(seconds=2))
+    m = TCPStore(HOST, 0, is_master=True, timeout=T, token="", limits=limits)
+    server = m._server
+    assert server is not None
+    member = client(m)
+    session = member.claim_member("", "0", 1, 30.0)
+    member.set("mine", "1")  # its pooled connection vouches first
+    assert sum(c.trusted for c in server._conns.values()) == 2
+    with capture_logs() as logs:
+        strangers = [bound_to("127.0.0.2", m.port) for _ in range(6)]
+        assert eventually(lambda: sum(hung_up(s) for s in strangers[:3]) == 3)
+        assert not any(hung_up(s) for s in strangers[3:])  # the newest three stay
+        # the server fills with guests from other addresses; a member's new client still gets in
+        more = [bound_to(f"127.0.0.{3 + i // 3}", m.port) for i in range(9)]
+        assert len(server._conns) <= 12
+        other = client(m)
+        other_session = other.claim_member("w/", "0", 1, 30.0)
+        assert other.get("mine") == b"1" and member.get("mine") == b"1"
+        displaced = [e for e in logs if "displaced by a newer connection" in
+                     e.get("reason", "")]
+        assert displaced, logs
+        # idle guests go; members' connections and the master's client (which reconnects) stay
+        assert eventually(lambda: all(hung_up(s) for s in strangers[3:] + more), 30)
+        assert sum(c.trusted for c in server._conns.values()) == 4
+        assert m.add("counter", 1) == 1  # its pooled guest connection was dropped: a new one
+    assert session.will._conn is not None and member.get("mine") == b"1"
+    for s in strangers + more:
+        s.close()
+    session.will.cancel()
+    other_session.will.cancel()
+    member.close()
+    other.close()
+    m.close()

@@ -680,20 +680,23 @@ def test_limits_on_frames_handshakes_and_stalls() -> None:
 
 @pytest.mark.timeout(60)
 def test_connection_limit() -> None:
+    """Connections that proved the token fill the server: a new one is refused, saying so.
+    (Connections that did not, guests, are displaced instead: test_store_server.py.)"""
     get_logger()
-    m = limited_master(max_connections=4)  # the master's own connection is one
+    m = TCPStore(HOST, 0, is_master=True, timeout=timedelta(seconds=20), token="limit",
+                 limits=TCPStoreLimits(max_connections=4))  # the master's own is one
     with capture_logs() as logs:
-        held = [raw_client(m.port) for _ in range(3)]
+        held = [raw_client(m.port, token=b"limit") for _ in range(3)]
         assert eventually(lambda: len(m._server._conns) == 4)  # type: ignore[union-attr]
         start = time.monotonic()
         with pytest.raises(DistNetworkError, match="connection limit"):
-            TCPStore(HOST, m.port, timeout=timedelta(seconds=1))
+            TCPStore(HOST, m.port, timeout=timedelta(seconds=1), token="limit")
         assert time.monotonic() - start < 8
         m.set("still", "served")  # the connections inside the limit are untouched
         held[0].sendall(wire.request(wire.Op.NUM_KEYS, b""))
         assert wire.HEADER.unpack(recv_exact(held[0], 5)) == (8, wire.Status.OK)
         held.pop().close()
-        c = TCPStore(HOST, m.port, timeout=timedelta(seconds=10))  # a slot is free again
+        c = TCPStore(HOST, m.port, timeout=timedelta(seconds=10), token="limit")  # a slot
         assert c.get("still") == b"served"
         c.close()
     lines = [e for e in logs if e["event"] == "tcp_store_connection_limit"]

@@ -155,6 +155,7 @@ class Op(enum.IntEnum):
     JOIN = 22  # this connection becomes a joiner of a world: a ticket, an identity, its will
     MEMBER = 23  # a member's checked write on its world's reserved keys
     RECORD = 24  # a member's checked record appended to its world's death log
+    VOUCH = 25  # root, uid, credential: this connection is a member's (its client holds one)
 
 
 # frames the server reads while a request of the connection is parked (they have no reply)

@@ -47,6 +47,10 @@ from plugdist.store.api import DEFAULT_STORE_TIMEOUT, Store, to_bytes
 
 __all__ = ["TCPStore", "TCPStoreLimits", "TOKEN_ENV"]
 
+# a pooled connection idle this long may have been closed by the server (a guest's idle
+# deadline, or displaced): a close without a reply then means the request never ran
+_IDLE_RETRY = 1.0
+
 _JOIN_REPLY = struct.Struct("!qq")
 _OP_SET, _OP_GET, _OP_ADD = int(w.Op.SET), int(w.Op.GET), int(w.Op.ADD)
 
@@ -78,7 +82,8 @@ class _Connection:
     """One client socket. Not thread-safe for requests: the store hands it to one request at a
     time; :meth:`send_control` (a will's renewal) may come from another thread meanwhile."""
 
-    __slots__ = ("sock", "buf", "view", "sock_timeout", "send_lock", "fresh")
+    __slots__ = ("sock", "buf", "view", "sock_timeout", "send_lock", "fresh", "used",
+                 "vouched")
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
         self.sock = sock
@@ -87,6 +92,8 @@ class _Connection:
         self.sock_timeout = timeout
         self.send_lock = threading.Lock()  # a request's bytes never interleave a renewal's
         self.fresh = True  # it has not carried a request yet
+        self.used = 0.0  # when its last request was answered (time.monotonic)
+        self.vouched = False  # it showed the server this store's member credential
 
     def send_control(self, frame: bytes) -> None:
         """Send a frame that has no reply (RENEW, WILL_DROP). Raises OSError."""
@@ -95,11 +102,15 @@ class _Connection:
 
     def roundtrip(self, frame: bytes, timeout: float) -> tuple[int, bytes]:
         """Send one request frame, read one response frame. Raises OSError/ConnectionError;
-        _DroppedUnused when the server had closed this connection before its first request (a
-        server without a token drops a new connection that sends nothing for a while), so the
-        request never ran and may go on another connection."""
+        _DroppedUnused when the server had closed this connection before the request came (it
+        closed without a byte of reply a connection that was new, or idle for a while: a
+        server drops a new connection that sends nothing, and may drop or displace a guest
+        connection that sat idle), so the request never ran and may go on another one."""
         sock = self.sock
         fresh, self.fresh = self.fresh, False
+        now = time.monotonic()
+        fresh = fresh or now - self.used > _IDLE_RETRY
+        self.used = now
         if timeout != self.sock_timeout:
             sock.settimeout(timeout)
             self.sock_timeout = timeout
@@ -131,6 +142,7 @@ class _Connection:
             if got == 0:
                 raise ConnectionError("server closed the connection")
             n += got
+        self.used = time.monotonic()
         return status, bytes(view[5:total])
 
     def close(self) -> None:
@@ -255,6 +267,7 @@ class TCPStore(Store):
         self._multi_tenant = multi_tenant
         self._addrs = _resolve(host_name, port)
         self._idle: list[_Connection] = []
+        self._vouch: bytes | None = None  # a VOUCH frame once this store holds an identity
         self._lock = threading.Lock()
         self._closed = False
         self._server: StoreServer | None = None
@@ -453,11 +466,15 @@ class TCPStore(Store):
                 conn = self._connect(join=False, timeout=max(to_seconds(self._timeout), 1.0),
                                      refused_is_final=True)
             try:
+                if self._vouch is not None and not conn.vouched:
+                    self._vouch_on(conn, io_timeout)
                 status, body = conn.roundtrip(frame, io_timeout)
             except _DroppedUnused:
                 conn.close()
                 conn = self._connect(join=False, timeout=max(to_seconds(self._timeout), 1.0),
                                      refused_is_final=True)
+                if self._vouch is not None:
+                    self._vouch_on(conn, io_timeout)
                 status, body = conn.roundtrip(frame, io_timeout)
         except DistStoreError:
             raise
@@ -494,6 +511,14 @@ class TCPStore(Store):
                                     f"process can come back only as a new member, with "
                                     f"init_process_group(join=True)")
         raise DistStoreError(f"TCPStore {self.host}:{self.port}: {op}: {msg}")
+
+    def _vouch_on(self, conn: _Connection, timeout: float) -> None:
+        """Show the server, on ``conn``, the credential of the identity this store holds: the
+        connection is a member's from then on (never displaced or dropped as a guest). A
+        refusal (the identity was left since) leaves it a guest."""
+        assert self._vouch is not None
+        conn.roundtrip(self._vouch, timeout)
+        conn.vouched = True
 
     def _wait_workers(self, count: int, timeout: float) -> None:
         frame = w.HDR_F64_I64.pack(16, w.Op.WAIT_WORKERS, timeout, count)
@@ -685,6 +710,9 @@ class TCPStore(Store):
             raise
         will = TCPStoreWill(self, conn, root + DEATHS, ttl)
         renewer().add(will)
+        r, u = root.encode(), uid.encode()
+        self._vouch = w.request(w.Op.VOUCH, b"".join((w.U32.pack(len(r)), r, w.U32.pack(len(u)),
+                                                      u, w.U32.pack(len(secret)), secret)))
         return TCPStoreSession(self._request, will, root.encode(), uid, secret, start, ticket)
 
     def close(self) -> None:

@@ -57,9 +57,12 @@ class Commands:
             w.Op.WILL: self._op_will, w.Op.DELETE_PREFIX: self._op_delete_prefix,
             w.Op.LOG_READ: self._op_log_read, w.Op.RENEW: self._op_renew,
             w.Op.WILL_DROP: self._op_will_drop,
-            w.Op.CLAIM: worlds.op_claim, w.Op.JOIN: worlds.op_join,
+            w.Op.CLAIM: self._trusting(worlds.op_claim),
+            w.Op.JOIN: self._trusting(worlds.op_join),
             w.Op.MEMBER: worlds.op_member, w.Op.RECORD: worlds.op_record,
+            w.Op.VOUCH: self._trusting(worlds.op_vouch),
         }
+        self.trust: Callable[[Any], None] = lambda conn: None  # the server's guests set it
 
     def knows(self, op: int) -> bool:
         return op in self.handlers
@@ -110,6 +113,17 @@ class Commands:
         return int(w.U32.unpack_from(buf, pos)[0])
 
     # ---- commands: (conn, buf, body start, body end) -> reply frame or None when parked
+
+    def _trusting(self, handler: Callable[[Any, bytes, int, int], bytes]) -> Handler:
+        """CLAIM, JOIN or VOUCH (the worlds'), after which a connection that holds an identity,
+        or vouched with a live one's credential (answered OK), is trusted: no longer a
+        guest."""
+        def run(conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+            answer = handler(conn, buf, pos, end)
+            if not conn.trusted and (conn.identity is not None or answer == OK_EMPTY):
+                self.trust(conn)
+            return answer
+        return run
 
     def _op_set(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)

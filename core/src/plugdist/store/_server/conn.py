@@ -120,7 +120,7 @@ class Conn:
     __slots__ = ("sock", "peer", "inbuf", "need", "out", "handshaken", "proven", "nonce",
                  "waiter", "closed", "since", "started", "held", "skip", "vetted", "paused",
                  "resting", "unwatched", "will", "will_ttl", "will_deadline", "identity",
-                 "sliced", "spent", "tail", "tail_len")
+                 "sliced", "spent", "tail", "tail_len", "trusted", "host", "active")
 
     def __init__(self, sock: socket.socket, peer: str, nonce: bytes) -> None:
         self.sock = sock
@@ -132,6 +132,9 @@ class Conn:
         self.out = Outbox()       # bytes the kernel has not taken yet
         self.handshaken = False
         self.proven = False       # proved its token, or (no token) sent a first request
+        self.trusted = False      # a member's: proved the token, holds an identity, or vouched
+        self.host = peer.rpartition(":")[0]  # the peer's address (its guests are bounded)
+        self.active = 0.0         # when it last sent something (time.perf_counter)
         self.nonce = nonce        # the server nonce sent in this connection's greeting
         self.waiter: Any = None   # the parked request (the key space's), if any
         self.closed = False

@@ -145,7 +145,7 @@ class Framing:
                 if conn.closed:
                     return
             served = 0
-            turn = time.perf_counter()
+            conn.active = turn = time.perf_counter()
             while conn.waiter is None and end - pos >= 5:
                 if len(conn.out) > max_unread:
                     self._pause(conn)

@@ -48,6 +48,13 @@ class TCPStoreLimits:
     error naming it, before anything is packed); at most the frame limit a client reads.
     Replies of large values refer to the stored values (no copy), so what a client leaves
     unread costs the server its share of this limit, not new memory.
+    ``max_guests_per_address``, ``guest_idle_timeout``: a *guest* is a connection that has not
+    shown it belongs to the job (the token's proof, a member identity it holds, or a member's
+    credential its client vouched with); a new connection from an address that already has
+    this many guests, or one that finds the server at ``max_connections``, displaces the
+    oldest guest (of that address; of all) that is not waiting in a parked request, if any,
+    else the oldest; a guest that sends nothing for ``guest_idle_timeout`` is dropped (the
+    client opens another when it needs one). Members' connections are never displaced.
     """
 
     max_frame_bytes: int = w.MAX_FRAME
@@ -61,6 +68,8 @@ class TCPStoreLimits:
     max_parked_inbound_bytes: int = 64 * 1024
     max_unread_reply_bytes: int = 1024 * 1024
     max_reply_bytes: int = w.MAX_FRAME
+    max_guests_per_address: int = 4096
+    guest_idle_timeout: timedelta = timedelta(seconds=60)
 
     def __post_init__(self) -> None:
         if not self.max_value_bytes + 64 <= self.max_reply_bytes <= w.MAX_FRAME:

@@ -23,6 +23,7 @@ from typing import Any
 
 from plugdist.store import _wire as w
 from plugdist.store._server.conn import READ, Conn, Selector
+from plugdist.store._server.guests import Guests
 from plugdist.store._server.limits import TCPStoreLimits
 
 __all__ = ["Lobby"]
@@ -35,12 +36,14 @@ _STRIKE_MEMORY = 1.0
 class Lobby:
     """The lobby of one server. ``conns``: every connection by fd (shared with the server);
     ``pending``: the connections whose deadlines are watched; ``serve_conn(conn)`` serves what
-    a connection sent; ``send(conn, data)`` sends to it. :meth:`listen` gives it the listener."""
+    a connection sent; ``send(conn, data)`` sends to it; ``guests``: the bounds on connections
+    not yet trusted, which a new one may displace. :meth:`listen` gives it the listener."""
 
     def __init__(self, conns: dict[int, Conn], pending: set[Conn], token: bytes | None,
                  limits: TCPStoreLimits, log: Any, serve_conn: Callable[[Conn], None],
-                 send: Callable[[Conn, bytes], None]) -> None:
+                 send: Callable[[Conn, bytes], None], guests: Guests) -> None:
         self._conns = conns
+        self.guests = guests  # every new connection is one until it shows it is the job's
         self._pending = pending
         self._token = token
         self._limits = limits
@@ -109,14 +112,15 @@ class Lobby:
                 return
             peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
             flags = w.GREET_TOKEN if self._token else 0
-            if len(self._conns) >= self._max_clients:
+            conn = Conn(sock, peer, secrets.token_bytes(w.NONCE_SIZE))
+            if not self.guests.admit(conn, len(self._conns) >= self._max_clients):
                 self._refuse_busy(sock, peer, flags)
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nonce = secrets.token_bytes(w.NONCE_SIZE)
-            conn = Conn(sock, peer, nonce)
+            nonce = conn.nonce
             conn.since = time.monotonic()
+            conn.active = time.perf_counter()
             self._conns[sock.fileno()] = conn
             self._pending.add(conn)
             self._sel.register(sock, READ, conn)

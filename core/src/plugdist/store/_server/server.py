@@ -5,6 +5,7 @@ parts, each an object with one job, sharing the connections and their flags
 (:class:`~plugdist.store._server.conn.Conn`):
 
 - :mod:`~plugdist.store._server.lobby`: accepting, and the unproven connections' share;
+- :mod:`~plugdist.store._server.guests`: the bounds on connections not yet trusted;
 - :mod:`~plugdist.store._server.handshake`: the HELLO, and the token's proof;
 - :mod:`~plugdist.store._server.framing`: frames, their pace, partly received bytes, unread
   replies, and the request loop;
@@ -35,6 +36,7 @@ from plugdist.errors import DistNetworkError
 from plugdist.store._server.commands import Commands
 from plugdist.store._server.conn import READ, WRITE, Conn, Selector
 from plugdist.store._server.framing import Framing
+from plugdist.store._server.guests import Guests
 from plugdist.store._server.handshake import Handshake
 from plugdist.store._server.keyspace import KeySpace
 from plugdist.store._server.limits import FD_RESERVE, TCPStoreLimits, Throttle, raise_fd_limit
@@ -84,11 +86,13 @@ class StoreServer:
         turns.attach(frames.process, frames.on_readable, frames.send, frames.watch,
                      frames.internal_error)
         wills.read = frames.on_readable
+        self._guests = guests = Guests(limits, self._drop)
+        self._commands.trust = guests.trust
         self._lobby = lobby = Lobby(self._conns, self._pending, self.token, limits, self._log,
-                                    turns.serve_conn, frames.send)
+                                    turns.serve_conn, frames.send, guests)
         self._handshake = Handshake(self.token, self._pending, self._warn, frames.send,
                                     self._close, lobby.strike, self._waiters.join)
-        frames.hello = self._handshake.hello
+        frames.hello = self._hello
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -180,6 +184,9 @@ class StoreServer:
         will_deadlines, graveyard, orphans = wills.deadlines, frames.graveyard, turns.orphans
         serve_conn, flush = turns.serve_conn, frames.flush
         next_sweep = 0.0
+        guests = self._guests
+        idle_every = guests.sweep_interval()
+        next_idle = time.perf_counter() + idle_every
         try:
             while not self._stop_event.is_set():
                 try:
@@ -202,6 +209,9 @@ class StoreServer:
                         delay = wait if delay is None else min(delay, wait)
                     if resting:
                         wait = max(0.0, resting[0][0] - time.monotonic())
+                        delay = wait if delay is None else min(delay, wait)
+                    if guests:
+                        wait = max(0.0, next_idle - time.perf_counter())
                         delay = wait if delay is None else min(delay, wait)
                     if graveyard or orphans or keys.untidy:
                         delay = 0.0
@@ -258,6 +268,9 @@ class StoreServer:
                         lobby.resume_accepts(now)
                     if resume:
                         turns.serve_resumed()
+                    if guests and time.perf_counter() >= next_idle:
+                        guests.drop_idle(time.perf_counter())
+                        next_idle = time.perf_counter() + idle_every
                 except Exception as e:  # a server bug: log it (rate-limited), serve on
                     self._frames.internal_error(None, "the serving loop", e)
         except Exception as e:  # a bug here must not leave clients hanging silently
@@ -273,6 +286,13 @@ class StoreServer:
                     pass
                 s.close()
             sel.close()
+
+    def _hello(self, conn: Conn, buf: bytes) -> int:
+        """The handshake's check of a HELLO; a connection that proved the token is trusted."""
+        took = self._handshake.hello(conn, buf)
+        if took and self.token is not None:
+            self._guests.trust(conn)
+        return took
 
     # ---- leaving -----------------------------------------------------------------------------
 
@@ -293,6 +313,8 @@ class StoreServer:
         if conn.closed:
             return
         conn.closed = True
+        if not conn.trusted:
+            self._guests.forget(conn)
         self._turns.orphan(conn)
         self._frames.forget_tail(conn)
         self._pending.discard(conn)

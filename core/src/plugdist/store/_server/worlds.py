@@ -248,6 +248,15 @@ class Worlds:
             if self._keys.value(key) is None:
                 self._keys.put(key, str(epoch).encode())
 
+    def op_vouch(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
+        """VOUCH: root, uid, credential. OK when the credential is a live identity's of that
+        world: ``conn`` is then that member's client's (the server trusts it)."""
+        try:
+            self._member(conn, buf, pos, end, admitted=False)
+        except _Refused as e:
+            return self._refuse(conn, "vouch", str(e), e.status)
+        return _ok(b"")
+
     # ---- members' checked writes -------------------------------------------------------------
 
     def _member(self, conn: Any, buf: bytes, pos: int, end: int,
