@@ -50,9 +50,8 @@ class Framing:
     :meth:`sweep_stalled` watches (shared with the other parts); ``turns``: whose turn it is;
     ``drop(conn, why, gone=False)`` and ``close(conn)``: the server's; ``log``, its logger,
     and ``warn``, its rate-limited one (:class:`~plugdist.store._server.limits.Throttle`). Set
-    once it runs:
-    ``sel`` (the selector), ``hello`` (the handshake's check of a HELLO) and ``port`` (for log
-    lines)."""
+    once it runs: ``sel`` (the selector), ``hello`` and ``proof_waiting`` (the handshake's check
+    of a HELLO, and whether a late proof waits unread) and ``port`` (for log lines)."""
 
     def __init__(self, limits: TCPStoreLimits, commands: Commands, pending: set[Conn],
                  turns: Turns, drop: Callable[..., None], close: Callable[[Conn], None],
@@ -70,6 +69,7 @@ class Framing:
         self._warn = warn
         self.sel: Selector
         self.hello: Callable[[Conn, bytes], int]
+        self.proof_waiting: Callable[[Conn], bool]
         self.port = 0
         self._partial_total = 0  # bytes of partly received frames, all connections
         self._holders: set[Conn] = set()  # the connections holding them
@@ -387,6 +387,11 @@ class Framing:
             if conn.closed or conn.paused or conn.resting or conn.waiter is not None \
                     or conn.sliced is not None:
                 self._pending.discard(conn)
+            elif not conn.proven and now - conn.since > hs and self.proof_waiting(conn):
+                # the peer sent it in time; the server's backlog kept it unread. Served now,
+                # with a fresh deadline for what the peer must send next
+                conn.since = now
+                self._turns.serve_conn(conn)
             elif not conn.handshaken and now - conn.since > hs:
                 self._drop(conn, f"no complete handshake within {hs:.3g}s")
             elif not conn.proven and not conn.inbuf and now - conn.since > hs:
@@ -394,7 +399,7 @@ class Framing:
                 self._drop(conn, f"no request within {hs:.3g}s of connecting (a server "
                                  f"without a token lets a connection prove itself no other way)",
                            gone=True)
-            elif (conn.inbuf or conn.skip) and (
+            elif (conn.skip or have(conn) < conn.need) and (
                     now - conn.started > grace + conn.need / rate
                     or self._received(conn) < rate * (now - conn.started - grace)):
                 self._drop(conn, f"frame arriving too slowly: {self._received(conn)} of "

@@ -3,19 +3,29 @@ version, and with a token the proof that the client knows it), answered with WEL
 
 With a token, a connection is proven by its handshake; without one, by its first request (the
 framing marks it). A failed proof is answered, logged (rate-limited) and counted as a stranger
-at the door (:meth:`Lobby.strike <plugdist.store._server.lobby.Lobby.strike>`). Only the
-serving thread uses it; nothing here blocks.
+at the door (:meth:`Lobby.strike <plugdist.store._server.lobby.Lobby.strike>`).
+
+The deadline to prove itself counts what the peer controls, not the server's backlog: the lobby
+reads unproven connections for a slice of each turn, so while thousands connect at once a
+HELLO can wait unread in the kernel past the deadline. Before dropping a connection for it,
+the sweep asks :meth:`Handshake.proof_waiting`: a proof that waits whole is served instead.
+Only the serving thread uses it; nothing here blocks.
 """
 
 from __future__ import annotations
 
 import hmac
+import socket
 from collections.abc import Callable
 
 from plugdist.store import _wire as w
-from plugdist.store._server.conn import Conn, ProtocolError
+from plugdist.store._server.conn import Conn, ProtocolError, have
 
 __all__ = ["Handshake"]
+
+# a first request larger than this is not looked for whole in the kernel (it proves itself by
+# arriving at the frames' pace instead)
+_PEEK_LIMIT = 64 * 1024
 
 
 class Handshake:
@@ -71,3 +81,29 @@ class Handshake:
         self._warn("tcp_store_auth_failed", port=self.port, peer=conn.peer, reason=why)
         self._send(conn, w.WELCOME.pack(w.MAGIC, w.VERSION, w.HELLO_AUTH_FAILED, w.NO_PROOF))
         self._close(conn)
+
+    @staticmethod
+    def proof_waiting(conn: Conn) -> bool:
+        """Whether what would prove ``conn`` has arrived whole but is still unread in the
+        kernel: the rest of its HELLO, or, once handshaken on a server without a token, its
+        first request. Then the peer did its part in time and only the server was late to
+        read; a part of it, or nothing, proves nothing (a trickle cannot stretch the
+        deadline)."""
+        if conn.handshaken:
+            if conn.inbuf:
+                return False  # a partial first frame: its pace is the frame deadline's
+            head = _peek(conn, 5)
+            if len(head) < 5:
+                return False
+            need = 5 + w.HEADER.unpack_from(head)[0]
+            return need <= _PEEK_LIMIT and len(_peek(conn, need)) == need
+        missing = w.HELLO.size - have(conn)
+        return missing > 0 and len(_peek(conn, missing)) == missing
+
+
+def _peek(conn: Conn, n: int) -> bytes:
+    """Up to ``n`` bytes ``conn``'s peer sent that wait unread, left there."""
+    try:
+        return conn.sock.recv(n, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return b""  # nothing waits (or the connection failed: it is dropped all the same)

@@ -93,6 +93,7 @@ class StoreServer:
         self._handshake = Handshake(self.token, self._pending, self._warn, frames.send,
                                     self._close, lobby.strike, self._waiters.join)
         frames.hello = self._hello
+        frames.proof_waiting = self._handshake.proof_waiting
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
 

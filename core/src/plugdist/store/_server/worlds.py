@@ -27,7 +27,7 @@ import json
 import re
 import secrets
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, Protocol
 
 from plugdist.store import _wire as w
@@ -81,6 +81,27 @@ class KeyPrimitives(Protocol):
     def append_entry(self, log: bytes, value: bytes) -> int: ...
     def read_counter(self, key: bytes) -> bytes: ...
     def arm(self, conn: Any, ttl: float) -> None: ...
+
+
+class _FirstRanks(Collection[str]):
+    """The members of a world's first epoch, ranks ``"0"`` to ``str(size - 1)``, without
+    building them: a claim asks whether one uid is among them, and each claim of a world of
+    16,384 ranks must not cost 16,384 strings."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __contains__(self, uid: object) -> bool:
+        return isinstance(uid, str) and uid.isascii() and uid.isdigit() \
+            and str(int(uid)) == uid and int(uid) < self.size
+
+    def __iter__(self) -> Iterator[str]:
+        return (str(r) for r in range(self.size))
+
+    def __len__(self) -> int:
+        return self.size
 
 
 class _Refused(Exception):
@@ -147,7 +168,7 @@ class Worlds:
                     keys.put(root + key.encode(), value)
         return world
 
-    def _current(self, world: _World) -> tuple[int, list[str]]:
+    def _current(self, world: _World) -> tuple[int, Collection[str]]:
         raw = self._keys.value(world.root + CURRENT.encode())
         try:
             epoch = int(raw) if raw else 0
@@ -156,7 +177,7 @@ class Worlds:
                          key=CURRENT, value=_name(raw or b"")[:64])
             epoch = 0
         if epoch == 0 and 0 not in world.members:
-            return 0, [str(r) for r in range(world.size)]
+            return 0, _FirstRanks(world.size)
         return epoch, world.members.get(epoch, [])
 
     def _hold(self, conn: Any, world: _World, uid: str, ttl: float) -> bytes:
@@ -243,7 +264,8 @@ class Worlds:
             world.secrets.pop(uid, None)
         world.left.add(uid)
         epoch, members = self._current(world)  # total: an unreadable epoch reads as 0
-        if members and all(u in world.left for u in members):
+        # counted first: every release runs this, and a world of 16,384 ranks is still whole
+        if members and len(world.left) >= len(members) and all(u in world.left for u in members):
             key = world.root + CLOSED.encode()
             if self._keys.value(key) is None:
                 self._keys.put(key, str(epoch).encode())
