@@ -235,3 +235,41 @@ def test_joining_takes_a_credential(master: TCPStore, monkeypatch: pytest.Monkey
         joiner.will.cancel()
     finally:
         m.close()
+
+
+_OTHER_USERS_LISTENER = """
+import os, socket, sys, time
+os.setgid(65534)
+os.setuid(65534)  # another local user's program, holding a port on loopback
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen()
+print(s.getsockname()[1], flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a second Unix user (runs as root)")
+def test_a_tokenless_client_trusts_only_its_own_users_server() -> None:
+    """A client without a token that reaches another user's listener (a rank that started
+    before its master, on a port that user holds) refuses it instead of talking to it; and
+    ``localhost`` is one address, the one the master binds (not the other family too)."""
+    import socket
+    import subprocess
+    import sys
+
+    from plugdist.store.tcp_store import _resolve
+
+    other = subprocess.Popen([sys.executable, "-c", _OTHER_USERS_LISTENER],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None
+        port = int(other.stdout.readline())
+        with pytest.raises(DistStoreError, match=r"runs as another Unix user \(uid 65534\), "
+                                                 r"not this job's store.*MASTER_PORT"):
+            TCPStore(HOST, port, timeout=timedelta(seconds=5), token="")
+    finally:
+        other.kill()
+        other.wait()
+    assert _resolve("localhost", 29500) == [(socket.AF_INET, ("127.0.0.1", 29500))]

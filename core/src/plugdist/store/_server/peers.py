@@ -9,8 +9,10 @@ this is what keeps other users' processes out of a tokenless loopback world. A p
 does not know is on another host (a store whose tokens were turned off): nothing can be checked.
 
 Joining a tokenless world takes one more step: ``PLUGDIST_ALLOW_TOKENLESS_JOIN=1`` in the
-environment of the process that hosts the store. Only the serving thread uses it; a query is
-one round trip to the kernel (tens of microseconds), made once per claim or join.
+environment of the process that hosts the store. :func:`socket_owner` also serves a tokenless
+client, which trusts only a server of its own user. A query is one round trip to the kernel
+(tens of microseconds; thread-safe), made once per claim or join, and once per connection a
+tokenless client opens to a server on this host.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import pwd
 import socket
 import struct
+import threading
 from typing import Any
 
 __all__ = ["ALLOW_TOKENLESS_JOIN_ENV", "Admission", "socket_owner"]
@@ -46,11 +49,13 @@ def _unmapped(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
 
 
 class _Diag:
-    """One netlink socket to the kernel's socket diagnostics, opened when first needed."""
+    """One netlink socket to the kernel's socket diagnostics, opened when first needed and
+    shared by the process's threads (a server's, and its clients' connecting ones)."""
 
     def __init__(self) -> None:
         self._sock: socket.socket | None = None
         self._seq = 0
+        self._lock = threading.Lock()
         self.broken = not hasattr(socket, "AF_NETLINK")
 
     def owner(self, peer: tuple[Any, int], local: tuple[Any, int]) -> int | None:
@@ -58,6 +63,10 @@ class _Diag:
         knows no such socket; -1: the kernel did not answer (no sock_diag here)."""
         if self.broken:
             return _UNKNOWN
+        with self._lock:
+            return self._ask(peer, local)
+
+    def _ask(self, peer: tuple[Any, int], local: tuple[Any, int]) -> int | None:
         family = socket.AF_INET if peer[0].version == 4 else socket.AF_INET6
         body = (_DIAG_REQ.pack(family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF)
                 + struct.pack("!HH", peer[1], local[1])
@@ -129,11 +138,15 @@ def socket_owner(sock: socket.socket) -> int | None:
         local_addr, local_port = sock.getsockname()[:2]
         peer = (_unmapped(peer_addr), peer_port)
         local = (_unmapped(local_addr), local_port)
+        raw = (ipaddress.ip_address(peer_addr.split("%")[0]), peer_port)
     except (OSError, ValueError):
         return None
     if peer[0].version != local[0].version:
         return None
     uid = _diag.owner(peer, local)
+    if uid is None and raw[0] != peer[0]:
+        # a v4-mapped address: the other end is an IPv4 socket, or an IPv6 one that used it
+        uid = _diag.owner(raw, (ipaddress.ip_address(local_addr.split("%")[0]), local_port))
     if uid is None or uid == _UNKNOWN:
         # not found may also mean this kernel has no TCP diagnostics: ask /proc, and if it
         # knows the socket, ask it from now on
