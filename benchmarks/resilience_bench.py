@@ -93,7 +93,8 @@ def recovery_once(world: int, backend: str) -> dict[str, float]:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                WORLD_SIZE=str(world), BACKEND=backend, VICTIMS=str(world // 2),
                GROW_TO=str(world), RESULT_DIR=str(tmp), PLUGDIST_TORCH_WORLD="0",
-               PLUGDIST_RESILIENCE="1")
+               PLUGDIST_RESILIENCE="1",
+               PLUGDIST_STORE_TOKEN=os.urandom(16).hex())  # the joiner's credential
     procs = [subprocess.Popen([sys.executable, str(WORKER), "kill_shrink_grow"],
                               env=dict(env, RANK=str(r)), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL) for r in range(world)]

@@ -12,7 +12,9 @@ with the error and exits 3.
 ``python _security_workers.py stranger HOST:PORT ROOT ATTACK...``: each ATTACK (see
 ``ATTACKS``) against the store at HOST:PORT, whose world's membership lives under key prefix
 ROOT ("" for env://); prints one JSON line: attack -> "refused: <why>" or "accepted: <what>".
-The token, if any, comes from PLUGDIST_STORE_TOKEN like any client's.
+The token, if any, comes from PLUGDIST_STORE_TOKEN like any client's. With STRANGER_UID set,
+it runs as that Unix user (another local user: it imports as the user who started it, then
+drops to that uid before it opens a socket).
 """
 
 from __future__ import annotations
@@ -145,6 +147,29 @@ def _attack_claim(store: Any, root: str) -> str:
     return "claimed member 1"
 
 
+def _attack_join(store: Any, root: str) -> str:
+    """Ask to join the world (what init_process_group(join=True) does)."""
+    session = store.join_member(root, 10.0)
+    session.will.cancel()
+    return f"joined as {session.uid}"
+
+
+def _attack_join_raw(store: Any, root: str) -> str:
+    """A raw JOIN with ttl 0 (an identity that would never lapse), on a connection of its own."""
+    from plugdist.store import _wire as w
+    r = root.encode()
+    conn = store._connect(join=False, timeout=10.0)
+    try:
+        status, reply = conn.roundtrip(
+            w.request(w.Op.JOIN, w.U32.pack(len(r)) + r + w.F64.pack(0.0)), 10.0)
+    finally:
+        conn.close()
+    if status != w.Status.OK:
+        from plugdist.errors import DistStoreError
+        raise DistStoreError(reply.decode(errors="replace"))
+    return "joined with ttl 0"
+
+
 def _attack_forge(store: Any, root: str) -> str:
     """A member's checked write with a guessed credential."""
     from plugdist.store._tcp_client import TCPStoreSession
@@ -166,7 +191,8 @@ def _attack_check_flood(store: Any, root: str) -> str:
 ATTACKS: dict[str, Callable[[Any, str], str]] = {
     "evict": _attack_evict, "will": _attack_will, "end": _attack_end, "hang": _attack_hang,
     "hide": _attack_hide, "queue": _attack_queue, "wipe": _attack_wipe, "claim": _attack_claim,
-    "forge": _attack_forge, "check_flood": _attack_check_flood,
+    "forge": _attack_forge, "check_flood": _attack_check_flood, "join": _attack_join,
+    "join_raw": _attack_join_raw,
 }
 
 
@@ -249,8 +275,12 @@ def _closed(s: socket.socket, wait: float = 5.0) -> bool:
 
 def stranger(address: str, root: str, attacks: list[str]) -> None:
     from plugdist.errors import DistError
-    from plugdist.store import TCPStore
+    from plugdist.store import TCPStore, _wire  # noqa: F401 (imported before dropping the uid)
+    from plugdist.store._tcp_client import TCPStoreSession  # noqa: F401
 
+    if os.environ.get("STRANGER_UID"):
+        os.setgid(int(os.environ["STRANGER_UID"]))
+        os.setuid(int(os.environ["STRANGER_UID"]))
     host, _, port = address.rpartition(":")
     out: dict[str, str] = {}
     store: Any = None

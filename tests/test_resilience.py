@@ -37,6 +37,8 @@ def run_scenario(tmp_path: Path, scenario: str, world: int, backend: str, *,
                WORLD_SIZE=str(world), BACKEND=backend, VICTIMS=victims, GROW_TO=str(grow_to),
                RESULT_DIR=str(results), PLUGDIST_TORCH_WORLD="1" if torch_world else "0",
                PLUGDIST_RESILIENCE="1",
+               # tokenless env:// on loopback: joiners need the store host's consent
+               PLUGDIST_ALLOW_TOKENLESS_JOIN="1",
                **(extra_env or {}))
     procs: dict[str, subprocess.Popen] = {}
     logs = {}
@@ -432,6 +434,7 @@ def test_the_stores_keys_stay_bounded_over_many_shrinks_and_grows(monkeypatch, k
     Every member learns every death, and a process excluded long ago, whose next entry was
     deleted, skips to what is left and learns that it is out (a TCPStore refuses it outright:
     its identity's holder left)."""
+    monkeypatch.setenv("PLUGDIST_ALLOW_TOKENLESS_JOIN", "1")  # tokenless: the host consents
     import socket
     import threading
     from datetime import timedelta
@@ -537,7 +540,7 @@ def test_the_stores_keys_stay_bounded_over_many_shrinks_and_grows(monkeypatch, k
 
 
 @pytest.mark.timeout(60)
-def test_a_joiner_that_gave_up_is_never_admitted() -> None:
+def test_a_joiner_that_gave_up_is_never_admitted(monkeypatch: pytest.MonkeyPatch) -> None:
     """A joiner whose wait for admission timed out says so in the death log: the members'
     next grow skips its ticket and admits only the joiner still waiting (a withdrawn ticket
     once got admitted, and the grown group then waited in vain for the process that left)."""
@@ -549,6 +552,7 @@ def test_a_joiner_that_gave_up_is_never_admitted() -> None:
     from plugdist._resilience.membership import Membership
     from plugdist.errors import DistTimeoutError
 
+    monkeypatch.setenv("PLUGDIST_ALLOW_TOKENLESS_JOIN", "1")  # tokenless: the host consents
     limit = timedelta(seconds=20)
     master = TCPStore("127.0.0.1", 0, None, is_master=True, timeout=limit)
     stores = [master]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,14 +37,25 @@ MEMBERSHIP_ATTACKS = ["evict", "will", "end", "hang", "hide", "queue", "claim", 
 # a buggy tool's delete_prefix(""): the env:// worlds' plain keys are only their own (under
 # plugdist-run the launchers' rendezvous keys live in the same store)
 WIPE = ["wipe"]
+NOBODY = 65534  # another local user (the tests run as root)
 
 
 class World:
     """Processes of one world and the files they write."""
 
     def __init__(self, tmp: Path, procs: list[subprocess.Popen[bytes]], logs: list[Path],
-                 size: int) -> None:
+                 size: int, env: dict[str, str] | None = None) -> None:
         self.dir, self.procs, self.logs, self.size = tmp, procs, logs, size
+        self.env = env  # an env:// world's environment (its ranks', but RANK)
+
+    def start_rank(self, rank: int) -> None:
+        """Start rank ``rank`` of an env:// world."""
+        assert self.env is not None
+        self.logs.append(self.dir / f"rank{rank}.log")
+        with open(self.logs[-1], "wb") as log:
+            self.procs.append(subprocess.Popen([sys.executable, WORKERS, "train", str(self.dir)],
+                                               env={**self.env, "RANK": str(rank)}, stdout=log,
+                                               stderr=subprocess.STDOUT))
 
     def ranks(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -100,19 +112,18 @@ class World:
                 p.wait()
 
 
-def env_world(tmp: Path, size: int, extra: dict[str, str] | None = None) -> World:
-    """``size`` ranks over env:// on loopback."""
+def env_world(tmp: Path, size: int, extra: dict[str, str] | None = None,
+              hold_back: int | None = None) -> World:
+    """``size`` ranks over env:// on loopback; rank ``hold_back`` only when
+    ``world.start_rank`` is called (a slow rank)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(size), **(extra or {})}
     env.pop("PLUGDIST_RESILIENCE", None)  # the default: on
-    procs, logs = [], []
+    world = World(tmp, [], [], size, env)
     for r in range(size):
-        logs.append(tmp / f"rank{r}.log")
-        with open(logs[-1], "wb") as log:
-            procs.append(subprocess.Popen([sys.executable, WORKERS, "train", str(tmp)],
-                                          env={**env, "RANK": str(r)}, stdout=log,
-                                          stderr=subprocess.STDOUT))
-    return World(tmp, procs, logs, size)
+        if r != hold_back:
+            world.start_rank(r)
+    return world
 
 
 def launched_world(tmp: Path, nodes: int, nproc: int, argv_for: Any = None,
@@ -138,11 +149,15 @@ def launched_world(tmp: Path, nodes: int, nproc: int, argv_for: Any = None,
 
 
 def stranger(address: str, root: str, attacks: list[str], token: str | None = None,
-             argv_for: Any = None, timeout: float = 120, size: int = 3) -> dict[str, str]:
-    """Run the stranger process with ``attacks``; ``size``: the world size its claim says."""
+             argv_for: Any = None, timeout: float = 120, size: int = 3,
+             uid: int | None = None) -> dict[str, str]:
+    """Run the stranger process with ``attacks``; ``size``: the world size its claim says;
+    ``uid``: the Unix user it runs as (None: the test's)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("PLUGDIST_STORE_TOKEN", "PLUGDIST_STORE_TOKEN_FILE")}
     env["CLAIM_SIZE"] = str(size)
+    if uid is not None:
+        env["STRANGER_UID"] = str(uid)
     if token is not None:
         env["PLUGDIST_STORE_TOKEN"] = token
     argv = [sys.executable, WORKERS, "stranger", address, root, *attacks]
@@ -158,8 +173,10 @@ def assert_membership_attacks_refused(got: dict[str, str]) -> None:
     reserved = "belongs to a world's membership"
     for name in ("evict", "will", "end", "hang", "hide", "queue"):
         assert got[name].startswith("refused") and reserved in got[name], (name, got[name])
-    assert "held by another live process" in got["claim"], got["claim"]
-    assert "another job's store: check MASTER_PORT" in got["claim"], got["claim"]
+    # the refusal says who holds the identity: its holder's address, when, live
+    assert re.search(r"held by another live process, taken by a connection from "
+                     r"[\d.]+:\d+ at \d\d:\d\d:\d\d UTC, \d+s ago \(live\)", got["claim"]), got
+    assert "check MASTER_PORT" in got["claim"], got["claim"]
     assert "holds no identity in this world" in got["forge"], got["forge"]
     if "wipe" in got:
         assert got["wipe"].startswith("accepted"), got["wipe"]  # plain keys: the world lives
@@ -194,13 +211,24 @@ def tmp(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.mark.timeout(240)
 def test_env_world_without_token(tmp: Path) -> None:
-    """env:// on loopback, no token (torch's only mode): the store listens on loopback only;
-    every membership attack is refused; a stray process of another job (RANK=1 of 3, and a
-    WORLD_SIZE=4) is refused with an error that says so; the server's limits hold against a
-    16 MiB CHECK, 48 MiB frames left half sent, a byte-a-second frame and 500 garbage clients;
-    the ranks train on through all of it; then a real SIGKILL is seen and shrunk past."""
-    world = env_world(tmp, 3)
+    """env:// on loopback, no token (torch's only mode), joins allowed by the store's host:
+    the store listens on loopback only; another local user's process that claims rank 1
+    before the slow real rank 1 does, or asks to join, is refused (its socket's owner is not
+    the store's user), and the job starts; every membership attack is refused; a stray process
+    of another job (RANK=1 of 3, and a WORLD_SIZE=4) is refused with an error that says who
+    holds the identity; the server's limits hold against a 16 MiB CHECK, 48 MiB frames left
+    half sent, a byte-a-second frame and 500 garbage clients; the ranks train on through all
+    of it; then a real SIGKILL is seen and shrunk past."""
+    world = env_world(tmp, 3, {"PLUGDIST_ALLOW_TOKENLESS_JOIN": "1"}, hold_back=1)
     try:
+        assert world.env is not None
+        if os.geteuid() == 0:  # a second Unix user is at hand
+            squat = stranger(f"127.0.0.1:{world.env['MASTER_PORT']}", "",
+                             ["claim", "join", "join_raw"], uid=NOBODY)
+            for name, got in squat.items():
+                assert got.startswith("refused") and "runs as nobody (uid 65534), but this " \
+                    "store belongs to root (uid 0)" in got, (name, got)
+        world.start_rank(1)
         world.wait_started()
         addr, root, token = address(world)
         assert root == "" and token == "" and world.store()["protected"]
@@ -224,9 +252,10 @@ def test_env_world_without_token(tmp: Path) -> None:
         assert [s.returncode for s in strays] == [3, 3], errors
         refusals = sorted(json.loads(f.read_text())["error"] for f in tmp.glob("refused-*"))
         assert len(refusals) == 2
-        assert all("another job's store: check MASTER_PORT" in e for e in refusals), refusals
+        assert all("check MASTER_PORT" in e for e in refusals), refusals
         assert any("held by another live process" in e for e in refusals), refusals
-        assert any("has 3 ranks, but this process says its world has 4" in e
+        assert any(re.search(r"has 3 ranks: rank \d taken by a connection from [\d.]+:\d+ "
+                             r"at .*; this process says its world has 4", e)
                    for e in refusals), refusals
         world.trains_on()
 
@@ -266,8 +295,14 @@ def test_env_world_with_token_from_a_file(tmp: Path) -> None:
     secret = tmp / "token"
     secret.write_text(os.urandom(24).hex())
     secret.chmod(0o600)
-    world = env_world(tmp, 3, {"PLUGDIST_STORE_TOKEN_FILE": str(secret)})
+    world = env_world(tmp, 3, {"PLUGDIST_STORE_TOKEN_FILE": str(secret)}, hold_back=1)
     try:
+        assert world.env is not None
+        # a squatter on rank 1 before the slow real rank 1, and a joiner: no token, no entry
+        squat = stranger(f"127.0.0.1:{world.env['MASTER_PORT']}", "", ["claim", "join"])
+        assert all(v.startswith("refused") and "authentication failed" in v
+                   for v in squat.values()), squat
+        world.start_rank(1)
         world.wait_started()
         addr, root, _ = address(world)
         got = stranger(addr, root, ["evict", "hide"])
@@ -297,7 +332,7 @@ def test_plugdist_run_one_node(tmp: Path) -> None:
         world.wait_started()
         addr, root, token = address(world)
         assert root.startswith("plugdist/worker/round_") and token
-        got = stranger(addr, root, ["evict", "end"])
+        got = stranger(addr, root, ["evict", "end", "join"])
         assert all("authentication failed" in v for v in got.values()), got
         got = stranger(addr, root, MEMBERSHIP_ATTACKS, token=token, size=2)
         assert_membership_attacks_refused(got)

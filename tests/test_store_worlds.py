@@ -15,6 +15,7 @@ from datetime import timedelta
 import pytest
 from plugdist.errors import DistExcludedError, DistStoreError, DistTimeoutError
 from plugdist.store import PrefixStore, TCPStore, TCPStoreLimits
+from plugdist.store._server.peers import ALLOW_TOKENLESS_JOIN_ENV
 from plugdist.store._tcp_client import TCPStoreSession
 from plugdist.store._worldkeys import is_reserved
 
@@ -77,11 +78,13 @@ def test_plain_writes_to_reserved_keys_are_refused(master: TCPStore) -> None:
 def test_an_identity_is_held_once_and_its_death_written_by_the_server(master: TCPStore) -> None:
     a, b = client(master), client(master)
     one = a.claim_member("", "1", 3, 10.0)
-    with pytest.raises(DistStoreError, match="held by another live process.*another job's store: "
-                                             "check MASTER_PORT"):
+    with pytest.raises(DistStoreError, match=r"held by another live process, taken by a "
+                                             r"connection from 127\.0\.0\.1:\d+ at "
+                                             r"\d\d:\d\d:\d\d UTC, \d+s ago \(live\).*same RANK"):
         b.claim_member("", "1", 3, 10.0)
-    with pytest.raises(DistStoreError, match="has 3 ranks, but this process says its world "
-                                             "has 4"):
+    with pytest.raises(DistStoreError, match=r"has 3 ranks: rank 1 taken by a connection from "
+                                             r"127\.0\.0\.1:\d+ .*this process says its world "
+                                             r"has 4"):
         b.claim_member("", "2", 4, 10.0)
     with pytest.raises(DistStoreError, match="out of range"):
         b.claim_member("", "3", 3, 10.0)
@@ -100,17 +103,19 @@ def test_an_identity_is_held_once_and_its_death_written_by_the_server(master: TC
     with pytest.raises(DistTimeoutError):
         master.read_log(DEATHS, 2, timedelta(seconds=0.5))
     for uid in ("1", "2"):  # both left: no process can be them again
-        with pytest.raises(DistStoreError, match="already left"):
+        with pytest.raises(DistStoreError, match=r"already left it \(taken by a connection from "
+                                                 r"127\.0\.0\.1:\d+ .*it has left since"):
             a.claim_member("", uid, 3, 10.0)
     a.close()
     b.close()
 
 
 @pytest.mark.timeout(60)
-def test_members_writes_are_checked(master: TCPStore) -> None:
+def test_members_writes_are_checked(master: TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """A forged credential, a joiner not yet admitted, a key members do not write, a members
     list naming an unknown identity, an epoch with no members record: refused. Declaring a
     member failed counts once; a joiner may say it leaves, not that another died."""
+    monkeypatch.setenv(ALLOW_TOKENLESS_JOIN_ENV, "1")
     c = client(master)
     zero, one = c.claim_member("", "0", 2, 10.0), c.claim_member("", "1", 2, 10.0)
     forged = TCPStoreSession(c._request, zero.will, b"", "0", os.urandom(16))
@@ -195,3 +200,76 @@ def test_a_large_value_from_another_process_arrives_at_full_pace() -> None:
         value = m.get(f"big{i}")
         assert len(value) == 30 << 20 and value[:1] == value[-1:] == bytes([i])
     m.close()
+
+
+@pytest.mark.timeout(60)
+def test_joining_takes_a_credential(master: TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a token a join is refused unless the store's host allows it, by name; with a
+    token the handshake is the credential. An identity's ttl has a floor: a raw JOIN with ttl 0
+    that never renews lapses (its death is written) instead of holding on forever."""
+    from plugdist.store import _wire as w
+
+    c = client(master)
+    monkeypatch.delenv(ALLOW_TOKENLESS_JOIN_ENV, raising=False)
+    with pytest.raises(DistStoreError, match=f"join refused: this store has no token.*"
+                                             f"{ALLOW_TOKENLESS_JOIN_ENV}=1"):
+        c.join_member("", 10.0)
+    assert not c.check(["plugdist/join/count/1", f"{DEATHS}/1"])  # nothing written
+    monkeypatch.setenv(ALLOW_TOKENLESS_JOIN_ENV, "1")
+    conn = c._connect(join=False, timeout=10.0)  # a raw JOIN, ttl 0, and no renewal
+    try:
+        status, _ = conn.roundtrip(w.request(w.Op.JOIN, w.U32.pack(0) + w.F64.pack(0.0)), 10.0)
+        assert status == w.Status.OK
+        start = time.monotonic()
+        died = master.read_log(DEATHS, 2, timedelta(seconds=10))  # parked until it is written
+        assert json.loads(died[0]) == {"uid": "j1", "cause": "died"}
+        assert time.monotonic() - start < 5  # the floor (1 s), not never
+    finally:
+        conn.close()
+    c.close()
+    m = TCPStore(HOST, 0, is_master=True, timeout=T, token="job-secret")
+    monkeypatch.delenv(ALLOW_TOKENLESS_JOIN_ENV)
+    try:
+        joiner = TCPStore(HOST, m.port, timeout=T, token="job-secret").join_member("", 10.0)
+        assert joiner.uid == "j1"
+        joiner.will.cancel()
+    finally:
+        m.close()
+
+
+_OTHER_USERS_LISTENER = """
+import os, socket, sys, time
+os.setgid(65534)
+os.setuid(65534)  # another local user's program, holding a port on loopback
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen()
+print(s.getsockname()[1], flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a second Unix user (runs as root)")
+def test_a_tokenless_client_trusts_only_its_own_users_server() -> None:
+    """A client without a token that reaches another user's listener (a rank that started
+    before its master, on a port that user holds) refuses it instead of talking to it; and
+    ``localhost`` is one address, the one the master binds (not the other family too)."""
+    import socket
+    import subprocess
+    import sys
+
+    from plugdist.store.tcp_store import _resolve
+
+    other = subprocess.Popen([sys.executable, "-c", _OTHER_USERS_LISTENER],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout is not None
+        port = int(other.stdout.readline())
+        with pytest.raises(DistStoreError, match=r"runs as another Unix user \(uid 65534\), "
+                                                 r"not this job's store.*MASTER_PORT"):
+            TCPStore(HOST, port, timeout=timedelta(seconds=5), token="")
+    finally:
+        other.kill()
+        other.wait()
+    assert _resolve("localhost", 29500) == [(socket.AF_INET, ("127.0.0.1", 29500))]

@@ -30,6 +30,7 @@ from plugdist.errors import (
 )
 from plugdist.store import _wire as w
 from plugdist.store._server import StoreServer, TCPStoreLimits
+from plugdist.store._server.peers import socket_owner
 from plugdist.store._tcp_client import MIN_IO_TIMEOUT as _MIN_IO_TIMEOUT
 from plugdist.store._tcp_client import REPLY_GRACE as _REPLY_GRACE
 from plugdist.store._tcp_client import TCPStoreSession, TCPStoreWill, read_log, renewer
@@ -56,7 +57,10 @@ _OP_SET, _OP_GET, _OP_ADD = int(w.Op.SET), int(w.Op.GET), int(w.Op.ADD)
 
 
 def _resolve(host: str, port: int) -> list[tuple[int, tuple]]:
-    """Addresses to try for ``host``: a numeric address as is; a name through one getaddrinfo."""
+    """Addresses to try for ``host``: a numeric address as is; a name through one getaddrinfo.
+    ``localhost`` is one address (IPv4 loopback where the host has it), the one a master binds:
+    a client that tried the other family as well could reach another local user's listener
+    there while the master is not up yet."""
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
         ip = ipaddress.ip_address(bare)
@@ -75,6 +79,8 @@ def _resolve(host: str, port: int) -> list[tuple[int, tuple]]:
     for family, _, _, _, sockaddr in infos:
         if (family, sockaddr) not in out and family in (socket.AF_INET, socket.AF_INET6):
             out.append((family, sockaddr))
+    if is_loopback(host) and out:
+        out = [next((a for a in out if a[0] == socket.AF_INET), out[0])]
     return out
 
 
@@ -355,6 +361,8 @@ class TCPStore(Store):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
                     sock.settimeout(min(left, 30.0))
                     sock.connect(sockaddr)
+                    if self._token is None:
+                        self._check_server_user(sock)
                     return self._handshake(sock, join, timeout)
                 except (DistStoreError, DistNetworkError):
                     sock.close()
@@ -376,6 +384,18 @@ class TCPStore(Store):
                 ) from last
             time.sleep(min(delay, left))
             delay = min(delay * 2, 1.0)
+
+    def _check_server_user(self, sock: socket.socket) -> None:
+        """Without a token, a server on this host must be run by this process's Unix user (or
+        root): another user's program that holds the port is not this job's store."""
+        owner = socket_owner(sock)
+        if owner is None or owner in (-1, 0, os.geteuid()):
+            return
+        raise DistStoreError(
+            f"TCPStore {self.host}:{self.port}: the process listening there runs as another "
+            f"Unix user (uid {owner}), not this job's store; without a token this client "
+            f"trusts only its own user's server. Pick another MASTER_PORT, or give every "
+            f"process of the job the same token ({TOKEN_ENV} or {TOKEN_FILE_ENV})")
 
     def _auth_error(self, why: str) -> DistNetworkError:
         return DistNetworkError(f"TCPStore {self.host}:{self.port}: authentication failed: {why}")
@@ -668,9 +688,10 @@ class TCPStore(Store):
         """Hold the identity ``uid`` (a rank of the first epoch of a world of ``world_size``
         ranks, whose membership lives under the key prefix ``root``) on a connection of its own,
         with a will the server writes itself (see ``Store.claim_member``). Raises
-        DistStoreError when the server refuses it: another live process holds ``uid``, its
-        holder left, or the world's size differs (another job's process reaching this store).
-        Blocks for one round trip."""
+        DistStoreError when the server refuses it: this process cannot show the job's
+        credential (the token, or without one the store's Unix user), another live process
+        holds ``uid``, its holder left, or the world's size differs; the error says what holds
+        the identity. Blocks for one round trip."""
         r = root.encode()
         body = b"".join((w.U32.pack(len(r)), r, w.U32.pack(len(uid.encode())), uid.encode(),
                          w.I64.pack(world_size), w.F64.pack(ttl)))
@@ -679,7 +700,9 @@ class TCPStore(Store):
     def join_member(self, root: str, ttl: float) -> TCPStoreSession:
         """Ask to join the world under ``root``: the server takes a ticket, writes it, announces
         it in the death log, and makes this process the joiner identity ``j<ticket>`` on a
-        connection of its own (see ``Store.join_member``). Blocks for one round trip."""
+        connection of its own (see ``Store.join_member``). Refused without the job's credential,
+        and on a tokenless store unless its host set ``PLUGDIST_ALLOW_TOKENLESS_JOIN=1``.
+        Blocks for one round trip."""
         r = root.encode()
         body = w.U32.pack(len(r)) + r + w.F64.pack(ttl)
         return self._hold_identity("join", root, "", w.request(w.Op.JOIN, body), ttl)

@@ -41,6 +41,7 @@ from plugdist.store._server.handshake import Handshake
 from plugdist.store._server.keyspace import KeySpace
 from plugdist.store._server.limits import FD_RESERVE, TCPStoreLimits, Throttle, raise_fd_limit
 from plugdist.store._server.lobby import Lobby
+from plugdist.store._server.peers import Admission
 from plugdist.store._server.turns import Turns
 from plugdist.store._server.wills import Wills
 from plugdist.store._server.worlds import Worlds
@@ -79,7 +80,7 @@ class StoreServer:
                                      max_keys=limits.max_keys_per_request,
                                      max_reply_bytes=limits.max_reply_bytes, notice=self._warn)
         self._waiters = keys.waiters
-        self._worlds = Worlds(keys, self._warn)
+        self._worlds = Worlds(keys, self._warn, Admission(self.token is not None).refusal)
         self._commands = Commands(keys, self._worlds)
         self._frames = frames = Framing(limits, self._commands, self._pending, turns,
                                         self._drop, self._close, self._log, self._warn)

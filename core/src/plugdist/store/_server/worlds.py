@@ -7,8 +7,12 @@ joiner ``j<ticket>``; each carries the identity's will, which the server runs it
 log gets ``{"uid": uid, "cause": "died"}``) when the connection drops or its ttl lapses. An
 identity is held once: a second claim while its holder lives, a claim on an identity whose
 holder has left, and a claim that disagrees with the world's size are refused, with a message
-that names the likely cause (another job's process reaching this store). A credential (a
-random secret returned to the holder) lets the holder's other connections act for it.
+that says what holds the identity (its holder's address, when it claimed, live or left). Only
+a connection that shows the job's credential may claim or join
+(:class:`~plugdist.store._server.peers.Admission`: the token's handshake, or without a token the
+store's own Unix user), and an identity's will always has a ttl of at least
+:data:`MIN_IDENTITY_TTL`. A credential (a random secret returned to the holder) lets the
+holder's other connections act for it.
 
 Members (the world's first-epoch ranks, and the joiners a members record admitted) write the
 agreement and epoch records through MEMBER, which checks the credential, the key (each reserved
@@ -27,6 +31,7 @@ import json
 import re
 import secrets
 import struct
+import time
 from collections.abc import Callable, Collection, Iterator
 from typing import Any, Protocol
 
@@ -52,7 +57,9 @@ from plugdist.store._worldkeys import (
     ticket_key,
 )
 
-__all__ = ["Worlds"]
+__all__ = ["MIN_IDENTITY_TTL", "Worlds"]
+
+MIN_IDENTITY_TTL = 1.0  # seconds: an identity's will lapses when its renewals stop, ttl 0 too
 
 _I64_I64 = struct.Struct("!qq")
 _I64_F64 = struct.Struct("!qd")
@@ -120,7 +127,8 @@ class _Gone(_Refused):
 class _World:
     """One world's identities. ``size``: ranks of its first epoch (0 until the first claim)."""
 
-    __slots__ = ("root", "size", "held", "secrets", "left", "admitted", "declared", "members")
+    __slots__ = ("root", "size", "held", "secrets", "left", "admitted", "declared", "members",
+                 "claims")
 
     def __init__(self, root: bytes) -> None:
         self.root = root
@@ -131,18 +139,29 @@ class _World:
         self.admitted: set[str] = set()       # joiners some members record named
         self.declared: set[str] = set()       # uids a member declared failed (once each)
         self.members: dict[int, list[str]] = {}  # epoch -> its members, as recorded
+        self.claims: dict[str, tuple[str, float]] = {}  # uid -> (holder's peer, when it took it)
 
     def where(self) -> str:
         return f"the world at {self.root.decode(errors='replace')!r}" if self.root else \
             "this store's world"
 
+    def holder(self, uid: str) -> str:
+        """Who took ``uid``, when, and whether it still holds it."""
+        peer, since = self.claims.get(uid, ("an unknown address", 0.0))
+        stamp = time.strftime("%H:%M:%S UTC", time.gmtime(since)) if since else "an unknown time"
+        ago = f", {time.time() - since:.0f}s ago" if since else ""
+        state = "live" if uid in self.held else "it has left since"
+        return f"taken by a connection from {peer} at {stamp}{ago} ({state})"
+
 
 class Worlds:
     """Every world of one server's key space (see the module docstring)."""
 
-    def __init__(self, keys: KeyPrimitives, notice: Callable[..., None]) -> None:
+    def __init__(self, keys: KeyPrimitives, notice: Callable[..., None],
+                 admission: Callable[[Any, str], str | None] | None = None) -> None:
         self._keys = keys
         self._notice = notice
+        self._admission = admission  # why a connection may not claim/join (None: it may)
         self._worlds: dict[bytes, _World] = {}
 
     # ---- identities --------------------------------------------------------------------------
@@ -181,9 +200,12 @@ class Worlds:
         return epoch, world.members.get(epoch, [])
 
     def _hold(self, conn: Any, world: _World, uid: str, ttl: float) -> bytes:
+        if not ttl >= MIN_IDENTITY_TTL:  # NaN too
+            ttl = MIN_IDENTITY_TTL
         secret = secrets.token_bytes(16)
         world.held[uid] = conn
         world.secrets[uid] = secret
+        world.claims[uid] = (getattr(conn, "peer", "?"), time.time())
         conn.identity = (world, uid)
         conn.will = (world.root + DEATHS.encode(),
                      json.dumps({"uid": uid, "cause": "died"}).encode())
@@ -197,6 +219,7 @@ class Worlds:
         uid = uid_b.decode()
         try:
             self._check_free(conn)
+            self._check_credential(conn, "claim")
             if size < 1 or not (uid.isascii() and uid.isdigit()) or uid != str(int(uid)) \
                     or int(uid) >= size:  # one spelling per rank: "01" or "\u0661" is not "1"
                 raise _Refused(f"claim of member {uid!r} in a world of {size} ranks: the rank is "
@@ -213,20 +236,27 @@ class Worlds:
             raise _Refused("this connection already holds a will or an identity; each identity "
                            "needs a connection of its own")
 
+    def _check_credential(self, conn: Any, op: str) -> None:
+        why = self._admission(conn, op) if self._admission is not None else None
+        if why is not None:
+            raise _Refused(why)
+
     def _check_claim(self, conn: Any, world: _World, uid: str, size: int) -> None:
-        stray = ("another job's store: check MASTER_PORT (a job on this host or network uses "
-                 "the same port), or two processes of this job were given the same RANK")
+        stray = ("two processes of this job were given the same RANK, or another job of yours "
+                 "uses this store's port: check MASTER_PORT")
         if world.size and size != world.size:
-            raise _Refused(f"{world.where()} has {world.size} ranks, but this process says its "
-                           f"world has {size} (WORLD_SIZE): {stray}")
-        holder = world.held.get(uid)
-        if holder is not None:
-            raise _Refused(f"member {uid} of {world.where()} is held by another live process "
-                           f"(connected from {holder.peer}): {stray}")
+            first = next(iter(world.claims), None)
+            by = f": rank {first} {world.holder(first)}" if first is not None else ""
+            raise _Refused(f"{world.where()} has {world.size} ranks{by}; this process says its "
+                           f"world has {size} (WORLD_SIZE). Check WORLD_SIZE, or: {stray}")
+        if uid in world.held:
+            raise _Refused(f"member {uid} of {world.where()} is held by another live process, "
+                           f"{world.holder(uid)}: {stray}")
         if uid in world.left:
-            raise _Refused(f"member {uid} of {world.where()} already left it (its process ended, "
-                           f"or it was excluded); a process can come back only as a new member, "
-                           f"with init_process_group(join=True). Or: {stray}")
+            raise _Refused(f"member {uid} of {world.where()} already left it ({world.holder(uid)}"
+                           f"; its process ended, or it was excluded); a process can come back "
+                           f"only as a new member, with init_process_group(join=True). Or: "
+                           f"{stray}")
         epoch, members = self._current(world)
         if epoch > 0 and uid not in members:
             raise _Refused(f"{world.where()} is at epoch {epoch} and rank {uid} of its first "
@@ -238,6 +268,7 @@ class Worlds:
         (ttl,) = w.F64.unpack_from(buf, pos)
         try:
             self._check_free(conn)
+            self._check_credential(conn, "join")
             world = self._world(root)
         except _Refused as e:
             return self._refuse(conn, "join", str(e))
