@@ -246,6 +246,37 @@ def test_members_values_are_checked_and_the_death_log_is_the_servers(master: TCP
 
 
 @pytest.mark.timeout(60)
+def test_joiners_that_came_and_went_do_not_stop_the_trims(master: TCPStore) -> None:
+    """Join-and-close, repeated past the store's per-request key limit (100 here, 131,072 by
+    default) with no grow in between: the trim skips the tickets of joiners known gone, so the
+    death log is still trimmed (it once had to check every such ticket in one request, was
+    refused, and nothing was trimmed again)."""
+    from plugdist._resilience.cleanup import trim
+
+    c = client(master)
+    zero, one = c.claim_member("", "0", 2, 10.0), c.claim_member("", "1", 2, 10.0)
+    for _ in range(150):
+        joiner = c.join_member("", 10.0)
+        joiner.record(json.dumps({"uid": joiner.uid, "cause": "left", "how": "gave up"}))
+        joiner.will.cancel()
+    logged = c.add(DEATHS, 0)
+    assert logged == 300
+    zero.set("plugdist/epoch/0/seen/0", str(logged))
+    one.set("plugdist/epoch/0/seen/1", str(logged))
+    zero.compare_set("plugdist/epoch/1/members", "", json.dumps(["0", "1"]))
+    zero.compare_set("plugdist/epoch/current", "0", "1")
+    trim(c, zero, 1, ["0", "1"], 0, heartbeats=False)  # as before: all 150 tickets read at once
+    assert json.loads(c.get("plugdist/live/trim"))["log"] == 0  # refused: nothing trimmed
+    gone = {f"j{n}" for n in range(1, 151)}
+    trim(c, zero, 1, ["0", "1"], 0, heartbeats=False, gone=gone)
+    assert json.loads(c.get("plugdist/live/trim"))["log"] == logged
+    assert not any(c.check([f"{DEATHS}/{n}"]) for n in range(1, logged + 1))
+    for session in (zero, one):
+        session.will.cancel()
+    c.close()
+
+
+@pytest.mark.timeout(60)
 def test_request_limits_answer_with_an_error_and_keep_the_connection(master: TCPStore) -> None:
     c = client(master)
     with pytest.raises(DistStoreError, match="at most 100 keys per request"):
