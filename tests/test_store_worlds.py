@@ -185,11 +185,15 @@ def test_members_values_are_checked_and_the_death_log_is_the_servers(master: TCP
             "plugdist/ft/0/step/0/0", "", "commit [0, -1]"),
         "a leave count by 5": lambda: zero.add("plugdist/epoch/0/leaving", 5),
         "left before every member leaves": lambda: zero.set("plugdist/epoch/0/left", "1"),
+        "a decision nested past the parser's depth": lambda: zero.compare_set(
+            "plugdist/epoch/0/next", "", "[" * 900),
     }
     for what, write in refused.items():
         with pytest.raises(DistStoreError, match="member write refused"):
             write()
             pytest.fail(what)
+    with pytest.raises(DistStoreError, match="malformed record"):
+        zero.record("[" * 60_000)  # the serving thread lives on
     # an outcome is written once; the leave count stops at the epoch's size
     assert zero.compare_set("plugdist/ft/0/step/0/0", "", "commit [0.0, 1.0]") \
         == b"commit [0.0, 1.0]"

@@ -142,8 +142,8 @@ def _stored(world: WorldRecords, keys: KeyReader, key: str, default: int = 0) ->
 def _json(value: bytes, what: str) -> Any:
     try:
         return json.loads(value)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise Refused(f"{what}: a malformed value ({e})") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: nested past the parser's depth
+        raise Refused(f"{what}: a malformed value ({type(e).__name__})") from None
 
 
 def check_uids(world: WorldRecords, keys: KeyReader, uids: Any) -> list[str]:

@@ -314,8 +314,8 @@ class Worlds:
                 raise _Refused(f"a record of {len(raw)} bytes (at most {_MAX_RECORD})")
             try:
                 record = json.loads(raw)
-            except ValueError as e:
-                raise _Refused(f"a malformed record ({e})") from None
+            except (ValueError, RecursionError) as e:
+                raise _Refused(f"a malformed record ({type(e).__name__})") from None
             if not isinstance(record, dict) or not isinstance(record.get("uid"), str):
                 raise _Refused("a record is a JSON object naming a member ('uid')")
             cause, target = record.get("cause"), record["uid"]
