@@ -202,7 +202,7 @@ def joiner_uid(ticket: int) -> str:
     return f"j{ticket}"
 
 
-# ---- the rest of the core's keys (not reserved) ----------------------------------------------
+# ---- the rest of the core's keys (the members' leave counts and the vote outcomes reserved) ---
 
 def group_prefix(epoch: int, name: str) -> str:
     """Where the groups of ``epoch`` keep their keys in the world's store."""
