@@ -56,6 +56,7 @@ def train(result_dir: str) -> None:
             "token": os.environ.get("PLUGDIST_STORE_TOKEN", ""),
             "protected": world.membership is not None and world.membership.protected})
     events: list[str] = []
+    misbehaved: dict[str, str] = {}
     steps, last = 0, 0.0
     stop = os.path.join(result_dir, "stop")
     out = os.path.join(result_dir, f"rank{uid}.json")
@@ -63,8 +64,10 @@ def train(result_dir: str) -> None:
         now = time.monotonic()
         if now - last > 0.2:
             last = now
+            if steps and not misbehaved and os.environ.get("MISBEHAVE") == uid:
+                misbehaved = _misbehave(world)
             _write(out, {"steps": steps, "size": dist.get_world_size(), "rank": dist.get_rank(),
-                         "events": events, "pid": os.getpid()})
+                         "events": events, "pid": os.getpid(), "misbehaved": misbehaved})
             if os.path.exists(stop):
                 break
         try:
@@ -84,6 +87,39 @@ def train(result_dir: str) -> None:
     _write(out, {"steps": steps, "size": dist.get_world_size(), "rank": dist.get_rank(),
                  "events": events, "pid": os.getpid(), "done": True})
     dist.destroy_process_group()
+
+
+def _misbehave(world: Any) -> dict[str, str]:
+    """A member's own process, with its credential, writing what the store must refuse from any
+    member (a bug, or code that should not be there): attack -> "refused: ..."/"accepted"."""
+    from plugdist.errors import DistError
+    writes = world.membership.writes
+    me = world.membership.uid
+    other = next(u for u in world.membership.members if u != me)
+    tries: dict[str, Callable[[], Any]] = {
+        "decision naming strangers": lambda: writes.compare_set(
+            "plugdist/epoch/0/next", "", json.dumps({"excluded": [other, "77"]})),
+        "members naming strangers": lambda: writes.compare_set(
+            "plugdist/epoch/1/members", "", json.dumps([me, "j99"])),
+        "grow of an unknown joiner": lambda: writes.compare_set(
+            "plugdist/epoch/0/grow/0", "", json.dumps({"joiners": [[5, "j5"]], "done": 5})),
+        "trim mark of 10^6": lambda: writes.compare_set(
+            "plugdist/live/trim", json.dumps({"epoch": -1, "log": 0, "tickets": 0, "done": 0}),
+            json.dumps({"epoch": 0, "log": 10**6, "tickets": 0, "done": 0})),
+        "another's seen mark": lambda: writes.set(f"plugdist/epoch/0/seen/{other}", "0"),
+        "a death record deleted": lambda: writes.delete_key("plugdist/live/deaths/1"),
+        "an outcome of an epoch it is not in": lambda: writes.compare_set(
+            "plugdist/ft/7/step/0/0", "", "commit [0.0, 1.0]"),
+        "everyone left": lambda: writes.set("plugdist/epoch/0/left", "1"),
+    }
+    got = {}
+    for name, attempt in tries.items():
+        try:
+            attempt()
+            got[name] = "accepted"
+        except DistError as err:
+            got[name] = f"refused: {err}"
+    return got
 
 
 # ---------------------------------------------------------------------------- the stranger
@@ -132,6 +168,22 @@ def _attack_queue(store: Any, root: str) -> str:
     """Make a reserved key look present with a queue (a reader that checks, then gets, hangs)."""
     store.queue_push(f"{root}plugdist/epoch/1/members", "x")
     return "queue pushed"
+
+
+def _attack_vote(store: Any, root: str) -> str:
+    """Forge the fault-tolerant loop's outcomes: commit with the stop flag for the next steps
+    (every member would stop), and the state transfer's."""
+    steps = [f"{root}plugdist/ft/0/step/0/{s}" for s in range(64)]
+    store.multi_set(steps, ["commit [0.0, 1.0]"] * len(steps))
+    store.compare_set(f"{root}plugdist/ft/0/state", "", "commit []")
+    return "outcomes written"
+
+
+def _attack_leave(store: Any, root: str) -> str:
+    """Count every member out (the world closes early), or past its size (every close waits)."""
+    store.add(f"{root}plugdist/epoch/0/leaving", 100)
+    store.set(f"{root}plugdist/epoch/0/left", "1")
+    return "leave count written"
 
 
 def _attack_wipe(store: Any, root: str) -> str:
@@ -192,7 +244,7 @@ ATTACKS: dict[str, Callable[[Any, str], str]] = {
     "evict": _attack_evict, "will": _attack_will, "end": _attack_end, "hang": _attack_hang,
     "hide": _attack_hide, "queue": _attack_queue, "wipe": _attack_wipe, "claim": _attack_claim,
     "forge": _attack_forge, "check_flood": _attack_check_flood, "join": _attack_join,
-    "join_raw": _attack_join_raw,
+    "join_raw": _attack_join_raw, "vote": _attack_vote, "leave": _attack_leave,
 }
 
 

@@ -106,13 +106,36 @@ def _kill_leftovers(tmp_path: Path):
 
 
 @pytest.mark.timeout(30)
+def test_the_default_run_id_is_one_per_job() -> None:
+    """Several nodes agree on the run id without a flag: the scheduler's job id, or else a
+    digest of what every node of the job is started with; another job on the same endpoint
+    (another command or size, or another scheduler job) gets another id, so it never joins
+    this one's rounds."""
+    from plugdist._launcher.arguments import default_run_id
+
+    def rid(nodes: int = 2, endpoint: str = "h:29400", cmd: tuple[str, ...] = ("t.py", "--lr=1"),
+            env: dict[str, str] | None = None) -> str:
+        return default_run_id(nodes, "c10d", endpoint, list(cmd), env or {})
+
+    assert rid() == rid() and rid().startswith("cmd-") and rid() != "none"
+    assert len({rid(), rid(nodes=3), rid(endpoint="h:29401"), rid(cmd=("t.py", "--lr=2"))}) == 4
+    assert rid(env={"SLURM_JOB_ID": "4711", "SLURM_STEP_ID": "0"}) == "slurm-4711.0"
+    assert rid(env={"SLURM_JOB_ID": "4711"}) != rid(env={"SLURM_JOB_ID": "4712"})
+    assert rid(env={"PBS_JOBID": "12.pbs server"}) == "pbs-12.pbs_server"
+    assert rid(env={"SLURM_STEP_ID": "0"}) == rid()  # a step id alone names no job
+    assert len(rid(nodes=1)) == 12 and rid(nodes=1) != rid(nodes=1)
+
+
+@pytest.mark.timeout(30)
 def test_parse_args_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
     cfg = parse_args(["--nproc-per-node", "3", "--standalone", WORKER, "--", "-m", "--nnodes"])
     assert (cfg.nproc_per_node, cfg.nnodes, cfg.master_addr) == (3, 1, None)
     assert cfg.args == ("--", "-m", "--nnodes")       # everything after the script, untouched
     assert cfg.master_port is None and len(cfg.run_id) == 12 and cfg.standalone
     cfg = parse_args(["--nnodes=2", "--node_rank", "1", "--master-port", "1234", WORKER])
-    assert (cfg.nnodes, cfg.node_rank, cfg.master_port, cfg.run_id) == (2, 1, 1234, "none")
+    assert (cfg.nnodes, cfg.node_rank, cfg.master_port) == (2, 1, 1234)
+    assert cfg.run_id == parse_args(["--nnodes=2", "--node_rank", "0", "--master-port", "1234",
+                                     WORKER]).run_id  # every node alike, no flag needed
     assert parse_args(["-m", "pkg.mod", "x"]).command()[1:] == ["-m", "pkg.mod", "x"]
     assert split_argv(["--run-id", "r", "--", "-x.py", "a"],
                       {"--run-id"}) == (["--run-id", "r"], ["-x.py", "a"])

@@ -33,7 +33,8 @@ pytestmark = pytest.mark.resilience
 
 WORKERS = str(Path(__file__).with_name("_security_workers.py"))
 LAUNCHER = [sys.executable, "-m", "plugdist_run"]
-MEMBERSHIP_ATTACKS = ["evict", "will", "end", "hang", "hide", "queue", "claim", "forge"]
+MEMBERSHIP_ATTACKS = ["evict", "will", "end", "hang", "hide", "queue", "claim", "forge", "vote",
+                      "leave"]
 # a buggy tool's delete_prefix(""): the env:// worlds' plain keys are only their own (under
 # plugdist-run the launchers' rendezvous keys live in the same store)
 WIPE = ["wipe"]
@@ -112,6 +113,18 @@ class World:
                 p.wait()
 
 
+def assert_misbehaving_member_refused(world: World, uid: str) -> None:
+    """Member ``uid`` (``MISBEHAVE``) tried, with its own credential, every write a member may
+    not make; each was refused by the store's checks of its values."""
+    deadline = time.monotonic() + 30
+    while not world.ranks().get(f"rank{uid}", {}).get("misbehaved"):
+        assert time.monotonic() < deadline, world.log_tail()
+        time.sleep(0.1)
+    got = world.ranks()[f"rank{uid}"]["misbehaved"]
+    assert len(got) == 8 and all(
+        v.startswith("refused") and "member write refused" in v for v in got.values()), got
+
+
 def env_world(tmp: Path, size: int, extra: dict[str, str] | None = None,
               hold_back: int | None = None) -> World:
     """``size`` ranks over env:// on loopback; rank ``hold_back`` only when
@@ -171,7 +184,7 @@ def stranger(address: str, root: str, attacks: list[str], token: str | None = No
 def assert_membership_attacks_refused(got: dict[str, str]) -> None:
     """Each membership attack was refused, for the reason it should be."""
     reserved = "belongs to a world's membership"
-    for name in ("evict", "will", "end", "hang", "hide", "queue"):
+    for name in ("evict", "will", "end", "hang", "hide", "queue", "vote", "leave"):
         assert got[name].startswith("refused") and reserved in got[name], (name, got[name])
     # the refusal says who holds the identity: its holder's address, when, live
     assert re.search(r"held by another live process, taken by a connection from "
@@ -214,12 +227,15 @@ def test_env_world_without_token(tmp: Path) -> None:
     """env:// on loopback, no token (torch's only mode), joins allowed by the store's host:
     the store listens on loopback only; another local user's process that claims rank 1
     before the slow real rank 1 does, or asks to join, is refused (its socket's owner is not
-    the store's user), and the job starts; every membership attack is refused; a stray process
-    of another job (RANK=1 of 3, and a WORLD_SIZE=4) is refused with an error that says who
-    holds the identity; the server's limits hold against a 16 MiB CHECK, 48 MiB frames left
-    half sent, a byte-a-second frame and 500 garbage clients; the ranks train on through all
-    of it; then a real SIGKILL is seen and shrunk past."""
-    world = env_world(tmp, 3, {"PLUGDIST_ALLOW_TOKENLESS_JOIN": "1"}, hold_back=1)
+    the store's user), and the job starts; every membership attack is refused (forged vote
+    outcomes and leave counts too); a member that writes what no member may (a decision naming
+    strangers, a trim past what was read, another's seen mark, a death record deleted, ...) is
+    refused; a stray process of another job (RANK=1 of 3, and a WORLD_SIZE=4) is refused with
+    an error that says who holds the identity; the server's limits hold against a 16 MiB CHECK,
+    48 MiB frames left half sent, a byte-a-second frame and 500 garbage clients; the ranks
+    train on through all of it; then a real SIGKILL is seen and shrunk past."""
+    world = env_world(tmp, 3, {"PLUGDIST_ALLOW_TOKENLESS_JOIN": "1", "MISBEHAVE": "1"},
+                      hold_back=1)
     try:
         assert world.env is not None
         if os.geteuid() == 0:  # a second Unix user is at hand
@@ -232,6 +248,7 @@ def test_env_world_without_token(tmp: Path) -> None:
         world.wait_started()
         addr, root, token = address(world)
         assert root == "" and token == "" and world.store()["protected"]
+        assert_misbehaving_member_refused(world, "1")
         assert addr.startswith("127.0.0.1:")
         # slow abuse, in the background while the rest goes on
         slow = [subprocess.Popen([sys.executable, WORKERS, "stranger", addr, root, attack],
@@ -343,11 +360,13 @@ def test_plugdist_run_one_node(tmp: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_plugdist_run_two_nodes_on_loopback(tmp: Path) -> None:
-    """Two plugdist-run launchers meeting on 127.0.0.1 (no token: loopback only): every
-    membership attack on the workers' world is refused; a real death is shrunk past."""
-    world = launched_world(tmp, 2, 1)
+    """Two plugdist-run launchers meeting on 127.0.0.1 (no token: loopback only), with the
+    default run id (no flag: the nodes agree on it): every membership attack on the workers'
+    world is refused, and a member's writes that no member may make; it trains on."""
+    world = launched_world(tmp, 2, 1, env={"MISBEHAVE": "0"})
     try:
         world.wait_started()
+        assert_misbehaving_member_refused(world, "0")
         addr, root, token = address(world)
         assert addr.startswith("127.0.0.1:") and token == ""
         got = stranger(addr, root, MEMBERSHIP_ATTACKS, size=2)

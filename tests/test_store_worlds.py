@@ -42,7 +42,8 @@ def test_reserved_names() -> None:
                 b"plugdist/live"):
         assert is_reserved(key), key
     for key in (b"plugdist/group/0/rank_1", b"plugdist/lively", b"myplugdist/live/x",
-                b"plugdist/closed/x", b"plugdist/rdzv/none/r0/joined", b"plugdist/ft/1/step"):
+                b"plugdist/closed/x", b"plugdist/rdzv/none/r0/joined", b"plugdist/fte/1",
+                b"plugdist/leaving"):
         assert not is_reserved(key), key
 
 
@@ -137,7 +138,7 @@ def test_members_writes_are_checked(master: TCPStore, monkeypatch: pytest.Monkey
     grown = json.dumps(["0", "1", "j1"])
     assert zero.compare_set("plugdist/epoch/1/members", "", grown) == grown.encode()
     assert zero.compare_set("plugdist/epoch/current", "0", "1") == b"1"
-    joiner.set("plugdist/epoch/1/seen/j1", "2")  # admitted now: a member's write
+    joiner.set("plugdist/epoch/1/seen/j1", "1")  # admitted now: a member's write
     declared = json.dumps({"uid": "1", "cause": "reported", "how": "test"})
     assert zero.record(declared) is True
     assert joiner.record(declared) is False  # declared once
@@ -155,6 +156,132 @@ def test_members_writes_are_checked(master: TCPStore, monkeypatch: pytest.Monkey
     assert not c.check(["plugdist/closed", f"{DEATHS}/1", "plugdist/epoch/1/members"])
     assert c.get("plugdist/epoch/current") == b"0"
     again.will.cancel()
+    c.close()
+
+
+@pytest.mark.timeout(60)
+def test_members_values_are_checked_and_the_death_log_is_the_servers(master: TCPStore) -> None:
+    """A member's credential does not let it write anything under its world's keys: a decision
+    names only the epoch's members, a grow only joiners with a ticket not yet admitted, a seen
+    mark only the writer's own (at most the log's length), a trim only up to what every member
+    had read; no member deletes a death record, and the server deletes what a trim forgets.
+    The leave count and the vote outcomes are members' writes, each checked too."""
+    c = client(master)
+    zero, one = c.claim_member("", "0", 2, 10.0), c.claim_member("", "1", 2, 10.0)
+    refused = {
+        "decision naming a stranger": lambda: zero.compare_set(
+            "plugdist/epoch/0/next", "", json.dumps({"excluded": ["1", "5"]})),
+        "decision excluding its writer": lambda: one.compare_set(
+            "plugdist/epoch/0/next", "", json.dumps({"excluded": ["1"]})),
+        "grow of an unknown joiner": lambda: zero.compare_set(
+            "plugdist/epoch/0/grow/0", "", json.dumps({"joiners": [[4, "j4"]], "done": 4})),
+        "members without their writer": lambda: zero.compare_set(
+            "plugdist/epoch/1/members", "", json.dumps(["1"])),
+        "another's seen mark": lambda: zero.set("plugdist/epoch/0/seen/1", "0"),
+        "a seen mark past the log": lambda: zero.set("plugdist/epoch/0/seen/0", "1000000"),
+        "a trim past what was read": lambda: zero.compare_set(
+            "plugdist/live/trim", json.dumps({"epoch": -1, "log": 0, "tickets": 0, "done": 0}),
+            json.dumps({"epoch": 1, "log": 1000000, "tickets": 0, "done": 0})),
+        "a death record deleted": lambda: zero.delete_key(f"{DEATHS}/1"),
+        "a death record overwritten": lambda: zero.set(f"{DEATHS}/1", "{}"),
+        "the current epoch forgotten": lambda: zero.delete_prefix("plugdist/epoch/0/"),
+        "an outcome by set": lambda: zero.set("plugdist/ft/0/step/0/0", "commit [0, 1]"),
+        "an outcome that is neither": lambda: zero.compare_set(
+            "plugdist/ft/0/step/0/0", "", "commit [0, -1]"),
+        "a leave count by 5": lambda: zero.add("plugdist/epoch/0/leaving", 5),
+        "left before every member leaves": lambda: zero.set("plugdist/epoch/0/left", "1"),
+        "a decision nested past the parser's depth": lambda: zero.compare_set(
+            "plugdist/epoch/0/next", "", "[" * 900),
+    }
+    for what, write in refused.items():
+        with pytest.raises(DistStoreError, match="member write refused"):
+            write()
+            pytest.fail(what)
+    with pytest.raises(DistStoreError, match="malformed record"):
+        zero.record("[" * 60_000)  # the serving thread lives on
+    # an outcome is written once; the leave count stops at the epoch's size
+    assert zero.compare_set("plugdist/ft/0/step/0/0", "", "commit [0.0, 1.0]") \
+        == b"commit [0.0, 1.0]"
+    assert one.compare_set("plugdist/ft/0/step/0/0", "", "abort") == b"commit [0.0, 1.0]"
+    with pytest.raises(DistStoreError, match="decided once"):
+        one.compare_set("plugdist/ft/0/step/0/0", "commit [0.0, 1.0]", "abort")
+    assert one.delete_prefix("plugdist/ft/0/step/0/") == 1
+    assert (zero.add("plugdist/epoch/0/leaving", 1), one.add("plugdist/epoch/0/leaving", 1)) \
+        == (1, 2)
+    with pytest.raises(DistStoreError, match="leaving already"):
+        zero.add("plugdist/epoch/0/leaving", 1)
+    one.set("plugdist/epoch/0/left", "1")
+
+    # a joiner comes and goes; the members grow by another, shrink past it, and trim
+    gone = c.join_member("", 10.0)
+    gone.will.cancel()
+    joiner = c.join_member("", 10.0)  # j2: the log holds j1 joining, j2 joining
+    assert c.add(DEATHS, 0) == 2
+    zero.set("plugdist/epoch/0/seen/0", "2")
+    one.set("plugdist/epoch/0/seen/1", "2")
+    grow = json.dumps({"joiners": [[2, "j2"]], "done": 2})
+    assert zero.compare_set("plugdist/epoch/0/grow/0", "", grow) == grow.encode()
+    with pytest.raises(DistStoreError, match="'5' is not a member of this world"):
+        zero.compare_set("plugdist/epoch/1/members", "", json.dumps(["0", "1", "j2", "5"]))
+    members = json.dumps(["0", "1", "j2"])
+    assert zero.compare_set("plugdist/epoch/1/members", "", members) == members.encode()
+    zero.compare_set("plugdist/join/done", "0", "2")
+    zero.compare_set("plugdist/epoch/current", "0", "1")
+    with pytest.raises(DistStoreError, match="admitted already"):
+        zero.compare_set("plugdist/epoch/1/grow/0", "", json.dumps(
+            {"joiners": [[2, "j2"]], "done": 2}))
+    no_trim = json.dumps({"epoch": -1, "log": 0, "tickets": 0, "done": 0})
+    with pytest.raises(DistStoreError, match="had not entered epoch 0"):  # j2 has no mark
+        zero.compare_set("plugdist/live/trim", no_trim, json.dumps(
+            {"epoch": 1, "log": 2, "tickets": 0, "done": 2}))
+    waiting = c.join_member("", 10.0)  # j3, started reading the log at 2
+    for uid, session in (("0", zero), ("1", one), ("j2", joiner)):
+        session.set(f"plugdist/epoch/1/seen/{uid}", "3")
+    assert zero.compare_set("plugdist/epoch/2/members", "", json.dumps(["0", "1", "j2"]))
+    zero.compare_set("plugdist/epoch/current", "1", "2")
+    with pytest.raises(DistStoreError, match="still needs the entries after 2"):
+        zero.compare_set("plugdist/live/trim", no_trim, json.dumps(
+            {"epoch": 2, "log": 3, "tickets": 0, "done": 2}))
+    trimmed = json.dumps({"epoch": 2, "log": 2, "tickets": 0, "done": 2})
+    assert zero.compare_set("plugdist/live/trim", no_trim, trimmed) == trimmed.encode()
+    assert not any(c.check([f"{DEATHS}/{n}"]) for n in (1, 2))  # deleted by the server
+    assert c.check([f"{DEATHS}/3"]) and c.add(DEATHS, 0) == 3
+    again = json.dumps({"epoch": 2, "log": 2, "tickets": 2, "done": 2})
+    with pytest.raises(DistStoreError, match="epoch 2: the last was at 2"):
+        zero.compare_set("plugdist/live/trim", trimmed, again)
+    for session in (zero, one, joiner, waiting):
+        session.will.cancel()
+    c.close()
+
+
+@pytest.mark.timeout(60)
+def test_joiners_that_came_and_went_do_not_stop_the_trims(master: TCPStore) -> None:
+    """Join-and-close, repeated past the store's per-request key limit (100 here, 131,072 by
+    default) with no grow in between: the trim skips the tickets of joiners known gone, so the
+    death log is still trimmed (it once had to check every such ticket in one request, was
+    refused, and nothing was trimmed again)."""
+    from plugdist._resilience.cleanup import trim
+
+    c = client(master)
+    zero, one = c.claim_member("", "0", 2, 10.0), c.claim_member("", "1", 2, 10.0)
+    for _ in range(150):
+        joiner = c.join_member("", 10.0)
+        joiner.record(json.dumps({"uid": joiner.uid, "cause": "left", "how": "gave up"}))
+        joiner.will.cancel()
+    logged = c.add(DEATHS, 0)
+    assert logged == 300
+    zero.set("plugdist/epoch/0/seen/0", str(logged))
+    one.set("plugdist/epoch/0/seen/1", str(logged))
+    zero.compare_set("plugdist/epoch/1/members", "", json.dumps(["0", "1"]))
+    zero.compare_set("plugdist/epoch/current", "0", "1")
+    trim(c, zero, 1, ["0", "1"], 0, heartbeats=False)  # as before: all 150 tickets read at once
+    assert json.loads(c.get("plugdist/live/trim"))["log"] == 0  # refused: nothing trimmed
+    gone = {f"j{n}" for n in range(1, 151)}
+    trim(c, zero, 1, ["0", "1"], 0, heartbeats=False, gone=gone)
+    assert json.loads(c.get("plugdist/live/trim"))["log"] == logged
+    assert not any(c.check([f"{DEATHS}/{n}"]) for n in range(1, logged + 1))
+    for session in (zero, one):
+        session.will.cancel()
     c.close()
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import glob
+import hashlib
+import json
 import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
 from plugdist._launcher.config import (
@@ -82,7 +85,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str], list[str]]:
         help="c10d: where the rendezvous store is; the first launcher that can bind it serves it")
     opt("--rdzv-id", "--run-id", default=None, metavar="ID",
         help="the run's id, the same on every node (TORCHELASTIC_RUN_ID; default random on one "
-             "node, 'none' on several)")
+             "node; on several, the scheduler's job id (SLURM_JOB_ID, PBS_JOBID, ...) or else a "
+             "digest of the endpoint, sizes and command, so that another job on the same "
+             "endpoint keeps to its own rounds)")
     opt("--rdzv-conf", default="", metavar="K=V,...",
         help="join_timeout, last_call_timeout, close_timeout, read_timeout (seconds), "
              "keep_alive_interval, keep_alive_max_attempt, token_file (a file holding the "
@@ -253,6 +258,38 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         raise  # unreachable: parser.error exits
 
 
+# the job ids of the schedulers that start one launcher per node: every node of a job sees
+# the same, and two jobs never do
+_SCHEDULER_JOB_IDS = (("slurm", ("SLURM_JOB_ID", "SLURM_STEP_ID")), ("pbs", ("PBS_JOBID",)),
+                      ("lsf", ("LSB_JOBID",)), ("flux", ("FLUX_JOB_ID",)),
+                      ("cobalt", ("COBALT_JOBID",)))
+
+
+def default_run_id(max_nodes: int, backend: str, endpoint: str, command: Sequence[str],
+                   environ: Mapping[str, str]) -> str:
+    """The run id when ``--rdzv-id`` is not given. One node: random. Several: the scheduler's
+    job id where one is set (``slurm-<job>.<step>``, ``pbs-``, ``lsf-``, ``flux-``,
+    ``cobalt-``), which every node of the job shares and no other job has; else a digest of
+    what every node of one job is started with alike (the rendezvous backend and endpoint as
+    given, ``--nnodes``' upper bound, the command and its arguments), so that another job on
+    the same endpoint (another command, or another size) keeps to rounds of its own instead
+    of joining these. Two launches of the very same command on one endpoint
+    still share their rounds: give each its own ``--rdzv-id``."""
+    if max_nodes == 1:
+        return os.urandom(6).hex()
+    for scheduler, names in _SCHEDULER_JOB_IDS:
+        parts = [environ[n].strip() for n in names if environ.get(n, "").strip()]
+        if parts and names[0] in environ:
+            return _safe_id(f"{scheduler}-{'.'.join(parts)}")
+    said = json.dumps([backend, endpoint, max_nodes, list(command)])
+    return "cmd-" + hashlib.sha256(said.encode()).hexdigest()[:16]
+
+
+def _safe_id(text: str) -> str:
+    """``text`` as a key segment: letters, digits and ``-_.`` kept, the rest ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:64]
+
+
 def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     if ns.rdzv_backend not in ("static", "c10d"):
@@ -292,9 +329,8 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
             raise ValueError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT")
     run_id = ns.rdzv_id
     if run_id is None:
-        # Launchers on different nodes could not agree on a random id, so several nodes share
-        # a fixed one (as torchrun does); pass --rdzv-id to tell runs apart.
-        run_id = os.urandom(6).hex() if max_nodes == 1 else "none"
+        run_id = default_run_id(max_nodes, backend, endpoint or f"{master_addr}:{master_port}",
+                                rest, os.environ)
     rdzv = RendezvousOptions.parse(ns.rdzv_conf)
     ranks_filter = None
     if ns.local_ranks_filter.strip():

@@ -253,6 +253,8 @@ class Agreement(DeathLog):
         writes.set(seen_key(decision.epoch, self.uid), str(self._seen_deaths))
         if first:
             forget_epochs(writes, decision.epoch - 2)
+            with self._lock:
+                gone = set(self.failed)
             trim(store, writes, decision.epoch, self.members, self._join_done,
-                 heartbeats=self.store_liveness is None)
+                 heartbeats=self.store_liveness is None, gone=gone)
         return decision

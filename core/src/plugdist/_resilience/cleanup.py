@@ -17,7 +17,7 @@ ranks of two epochs) delete the same keys at worst.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import timedelta
 
 from plugdist._resilience.writes import MemberWrites
@@ -34,24 +34,29 @@ from plugdist.store._worldkeys import (
     epoch_prefix,
     group_prefix,
     heartbeat_key,
+    joiner_uid,
     seen_key,
     ticket_key,
 )
 
 __all__ = ["trim", "forget_failed", "forget_epochs"]
 
+_KEYS_AT_ONCE = 1024  # join tickets read per request (a store's per-request key limit is higher)
+
 
 def trim(store: Store, writes: MemberWrites, epoch: int, members: Sequence[str],
-         join_done: int, heartbeats: bool) -> None:
+         join_done: int, heartbeats: bool, gone: Collection[str] = ()) -> None:
     """Delete what no member or waiting joiner can need any more (the first rank of
     ``epoch``, whose ``members`` are given, on entering it): the death log's entries up to the
     lowest of how far each member had read it on entering the epoch before and where each
     waiting joiner started reading it; the claims and (``heartbeats``: the world beats) the
     heartbeats of the members those entries record as failed; the join tickets the last trim
     found decided. ``join_done``: the tickets up to this one were decided by the grows this
-    member took part in. Skipped, for a later epoch to do, while a member had not entered the
+    member took part in; ``gone``: members and joiners known to have failed (a joiner among
+    them no longer waits). Skipped, for a later epoch to do, while a member had not entered the
     epoch before (a joiner admitted into it) or a joiner has taken a number but not yet written
-    its ticket."""
+    its ticket. Where the store owns membership (``writes.protected``) the trim record alone is
+    written: the store checks it and deletes the entries and tickets itself."""
     try:
         raw = store.get(TRIM)
         state = json.loads(raw)
@@ -63,19 +68,23 @@ def trim(store: Store, writes: MemberWrites, epoch: int, members: Sequence[str],
         floor = min(int(v) for v in store.multi_get(marks))
         # read after the members' marks: a joiner that takes a ticket now starts past them
         count = store.add(JOIN_COUNT, 0)
-        tickets = [ticket_key(n) for n in range(state["done"] + 1, count + 1)]
-        if tickets:
+        waiting = [ticket_key(n) for n in range(state["done"] + 1, count + 1)
+                   if joiner_uid(n) not in gone]
+        for at in range(0, len(waiting), _KEYS_AT_ONCE):
+            tickets = waiting[at:at + _KEYS_AT_ONCE]
             if not store.check(tickets):
                 return
             floor = min(floor, *(json.loads(t)["start"] for t in store.multi_get(tickets)))
         trimmed = max(state["log"], floor)
         if floor > state["log"]:
             forget_failed(store, writes, state["log"] + 1, floor, heartbeats)
-            for n in range(state["log"] + 1, floor + 1):
-                writes.delete_key(death_key(n))
-        for n in range(state["tickets"] + 1, state["done"] + 1):
-            writes.delete_key(ticket_key(n))
-            writes.delete_key(admitted_key(n))
+            if not writes.protected:
+                for n in range(state["log"] + 1, floor + 1):
+                    writes.delete_key(death_key(n))
+        if not writes.protected:
+            for n in range(state["tickets"] + 1, state["done"] + 1):
+                writes.delete_key(ticket_key(n))
+                writes.delete_key(admitted_key(n))
         # the grows this member took part in admitted their joiners into this epoch at
         # the latest: the next trim, from a later epoch, finds them entered or gone
         done = max(state["done"], join_done)

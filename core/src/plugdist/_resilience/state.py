@@ -81,6 +81,13 @@ class MemberState:
         """Whether the store owns this world's membership keys (no client can forge them)."""
         return bool(self._writes.protected)
 
+    @property
+    def writes(self) -> MemberWrites:
+        """How this process writes the keys only a world's members may write: the store's
+        checked member operations where it owns membership (keys relative to the world's
+        root), else the store's plain ones."""
+        return self._writes
+
     def rank_of(self, uid: str) -> int:
         """``uid``'s rank in the current epoch, or -1."""
         try:

@@ -39,7 +39,14 @@ from plugdist._world.rendezvous import RendezvousHandler, store_rendezvous_handl
 from plugdist._world.state import GroupInfo, NotInitializedError, world
 from plugdist.errors import DistError, DistTimeoutError, timed_out, where
 from plugdist.store import PrefixStore, Store
-from plugdist.store._worldkeys import CLOSED, group_prefix, leaving_key, left_key
+from plugdist.store._worldkeys import (
+    CLOSED,
+    group_prefix,
+    leaving_key,
+    left_key,
+    member_leaving_key,
+    member_left_key,
+)
 
 __all__ = [
     "init_world", "destroy", "is_initialized", "is_available",
@@ -490,20 +497,25 @@ def _close_store() -> None:
         world.store.close()
 
 
-def _leave(closed_by_store: bool = False) -> None:
-    """Tell the others this rank is done; the rank that serves the store waits (at most
-    ``_LEAVE_WAIT``) for the rest, so peers still reading their last messages are not cut off.
-    ``closed_by_store``: the store owns the world's membership and marks it closed itself."""
+def _leave(m: Membership | None) -> None:
+    """Tell the others this rank is done (through ``m``'s checked writes where the store owns
+    the world's membership: no stranger can count a rank out, or stop the count); the rank
+    that serves the store waits (at most ``_LEAVE_WAIT``) for the rest, so peers still reading
+    their last messages are not cut off. Called while ``m`` still holds its identity."""
     store = world.store
     if store is None or not world.owned_store or world.size <= 1:
         return
+    checked = m is not None and m.protected
+    leaving, left = ((member_leaving_key(world.epoch), member_left_key(world.epoch)) if checked
+                     else (leaving_key(world.epoch), left_key(world.epoch)))
+    writes: Any = m.writes if m is not None and checked else store
     try:
-        if store.add(leaving_key(world.epoch), 1) == world.size:
-            store.set(left_key(world.epoch), b"1")
-            if world.epoch and not closed_by_store:
+        if writes.add(leaving, 1) == world.size:
+            writes.set(left, b"1")
+            if world.epoch and not checked:
                 store.set(CLOSED, str(world.epoch))  # tells waiting joiners
         if getattr(store, "is_master", False):
-            store.wait([left_key(world.epoch)], _LEAVE_WAIT)
+            store.wait([left], _LEAVE_WAIT)
     except DistError as err:
         get_logger(rank=world.rank).warning("destroy_process_group: peers did not all leave",
                                             error=str(err))
@@ -516,13 +528,12 @@ def destroy(group: ProcessGroup | None = None) -> None:
         return
     hook = registry.plugins().hook
     if group is None or group is world.default:
-        closed_by_store = world.membership is not None and world.membership.protected
-        _stop_membership()
         for pg in reversed(world.members()):
             hook.plugdist_group_destroyed(group=pg)
             pg.shutdown()
             retire_group(pg)
-        _leave(closed_by_store)
+        _leave(world.membership)  # while its identity is held: a member's checked writes
+        _stop_membership()
         _close_store()
         world.reset()
         return

@@ -36,6 +36,7 @@ import torch
 
 from plugdist._log import get_logger
 from plugdist._resilience.policy import off_hint
+from plugdist._resilience.writes import MemberWrites
 from plugdist._world.state import world
 from plugdist.errors import BelowMinWorldSizeError, DistError, DistRankFailureError
 from plugdist.parallel.elastic_sampler import ElasticSampler
@@ -233,11 +234,11 @@ class ResilientTraining:
         """Whether every member finished the attempt ``key`` names: each member that did
         contributes 1 to a small all_reduce (with ``extra``: summed), and the first outcome
         written to ``key`` in the store wins, ``commit`` from a member whose all_reduce
-        completed with every vote, ``abort`` from any other. So the outcome is the same on
-        every member, even when the all_reduce completed on some and failed on others.
+        completed with every vote, ``abort`` from any other (a member's checked write where
+        the store owns the world's membership: no other process can write an outcome). So
+        the outcome is the same on every member, even when the all_reduce completed on some
+        and failed on others.
         Returns (outcome, the sums of ``extra`` as the committing member saw them)."""
-        store = world.store
-        assert store is not None
         votes = torch.tensor([1.0 if finished else 0.0, *extra])
         agreed = False
         if finished:
@@ -252,7 +253,7 @@ class ResilientTraining:
         # the committing member writes the sums with the outcome, so a member whose all_reduce
         # failed after another's completed still reads the same sums
         mine = b"commit " + json.dumps(votes[1:].tolist()).encode() if agreed else b"abort"
-        outcome = store.compare_set(key, b"", mine)
+        outcome = _writes().compare_set(key, b"", mine)
         if not outcome.startswith(b"commit"):
             return False, [0.0] * len(extra)
         return True, [float(v) for v in json.loads(outcome[len(b"commit "):] or b"[]")]
@@ -295,14 +296,14 @@ class ResilientTraining:
         """Rank 0 drops the votes of the epochs before last (a member may still read the last),
         every one not dropped yet: a shrink or grow whose group was rebuilt went through more
         than one epoch, and a rank 0 may die before it drops them."""
-        store = world.store
-        if world.rank != 0 or world.epoch < 2 or store is None:
+        if world.rank != 0 or world.epoch < 2 or world.membership is None:
             return
-        done = int(store.compare_set(_FORGOTTEN, b"", b"-1"))
+        writes = _writes()
+        done = int(writes.compare_set(_FORGOTTEN, b"", b"-1"))
         for epoch in range(done + 1, world.epoch - 1):
             _forget(ft_epoch_prefix(epoch))
         if world.epoch - 2 > done:
-            store.compare_set(_FORGOTTEN, str(done), str(world.epoch - 2))
+            writes.compare_set(_FORGOTTEN, str(done), str(world.epoch - 2))
 
     def _rebind(self, grown: bool) -> None:
         """Point the model at the new default group. After a grow, repeat what the joiners'
@@ -374,10 +375,18 @@ class ResilientTraining:
                 f"min_world_size")
 
 
+def _writes() -> MemberWrites:
+    """This member's writes of the outcomes: the store checks each where it owns the world's
+    membership (a stranger cannot forge a commit or a stop), plain writes elsewhere."""
+    if world.membership is None:
+        raise DistError(off_hint("ResilientTraining"))
+    return world.membership.writes
+
+
 def _forget(prefix: str) -> None:
     """Drop the store's keys under ``prefix`` where the store can (it keeps them otherwise)."""
     try:
-        world.store.delete_prefix(prefix)  # type: ignore[union-attr]
+        _writes().delete_prefix(prefix)
     except NotImplementedError:
         pass
 

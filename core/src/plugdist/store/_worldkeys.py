@@ -5,8 +5,10 @@ loop's votes, the launcher's and the workers' roots).
 A world keeps who is in it under a *root* of its store: the store's top (``env://``,
 ``tcp://``) or a prefix (plugdist-run's worlds live under :func:`worker_round_root`). Below the
 root: the death log (``plugdist/live/deaths``, entries ``.../deaths/<n>``), the agreement and
-epoch records (``plugdist/epoch/...``), the join tickets (``plugdist/join/...``) and
-``plugdist/closed``. :mod:`plugdist._resilience` owns what they mean.
+epoch records (``plugdist/epoch/...``, with each epoch's leave count), the join tickets
+(``plugdist/join/...``), ``plugdist/closed``, and the outcomes of the fault-tolerant loop's
+votes (``plugdist/ft/...``). :mod:`plugdist._resilience` owns what the membership keys mean,
+:mod:`plugdist.parallel.fault_tolerant` the outcomes.
 
 Every key whose name holds one of those segments, at the top or after a ``/``, is *reserved*: a
 TCPStore server refuses a plain write to it (set, add, compare_set, append, delete, queues, a
@@ -15,7 +17,8 @@ ticket) or through the checked operations of a world's members (docs/stores.md, 
 what"). Reads stay open to every client.
 
 What a member may write, and the shape of each value, is :data:`MEMBER_WRITES`; what it may
-delete, :data:`MEMBER_DELETES` and :data:`MEMBER_DELETE_PREFIXES`. They are templates whose
+delete, :data:`MEMBER_DELETE_PREFIXES` (the death log and the join tickets are deleted by the
+server alone, when a member's trim record is accepted). They are templates whose
 ``{fields}`` the key functions below fill and :func:`template_pattern` turns into the
 server's checks, so a key renamed here is renamed for the members and the server at once.
 """
@@ -29,8 +32,10 @@ __all__ = [
     "DEATHS", "DECLARED", "HEARTBEATS", "TRIM", "NO_TRIM", "CURRENT", "FORGOTTEN", "JOIN",
     "JOIN_COUNT", "JOIN_DONE", "CLOSED", "LIVE", "EPOCH", "RESERVED_TREES", "RESERVED_NAMES",
     "MEMBERS", "DECISION", "RETRY_DECISION", "GROW", "SEEN", "ARRIVED", "ARRIVAL", "HEARTBEAT",
-    "DECLARED_UID", "DEATH", "TICKET", "ADMITTED", "EPOCH_TREE", "MEMBER_WRITES",
-    "MEMBER_DELETES", "MEMBER_DELETE_PREFIXES", "template_pattern", "is_reserved", "epoch_key",
+    "DECLARED_UID", "DEATH", "TICKET", "ADMITTED", "EPOCH_TREE", "LEAVING", "LEFT", "FT",
+    "FT_EPOCH_TREE", "FT_BLOCK_TREE", "FT_STEP", "FT_AGREEMENT", "FT_STATE", "MEMBER_WRITES",
+    "MEMBER_DELETES", "MEMBER_DELETE_PREFIXES", "member_leaving_key", "member_left_key",
+    "template_pattern", "is_reserved", "epoch_key",
     "members_key", "decision_key", "grow_key", "seen_key", "arrived_key", "heartbeat_key",
     "declared_key", "death_key", "ticket_key", "admitted_key", "epoch_prefix", "joiner_uid",
     "group_prefix", "leaving_key", "left_key", "FT_FORGOTTEN", "ft_epoch_prefix", "ft_state_key",
@@ -44,7 +49,8 @@ LIVE = "plugdist/live"
 EPOCH = "plugdist/epoch"
 JOIN = "plugdist/join"
 CLOSED = "plugdist/closed"  # set when every member of the last epoch left
-RESERVED_TREES = (LIVE, EPOCH, JOIN)  # every key below these is reserved, and CLOSED
+FT = "plugdist/ft"  # the fault-tolerant loop's vote outcomes
+RESERVED_TREES = (LIVE, EPOCH, JOIN, FT)  # every key below these is reserved, and CLOSED
 
 DEATHS = f"{LIVE}/deaths"
 DECLARED = f"{LIVE}/declared"
@@ -59,8 +65,8 @@ FORGOTTEN = f"{EPOCH}/forgotten"  # the epochs up to this one were forgotten
 JOIN_COUNT = f"{JOIN}/count"
 JOIN_DONE = f"{JOIN}/done"
 
-# templates: a number field ({epoch}, {retry}, {seq}, {n}, {ticket}) holds digits, {uid} a
-# member id (no "/")
+# templates: a number field ({epoch}, {retry}, {seq}, {n}, {ticket}, {block}, {step},
+# {agreement}) holds digits, {uid} a member id (no "/")
 EPOCH_TREE = EPOCH + "/{epoch}/"  # every record of one epoch
 MEMBERS = EPOCH + "/{epoch}/members"  # the epoch's members, a JSON list of uids
 DECISION = EPOCH + "/{epoch}/next"  # what follows the epoch, a JSON object
@@ -74,29 +80,44 @@ DECLARED_UID = DECLARED + "/{uid}"  # a member declared failed
 DEATH = DEATHS + "/{n}"  # an entry of the death log
 TICKET = JOIN + "/{ticket}"  # a join ticket, written by the server
 ADMITTED = JOIN + "/{ticket}/admitted"  # the epoch that admitted a joiner, an int
+LEAVING = EPOCH + "/{epoch}/leaving"  # members of the epoch that reached destroy, a counter
+LEFT = EPOCH + "/{epoch}/left"  # set once every member of the epoch reached destroy
+# the fault-tolerant loop (plugdist.parallel.fault_tolerant): each attempt's outcome, decided
+# once ("abort", or "commit" and the sums of the vote's extras as a JSON list)
+FT_FORGOTTEN = f"{FT}/forgotten"  # the outcomes of the epochs up to this one were dropped
+FT_EPOCH_TREE = FT + "/{epoch}/"  # every outcome of one epoch
+FT_BLOCK_TREE = FT + "/{epoch}/step/{block}/"  # the step outcomes of one block of steps
+FT_STEP = FT + "/{epoch}/step/{block}/{step}"  # a step's attempt
+FT_AGREEMENT = FT + "/{epoch}/step/{block}/{step}/{agreement}"  # an agree() after a step
+FT_STATE = FT + "/{epoch}/state"  # the training state's transfer to joiners
 
-# what a member may write under its world's root: the template, and the kind of value it holds
-# ("int", "members": a list of uids, "decision": an object whose "excluded" and "members" are
-# lists of uids, "object", "uid", "counter": written by add)
+# what a member may write under its world's root: the template, and the kind of value it holds,
+# each kind one check of the server's (plugdist.store._server.checks says what each allows)
 MEMBER_WRITES: tuple[tuple[str, str], ...] = (
-    (CURRENT, "int"),
-    (FORGOTTEN, "int"),
+    (CURRENT, "current"),
+    (FORGOTTEN, "forgotten"),
     (MEMBERS, "members"),
     (DECISION, "decision"),
     (RETRY_DECISION, "decision"),
-    (GROW, "object"),
-    (SEEN, "int"),
+    (GROW, "grow"),
+    (SEEN, "seen"),
     (ARRIVED, "counter"),
-    (ARRIVAL, "uid"),
-    (TRIM, "object"),
+    (ARRIVAL, "own_uid"),
+    (TRIM, "trim"),
     (HEARTBEAT, "counter"),
-    (JOIN_DONE, "int"),
-    (ADMITTED, "int"),
+    (JOIN_DONE, "join_done"),
+    (ADMITTED, "admitted"),
+    (LEAVING, "counter"),
+    (LEFT, "left"),
+    (FT_FORGOTTEN, "forgotten"),
+    (FT_STEP, "outcome"),
+    (FT_AGREEMENT, "outcome"),
+    (FT_STATE, "outcome"),
 )
-# what a member may delete besides those: the entries a trim forgets
-MEMBER_DELETES: tuple[str, ...] = (DEATH, TICKET, ADMITTED, DECLARED_UID, HEARTBEAT)
-# the prefixes a member may delete with delete_prefix (an epoch forgotten)
-MEMBER_DELETE_PREFIXES: tuple[str, ...] = (EPOCH_TREE,)
+# the single keys a member may delete (none: what a trim forgets, the server deletes)
+MEMBER_DELETES: tuple[str, ...] = ()
+# the prefixes a member may delete with delete_prefix (an epoch forgotten, a block of outcomes)
+MEMBER_DELETE_PREFIXES: tuple[str, ...] = (EPOCH_TREE, FT_EPOCH_TREE, FT_BLOCK_TREE)
 
 _FIELD = re.compile(r"\{(\w+)\}")
 
@@ -181,7 +202,7 @@ def joiner_uid(ticket: int) -> str:
     return f"j{ticket}"
 
 
-# ---- the rest of the core's keys (not reserved) ----------------------------------------------
+# ---- the rest of the core's keys (the members' leave counts and the vote outcomes reserved) ---
 
 def group_prefix(epoch: int, name: str) -> str:
     """Where the groups of ``epoch`` keep their keys in the world's store."""
@@ -189,39 +210,46 @@ def group_prefix(epoch: int, name: str) -> str:
 
 
 def leaving_key(epoch: int) -> str:
-    """The counter of a group's ranks that reached destroy_process_group in ``epoch``."""
+    """The counter of a group's ranks that reached destroy_process_group in ``epoch``, where
+    the store does not own the world's membership (plain keys); else :func:`member_leaving_key`."""
     return "plugdist/leaving" + ("" if epoch == 0 else f"@{epoch}")
 
 
 def left_key(epoch: int) -> str:
-    """Set once every rank of ``epoch`` reached destroy_process_group."""
+    """Set once every rank of ``epoch`` reached destroy_process_group (plain keys)."""
     return "plugdist/left" + ("" if epoch == 0 else f"@{epoch}")
 
 
-_FT = "plugdist/ft"
-FT_FORGOTTEN = f"{_FT}/forgotten"  # the votes of the epochs up to this one were dropped
+def member_leaving_key(epoch: int) -> str:
+    """:func:`leaving_key` of a world whose store owns its membership: a member's checked add."""
+    return LEAVING.format(epoch=epoch)
+
+
+def member_left_key(epoch: int) -> str:
+    """:func:`left_key` of a world whose store owns its membership: a member's checked set."""
+    return LEFT.format(epoch=epoch)
 
 
 def ft_epoch_prefix(epoch: int) -> str:
-    """Every vote of the fault-tolerant loop in ``epoch``."""
-    return f"{_FT}/{epoch}/"
+    """Every vote outcome of the fault-tolerant loop in ``epoch``."""
+    return FT_EPOCH_TREE.format(epoch=epoch)
 
 
 def ft_state_key(epoch: int) -> str:
-    return f"{_FT}/{epoch}/state"
+    return FT_STATE.format(epoch=epoch)
 
 
 def ft_block_prefix(epoch: int, block: int) -> str:
-    """The step votes of one block of steps."""
-    return f"{_FT}/{epoch}/step/{block}/"
+    """The step outcomes of one block of steps."""
+    return FT_BLOCK_TREE.format(epoch=epoch, block=block)
 
 
 def ft_step_key(epoch: int, block: int, step: int) -> str:
-    return f"{_FT}/{epoch}/step/{block}/{step}"
+    return FT_STEP.format(epoch=epoch, block=block, step=step)
 
 
 def ft_vote_key(epoch: int, block: int, step: int, agreement: int) -> str:
-    return f"{_FT}/{epoch}/step/{block}/{step}/{agreement}"
+    return FT_AGREEMENT.format(epoch=epoch, block=block, step=step, agreement=agreement)
 
 
 def worker_round_root(round_: str | int) -> str:

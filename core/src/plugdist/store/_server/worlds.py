@@ -15,20 +15,19 @@ store's own Unix user), and an identity's will always has a ttl of at least
 holder's other connections act for it.
 
 Members (the world's first-epoch ranks, and the joiners a members record admitted) write the
-agreement and epoch records through MEMBER, which checks the credential, the key (each reserved
-key has one kind of writer: :data:`plugdist.store._worldkeys.MEMBER_WRITES`, whose templates
-are this module's checks) and the value (members lists name only identities this world knows),
-and append decisions and declared failures through RECORD. The server alone writes the death
-log's counter and its ``died`` and ``joining`` entries, the join tickets and ``closed`` (when
-every member of the current epoch has left). Only the serving thread uses it; nothing here
-blocks.
+agreement and epoch records, their leave counts and the fault-tolerant loop's vote outcomes
+through MEMBER, which checks the credential, then the key and the value
+(:mod:`plugdist.store._server.checks`), and append decisions and declared failures through
+RECORD. The server alone writes the death log (its counter and its ``died`` and ``joining``
+entries; it deletes the entries a member's accepted trim record forgets), the join tickets and
+``closed`` (when every member of the current epoch has left). Only the serving thread uses it;
+nothing here blocks.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
-import re
 import secrets
 import struct
 import time
@@ -36,6 +35,8 @@ from collections.abc import Callable, Collection, Iterator
 from typing import Any, Protocol
 
 from plugdist.store import _wire as w
+from plugdist.store._server import checks
+from plugdist.store._server.checks import Refused as _Refused
 from plugdist.store._server.replies import ok as _ok
 from plugdist.store._server.replies import pack_blob as _pack_blob
 from plugdist.store._wire import read_blob as _blob
@@ -45,15 +46,10 @@ from plugdist.store._worldkeys import (
     DEATHS,
     JOIN_COUNT,
     JOIN_DONE,
-    MEMBER_DELETE_PREFIXES,
-    MEMBER_DELETES,
-    MEMBER_WRITES,
-    MEMBERS,
     NO_TRIM,
     RESERVED_TREES,
     TRIM,
     joiner_uid,
-    template_pattern,
     ticket_key,
 )
 
@@ -65,12 +61,6 @@ _I64_I64 = struct.Struct("!qq")
 _I64_F64 = struct.Struct("!qd")
 _I64_U32 = struct.Struct("!qI")
 
-# the server's checks of members' writes, built from worldkeys' templates (the one spelling)
-_MEMBER_KEYS: list[tuple[re.Pattern[str], str]] = [
-    (template_pattern(template), kind) for template, kind in MEMBER_WRITES]
-_MEMBER_DELETES = [template_pattern(template) for template in MEMBER_DELETES]
-_MEMBER_DELETE_PREFIXES = [template_pattern(template) for template in MEMBER_DELETE_PREFIXES]
-_MEMBERS = template_pattern(MEMBERS)
 _DECLARING = frozenset(("excluded", "reported", "hung"))
 _MAX_RECORD = 64 * 1024
 
@@ -109,12 +99,6 @@ class _FirstRanks(Collection[str]):
 
     def __len__(self) -> int:
         return self.size
-
-
-class _Refused(Exception):
-    """A world operation refused; its message is the ERROR reply."""
-
-    status = w.Status.ERROR
 
 
 class _Gone(_Refused):
@@ -345,7 +329,8 @@ class Worlds:
                 rel = _rel(bytes(buf[pos + 12:pos + 12 + kl]))
                 if amount == 0:
                     return keys.read_counter(root + rel.encode())
-                self._check_key(rel, "counter")
+                kind, fields = checks.kind_of(rel, counter=True)
+                checks.check_add(world, keys, uid, rel, fields, amount)
                 total = keys.add_to(root + rel.encode(), amount)
                 return total if isinstance(total, bytes) else _ok(w.I64.pack(total))
             if op in (w.Op.SET, w.Op.COMPARE_SET):
@@ -355,84 +340,41 @@ class Worlds:
                 if op == w.Op.COMPARE_SET:
                     expected, pos = _blob(buf, pos, end)
                 value, _ = _blob(buf, pos, end)
-                kind = self._check_key(rel, "value")
-                self._check_value(world, rel, kind, value)
+                kind, fields = checks.kind_of(rel, counter=False)
                 key = root + rel.encode()
+                before = keys.value(key)
+                if op == w.Op.COMPARE_SET and not _would_set(before, expected):
+                    # answered with what the key holds, checked when it was written
+                    return _ok(keys.compare_set(key, expected, value))
+                if op == w.Op.SET and kind == "outcome":
+                    raise _Refused("an outcome is decided once, by compare_set")
+                checks.check_value(world, keys, uid, rel, kind, fields, value, before)
                 if op == w.Op.SET:
                     keys.put(key, value)
-                    now = value
                 else:
-                    now = keys.compare_set(key, expected, value)
-                if kind == "members" and now == value:
-                    self._admit(world, rel, value)
-                return _ok(b"" if op == w.Op.SET else now)
+                    keys.compare_set(key, expected, value)
+                if kind == "members":
+                    self._admit(world, int(fields["epoch"]), value)
+                elif kind == "trim":
+                    checks.apply_trim(world, keys, before, value)
+                return _ok(b"" if op == w.Op.SET else value)
             if op == w.Op.DELETE_KEY:
                 key_b, _ = _blob(buf, pos, end)
-                rel = _rel(key_b)
-                if not any(p.fullmatch(rel) for p in _MEMBER_DELETES):
-                    self._check_key(rel, "value")
-                return _ok(b"\x01" if keys.delete(root + rel.encode()) else b"\x00")
+                raise _Refused(f"{_rel(key_b)!r}: a member deletes no single key of its world "
+                               f"(the server deletes what a trim forgets)")
             if op == w.Op.DELETE_PREFIX:
                 prefix_b, _ = _blob(buf, pos, end)
                 rel = _rel(prefix_b)
-                reserved = any(p.fullmatch(rel) for p in _MEMBER_DELETE_PREFIXES)
+                reserved = checks.check_delete_prefix(world, keys, uid, rel)
                 return _ok(w.I64.pack(keys.delete_prefix(root + rel.encode(), reserved)))
             raise _Refused(f"command {op} is not a member's write")
         except _Refused as e:
             return self._refuse(conn, "member write", str(e), e.status)
 
-    def _check_key(self, rel: str, want: str) -> str:
-        """The kind of ``rel``, a key a member may write (a counter for ADD, a value else)."""
-        for pattern, kind in _MEMBER_KEYS:
-            if pattern.fullmatch(rel):
-                if (kind == "counter") != (want == "counter"):
-                    break
-                return kind
-        raise _Refused(f"{rel!r} is not a key a member writes this way")
-
-    def _check_value(self, world: _World, rel: str, kind: str, value: bytes) -> None:
-        try:
-            if kind == "int":
-                number = int(value)
-                if rel == CURRENT and number and number not in world.members:
-                    raise _Refused(f"epoch {number} has no members record; it cannot be current")
-                return
-            if kind == "uid":
-                self._check_uids(world, [value.decode()])
-                return
-            parsed = json.loads(value)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise _Refused(f"{rel!r}: a malformed value ({e})") from None
-        if kind == "members":
-            self._check_uids(world, parsed)
-        elif not isinstance(parsed, dict):
-            raise _Refused(f"{rel!r}: a record must be a JSON object")
-        elif kind == "decision":
-            for field in ("excluded", "members"):
-                if field in parsed:
-                    self._check_uids(world, parsed[field])
-
-    def _check_uids(self, world: _World, uids: Any) -> None:
-        """``uids`` must be a list of distinct identities the world knows: ranks of its first
-        epoch, or joiners with a ticket."""
-        if not isinstance(uids, list) or not all(isinstance(u, str) for u in uids) \
-                or len(set(uids)) != len(uids):
-            raise _Refused("a members list must be distinct member ids (strings)")
-        tickets = int(self._keys.value(world.root + JOIN_COUNT.encode()) or 0)
-        for u in uids:
-            if u.isdigit() and int(u) < world.size:
-                continue
-            if u.startswith("j") and u[1:].isdigit() and 0 < int(u[1:]) <= tickets:
-                continue
-            raise _Refused(f"{u!r} is not a member of this world (ranks 0..{world.size - 1} "
-                           f"and joiners j1..j{tickets} are)")
-
-    def _admit(self, world: _World, rel: str, value: bytes) -> None:
+    def _admit(self, world: _World, epoch: int, value: bytes) -> None:
         """A members record was written: its joiners are members from now on."""
         members = json.loads(value)
-        match = _MEMBERS.fullmatch(rel)
-        assert match is not None  # a members record's key, checked before it was written
-        world.members[int(match.group("epoch"))] = members
+        world.members[epoch] = members
         world.admitted.update(u for u in members if not u.isdigit())
 
     def op_record(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
@@ -443,8 +385,8 @@ class Worlds:
                 raise _Refused(f"a record of {len(raw)} bytes (at most {_MAX_RECORD})")
             try:
                 record = json.loads(raw)
-            except ValueError as e:
-                raise _Refused(f"a malformed record ({e})") from None
+            except (ValueError, RecursionError) as e:
+                raise _Refused(f"a malformed record ({type(e).__name__})") from None
             if not isinstance(record, dict) or not isinstance(record.get("uid"), str):
                 raise _Refused("a record is a JSON object naming a member ('uid')")
             cause, target = record.get("cause"), record["uid"]
@@ -454,7 +396,7 @@ class Worlds:
             elif cause == "decided" and target == uid and member:
                 pass
             elif cause in _DECLARING and member and target != uid:
-                self._check_uids(world, [target])
+                checks.check_uids(world, self._keys, [target])
                 if target in world.declared:
                     return _ok(b"\x00")  # another member declared it first
                 world.declared.add(target)
@@ -486,6 +428,11 @@ def check_root(root: bytes) -> None:
 
 def _name(key: bytes) -> str:
     return key.decode(errors="replace")
+
+
+def _would_set(before: bytes | None, expected: bytes) -> bool:
+    """Whether a compare_set expecting ``expected`` writes over ``before`` (None: absent)."""
+    return before == expected if before is not None else not expected
 
 
 def _rel(key: bytes) -> str:
