@@ -5,24 +5,32 @@ Modes, run alternately in chunks (every rank runs the same chunk at the same tim
 * ``mpi4py``      raw ``Allreduce`` on the same buffer (the floor);
 * ``no hook``     ``run_blocking`` as it was before observability (:func:`before`): the
                   backend's lean route, looked up and called, with no observe check;
-* ``off``         ``dist.all_reduce``: nobody watches, the hook is one check;
-* ``recording``   ``dist.all_reduce`` with the flight recorder on (TORCH_FR_BUFFER_SIZE);
+* ``off``         ``dist.all_reduce`` with nobody watching: the flight recorder off
+                  (``TORCH_FR_BUFFER_SIZE=0``), no profiler; the hook is one check;
+* ``recording``   ``dist.all_reduce`` with the flight recorder on (the default);
 * ``profiling``   ``dist.all_reduce`` under ``torch.profiler.profile(record_shapes=True)``.
 
 Then, on rank 0 alone, the same three plugdist modes on an in-process one-rank group whose lean
 route does nothing: the CPU each mode costs per op, without the network's noise.
 
 Prints µs per op on rank 0 — the best chunk (the one least disturbed by other load; the ratios
-use it) and the median chunk — and the ratios to ``no hook``: the goals are ``off`` within 2% and
-``recording`` within 5%.
+use it) and the median chunk — the ratios to ``no hook``, and what recording costs per op
+(``recording`` - ``off``, best chunks): the goals are ``off`` within 2% of ``no hook`` and
+recording at most 0.5 µs per op.
+
+``--against PYTHON`` compares two installations in one run: this script runs under PYTHON (say,
+the virtualenv of a checkout before a change) and under this interpreter, alternately,
+``--repeat`` times each, and prints the best of each side's runs side by side.
 
     .venv/bin/python benchmarks/observability_bench.py            # starts mpiexec -n 2 itself
     .venv/bin/python benchmarks/observability_bench.py --iters 2000 --rounds 15 --numel 2
+    .venv/bin/python benchmarks/observability_bench.py --against ../old/.venv/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -50,7 +58,15 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=500, help="ops per chunk")
     parser.add_argument("--rounds", type=int, default=31, help="chunks per mode")
     parser.add_argument("--numel", type=int, default=2, help="float32 elements per all_reduce")
+    parser.add_argument("--against", metavar="PYTHON",
+                        help="another installation's interpreter: compare it with this one")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs of each side with --against (alternating)")
+    parser.add_argument("--json", action="store_true", help="one JSON line of results")
     args = parser.parse_args()
+    if args.against:
+        compare(args)
+        return
     if not _under_mpi():
         from plugdist.testing.harness import mpiexec_path
 
@@ -116,21 +132,33 @@ def run(args: argparse.Namespace) -> None:
         best = {m: min(v) for m, v in times.items()}
         med = {m: statistics.median(v) for m, v in times.items()}
         load = os.getloadavg()[0]
-        print(f"all_reduce of {args.numel} float32, {args.nproc} ranks over MPI, "
-              f"{args.iters} ops x {args.rounds} chunks per mode (load average {load:.2f})")
-        print(f"{'mode':<12}{'best us/op':>12}{'median':>10}{'best vs no hook':>17}")
-        for m in MODES:
-            print(f"{m:<12}{best[m]:>12.2f}{med[m]:>10.2f}{best[m] / best['no hook']:>17.3f}")
-        print(f"observe check, nobody watching: "
-              f"{100 * (best['off'] / best['no hook'] - 1):+.1f}% (goal < 2%); flight recorder "
-              f"on: {100 * (best['recording'] / best['no hook'] - 1):+.1f}% (goal < 5%)")
-        local(args)
+        local_best = local(args)
+        if args.json:
+            print(json.dumps({"mpi": best, "mpi_median": med, "local": local_best,
+                              "load": load}), flush=True)
+        else:
+            print(f"all_reduce of {args.numel} float32, {args.nproc} ranks over MPI, "
+                  f"{args.iters} ops x {args.rounds} chunks per mode (load average {load:.2f})")
+            print(f"{'mode':<12}{'best us/op':>12}{'median':>10}{'best vs no hook':>17}")
+            for m in MODES:
+                print(f"{m:<12}{best[m]:>12.2f}{med[m]:>10.2f}"
+                      f"{best[m] / best['no hook']:>17.3f}")
+            print(f"observe check, nobody watching: "
+                  f"{100 * (best['off'] / best['no hook'] - 1):+.1f}% (goal < 2%); recording "
+                  f"costs {best['recording'] - best['off']:.2f} us/op over MPI "
+                  f"({best['recording'] / best['off']:.3f}x off; goal <= 0.5 us)")
+            print("in-process, an op that does nothing: best us/op " + ", ".join(
+                f"{m} {v:.2f}" for m, v in local_best.items())
+                + f"; the check costs "
+                  f"{1000 * (local_best['off'] - local_best['no hook']):.0f} ns, recording "
+                  f"{1000 * (local_best['recording'] - local_best['off']):.0f} ns "
+                  f"(goal <= 500 ns)")
     comm.Barrier()
     dist.destroy_process_group()
 
 
-def local(args: argparse.Namespace) -> None:
-    """The CPU cost per op of each mode, on a group whose op does nothing."""
+def local(args: argparse.Namespace) -> dict[str, float]:
+    """The CPU cost per op of each mode (best chunk, µs), on a group whose op does nothing."""
     import torch
     from plugdist import GroupOptions, ProcessGroup
     from plugdist._backend.reduce_op import ReduceOp
@@ -179,11 +207,38 @@ def local(args: argparse.Namespace) -> None:
     for _ in range(args.rounds):
         for m in modes:
             times[m].append(loop(m))
-    best = {m: min(v) for m, v in times.items()}
-    print("in-process, an op that does nothing: best us/op " + ", ".join(
-        f"{m} {best[m]:.2f}" for m in modes)
-        + f"; the check costs {1000 * (best['off'] - best['no hook']):.0f} ns, recording "
-          f"{1000 * (best['recording'] - best['no hook']):.0f} ns")
+    return {m: min(v) for m, v in times.items()}
+
+
+def compare(args: argparse.Namespace) -> None:
+    """This script under ``args.against`` ("old") and under this interpreter ("new"),
+    alternately, ``args.repeat`` times each; the best of each side's runs, side by side."""
+    sides = {"old": args.against, "new": sys.executable}
+    best: dict[str, dict[str, dict[str, float]]] = {s: {"mpi": {}, "local": {}} for s in sides}
+    loads = []
+    for _ in range(args.repeat):
+        for side, python in sides.items():
+            cmd = [python, os.path.abspath(__file__), "--json", "--nproc", str(args.nproc),
+                   "--iters", str(args.iters), "--rounds", str(args.rounds),
+                   "--numel", str(args.numel)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            got = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+            loads.append(got["load"])
+            for part in ("mpi", "local"):
+                for mode, us in got[part].items():
+                    held = best[side][part]
+                    held[mode] = min(held.get(mode, us), us)
+    print(f"all_reduce of {args.numel} float32; {args.repeat} runs of each side, alternating; "
+          f"best chunk of all runs (load average {min(loads):.1f}-{max(loads):.1f})")
+    print(f"{'':<26}{'old us/op':>10}{'new us/op':>10}")
+    for part in ("mpi", "local"):  # over MPI, then in-process on an op that does nothing
+        for mode in best["new"][part]:
+            print(f"{part + ' ' + mode:<26}{best['old'][part][mode]:>10.2f}"
+                  f"{best['new'][part][mode]:>10.2f}")
+        for side in sides:
+            b = best[side][part]
+            print(f"{part} recording cost, {side}: {b['recording'] - b['off']:.2f} us/op "
+                  f"({b['recording'] / b['off']:.3f}x off)")
 
 
 if __name__ == "__main__":

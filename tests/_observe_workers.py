@@ -94,8 +94,16 @@ def profiled_ops(rank: int, ws: int) -> dict[str, Any]:
 
 
 # -- flight recorder ----------------------------------------------------------------------------
+def _device() -> str:
+    """Where this world's tensors live: a GPU of its own under nccl, else the CPU."""
+    if dist.get_backend() == "nccl":
+        torch.cuda.set_device(dist.get_rank())
+        return "cuda"
+    return "cpu"
+
+
 def _warm(n: int, group: Any = None) -> None:
-    t = torch.ones(16)
+    t = torch.ones(16, device=_device())
     for _ in range(n):
         dist.all_reduce(t, group=group)
 
@@ -106,12 +114,13 @@ def hang(rank: int, ws: int, culprit: int, wait_s: float, timeout_s: float) -> d
     timeout; ``culprit`` waits until its peers asked it to dump. Returns the error each rank saw
     and whether its dump file exists."""
     group = dist.new_group(timeout=timedelta(seconds=timeout_s))
+    device = _device()
     _warm(3, group)
-    dist.broadcast(torch.ones(4), src=0, group=group)
+    dist.broadcast(torch.ones(4, device=device), src=0, group=group)
     err = None
     if rank != culprit:
         try:
-            dist.all_reduce(torch.ones(16), group=group)
+            dist.all_reduce(torch.ones(16, device=device), group=group)
         except dist.DistError as e:
             err = type(e).__name__
     path = _dump_file(rank)

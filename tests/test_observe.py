@@ -3,18 +3,23 @@
 A 2-rank world per backend (gloo, mpi under mpiexec, the send/recv-only toy) runs every op under
 ``torch.profiler`` and through the torch bridge; real hangs (one rank skips a collective) and
 real mismatches (different sizes) on 2 and 3 ranks over gloo and mpi are dumped and read by
-torch's own ``fr_trace`` in a subprocess; a healthy run's dump reports nothing; lifecycle events
-come out as JSON.
+torch's own ``fr_trace`` in a subprocess — the hangs with no recorder setting at all (it is on by
+default; only the dump folder is given); a healthy run's dump reports nothing; the watcher waits
+on the store without polling it; lifecycle events come out as JSON.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import pickle
 import re
 import subprocess
 import sys
+import threading
+import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +30,10 @@ import torch
 from plugdist import GroupOptions, ProcessGroup, ReduceOp, Work, dump_flight_recorder
 from plugdist._backend.work import completed_work
 from plugdist._observability.flight_recorder import recorder
+from plugdist._observability.fr_watch import ask_key
+from plugdist._observability.observe import _ONE_AT
 from plugdist.backend import BackendBase
+from plugdist.store import HashStore
 from plugdist.testing import run_world
 from plugdist.testing.pytest_plugin import available_backends
 
@@ -36,12 +44,20 @@ HANG_TIMEOUT = 2.0  # the hanging group's; the world's stays long enough for a l
 
 def _fr_env(tmp_path: Path, detail: bool = False) -> dict[str, str]:
     env = {"TORCH_FR_BUFFER_SIZE": "200",
-           "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr" / "rank_"),
-           "PLUGDIST_FR_POLL_S": "0.2"}
+           "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr" / "rank_")}
     if detail:
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         env["PLUGDIST_FLIGHT_RECORDER_DIR"] = str(tmp_path / "plugdist_fr")
     return env
+
+
+def eventually(cond: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def fr_trace(directory: Path) -> str:
@@ -76,13 +92,29 @@ def test_every_op_is_one_profiler_event_with_shapes(backend: str) -> None:
 
 
 # -- flight recorder: torch's analyzer on real dumps ---------------------------------------------
+def _no_recorder_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks started from here see no setting of the recorder (only where dumps go)."""
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_DISTRIBUTED_DEBUG", "PLUGDIST_DEBUG",
+                 "PLUGDIST_FR_STACK_DEPTH", "PLUGDIST_FR_DUMP_SIGNAL"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", FR_BACKENDS)
+@pytest.mark.parametrize("backend", [*FR_BACKENDS, "nccl"])
 @pytest.mark.parametrize("ws", [2, 3])
 def test_fr_trace_names_the_rank_that_skipped_a_collective(backend: str, ws: int,
-                                                           tmp_path: Path) -> None:
+                                                           tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """A real hang, dumped with the recorder's defaults: no rerun with a setting needed."""
+    if backend == "nccl":
+        if "nccl" not in available_backends() or torch.cuda.device_count() < ws:
+            pytest.skip(f"nccl needs a GPU per rank: {ws} ranks, "
+                        f"{torch.cuda.device_count()} GPU(s) here")
     culprit = ws - 1
-    results = run_world(w.hang, ws, backend=backend, env=_fr_env(tmp_path), timeout=100,
+    _no_recorder_settings(monkeypatch)
+    env = {"TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr" / "rank_")}
+    results = run_world(w.hang, ws, backend=backend, env=env, timeout=100,
                         args=(culprit, 30.0, HANG_TIMEOUT))
     for rank, res in enumerate(results):
         assert res["dumped"], rank  # the culprit too: asked through the store
@@ -91,7 +123,7 @@ def test_fr_trace_names_the_rank_that_skipped_a_collective(backend: str, ws: int
     assert "Not all ranks joining collective, sequence number: 5" in report, report
     assert f"missing ranks: {{{culprit}}}" in report, report
     # mpi is not among the analyzer's prefixes (see plugdist._observability.flight_recorder)
-    prefix = "gloo"
+    prefix = "nccl" if backend == "nccl" else "gloo"
     assert f"collective: {prefix}:all_reduce" in report, report
     assert f"group info: 1:plugdist:{backend}" in report, report
     assert "collective state: started" in report, report
@@ -220,9 +252,100 @@ def test_entries_speak_torchs_terms(recording: None, tmp_path: Path) -> None:
                                       "last_completed_collective": 2}
 
 
-def test_nothing_is_recorded_when_nobody_watches(tmp_path: Path) -> None:
+def test_recording_is_on_by_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    monkeypatch.setenv("PLUGDIST_FR_DUMP_SIGNAL", "OFF")
     recorder.reset()
-    pg = ProcessGroup(_Echo(0, 1, GroupOptions(group_name="quiet", global_ranks=(0,))))
-    pg.run_blocking("all_reduce", torch.ones(2), ReduceOp.SUM)
-    assert not recorder.on
-    assert pickle.loads(Path(dump_flight_recorder(tmp_path / "d")).read_bytes())["entries"] == []
+    try:
+        pg = ProcessGroup(_Echo(0, 1, GroupOptions(group_name="loud", global_ranks=(0,))))
+        recorder.add_group(pg, None, (0,), 0)
+        assert recorder.on and recorder.capacity == 2000
+        pg.run_blocking("all_reduce", torch.ones(2), ReduceOp.SUM)
+        pg.run_blocking("all_reduce", torch.ones(2, 3, dtype=torch.int64), ReduceOp.SUM)
+        dump = pickle.loads(Path(dump_flight_recorder(tmp_path / "d")).read_bytes())
+        assert [(e["collective_seq_id"], e["state"], e["input_sizes"], e["input_dtypes"])
+                for e in dump["entries"]] == [(1, "completed", [[2]], ["float32"]),
+                                              (2, "completed", [[2, 3]], ["int64"])]
+    finally:
+        recorder.reset()
+
+
+def test_the_ring_keeps_no_tensor_alive(recording: None) -> None:
+    """An entry holds its tensors' shape and dtype, never the tensors: a dropped tensor's
+    memory is freed while its entry stays."""
+    pg = ProcessGroup(_Echo(0, 1, GroupOptions(group_name="mem", global_ranks=(0,))))
+    recorder.add_group(pg, None, (0,), 0)
+    t = torch.ones(1000)
+    gone = weakref.ref(t)
+    pg.run_blocking("all_reduce", t, ReduceOp.SUM)
+    pg.all_gather_into_tensor(torch.empty(1000), t).wait()
+    del t
+    assert gone() is None
+    assert len(recorder.snapshot()["entries"]) == 2
+
+
+def test_nothing_is_recorded_with_a_buffer_of_zero(monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    recorder.reset()
+    try:
+        pg = ProcessGroup(_Echo(0, 1, GroupOptions(group_name="quiet", global_ranks=(0,))))
+        recorder.add_group(pg, None, (0,), 0)
+        pg.run_blocking("all_reduce", torch.ones(2), ReduceOp.SUM)
+        assert not recorder.on
+        dump = pickle.loads(Path(dump_flight_recorder(tmp_path / "d")).read_bytes())
+        assert dump["entries"] == []
+    finally:
+        recorder.reset()
+
+
+def test_one_tensor_ops_sit_where_the_short_route_reads_them() -> None:
+    """observe.blocking reads a one-tensor collective's tensor at a fixed position."""
+    for op, at in _ONE_AT.items():
+        names = list(inspect.signature(getattr(ProcessGroup, op)).parameters)[1:]
+        assert names.index("tensor") == at, (op, names)
+
+
+class _Counting(HashStore):
+    """A real in-process store that counts the requests it serves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def wait(self, keys: Any, timeout: Any = None) -> None:
+        self.calls.append("wait")
+        super().wait(keys, timeout)
+
+    def check(self, keys: Any) -> bool:
+        self.calls.append("check")
+        return super().check(keys)
+
+    def get(self, key: str) -> bytes:
+        self.calls.append("get")
+        return super().get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        self.calls.append("add")
+        return super().add(key, amount)
+
+
+@pytest.mark.timeout(60)
+def test_the_watcher_waits_on_the_store_and_wakes_on_a_request(
+        recording: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle, the watcher holds one wait on the store (no polling); a peer's request (the
+    multi_set that asks) wakes it, and it dumps; destroying the group ends it."""
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "rank_"))
+    store = _Counting()
+    pg = ProcessGroup(_Echo(0, 1, GroupOptions(group_name="w", global_ranks=(0,))))
+    recorder.add_group(pg, store, (0,), 0)
+    assert eventually(lambda: "wait" in store.calls)
+    time.sleep(2.5)  # a second-by-second poll would show here
+    assert store.calls == ["add", "wait"], store.calls
+    store.multi_set([ask_key(0, 1)], [b"a peer's op failed"])  # what a peer's request writes
+    assert eventually(lambda: (tmp_path / "rank_0").exists(), timeout=20)
+    assert eventually(lambda: store.calls.count("wait") == 2)
+    recorder.remove_group(pg)
+    assert recorder.watch._thread is None
+    assert not any(t.name == "plugdist-flight-recorder" and t.is_alive()
+                   for t in threading.enumerate())

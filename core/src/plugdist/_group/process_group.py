@@ -401,7 +401,7 @@ class ProcessGroup:
         elif lean is None and op not in self._blocking_ops:
             getattr(self, op)(*args).wait()  # a wrapper's public op, observed there
         else:
-            observe.blocking(self, op, args, lean, self._run_blocking_rest)
+            observe.blocking(self, op, args, lean)
 
     def _run_blocking_rest(self, op: str, args: tuple[Any, ...]) -> None:
         """run_blocking past the lean route."""

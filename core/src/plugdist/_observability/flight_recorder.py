@@ -1,26 +1,28 @@
 """The flight recorder: the last ops of every group of this process, dumped in torch's format.
 
-One ring buffer per process (as torch's), filled by :mod:`plugdist._observability.observe` with
-one entry per
-op of every group and backend, and written as torch's flight-recorder dump (a pickled dict:
-``version`` "2.10", ``pg_config``, ``pg_status``, ``entries``) to
-``TORCH_FR_DUMP_TEMP_FILE<global rank>``, so torch's analyzer reads it::
+On by default in every world: one preallocated ring per process (as torch's), filled by
+:mod:`plugdist._observability.observe` with one entry per op of every group and backend, and
+written as torch's flight-recorder dump (a pickled dict: ``version`` "2.10", ``pg_config``,
+``pg_status``, ``entries``) to ``TORCH_FR_DUMP_TEMP_FILE<global rank>``, so torch's analyzer
+reads it::
 
     python -m torch.distributed.flight_recorder.fr_trace DIR    # or: torchfrtrace DIR
 
-Switches (read when a group is built): ``TORCH_FR_BUFFER_SIZE`` (entries kept; 0 or unset: off)
-or ``TORCH_DISTRIBUTED_DEBUG``/``PLUGDIST_DEBUG`` ``DETAIL`` (2000 entries unless the buffer size
-says otherwise). ``TORCH_FR_DUMP_TEMP_FILE`` (default ``/tmp/nccl_trace_rank_``, torch's) is the
-dump path prefix. ``PLUGDIST_FR_DUMP_SIGNAL`` (default ``SIGUSR1``; ``OFF``: none) dumps on a
-signal. ``PLUGDIST_FR_STACK_DEPTH`` (default 0) is how many caller frames each entry keeps; an
-entry without frames that is still in flight at a dump gets its thread's stack at that moment
-(where a hung op waits), at no cost per op.
+Recording an op costs a few hundred nanoseconds: an entry is one tuple of what the op already
+holds (its group, name, sequence numbers, its tensors' ``shape`` and ``dtype`` objects, never the
+tensors themselves: the ring keeps no tensor alive), a monotonic clock read and the thread's id;
+the completion is one more clock read. Names, sizes, dtype strings, states and stacks are made at
+dump time. Memory: ``capacity`` small tuples (about 2000 x 0.3 KB).
 
-Dumps happen on request (:func:`dump_flight_recorder`), on that signal, and when an op of a
-recorded group fails with a ``DistError`` (a timeout, a dead rank, a DETAIL mismatch) or stays
-in flight past its group's timeout: the rank that sees it dumps and asks every member of the
-group to dump too, through the group's store (key ``flight_recorder/dump``), which a watcher
-thread polls (``PLUGDIST_FR_POLL_S``, default 1 s) while recording is on.
+Switches (read when a group is built): ``TORCH_FR_BUFFER_SIZE`` (entries kept; default 2000;
+0 turns recording off). ``TORCH_FR_DUMP_TEMP_FILE`` (default ``/tmp/nccl_trace_rank_``,
+torch's) is the dump path prefix. ``PLUGDIST_FR_STACK_DEPTH`` (default 0) is how many caller
+frames each entry keeps; an entry without frames that is still in flight at a dump gets its
+thread's stack at that moment (where a hung op waits), at no cost per op.
+
+Dumps happen on request (:func:`dump_flight_recorder`), on a signal, and when an op fails with a
+``DistError`` or stays in flight past its group's timeout: then every rank dumps, through
+:mod:`plugdist._observability.fr_watch` (a watcher thread that waits on the store).
 
 Profiling names are ``<prefix>:<op>``: the prefix is the backend's name where torch's analyzer
 knows it (``gloo``, ``nccl``, ...) and ``gloo`` otherwise (mpi, toy, third parties), since the
@@ -30,40 +32,42 @@ backend is in the group's ``desc`` (``plugdist:<backend>``) and each entry's ``b
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import itertools
+import math
 import os
 import pickle
-import signal
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from plugdist._debug_level import DebugLevel, get_debug_level
 from plugdist._log import get_logger
+from plugdist._observability import fr_watch
 from plugdist.errors import DistError
 
 if TYPE_CHECKING:
     from plugdist.store.api import Store
 
 
-__all__ = ["FlightRecorder", "Entry", "recorder", "dump_flight_recorder", "dump_path",
-           "VERSION", "BUFFER_ENV", "DUMP_FILE_ENV", "SIGNAL_ENV", "DEFAULT_CAPACITY"]
+__all__ = ["FlightRecorder", "recorder", "dump_flight_recorder", "dump_path", "VERSION",
+           "BUFFER_ENV", "DUMP_FILE_ENV", "DEFAULT_CAPACITY", "ONE", "PAIR", "LISTS", "NONE",
+           "Flat"]
 
 VERSION = "2.10"  # the dump format torch 2.13 writes and its analyzer reads
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 DUMP_FILE_ENV = "TORCH_FR_DUMP_TEMP_FILE"
-SIGNAL_ENV = "PLUGDIST_FR_DUMP_SIGNAL"
-POLL_ENV = "PLUGDIST_FR_POLL_S"
+DEPTH_ENV = "PLUGDIST_FR_STACK_DEPTH"
 DEFAULT_CAPACITY = 2000
 DEFAULT_DUMP_FILE = "/tmp/nccl_trace_rank_"
-REQUEST_KEY = "flight_recorder/dump"
-_NO_FRAMES: list[tuple[Any, int]] = []  # shared, never mutated
+LIVE_DEPTH = 16  # frames of an op still in flight, read from its thread when dumping
 _OWN_FILES = frozenset({__file__, __file__.replace("flight_recorder.py", "observe.py")})
+
+# how an entry holds its op's tensors (``a``, ``b``): ONE: one tensor's shape and dtype (in- and
+# output, or only one of them: see _IO_OF_ONE); PAIR: (shape, dtype) of the input and the output;
+# LISTS: tuples of (shape or Flat, dtype), inputs and outputs; NONE: no tensors
+ONE, PAIR, LISTS, NONE = range(4)
+_IO_OF_ONE = {"send": (True, False), "recv": (False, True)}  # (is input, is output)
 
 # prefixes torch's analyzer accepts (fr_trace's Op); any other backend is recorded as gloo
 _KNOWN_PREFIXES = frozenset({"nccl", "ncclx", "xccl", "gloo", "rccl", "rcclx", "mccl", "hccl"})
@@ -71,9 +75,15 @@ _FALLBACK_PREFIX = "gloo"
 # plugdist's op names that torch's analyzer spells otherwise
 _TORCH_OPS = {"all_gather_into_tensor": "_all_gather_base",
               "reduce_scatter_tensor": "_reduce_scatter_base"}
-DEPTH_ENV = "PLUGDIST_FR_STACK_DEPTH"
-DEFAULT_DEPTH = 0  # caller frames kept per entry: each costs a frame object per op
-LIVE_DEPTH = 16  # frames of an op still in flight, read from its thread when dumping
+
+# an entry: (record id, group, op, collective seq, p2p seq, peer, kind, a, b, created ns,
+# thread id, started at creation)
+_ID, _GROUP, _OP, _COLL, _P2P, _PEER, _KIND, _A, _B, _CREATED, _THREAD, _STARTED = range(12)
+
+
+class Flat(tuple):  # type: ignore[type-arg]
+    """The shapes of a tensor list, recorded as one flat size at dump time (as torch records the
+    lists it flattens)."""
 
 
 def dump_path(rank: int) -> Path:
@@ -83,92 +93,16 @@ def dump_path(rank: int) -> Path:
 
 def _capacity() -> int:
     raw = os.environ.get(BUFFER_ENV, "").strip()
-    if raw:
-        try:
-            return max(0, int(raw))
-        except ValueError:
-            raise ValueError(f"{BUFFER_ENV}={raw!r} is not a number of entries") from None
-    return DEFAULT_CAPACITY if get_debug_level() is DebugLevel.DETAIL else 0
+    if not raw:
+        return DEFAULT_CAPACITY
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        raise ValueError(f"{BUFFER_ENV}={raw!r} is not a number of entries (0 turns the "
+                         f"flight recorder off)") from None
 
 
-class Entry:
-    """One op as this rank saw it: created when the op arrives (``scheduled``), ``started`` once
-    handed to the backend, ``completed`` when it finished (a failed op keeps its state and
-    records ``error``). Mutated by the recorder only."""
-
-    __slots__ = ("record_id", "group", "op", "collective_seq_id", "p2p_seq_id", "peer",
-                 "inputs", "outputs", "state", "time_created_ns", "time_started_ns",
-                 "time_completed_ns", "error", "frames", "thread")
-
-    def __init__(self, record_id: int, group: _Group, op: str, coll: int, p2p: int,
-                 peer: int | None, inputs: list[Any], outputs: list[Any],
-                 frames: list[tuple[Any, int]]) -> None:
-        self.record_id = record_id
-        self.group = group
-        self.op = op
-        self.collective_seq_id = coll
-        self.p2p_seq_id = p2p
-        self.peer = peer
-        self.inputs = inputs  # (shape, dtype) pairs
-        self.outputs = outputs
-        self.state = "scheduled"
-        self.time_created_ns = time.time_ns()
-        self.time_started_ns: int | None = None
-        self.time_completed_ns: int | None = None
-        self.error: str | None = None
-        self.frames = frames
-        self.thread = threading.get_ident()
-
-    def to_dict(self, live: dict[int, Any]) -> dict[str, Any]:
-        """The entry in torch's terms; ``live`` (thread id -> current frame) gives an op still
-        in flight its thread's stack, when it kept none of its own."""
-        g = self.group
-        frames = self.frames
-        if not frames and self.state != "completed" and self.thread in live:
-            frames = _stack(live[self.thread], LIVE_DEPTH)
-        is_p2p = self.op in ("send", "recv")
-        op = _TORCH_OPS.get(self.op, self.op)
-        if self.op == "send":
-            op = f"send {g.rank}->{self.peer}"
-        elif self.op == "recv":
-            op = f"recv {g.rank}<-{-1 if self.peer is None else self.peer}"
-        started = self.time_started_ns
-        done = self.time_completed_ns
-        return {
-            "record_id": self.record_id, "pg_id": g.uid, "process_group": (g.name, g.desc),
-            "collective_seq_id": self.collective_seq_id, "p2p_seq_id": self.p2p_seq_id,
-            "op_id": self.record_id, "profiling_name": f"{g.prefix}:{op}",
-            "time_created_ns": self.time_created_ns,
-            "input_sizes": [list(s) for s, _ in self.inputs],
-            "input_dtypes": [_dtype_name(d) for _, d in self.inputs],
-            "output_sizes": [list(s) for s, _ in self.outputs],
-            "output_dtypes": [_dtype_name(d) for _, d in self.outputs],
-            "state": self.state, "time_discovered_started_ns": started,
-            "time_discovered_completed_ns": done, "retired": done is not None,
-            "timeout_ms": g.timeout_ns // 1_000_000, "is_p2p": is_p2p,
-            "duration_ms": None if done is None or started is None else (done - started) / 1e6,
-            "frames": [{"name": code.co_name, "filename": code.co_filename, "line": line}
-                       for code, line in frames],
-            "thread_id": str(self.thread), "thread_name": "", "backend": g.backend,
-            "error": self.error,
-        }
-
-
-def _stack(f: Any, depth: int) -> list[tuple[Any, int]]:
-    """Up to ``depth`` frames from ``f`` outwards, skipping the recorder's own."""
-    frames: list[tuple[Any, int]] = []
-    while f is not None and len(frames) < depth:
-        if f.f_code.co_filename not in _OWN_FILES:
-            frames.append((f.f_code, f.f_lineno))
-        f = f.f_back
-    return frames
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-class _Group:
+class Group:
     """What the recorder knows of one group: identity, sequence numbers, and its store."""
 
     _uids = itertools.count()
@@ -186,120 +120,191 @@ class _Group:
         self.uid = next(self._uids)
         self.collectives = 0
         self.p2p = 0
-        self.last_started = -1
-        self.last_completed = -1
-        self.requests_seen = 0
 
 
 class FlightRecorder:
-    """The process's recorder (one: :data:`recorder`). ``on`` is read on every op. Thread-safe:
-    entries are appended atomically; a dump copies them under the lock."""
+    """The process's recorder (one: :data:`recorder`). ``on`` is read on every op.
+
+    Threading: :meth:`record` and :meth:`completed` take no lock (each writes one slot of a
+    list, which is atomic under the GIL; an entry's completion is tagged with its record id, so
+    a slot reused meanwhile is never marked by an older op); :meth:`snapshot` copies under the
+    lock."""
 
     def __init__(self) -> None:
         self.on = False
+        self.fast = False  # on, keeping no caller frames: observe.blocking's short route
         self.capacity = 0
-        self._ring: deque[Entry] = deque(maxlen=1)
-        self._ids = itertools.count()
-        self._lock = threading.RLock()  # re-entrant: a signal's dump may interrupt record()
-        self._groups: dict[str, _Group] = {}
+        self.ring: list[tuple[Any, ...] | None] = []
+        self.done: list[tuple[int, int] | None] = []  # per slot: (record id, completed ns)
+        self.ids = itertools.count()
+        self._errors: dict[int, str] = {}  # record id -> error, for failed ops
+        self._starts: dict[int, int] = {}  # record id -> started ns, for late starts
+        self._frames: dict[int, list[tuple[Any, int]]] = {}  # with PLUGDIST_FR_STACK_DEPTH
+        self._lock = threading.RLock()  # re-entrant: a signal's dump may interrupt a dump
+        self._groups: dict[str, Group] = {}
         self.global_rank: int | None = None
-        self.depth = DEFAULT_DEPTH
-        self._watcher: threading.Thread | None = None
-        self._stop_at_exit = False  # stop() registered with atexit
-        self._stop = threading.Event()
+        self.depth = 0
+        self.watch = fr_watch.Watcher(self)
         self._dumped_for: set[int] = set()  # record ids of overdue entries already dumped for
 
     # -- groups ----------------------------------------------------------------------------------
     def add_group(self, pg: Any, store: Store | None, global_ranks: tuple[int, ...],
                   global_rank: int) -> None:
-        """Record ``pg`` (called when it is built); turns recording on if the settings ask."""
+        """Record ``pg`` (called when it is built); recording is on unless the buffer size is
+        0. A group with a store is watched for dump requests (the first such group's store)."""
         capacity = _capacity()
         depth = os.environ.get(DEPTH_ENV, "").strip()
+        g = Group(pg.group_name, pg.backend_name, pg.rank(), global_ranks,
+                  pg.timeout.total_seconds(), store)
         with self._lock:
             if depth.isdigit():
                 self.depth = int(depth)
             if capacity and capacity != self.capacity:
-                self._ring = deque(self._ring, maxlen=capacity)
-                self.capacity = capacity
+                self._resize(capacity)
             self.on = self.on or capacity > 0
+            self.fast = self.on and not self.depth
             self.global_rank = global_rank
-            self._groups[pg.group_name] = _Group(
-                pg.group_name, pg.backend_name, pg.rank(), global_ranks,
-                pg.timeout.total_seconds(), store)
+            self._groups[g.name] = g
+        pg._flight_group = g
         if self.on:
-            self._start_watcher()
-            _install_signal_handler()
+            self.watch.start()
 
     def remove_group(self, pg: Any) -> None:
+        """Forget ``pg`` (destroyed); the watcher stops with the last group it could watch,
+        and moves to the next one when its group goes (a resilient world's new epoch)."""
         with self._lock:
+            was = self.watched()
             self._groups.pop(pg.group_name, None)
+            watched = self.watched()
+        if watched is None:
+            self.watch.stop()
+        elif watched is not was:
+            self.watch.wake()
 
-    def _group(self, pg: Any) -> _Group:
-        g = self._groups.get(pg.group_name)
-        if g is None:  # a group built outside build_group (tests, hand-made groups)
-            ranks = tuple(pg.options.global_ranks) or tuple(range(pg.size()))
-            with self._lock:
-                g = self._groups.setdefault(pg.group_name, _Group(
+    def watched(self) -> Group | None:
+        """The group whose store carries dump requests: the oldest one with a store."""
+        with self._lock:
+            return next((g for g in self._groups.values() if g.store is not None), None)
+
+    def group_of(self, pg: Any) -> Group:
+        """``pg``'s record (its ``_flight_group``, set by :meth:`add_group`); a group built by
+        hand, or a wrapper that observes ops itself, is found by name or recorded now."""
+        try:
+            return pg._flight_group  # type: ignore[no-any-return]
+        except AttributeError:
+            pass
+        with self._lock:
+            g = self._groups.get(pg.group_name)
+            if g is None:
+                ranks = tuple(pg.options.global_ranks) or tuple(range(pg.size()))
+                g = self._groups[pg.group_name] = Group(
                     pg.group_name, pg.backend_name, pg.rank(), ranks,
-                    pg.timeout.total_seconds(), None))
+                    pg.timeout.total_seconds(), None)
+        pg._flight_group = g
         return g
 
+    def _resize(self, capacity: int) -> None:
+        """A new ring of ``capacity`` slots keeping the newest entries (under the lock)."""
+        kept = sorted((e for e in self.ring if e is not None), key=lambda e: e[_ID])[-capacity:]
+        done = {d[0]: d for d in self.done if d is not None}
+        self.ring = [None] * capacity
+        self.done = [None] * capacity
+        for e in kept:
+            self.ring[e[_ID] % capacity] = e
+            self.done[e[_ID] % capacity] = done.get(e[_ID])
+        self.capacity = capacity
+
     # -- entries ---------------------------------------------------------------------------------
-    def record(self, pg: Any, op: str, inputs: list[Any], outputs: list[Any],
-               peer: int | None) -> Entry:
-        """A new ``scheduled`` entry for ``op`` on ``pg`` (kept only when recording is on)."""
-        g = self._group(pg)
-        if op == "send" or op == "recv":
+    def record(self, pg: Any, op: str, p2p: bool, kind: int, a: Any, b: Any, peer: int | None,
+               started: bool) -> int:
+        """A new entry for ``op`` on ``pg`` (its tensors as ``kind``, ``a``, ``b``: see ONE,
+        PAIR, LISTS, NONE); returns its record id. ``started``: handed to the backend now."""
+        try:
+            g = pg._flight_group
+        except AttributeError:
+            g = self.group_of(pg)
+        if p2p:
             g.p2p += 1
         else:
             g.collectives += 1
-        depth = self.depth
-        frames = _stack(sys._getframe(1), depth) if depth else _NO_FRAMES
-        entry = Entry(next(self._ids), g, op, g.collectives, g.p2p, peer, inputs, outputs,
-                      frames)
-        if self.on:
-            self._ring.append(entry)
-        return entry
+        rid = next(self.ids)
+        self.ring[rid % self.capacity] = (rid, g, op, g.collectives, g.p2p, peer, kind, a, b,
+                                          time.monotonic_ns(), threading.get_ident(), started)
+        if self.depth:
+            self.keep_frames(rid)
+        return rid
 
-    def started(self, entry: Entry, now: bool = False) -> None:
-        """Mark ``entry`` handed to the backend; ``now``: at its creation (one clock read less:
-        this machine's clock costs ~0.2 us a read)."""
-        if entry.time_started_ns is None:
-            entry.time_started_ns = entry.time_created_ns if now else time.time_ns()
-            entry.state = "started"
-            if entry.op != "send" and entry.op != "recv":
-                entry.group.last_started = entry.collective_seq_id
+    def keep_frames(self, rid: int) -> None:
+        """Keep ``depth`` frames of the caller of the op ``rid`` (PLUGDIST_FR_STACK_DEPTH)."""
+        self._keep(self._frames, rid, _stack(sys._getframe(1), self.depth))
 
-    def finished(self, entry: Entry, error: BaseException | None) -> None:
-        """Mark ``entry`` completed, or record ``error``; on a DistError, dump everywhere."""
-        if error is None:
-            entry.time_completed_ns = time.time_ns()
-            entry.state = "completed"
-            if entry.op != "send" and entry.op != "recv":
-                entry.group.last_completed = entry.collective_seq_id
+    def started(self, rid: int) -> None:
+        """Mark the entry ``rid`` (recorded with ``started=False``) handed to the backend."""
+        if rid not in self._starts:
+            self._keep(self._starts, rid, time.monotonic_ns())
+
+    def completed(self, rid: int) -> None:
+        """Mark the entry ``rid`` completed."""
+        try:
+            self.done[rid % self.capacity] = (rid, time.monotonic_ns())
+        except (ZeroDivisionError, IndexError):  # the ring was reset or resized meanwhile
+            pass
+
+    def failed(self, rid: int, error: BaseException) -> None:
+        """Record ``error`` for the entry ``rid``; on a DistError, every rank dumps."""
+        self._keep(self._errors, rid, f"{type(error).__name__}: {error}")
+        if not isinstance(error, DistError):
             return
-        entry.error = f"{type(error).__name__}: {error}"
-        if self.on and isinstance(error, DistError):
-            self.dump_everywhere(entry.group,
-                                 f"{entry.op} #{entry.collective_seq_id} failed: "
-                                 f"{type(error).__name__}")
+        entry = self.ring[rid % self.capacity] if self.capacity else None
+        if entry is None or entry[_ID] != rid:
+            return
+        g, op, seq = entry[_GROUP], entry[_OP], entry[_COLL]
+        self.dump_everywhere(f"{op} #{seq} of group {g.name!r} failed on rank "
+                             f"{self.global_rank}: {type(error).__name__}", f"{g.name}/{seq}")
+
+    def _keep(self, table: dict[int, Any], rid: int, value: Any) -> None:
+        """``table[rid] = value``, forgetting ids that left the ring."""
+        table[rid] = value
+        if len(table) > 2 * max(self.capacity, 1):
+            oldest = rid - self.capacity
+            for old in [k for k in table if k <= oldest]:
+                table.pop(old, None)
 
     # -- dumps -----------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """The dump: torch's flight-recorder dict."""
         with self._lock:
-            entries = list(self._ring) if self.on else []
+            ring = [e for e in self.ring if e is not None] if self.on else []
+            done = {d[0]: d[1] for d in self.done if d is not None}
+            errors, starts = dict(self._errors), dict(self._starts)
+            frames = dict(self._frames)
             groups = list(self._groups.values())
+        ring.sort(key=lambda e: e[_ID])
+        known = {g.uid for g in groups}  # and the destroyed groups whose entries remain
+        groups += list({e[_GROUP].uid: e[_GROUP] for e in ring
+                        if e[_GROUP].uid not in known}.values())
         live = sys._current_frames()
+        epoch = time.time_ns() - time.monotonic_ns()  # entries read the monotonic clock
+        entries = [_to_dict(e, done.get(e[_ID]), starts.get(e[_ID]), errors.get(e[_ID]),
+                            frames.get(e[_ID]), live, epoch) for e in ring]
+        status: dict[str, dict[str, int]] = {}
+        for g in groups:
+            mine = [d for d in entries if d["pg_id"] == g.uid and not d["is_p2p"]]
+            all_done = g.collectives if g.collectives else -1
+            status[g.name] = {
+                "last_enqueued_collective": g.collectives,
+                "last_started_collective": max(
+                    (d["collective_seq_id"] for d in mine if d["state"] != "scheduled"),
+                    default=all_done),
+                "last_completed_collective": max(
+                    (d["collective_seq_id"] for d in mine if d["state"] == "completed"),
+                    default=all_done)}
         return {
             "version": VERSION, "comm_lib_version": "",
             "pg_config": {g.name: {"name": g.name, "desc": g.desc, "backend": g.backend,
                                    "ranks": str(list(g.global_ranks))} for g in groups},
-            "pg_status": {g.name: {"last_enqueued_collective": g.collectives,
-                                   "last_started_collective": g.last_started,
-                                   "last_completed_collective": g.last_completed}
-                          for g in groups},
-            "entries": [e.to_dict(live) for e in entries],
+            "pg_status": status,
+            "entries": entries,
         }
 
     def dump(self, reason: str, path: str | os.PathLike[str] | None = None) -> Path | None:
@@ -321,81 +326,135 @@ class FlightRecorder:
         log.info("flight_recorder_dumped", path=str(target), reason=reason)
         return target
 
-    def dump_everywhere(self, group: _Group, reason: str) -> None:
-        """Dump here, then ask every member of ``group`` to dump (through its store)."""
+    def dump_everywhere(self, reason: str, incident: str | None = None) -> None:
+        """Dump here, then ask every rank of the watched group to dump (once per
+        ``incident``, whichever rank asks first)."""
         self.dump(reason)
-        store = group.store
-        if store is None:
-            return
-        try:
-            group.requests_seen = store.add(REQUEST_KEY, 1)  # ours: not to be answered again
-        except Exception as err:  # noqa: BLE001 - the store may be what failed
-            get_logger(rank=self.global_rank, group=group.name).warning(
-                "flight_recorder_dump_request_failed", error=str(err))
+        self.watch.ask_everyone(reason, incident)
 
-    # -- the watcher: peers' dump requests, ops in flight past their timeout ---------------------
-    def _start_watcher(self) -> None:
+    def overdue(self) -> float | None:
+        """Dump everywhere for ops in flight past their group's timeout (each once); returns
+        the seconds until the next in-flight op's deadline, or None when none is in flight."""
         with self._lock:
-            if self._watcher is not None and self._watcher.is_alive():
-                return
-            self._stop.clear()
-            self._watcher = threading.Thread(target=self._watch, name="plugdist-flight-recorder",
-                                             daemon=True)
-            self._watcher.start()
-            if not self._stop_at_exit:
-                # a daemon thread still inside a C++ store call when the interpreter ends
-                # aborts the process ("terminate called without an active exception")
-                self._stop_at_exit = True
-                atexit.register(self.stop)
-
-    def _watch(self) -> None:
-        period = float(os.environ.get(POLL_ENV) or 1.0)
-        while not self._stop.wait(period):
-            with self._lock:
-                groups = list(self._groups.values())
-            for g in groups:
-                self._answer_requests(g)
-            self._check_overdue()
-
-    def _answer_requests(self, g: _Group) -> None:
-        if g.store is None:
-            return
-        try:  # check first: polling must not create the key
-            asked = int(g.store.get(REQUEST_KEY)) if g.store.check([REQUEST_KEY]) else 0
-        except Exception:  # noqa: BLE001 - a store going away at shutdown
-            return
-        if asked > g.requests_seen:
-            g.requests_seen = asked
-            self.dump(f"asked by a peer of group {g.name!r}")
-
-    def _check_overdue(self) -> None:
-        now = time.time_ns()
-        late = [e for e in list(self._ring)
-                if e.state != "completed" and e.error is None
-                and e.time_created_ns + e.group.timeout_ns < now
-                and e.record_id not in self._dumped_for]
+            ring = [e for e in self.ring if e is not None] if self.on else []
+            done = {d[0] for d in self.done if d is not None}
+            errors = set(self._errors)
+        now = time.monotonic_ns()
+        late: list[tuple[Any, ...]] = []
+        soonest: float | None = None
+        for e in sorted(ring, key=lambda e: e[_ID]):
+            if e[_ID] in done or e[_ID] in errors or e[_ID] in self._dumped_for:
+                continue
+            left = (e[_CREATED] + e[_GROUP].timeout_ns - now) / 1e9
+            if left < 0:
+                late.append(e)
+            elif soonest is None or left < soonest:
+                soonest = left
         if late:
+            self._dumped_for.update(e[_ID] for e in late)
             first = late[0]
-            self._dumped_for.update(e.record_id for e in late)
-            self.dump_everywhere(first.group, f"{first.op} #{first.collective_seq_id} of group "
-                                              f"{first.group.name!r} past its timeout")
+            self.dump_everywhere(f"{first[_OP]} #{first[_COLL]} of group {first[_GROUP].name!r} "
+                                 f"past its timeout on rank {self.global_rank}",
+                                 f"{first[_GROUP].name}/{first[_COLL]}")
+        return soonest
 
-    def stop(self) -> None:
-        """Stop the watcher and wait (briefly) for it to end."""
-        self._stop.set()
-        watcher = self._watcher
-        if watcher is not None and watcher is not threading.current_thread():
-            watcher.join(timeout=5)
+    def shortest_timeout(self) -> float:
+        """The shortest timeout of the recorded groups, in seconds (1800 when none)."""
+        with self._lock:
+            return min((g.timeout_ns / 1e9 for g in self._groups.values()), default=1800.0)
 
     def reset(self) -> None:
         """Forget every entry and group and turn recording off (tests)."""
-        self.stop()
+        self.watch.stop()
         with self._lock:
-            self.on = False
+            self.on = self.fast = False
             self.capacity = 0
-            self._ring = deque(maxlen=1)
+            self.ring, self.done = [], []
             self._groups.clear()
+            self._errors.clear()
+            self._starts.clear()
+            self._frames.clear()
             self._dumped_for.clear()
+
+
+def _stack(f: Any, depth: int) -> list[tuple[Any, int]]:
+    """Up to ``depth`` frames from ``f`` outwards, skipping the recorder's own."""
+    frames: list[tuple[Any, int]] = []
+    while f is not None and len(frames) < depth:
+        if f.f_code.co_filename not in _OWN_FILES:
+            frames.append((f.f_code, f.f_lineno))
+        f = f.f_back
+    return frames
+
+
+def _sizes(kind: int, op: str, a: Any, b: Any) -> tuple[list[Any], list[Any], list[Any],
+                                                        list[Any]]:
+    """(input sizes, input dtypes, output sizes, output dtypes) of an entry's tensors."""
+    if kind == ONE:
+        if a is None:
+            return [], [], [], []
+        is_in, is_out = _IO_OF_ONE.get(op, (True, True))
+        one = ([_size(a)], [_dtype_name(b)])
+        return (*(one if is_in else ([], [])), *(one if is_out else ([], [])))
+    if kind == PAIR:
+        return [_size(a[0])], [_dtype_name(a[1])], [_size(b[0])], [_dtype_name(b[1])]
+    if kind == LISTS:
+        return ([_size(s) for s, _ in a], [_dtype_name(d) for _, d in a],
+                [_size(s) for s, _ in b], [_dtype_name(d) for _, d in b])
+    return [], [], [], []
+
+
+def _size(shape: Any) -> list[int]:
+    if isinstance(shape, Flat):
+        return [sum(math.prod(s) for s in shape)]
+    return list(shape)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _to_dict(e: tuple[Any, ...], done: int | None, late_start: int | None, error: str | None,
+             frames: list[tuple[Any, int]] | None, live: dict[int, Any],
+             epoch: int) -> dict[str, Any]:
+    """One entry in torch's terms; ``live`` (thread id -> current frame) gives an op still in
+    flight its thread's stack, when it kept none of its own; ``epoch`` turns the monotonic
+    clock's times into the system clock's (torch's)."""
+    g, op = e[_GROUP], e[_OP]
+    started = e[_CREATED] if e[_STARTED] else late_start
+    created = e[_CREATED] + epoch
+    if started is not None:
+        started += epoch
+    if done is not None:
+        done += epoch
+    state = "completed" if done is not None else "started" if started is not None \
+        else "scheduled"
+    if not frames:
+        frames = []
+        if state != "completed" and e[_THREAD] in live:
+            frames = _stack(live[e[_THREAD]], LIVE_DEPTH)
+    in_sizes, in_dtypes, out_sizes, out_dtypes = _sizes(e[_KIND], op, e[_A], e[_B])
+    name = _TORCH_OPS.get(op, op)
+    if op == "send":
+        name = f"send {g.rank}->{e[_PEER]}"
+    elif op == "recv":
+        name = f"recv {g.rank}<-{-1 if e[_PEER] is None else e[_PEER]}"
+    return {
+        "record_id": e[_ID], "pg_id": g.uid, "process_group": (g.name, g.desc),
+        "collective_seq_id": e[_COLL], "p2p_seq_id": e[_P2P],
+        "op_id": e[_ID], "profiling_name": f"{g.prefix}:{name}",
+        "time_created_ns": created,
+        "input_sizes": in_sizes, "input_dtypes": in_dtypes,
+        "output_sizes": out_sizes, "output_dtypes": out_dtypes,
+        "state": state, "time_discovered_started_ns": started,
+        "time_discovered_completed_ns": done, "retired": done is not None,
+        "timeout_ms": g.timeout_ns // 1_000_000, "is_p2p": op in ("send", "recv"),
+        "duration_ms": None if done is None or started is None else (done - started) / 1e6,
+        "frames": [{"name": code.co_name, "filename": code.co_filename, "line": line}
+                   for code, line in frames],
+        "thread_id": str(e[_THREAD]), "thread_name": "", "backend": g.backend,
+        "error": error,
+    }
 
 
 recorder = FlightRecorder()
@@ -404,33 +463,6 @@ recorder = FlightRecorder()
 def dump_flight_recorder(path: str | os.PathLike[str] | None = None,
                          reason: str = "on request") -> Path | None:
     """Write this rank's flight-recorder dump now (to ``TORCH_FR_DUMP_TEMP_FILE<rank>`` unless
-    ``path`` is given) and return its path. Not collective; any thread. Records nothing unless
-    recording is on (``TORCH_FR_BUFFER_SIZE`` or DETAIL): the dump then lists groups only."""
+    ``path`` is given) and return its path. Not collective; any thread. With recording off
+    (``TORCH_FR_BUFFER_SIZE=0``) the dump lists groups only."""
     return recorder.dump(reason, path)
-
-
-_signal_installed = False
-
-
-def _install_signal_handler() -> None:
-    """Dump on ``PLUGDIST_FR_DUMP_SIGNAL`` (default SIGUSR1): once, from the main thread, and
-    only when nobody else handles that signal."""
-    global _signal_installed
-    if _signal_installed or threading.current_thread() is not threading.main_thread():
-        return
-    _signal_installed = True
-    name = os.environ.get(SIGNAL_ENV, "SIGUSR1").strip().upper()
-    if name in ("", "0", "OFF", "NONE"):
-        return
-    signum = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
-    if not isinstance(signum, signal.Signals):
-        get_logger().warning("flight_recorder_bad_signal", setting=f"{SIGNAL_ENV}={name!r}",
-                             hint="use a signal name such as SIGUSR1, or OFF")
-        return
-    with contextlib.suppress(ValueError, OSError):
-        if signal.getsignal(signum) in (signal.SIG_DFL, None):
-            signal.signal(signum, _on_signal)
-
-
-def _on_signal(signum: int, _frame: Any) -> None:
-    recorder.dump(f"signal {signal.Signals(signum).name}")

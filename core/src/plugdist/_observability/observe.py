@@ -13,14 +13,17 @@ or the flight recorder records (:mod:`plugdist._observability.flight_recorder`).
 Every backend gets both through the core; composed ops are one event and one entry (the ops a
 composition issues inside are not observed again), and so is an op issued through a wrapper
 group that calls :func:`run` itself (the debug plugin): the inner group's dispatch only marks
-the wrapper's entry ``started``. When nobody watches, the cost is :func:`active`: two attribute
-reads.
+the wrapper's entry ``started``. When nobody watches (the profiler off, recording turned off
+with ``TORCH_FR_BUFFER_SIZE=0``), the cost is :func:`active`: two attribute reads. With the
+recorder alone (the default), a blocking op of one tensor takes the short route of
+:func:`blocking`: the entry from the tensor's ``shape`` and ``dtype``, no list built.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,29 +31,38 @@ import torch
 from torch._C._profiler import _RecordFunctionFast
 from torch.autograd import profiler as _profiler
 
-from plugdist._observability.flight_recorder import Entry, recorder
+from plugdist._observability.flight_recorder import LISTS, NONE, ONE, PAIR, Flat, recorder
 
 __all__ = ["active", "run", "blocking"]
 
-# op -> (input parameters, output parameters) of its public method
-_IO: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "broadcast": (("tensor",), ("tensor",)),
-    "all_reduce": (("tensor",), ("tensor",)),
-    "reduce": (("tensor",), ("tensor",)),
-    "all_gather": (("tensor",), ("output_tensors",)),
-    "all_gather_into_tensor": (("tensor",), ("output",)),
-    "gather": (("tensor",), ("gather_list",)),
-    "scatter": (("scatter_list",), ("tensor",)),
-    "reduce_scatter": (("input_list",), ("output",)),
-    "reduce_scatter_tensor": (("input",), ("output",)),
-    "all_to_all": (("input_tensors",), ("output_tensors",)),
-    "all_to_all_single": (("input",), ("output",)),
-    "barrier": ((), ()),
-    "send": (("tensor",), ()),
-    "recv": ((), ("tensor",)),
+# op -> (how its tensors are recorded, point-to-point, input parameters, output parameters,
+# peer parameter) of its public method
+_Spec = tuple[int, bool, tuple[str, ...], tuple[str, ...], str | None]
+_SPECS: dict[str, _Spec] = {
+    "broadcast": (ONE, False, ("tensor",), ("tensor",), None),
+    "all_reduce": (ONE, False, ("tensor",), ("tensor",), None),
+    "reduce": (ONE, False, ("tensor",), ("tensor",), None),
+    "all_gather": (LISTS, False, ("tensor",), ("output_tensors",), None),
+    "all_gather_into_tensor": (PAIR, False, ("tensor",), ("output",), None),
+    "gather": (LISTS, False, ("tensor",), ("gather_list",), None),
+    "scatter": (LISTS, False, ("scatter_list",), ("tensor",), None),
+    "reduce_scatter": (LISTS, False, ("input_list",), ("output",), None),
+    "reduce_scatter_tensor": (PAIR, False, ("input",), ("output",), None),
+    "all_to_all": (LISTS, False, ("input_tensors",), ("output_tensors",), None),
+    "all_to_all_single": (PAIR, False, ("input",), ("output",), None),
+    "barrier": (NONE, False, (), (), None),
+    "send": (ONE, True, ("tensor",), (), "dst"),
+    "recv": (ONE, True, (), ("tensor",), "src"),
 }
-_PEER = {"send": "dst", "recv": "src"}
-_params: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
+_OTHER: _Spec = (NONE, False, (), (), None)
+# op -> (kind, p2p, input positions, output positions, peer position) among the positional
+# arguments of its public method (run_blocking's)
+_Positions = tuple[int, bool, tuple[int, ...], tuple[int, ...], int]
+_positions: dict[str, _Positions] = {}
+# the collectives of one tensor: its position in ProcessGroup's signature (blocking's short route)
+_ONE_AT = {"all_reduce": 0, "broadcast": 0, "reduce": 0}
+_time_ns = time.monotonic_ns  # the recorder's clock (system time at dump)
+_thread_id = threading.get_ident
 
 
 def active() -> bool:
@@ -59,7 +71,7 @@ def active() -> bool:
 
 
 class _Current(threading.local):
-    entry: Entry | None = None  # the op this thread is issuing under observation
+    entry: int | None = None  # the record id of the op this thread issues under observation
 
 
 _current = _Current()
@@ -78,69 +90,100 @@ def run(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
     if outer is not None:
         recorder.started(outer)
         return issue()
-    entry, rf = _begin(pg, op, args, started)
-    _current.entry = entry
+    rid, rf = _begin(pg, op, args, started)
+    _current.entry = rid
     try:
         result = issue()
     except BaseException as err:
-        _finish(entry, rf, err)
+        _finish(rid, rf, err)
         raise
     finally:
         _current.entry = None
     if result is None:
-        _finish(entry, rf, None)
+        _finish(rid, rf, None)
     elif result.is_completed():
-        _finish(entry, rf, result.exception())
+        _finish(rid, rf, result.exception())
     else:
-        result.get_future().add_done_callback(lambda fut: _finish(entry, rf, _error(fut)))
+        result.get_future().add_done_callback(lambda fut: _finish(rid, rf, _error(fut)))
     return result
 
 
-def blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool] | None,
-             rest: Callable[[str, tuple[Any, ...]], None]) -> None:
+def blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool] | None) -> None:
     """``ProcessGroup.run_blocking`` observed: ``lean(pg, *args)`` (the backend's lean route,
-    True once done), else ``rest(op, args)``, as one observed op done when this returns."""
-    entry, rf = _begin(pg, op, args, True)
+    True once done), else ``pg._run_blocking_rest(op, args)``, as one observed op done when
+    this returns. With the recorder alone (the default) and a collective of one tensor, the
+    entry is written here, inline (what :meth:`FlightRecorder.record` and ``completed`` do,
+    without their calls: this is every small op's cost)."""
+    at = _ONE_AT.get(op)
+    rec = recorder
+    if at is None or not rec.fast or _profiler._is_profiler_enabled:
+        _blocking(pg, op, args, lean)
+        return
+    try:
+        t = args[at]
+        shape, dtype = t.shape, t.dtype
+        g = pg._flight_group
+    except (IndexError, AttributeError):  # not a tensor (the op's checks say so), a group
+        _blocking(pg, op, args, lean)  # built by hand: the long way
+        return
+    g.collectives = seq = g.collectives + 1
+    rid = next(rec.ids)
+    slot = rid % rec.capacity
+    rec.ring[slot] = (rid, g, op, seq, g.p2p, None, ONE, shape, dtype, _time_ns(),
+                      _thread_id(), True)
     try:
         if lean is None or not lean(pg, *args):
-            _current.entry = entry  # only here: the lean route dispatches nothing
+            _current.entry = rid  # only here: the lean route dispatches nothing
             try:
-                rest(op, args)
+                pg._run_blocking_rest(op, args)
             finally:
                 _current.entry = None
     except BaseException as err:
-        _finish(entry, rf, err)
+        rec.failed(rid, err)
         raise
-    _finish(entry, rf, None)
+    try:  # tagged with its id: a slot reused or a ring resized meanwhile mislabels nothing
+        rec.done[slot] = (rid, _time_ns())
+    except IndexError:
+        pass
+
+
+def _blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool] | None) -> None:
+    """:func:`blocking` for any op, under the profiler too."""
+    rid, rf = _begin(pg, op, args, True)
+    try:
+        if lean is None or not lean(pg, *args):
+            _current.entry = rid
+            try:
+                pg._run_blocking_rest(op, args)
+            finally:
+                _current.entry = None
+    except BaseException as err:
+        _finish(rid, rf, err)
+        raise
+    _finish(rid, rf, None)
 
 
 def _begin(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
-           started: bool) -> tuple[Entry, Any]:
-    """The op's entry and (when a profiler runs) its entered profiler event."""
-    ins, outs = _IO.get(op, ((), ()))
-    if isinstance(args, dict):
-        inputs = [args.get(n) for n in ins]
-        outputs = [args.get(n) for n in outs]
-        peer = args.get(_PEER.get(op, ""))
-    else:
-        at = _positions(pg, op)
-        inputs = [args[i] for i in at[0] if i < len(args)]
-        outputs = [args[i] for i in at[1] if i < len(args)]
-        peer = args[at[2]] if at[2] < len(args) else None
-    entry = recorder.record(pg, op, _specs(inputs), _specs(outputs), peer)
+           started: bool) -> tuple[int | None, Any]:
+    """The op's entry (when recording) and (when a profiler runs) its entered profiler event."""
+    rid = _record(pg, op, args, started) if recorder.on else None
     rf = None
     if _profiler._is_profiler_enabled:
+        inputs, outputs, _ = _values(pg, op, args)
         rf = _RecordFunctionFast(f"plugdist:{pg.backend_name}:{op}", _flat(inputs, outputs))
         rf.__enter__()
-    if started:
-        recorder.started(entry, now=True)
-    return entry, rf
+    return rid, rf
 
 
-def _finish(entry: Entry, rf: Any, error: BaseException | None) -> None:
+def _finish(rid: int | None, rf: Any, error: BaseException | None) -> None:
     if rf is not None:
         rf.__exit__(None, None, None)
-    recorder.finished(entry, error)
+    if rid is None:
+        return
+    if error is None:
+        recorder.completed(rid)
+    else:
+        recorder.failed(rid, error)
 
 
 def _error(fut: torch.futures.Future) -> BaseException | None:
@@ -151,16 +194,46 @@ def _error(fut: torch.futures.Future) -> BaseException | None:
     return None
 
 
-def _positions(pg: Any, op: str) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+def _record(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any], started: bool) -> int:
+    """The entry of any op: its tensors taken as its kind records them."""
+    kind, p2p = _SPECS.get(op, _OTHER)[:2]
+    inputs, outputs, peer = _values(pg, op, args)
+    a: Any = None
+    b: Any = None
+    if kind == ONE:
+        t = next((v for v in (*inputs, *outputs) if isinstance(v, torch.Tensor)), None)
+        if t is not None:
+            a, b = t.shape, t.dtype
+    elif kind == PAIR and inputs and outputs and isinstance(inputs[0], torch.Tensor) \
+            and isinstance(outputs[0], torch.Tensor):
+        a, b = (inputs[0].shape, inputs[0].dtype), (outputs[0].shape, outputs[0].dtype)
+    elif kind != NONE:
+        kind, a, b = LISTS, _specs(inputs), _specs(outputs)
+    return recorder.record(pg, op, p2p, kind, a, b, peer, started)
+
+
+def _values(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any]
+            ) -> tuple[list[Any], list[Any], Any]:
+    """The op's input values, output values and peer, from its arguments."""
+    if isinstance(args, dict):
+        _, _, ins, outs, peer = _SPECS.get(op, _OTHER)
+        return ([args.get(n) for n in ins], [args.get(n) for n in outs],
+                args.get(peer) if peer else None)
+    _, _, at_in, at_out, at_peer = _positions.get(op) or _positions_of(pg, op)
+    return ([args[i] for i in at_in if i < len(args)],
+            [args[i] for i in at_out if i < len(args)],
+            args[at_peer] if at_peer < len(args) else None)
+
+
+def _positions_of(pg: Any, op: str) -> _Positions:
     """Where the public op's inputs, outputs and peer sit among its positional arguments."""
-    at = _params.get(op)
+    at = _positions.get(op)
     if at is None:  # every group spells a public op's parameters as ProcessGroup does
         names = tuple(inspect.signature(getattr(type(pg), op)).parameters)[1:]
-        ins, outs = _IO.get(op, ((), ()))
-        peer = _PEER.get(op)
-        at = _params[op] = (tuple(names.index(n) for n in ins if n in names),
-                            tuple(names.index(n) for n in outs if n in names),
-                            names.index(peer) if peer in names else len(names) + 1)
+        kind, p2p, ins, outs, peer = _SPECS.get(op, _OTHER)
+        at = _positions[op] = (kind, p2p, tuple(names.index(n) for n in ins if n in names),
+                               tuple(names.index(n) for n in outs if n in names),
+                               names.index(peer) if peer in names else len(names) + 1)
     return at
 
 
@@ -174,13 +247,13 @@ def _flat(inputs: list[Any], outputs: list[Any]) -> list[torch.Tensor]:
     return flat
 
 
-def _specs(values: list[Any]) -> list[tuple[Any, Any]]:
-    """(shape, dtype) per value; a tensor list counts as one flat tensor of all its elements,
-    as torch records the lists it flattens (what torch's analyzer compares)."""
+def _specs(values: list[Any]) -> tuple[tuple[Any, Any], ...]:
+    """(shape, dtype) per tensor value; a tensor list's shapes as one Flat (its elements are
+    summed at dump time, as torch records the lists it flattens)."""
     specs: list[tuple[Any, Any]] = []
     for v in values:
         if isinstance(v, torch.Tensor):
             specs.append((v.shape, v.dtype))
         elif isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor):
-            specs.append(((sum(t.numel() for t in v),), v[0].dtype))
-    return specs
+            specs.append((Flat(t.shape for t in v), v[0].dtype))
+    return tuple(specs)

@@ -66,6 +66,16 @@ class TorchStoreAdapter(Store):
         with _torch_errors(key):
             return bool(self.torch_store.delete_key(key))
 
+    def clone(self) -> TorchStoreAdapter:
+        """A new handle on the same data through torch's ``clone`` (its own connection: a
+        TCPStore serves one request of a handle at a time, so a long wait on it would hold
+        up every other request)."""
+        clone = getattr(self.torch_store, "clone", None)
+        if clone is None:
+            raise self._not_implemented("clone")
+        with _torch_errors("*"):
+            return TorchStoreAdapter(clone(), self.timeout)
+
     def close(self) -> None:
         self.torch_store = None
 
