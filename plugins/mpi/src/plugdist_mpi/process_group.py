@@ -552,7 +552,13 @@ class MPIProcessGroup(BackendBase):
                 return NotImplemented
             buf = [self._fromaddress(key[0], key[1]), tensor.numel(), spec[0]]
             args = self._remember(key, (self._MPI.IN_PLACE, buf, spec[1]))
-        return self._run_here("all_reduce", comm.Iallreduce, args, keep=tensor)
+        try:  # _run_here, spelled out: one Python call less on the op benchmarks time
+            late = engine.run_here(comm.Iallreduce, args, self.options.timeout)
+        except Exception as exc:
+            raise self._translate("all_reduce", exc) from exc
+        if late is not None:
+            self._give_up("all_reduce", late, None, tensor)
+        return None
 
     def native_broadcast_blocking(self, *, tensor: torch.Tensor, src: int) -> Any:
         comm = self._comm
