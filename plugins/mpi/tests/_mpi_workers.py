@@ -670,6 +670,34 @@ def check_sync_hot_ops_take_their_lean_hooks(rank: int, ws: int) -> None:
 
 
 @check
+def check_lean_all_reduce_reuses_memory_rightly(rank: int, ws: int) -> None:
+    """The lean all_reduce keeps its MPI arguments per (address, bytes, dtype, op): the same
+    memory seen as another dtype, a shorter prefix of it, or reduced with another op, gets
+    arguments of its own, and a tensor reduced again gets every rank's answer again."""
+    pg = dist.group.WORLD.backend_for("cpu")
+    mem = torch.zeros(4, dtype=torch.int32)
+    for op in (R.SUM, R.MAX):
+        dist.all_reduce(torch.ones(1, dtype=torch.int32), op=op)  # the MPI spec exists
+        dist.all_reduce(torch.ones(1, dtype=torch.float32), op=op)
+    for round_ in range(3):
+        mem.fill_(rank + round_)
+        assert pg.native_all_reduce_blocking(tensor=mem, op=R.SUM) is None
+        want = sum(r + round_ for r in range(ws))
+        assert mem.tolist() == [want] * 4, (round_, mem)
+    mem.fill_(rank)
+    assert pg.native_all_reduce_blocking(tensor=mem, op=R.MAX) is None
+    assert mem.tolist() == [ws - 1] * 4, mem
+    mem.fill_(rank + 1)
+    head = mem[:2]  # the same address, fewer bytes: the rest stays this rank's
+    assert pg.native_all_reduce_blocking(tensor=head, op=R.SUM) is None
+    assert mem.tolist() == [ws * (ws + 1) // 2] * 2 + [rank + 1] * 2, mem
+    floats = mem.view(torch.float32)  # the same bytes as another dtype
+    floats.fill_(rank + 0.5)
+    assert pg.native_all_reduce_blocking(tensor=floats, op=R.SUM) is None
+    assert floats.tolist() == [sum(r + 0.5 for r in range(ws))] * 4, floats
+
+
+@check
 def check_sync_ops_run_on_the_calling_thread(rank: int, ws: int) -> None:
     """Every collective the blocking path may take runs through native_blocking (None, not
     NotImplemented: no Work made) with every rank's answer, staging copies included."""

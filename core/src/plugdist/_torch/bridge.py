@@ -61,6 +61,11 @@ _RED: Any = c10d.ReduceOp.RedOpType
 _REDUCE_OPS = {_RED.SUM: ReduceOp.SUM, _RED.AVG: ReduceOp.AVG, _RED.PRODUCT: ReduceOp.PRODUCT,
                _RED.MIN: ReduceOp.MIN, _RED.MAX: ReduceOp.MAX, _RED.BAND: ReduceOp.BAND,
                _RED.BOR: ReduceOp.BOR, _RED.BXOR: ReduceOp.BXOR}
+# the same, indexed by torch's RedOpType (an int-like enum: indexing needs no hash of it, which
+# costs a call into torch's binding); None for those the bridge has none of (PREMUL_SUM)
+_REDUCTIONS: tuple[ReduceOp | None, ...] = tuple(
+    _REDUCE_OPS.get(_RED(i)) for i in range(max(int(v) for v in _RED.__members__.values()) + 1))
+_AllreduceOptions: Any = c10d.AllreduceOptions
 
 
 def torch_name(backend: str) -> str:
@@ -202,7 +207,7 @@ class BridgeGroup(_TorchProcessGroup):
     def _reduction(self, opts: Any, op_name: str) -> ReduceOp:
         red = getattr(opts, "reduceOp", opts)
         red = getattr(red, "op", red)  # a torch ReduceOp object holds its RedOpType in .op
-        found = _REDUCE_OPS.get(red)
+        found = _REDUCTIONS[red] if type(red) is _RED else None
         if found is None:
             raise ValueError(f"{self._where(op_name)} "
                              f"{red} is not supported through the plugdist bridge (PREMUL_SUM "
@@ -232,6 +237,14 @@ class BridgeGroup(_TorchProcessGroup):
 
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: Any = None) -> BridgeWork:
+        # torch.distributed.all_reduce(tensor): torch's options read once each, no helper calls
+        # (each read of an options field is a call into torch's binding)
+        if (type(opts) is _AllreduceOptions and opts.asyncOp is False and type(tensors) is list
+                and len(tensors) == 1 and self._coalesced is None):
+            red = _REDUCTIONS[opts.reduceOp.op]
+            if red is not None:
+                self.plugdist_group.run_blocking("all_reduce", tensors[0], red)
+                return self._done
         tensors = _as_list(tensors)
         red = self._reduction(opts, "all_reduce") if opts is not None else ReduceOp.SUM
         if len(tensors) == 1:
