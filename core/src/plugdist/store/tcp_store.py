@@ -20,6 +20,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 from plugdist.errors import (
     DistExcludedError,
@@ -686,6 +687,11 @@ class TCPStore(Store):
         will = TCPStoreWill(self, conn, root + DEATHS, ttl)
         renewer().add(will)
         return TCPStoreSession(self._request, will, root.encode(), uid, secret, start, ticket)
+
+    def server_stats(self) -> dict[str, Any] | None:
+        """The load of the server this master runs (``StoreServer.stats``), or None on a
+        client. Any thread; never blocks."""
+        return self._server.stats() if self._server is not None else None
 
     def close(self) -> None:
         """Close this store's connections; on the master also stop the server (other clients
