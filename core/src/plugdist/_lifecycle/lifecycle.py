@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 from plugdist._group.process_group import ProcessGroup
+from plugdist._launch_protocol import PAGE_VAR
 from plugdist._log import get_logger
 from plugdist._observability import page_reporter
 from plugdist._world import groups
@@ -54,7 +55,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                                group_name, pg_options, device_id)
     if _wants_torch_world(torch_world):
         _share_with_torch(pg, explicit=bool(torch_world))
-    if os.environ.get(page_reporter.PAGE_ENV) == "1" and world.store is not None:
+    if os.environ.get(PAGE_VAR) == "1" and world.store is not None:
         page_reporter.start(world.store, _who)  # plugdist-run --page
     get_logger(rank=world.rank, group=pg.group_name).info(
         "init_process_group", backend=world.backend, world_size=world.size,

@@ -4,7 +4,8 @@ the page asks for them.
 Started by ``init_process_group`` when the launcher sets ``PLUGDIST_PAGE=1``; nothing of it runs
 otherwise. One daemon thread per process, off the ops' path: an op does no more than it does
 without the page. Each second the thread writes the rank's status (rank, member id, host, pid,
-the last committed step and its time, from :func:`note_step`) to ``page_status_key(uid)`` in the
+the last committed step and its time, the first step of each recent epoch, from
+:func:`note_step`) to ``page_status_key(uid)`` in the
 world's store, and reads the page's request counter (``PAGE_DUMP``); when it went up, it writes
 the flight recorder's last entries to ``page_ops_key(uid)``. A store that stops answering (the
 run is ending) ends the thread quietly.
@@ -25,20 +26,28 @@ from typing import Any
 from plugdist._observability.flight_recorder import recorder
 from plugdist.store._worldkeys import PAGE_DUMP, page_ops_key, page_status_key
 
-__all__ = ["PAGE_ENV", "note_step", "start", "stop", "recent_ops", "RECENT_OPS"]
+__all__ = ["note_step", "start", "stop", "recent_ops", "RECENT_OPS"]
 
-PAGE_ENV = "PLUGDIST_PAGE"
 RECENT_OPS = 16  # the flight-recorder entries a rank hands the page on request
 _INTERVAL = 1.0
 
-# (committed step, its seconds, wall time of the commit): replaced whole, read whole
-_progress: tuple[int, float, float] | None = None
+# (committed step, its seconds, wall time of the commit, the epoch): replaced whole, read whole
+_progress: tuple[int, float, float, int] | None = None
+# epoch -> (seconds of its first committed step, of the step committed before it): a world
+# change shows as a long first step; the page reads the pause from it
+_epoch_starts: dict[int, tuple[float, float]] = {}
 
 
-def note_step(step: int, seconds: float) -> None:
-    """Record that step ``step`` was committed after ``seconds``. Any thread; no I/O."""
+def note_step(step: int, seconds: float, epoch: int = 0) -> None:
+    """Record that step ``step`` was committed after ``seconds``, in ``epoch``. Called by the
+    training loop's thread; no I/O."""
     global _progress
-    _progress = (step, seconds, time.time())
+    before = _progress
+    if before is not None and before[3] != epoch:
+        _epoch_starts[epoch] = (seconds, before[1])
+        for old in sorted(_epoch_starts)[:-8]:
+            del _epoch_starts[old]
+    _progress = (step, seconds, time.time(), epoch)
 
 
 def recent_ops(limit: int = RECENT_OPS) -> dict[str, Any]:
@@ -79,7 +88,8 @@ class _Reporter:
         progress = _progress
         status = dict(me, host=host, pid=pid, time=time.time())
         if progress is not None:
-            status.update(step=progress[0], step_time=progress[1], step_at=progress[2])
+            status.update(step=progress[0], step_time=progress[1], step_at=progress[2],
+                          epoch_starts={str(e): v for e, v in list(_epoch_starts.items())})
         uid = str(me["uid"])
         self.store.set(page_status_key(uid), json.dumps(status))
         asked = int(self.store.add(PAGE_DUMP, 0))

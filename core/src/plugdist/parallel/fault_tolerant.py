@@ -162,7 +162,7 @@ class ResilientTraining:
         if ok:
             self.step += 1
             now = time.monotonic()
-            note_step(self.step, now - self._committed_at)  # plugdist-run --page shows it
+            note_step(self.step, now - self._committed_at, world.epoch)  # for plugdist-run --page
             self._committed_at = now
             if self.sampler is not None:
                 self.sampler.commit(world.size)
