@@ -374,9 +374,15 @@ class Agent:
 
     def _close_page(self, exit_code: int, reason: str) -> None:
         """Show the run's end on the page, keep serving it --page-linger seconds, stop it."""
-        if self.page is not None:
-            page, self.page = self.page, None
-            page.finish(exit_code, reason, self.cfg.page_linger)
+        if self.page is None:
+            return
+        page, self.page = self.page, None
+        page.finish(exit_code, reason)
+        deadline = time.monotonic() + self.cfg.page_linger
+        seen = len(self.signals)   # a signal (Ctrl-C) ends the wait
+        while len(self.signals) == seen and time.monotonic() < deadline:
+            self.sleeper.sleep(max(0.0, min(0.5, deadline - time.monotonic())))
+        page.stop()
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> LaunchResult:

@@ -10,7 +10,6 @@ Standard library only, like the rest of the launcher.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from plugdist._launcher.page.server import TOKEN_HEADER, PageServer
@@ -68,9 +67,9 @@ class LivePage:
     def new_round(self, assignment: Any) -> None:
         self.watch.new_round(assignment)
 
-    def finish(self, exit_code: int, reason: str = "", linger: float = 0.0) -> None:
-        """The run ended: freeze the end state, serve it ``linger`` more seconds, stop."""
+    def finish(self, exit_code: int, reason: str = "") -> None:
+        """The run ended: show it; the page keeps serving this end state until :meth:`stop`."""
         self.watch.finish(exit_code, reason)
-        if linger > 0:
-            time.sleep(linger)
+
+    def stop(self) -> None:
         self.server.stop()
