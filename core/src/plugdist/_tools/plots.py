@@ -18,8 +18,7 @@ __all__ = ["require", "latency_plot", "bar_plot", "timeline_plot", "INSTALL_HINT
 
 INSTALL_HINT = "plots need matplotlib: pip install 'plugdist[plots]'"
 _COLORS = ("#1565c0", "#c62828", "#2e7d32", "#6a1b9a", "#ef6c00", "#00838f")
-_FAULT_COLORS = {"kill": "#c62828", "stop": "#ef6c00", "cut": "#6a1b9a", "hang": "#ef6c00",
-                 "partition": "#6a1b9a"}
+_FAULT_COLORS = ("#c62828", "#ef6c00", "#6a1b9a", "#00838f", "#ad1457", "#5d4037", "#455a64")
 
 
 def require() -> Any:
@@ -103,12 +102,15 @@ def timeline_plot(path: str | os.PathLike[str], title: str,
         ax.set_ylim(0, max(sizes) + 1)
     for start, seconds in pauses:
         ax.axvspan(start, start + seconds, color="#ffcc80", alpha=0.5, linewidth=0)
-    seen: set[str] = set()
+    colors: dict[str, str] = {}   # a colour per kind, in order of first appearance
+    top = ax.get_ylim()[1]
     for at, kind in faults:
-        color = _FAULT_COLORS.get(kind.split()[0], "#555555")
-        ax.axvline(at, color=color, linestyle="--", linewidth=1,
-                   label=f"fault: {kind}" if kind not in seen else None)
-        seen.add(kind)
+        first = kind not in colors
+        color = colors.setdefault(kind, _FAULT_COLORS[len(colors) % len(_FAULT_COLORS)])
+        ax.axvline(at, color=color, linestyle="--", linewidth=1.6,
+                   label=f"fault: {kind}" if first else None)
+        ax.text(at, top * 0.98, f" {kind}", rotation=90, va="top", ha="right", fontsize=7,
+                color=color)
     ax.set_xlabel("seconds since the start")
     ax.set_ylabel("world size")
     ax.set_title(title, fontsize=10)
