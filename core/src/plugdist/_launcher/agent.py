@@ -45,7 +45,6 @@ from plugdist._launch_protocol import (
 from plugdist._launcher.config import LaunchConfig
 from plugdist._launcher.logs import Duplicate, Sink, plan_streams, pump
 from plugdist._launcher.numa import cpus_for_workers, spawning_bound_to
-from plugdist._launcher.page import LivePage
 from plugdist._launcher.rendezvous import (
     Assignment,
     RendezvousError,
@@ -306,7 +305,7 @@ class Agent:
         self.replacements = 0       # workers started by --replace-failed
         self._filtered: dict[str, tuple[str, tuple[bytes, ...]]] = {}
         self._cpus: list[Any] | None = None
-        self.page: LivePage | None = None   # --page
+        self.page: Any = None   # --page: a page.LivePage (imported only then: it imports the store)
         self._given_token = _given_token(config) if config.page is not None else None
         self.log_root = self._log_root()
 
@@ -366,6 +365,7 @@ class Agent:
         """--page: serve the live page and say where, before any worker starts."""
         if self.cfg.page is None:
             return
+        from plugdist._launcher.page import LivePage
         self.page = LivePage(self, rdzv.store, self.cfg.page, self._given_token)
         self.page.start()
         how = (" (it needs the job's store token: header X-Plugdist-Token, or add "
