@@ -3,8 +3,9 @@ store, this node's workers from the agent, the store's load from the server this
 
 The thread polls every ``interval`` seconds and replaces :attr:`Watch.snapshot` whole (a dict
 ready for JSON), so a reader never sees half an update. Times are when the watch saw a record
-(the death log's records carry none), so they are right to within the interval; a pause is the
-time from the first death (or join request) seen in an epoch to the next epoch seen.
+(the death log's records carry none), so they are right to within the interval. A world
+change's pause comes from the ranks: how much longer the first step committed in the new epoch
+took than the step before it.
 
 Everything it reads is under the round's world root (``worker_round_root``): the death log,
 ``plugdist/epoch/current`` and each epoch's members, and what each rank reports for the page
@@ -131,7 +132,6 @@ class Watch:
         self._dead: dict[str, str] = {}       # uid -> cause
         self._joining: set[str] = set()
         self._status: dict[str, dict[str, Any]] = {}
-        self._pending_since: float | None = None   # first death/join request of this epoch
         self._store_error = ""
 
     def _run(self) -> None:
@@ -168,13 +168,11 @@ class Watch:
                 self._joining.add(uid)
                 if uid not in self._uids:
                     self._uids.append(uid)
-                self._pending_since = self._pending_since or time.time()
                 self._event("join", f"a process asks to join (member id {uid})", uid=uid)
             elif cause in _DEATHS or cause == "excluded":
                 how = record.get("how") or record.get("after")
                 text = cause + (f" ({how})" if how else "")
                 self._dead[uid] = text
-                self._pending_since = self._pending_since or time.time()
                 kind = "exclusion" if cause == "excluded" else "death"
                 self._event(kind, f"rank {self._rank_of(uid)} (member {uid}) {text}",
                             uid=uid, cause=cause, rank=self._rank_of(uid))
@@ -193,7 +191,6 @@ class Watch:
                 self._joining.discard(uid)
                 if uid not in self._uids:
                     self._uids.append(uid)
-            self._pending_since = None
             gone = [u for u in before if u not in self._members]
             came = [u for u in self._members if u not in before]
             kind = "grow" if came and not gone else "shrink" if gone and not came else "reshape"
