@@ -190,6 +190,40 @@ def test_the_page_shows_a_killed_rank_and_the_shrink_in_a_browser(tmp_path: Path
         job.close()
 
 
+@pytest.mark.resilience
+@pytest.mark.timeout(300)
+def test_the_page_shows_a_replacement_join_and_the_world_grow_back(tmp_path: Path) -> None:
+    """--replace-failed: the killed rank's replacement asks to join and the world grows back
+    to 3; the rendered page shows the join, the grow and the new member running."""
+    chromium()
+    stop = tmp_path / "stop"
+    job = Job(["--nproc-per-node", "3", "--monitor-interval", "0.05", "--page", "0",
+               "--replace-failed", "--max-restarts", "1", TRAIN, "--steps", "1000000",
+               "--hidden", "32", "--step-time", "0.05", "--stop-file", str(stop)],
+              {"PLUGDIST_RESILIENCE": "1"})
+    try:
+        url = job.url()
+        before = wait_state(url, lambda s: len(s["members"]) == 3 and all(
+            (m["step"] or 0) >= 3 for m in s["members"]), "3 ranks training", 180, job)
+        os.kill(next(m["pid"] for m in before["members"] if m["uid"] == "2"), signal.SIGKILL)
+        grown = wait_state(url, lambda s: s["world"]["size"] == 3 and s["world"]["epoch"] >= 2,
+                           "the world grown back to 3", 240, job)
+        kinds = [e["kind"] for e in grown["history"]]
+        assert "death" in kinds and "join" in kinds, grown["history"]
+        assert kinds.index("shrink") < kinds.index("grow"), grown["history"]
+        assert grown["world"]["members"] == ["0", "1", "j1"]
+        dom = render(url, tmp_path)
+        assert re.search(r'id="world-size"[^>]*>3<', dom), dom[:3000]
+        assert re.search(r'data-kind="grow"[^>]*>[^<]*from 2 to 3 \(with j1\)', dom), dom
+        assert re.search(r'data-kind="join"[^>]*>[^<]*member id j1', dom)
+        assert re.search(r'data-state="dead" data-uid="2"', dom)
+        assert re.search(r'data-state="running" data-uid="j1"><td>2</td>', dom)
+        stop.touch()
+        assert job.proc.wait(timeout=120) == 0, job.stderr[-3000:]
+    finally:
+        job.close()
+
+
 @pytest.mark.timeout(120)
 def test_beyond_loopback_every_request_needs_the_jobs_token(tmp_path: Path) -> None:
     secret = "page-test-" + os.urandom(8).hex()

@@ -61,7 +61,7 @@ def latency_plot(path: str | os.PathLike[str], title: str,
     ax.xaxis.set_major_formatter(FuncFormatter(_size_label))
     ax.set_xlabel("message size (bytes per rank)")
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=9)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend()
     return _save(fig, path)
@@ -71,7 +71,7 @@ def bar_plot(path: str | os.PathLike[str], title: str, cases: Sequence[str],
              series: Mapping[str, Sequence[float]], ylabel: str, log: bool = True) -> Any:
     """One group of bars per case, one bar per ``series`` item (label -> a value per case; NaN:
     not measured), on a logarithmic axis unless ``log`` is False."""
-    fig = _figure(max(5.0, 1.1 * len(cases) + 2.5))
+    fig = _figure(max(7.0, 0.3 * len(cases) * len(series) + 2.5))
     ax = fig.add_subplot()
     width = 0.8 / max(1, len(series))
     for i, ((label, values), color) in enumerate(zip(series.items(), _COLORS, strict=False)):
@@ -81,7 +81,7 @@ def bar_plot(path: str | os.PathLike[str], title: str, cases: Sequence[str],
     if log:
         ax.set_yscale("log")
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=9)
     ax.grid(True, axis="y", which="major", alpha=0.3)
     ax.legend()
     return _save(fig, path)
@@ -113,7 +113,7 @@ def timeline_plot(path: str | os.PathLike[str], title: str,
                 color=color)
     ax.set_xlabel("seconds since the start")
     ax.set_ylabel("world size")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=9)
     if steps:
         right = ax.twinx()
         st, sv = zip(*steps, strict=True)
