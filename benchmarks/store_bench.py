@@ -453,6 +453,14 @@ def etcd_main(a: argparse.Namespace) -> None:
                                                    if r["errors"] else ""))
 
 
+def plot(cases: list[str], medians: dict[str, list[float]], a: argparse.Namespace,
+         path: str) -> Any:
+    """The latency medians (set and get, each placement) of every store as a PNG."""
+    from plugdist._tools.plots import bar_plot
+    return bar_plot(path, f"TCPStore round trip, {a.value_size} B values, median of {a.iters} "
+                          f"(benchmarks/store_bench.py)", cases, medians, "median latency (us)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -488,7 +496,13 @@ def main() -> None:
     ap.add_argument("--etcd-writers", type=int, default=3)
     ap.add_argument("--etcd-waiters", type=int, default=512,
                     help="parked waiters woken by one write (the fan-out of a death)")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="also write the latency medians as a PNG (pip install "
+                         "'plugdist[plots]')")
     a = ap.parse_args()
+    if a.plot:
+        from plugdist._tools.plots import require
+        require()   # fail now, not after the runs
     if a.etcd:
         etcd_main(a)
         return
@@ -505,11 +519,15 @@ def main() -> None:
         placements.append(("shared (both on cpu0)", 0, 0))
         print(f"\n{'placement':34} {'op':4} {'impl':15} {'median us':>10} {'p99 us':>10}")
         ratios = []
+        cases: list[str] = []
+        medians: dict[str, list[float]] = {impl: [] for impl in IMPLS}
         for label, ccpu, scpu in placements:
             res = {impl: latency(impl, ccpu, scpu, a) for impl in IMPLS}
             for op in ("set", "get"):
+                cases.append(f"{op}, {label.split(' (')[0]}")
                 for impl in IMPLS:
                     r = res[impl][op]
+                    medians[impl].append(r["median_us"])
                     print(f"{label:34} {op:4} {impl:15} {r['median_us']:10.1f} "
                           f"{r['p99_us']:10.1f}")
                 med = {impl: res[impl][op]["median_us"] for impl in IMPLS}
@@ -520,6 +538,9 @@ def main() -> None:
         print()
         for line in ratios:
             print(line)
+        if a.plot:
+            plot(cases, medians, a, a.plot)
+            print(f"plot: {a.plot}")
         print("\ntoken cost, paired (one client alternating 20 blocks between a server without "
               "and one with a token; medians in us)")
         for label, ccpu, scpu in placements:

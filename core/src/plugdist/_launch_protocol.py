@@ -22,11 +22,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["ERROR_FILE_VAR", "RESILIENT_MARK_VAR", "mark_resilient", "read_error_file",
+__all__ = ["ERROR_FILE_VAR", "RESILIENT_MARK_VAR", "PAGE_VAR", "mark_resilient", "read_error_file",
            "record", "write_error_file"]
 
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
 RESILIENT_MARK_VAR = "PLUGDIST_RESILIENT_MARK"
+# "1": the launcher serves a live page (plugdist-run --page); each rank reports its status to it
+PAGE_VAR = "PLUGDIST_PAGE"
 F = TypeVar("F", bound=Callable[..., Any])
 
 

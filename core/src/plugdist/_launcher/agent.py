@@ -36,7 +36,12 @@ import threading
 import time
 from typing import IO, Any
 
-from plugdist._launch_protocol import ERROR_FILE_VAR, RESILIENT_MARK_VAR, read_error_file
+from plugdist._launch_protocol import (
+    ERROR_FILE_VAR,
+    PAGE_VAR,
+    RESILIENT_MARK_VAR,
+    read_error_file,
+)
 from plugdist._launcher.config import LaunchConfig
 from plugdist._launcher.logs import Duplicate, Sink, plan_streams, pump
 from plugdist._launcher.numa import cpus_for_workers, spawning_bound_to
@@ -267,6 +272,19 @@ def _choose_token(cfg: LaunchConfig) -> None:
             f"tokens off explicitly with --rdzv-conf token=")
 
 
+def _given_token(cfg: LaunchConfig) -> bytes | None:
+    """The token the user gave the job (``--rdzv-conf token_file``, ``PLUGDIST_STORE_TOKEN`` or
+    ``PLUGDIST_STORE_TOKEN_FILE``), read before :func:`_choose_token` gives a one-node run a
+    fresh one that nobody else knows: the page asks for it beyond loopback. None if none (or
+    unreadable: :func:`_choose_token` says why)."""
+    from plugdist.store._tokens import read_token_file, resolve_token
+    try:
+        return read_token_file(cfg.rdzv.token_file) if cfg.rdzv.token_file \
+            else resolve_token()[0]
+    except DistStoreError:
+        return None
+
+
 class Agent:
     """One launch on this node. Not reusable; ``run`` must be called from one thread."""
 
@@ -287,6 +305,8 @@ class Agent:
         self.replacements = 0       # workers started by --replace-failed
         self._filtered: dict[str, tuple[str, tuple[bytes, ...]]] = {}
         self._cpus: list[Any] | None = None
+        self.page: Any = None   # --page: a page.LivePage (imported only then: it imports the store)
+        self._given_token = _given_token(config) if config.page is not None else None
         self.log_root = self._log_root()
 
     # -- set up --------------------------------------------------------------------------------
@@ -337,7 +357,32 @@ class Agent:
         # a worker that crashes (SIGSEGV, SIGABRT from a heap check, ...) prints every thread's
         # Python stack first, so the summary's stderr tail shows where
         base.setdefault("PYTHONFAULTHANDLER", "1")
+        if self.cfg.page is not None:
+            base[PAGE_VAR] = "1"   # each worker reports its status to the page
         return base
+
+    def _open_page(self, rdzv: StoreRendezvous) -> None:
+        """--page: serve the live page and say where, before any worker starts."""
+        if self.cfg.page is None:
+            return
+        from plugdist._launcher.page import LivePage
+        self.page = LivePage(self, rdzv.store, self.cfg.page, self._given_token)
+        self.page.start()
+        how = (" (it needs the job's store token: header X-Plugdist-Token, or add "
+               "?token=... yourself)" if self.page.needs_token else "")
+        self.err.text(f"{PROG}: live page at {self.page.url}{how}")
+
+    def _close_page(self, exit_code: int, reason: str) -> None:
+        """Show the run's end on the page, keep serving it --page-linger seconds, stop it."""
+        if self.page is None:
+            return
+        page, self.page = self.page, None
+        page.finish(exit_code, reason)
+        deadline = time.monotonic() + self.cfg.page_linger
+        seen = len(self.signals)   # a signal (Ctrl-C) ends the wait
+        while len(self.signals) == seen and time.monotonic() < deadline:
+            self.sleeper.sleep(max(0.0, min(0.5, deadline - time.monotonic())))
+        page.stop()
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> LaunchResult:
@@ -355,6 +400,7 @@ class Agent:
         try:
             _choose_token(cfg)
             rdzv = StoreRendezvous(cfg, interrupted=lambda: bool(self.signals))
+            self._open_page(rdzv)
             self.watchdog = _Watchdog()
             base = self._base_env()
             self.keeper = self._keep_node_wills(rdzv)
@@ -362,6 +408,8 @@ class Agent:
                 base.update(self.keeper.env)
             while True:
                 a = rdzv.next_round(a)
+                if self.page is not None:
+                    self.page.new_round(a)
                 outcome = self._round(rdzv, a, base)
                 result = self._after_round(rdzv, a, outcome)
                 if result is not None:
@@ -383,6 +431,7 @@ class Agent:
             if self.keeper is not None:
                 self.keeper.close()
                 shutil.rmtree(self.keeper.directory, ignore_errors=True)
+            self._close_page(1, "the launcher stopped")   # not reached by _result: an error
             if rdzv is not None:
                 rdzv.close()
             if self.watchdog is not None:
@@ -395,6 +444,7 @@ class Agent:
 
     def _result(self, exit_code: int, a: Assignment | None, *, reason: str = "",
                 first: Failure | None = None) -> LaunchResult:
+        self._close_page(exit_code, reason)
         return LaunchResult(
             config=self.cfg, exit_code=exit_code,
             workers=tuple(w.status() for w in self.workers),

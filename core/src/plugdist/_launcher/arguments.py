@@ -137,6 +137,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, set[str], list[str]]:
     opt("--virtual-local-rank", action="store_true",
         help="every worker sees LOCAL_RANK=0 and, through CUDA_VISIBLE_DEVICES, only the GPU "
              "of its local rank, as device 0")
+    opt("--page", default=None, metavar="[HOST:]PORT",
+        help="serve a live page of the run (members, deaths, shrinks and grows, the store's "
+             "load, each rank's recent collectives) and its data as JSON at "
+             "http://HOST:PORT/ (HOST default 127.0.0.1; PORT 0: a free one, printed); beyond "
+             "loopback it needs the job's store token (see docs/observability.md)")
+    opt("--page-linger", type=float, default=0.0, metavar="S",
+        help="keep serving the page's end state S seconds after the run ended (default 0)")
     opt("--local-addr", default=None, metavar="ADDR",
         help="the address other nodes reach this node at (default: the one it reaches the "
              "rendezvous store from)")
@@ -354,6 +361,9 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
         except ValueError:
             raise ValueError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text!r} is not a number of "
                              "seconds; fix it or pass --grace-period") from None
+    if ns.page is not None:
+        from plugdist._launcher.page import parse_address
+        parse_address(ns.page)   # a malformed address is refused before anything starts
     entrypoint, args = rest[0], tuple(rest[1:])
     if not ns.module and not ns.no_python and not os.path.isfile(entrypoint):
         raise ValueError(f"script {entrypoint!r} not found (cwd {os.getcwd()}); pass -m to run a "
@@ -373,4 +383,5 @@ def _config(ns: argparse.Namespace, rest: list[str]) -> LaunchConfig:
         no_python=ns.no_python, run_path=ns.run_path,
         duplicate_stdout_filters=parse_filters(ns.duplicate_stdout_filters),
         duplicate_stderr_filters=parse_filters(ns.duplicate_stderr_filters),
-        numa_binding=ns.numa_binding, virtual_local_rank=ns.virtual_local_rank)
+        numa_binding=ns.numa_binding, virtual_local_rank=ns.virtual_local_rank,
+        page=ns.page, page_linger=ns.page_linger)

@@ -191,6 +191,8 @@ class LaunchConfig:
     duplicate_stderr_filters: tuple[str, ...] = ()
     numa_binding: str | None = None
     virtual_local_rank: bool = False
+    page: str | None = None      # --page [HOST:]PORT: serve the live page there
+    page_linger: float = 0.0     # --page-linger: seconds the page shows the end state
 
     @property
     def nnodes(self) -> int:

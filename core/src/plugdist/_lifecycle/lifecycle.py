@@ -13,7 +13,9 @@ from datetime import timedelta
 from typing import Any
 
 from plugdist._group.process_group import ProcessGroup
+from plugdist._launch_protocol import PAGE_VAR
 from plugdist._log import get_logger
+from plugdist._observability import page_reporter
 from plugdist._world import groups
 from plugdist._world.state import world
 from plugdist.errors import where
@@ -53,6 +55,8 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                                group_name, pg_options, device_id)
     if _wants_torch_world(torch_world):
         _share_with_torch(pg, explicit=bool(torch_world))
+    if os.environ.get(PAGE_VAR) == "1" and world.store is not None:
+        page_reporter.start(world.store, _who)  # plugdist-run --page
     get_logger(rank=world.rank, group=pg.group_name).info(
         "init_process_group", backend=world.backend, world_size=world.size,
         torch_world=world.torch_default is not None)
@@ -67,7 +71,17 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
 
         torch_bridge.release_world(world.torch_default)
         world.torch_default = None
+    if group is None or group is world.default:
+        page_reporter.stop()
     groups.destroy(group)
+
+
+def _who() -> dict[str, Any]:
+    """This process in the world now, for the live page (its rank changes when the world
+    shrinks; its member id does not)."""
+    m = world.membership
+    return {"uid": m.uid if m is not None else str(world.rank), "rank": world.rank,
+            "world_size": world.size, "epoch": world.epoch}
 
 
 JOIN_ENV = "PLUGDIST_JOIN"

@@ -265,11 +265,33 @@ def parser() -> argparse.ArgumentParser:
                         "torch thread)")
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds for the whole sweep before the ranks are stopped (default 1800)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also write the latencies as a PNG (against size, log axes; with "
+                        "--compare, both sides): needs pip install 'plugdist[plots]'")
     return p
+
+
+def plot(rows: list[dict[str, Any]], cfg: dict[str, Any], n: int, path: str) -> Any:
+    """The sweep's latencies against size as a PNG at ``path``; returns the figure."""
+    from plugdist._tools.plots import latency_plot
+    sizes = [r["bytes"] for r in rows]
+    series = {f"plugdist ({cfg['backend']})": (sizes, [r["ours"] * 1e6 for r in rows])}
+    if cfg["compare"]:
+        name = "torch.distributed" if cfg["compare"] == "torch" else "mpi4py"
+        series[f"{name} ({cfg['backend']})"] = (sizes, [r["theirs"] * 1e6 for r in rows])
+    return latency_plot(path, f"{cfg['op']}, {n} ranks, {cfg['dtype']} (plugdist-bench)",
+                        series)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.plot:
+        from plugdist._tools.plots import require
+        try:
+            require()   # before the sweep, not after it
+        except RuntimeError as err:
+            print(f"plugdist-bench: --plot: {err}", file=sys.stderr)
+            return 1
     from plugdist.testing.harness import WorldError, free_port, run_world
 
     cfg = {"op": args.op, "backend": args.backend, "dtype": args.dtype, "compare": args.compare,
@@ -285,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plugdist-bench: {err}", file=sys.stderr)
         return 1
     print(_format(results[0], cfg, args.nproc))
+    if args.plot:
+        plot(results[0], cfg, args.nproc, args.plot)
+        print(f"# plot: {args.plot}")
     sys.stdout.flush()
     return 0
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -35,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from plugdist._log import get_logger
+from plugdist._observability.page_reporter import note_step
 from plugdist._resilience.policy import off_hint
 from plugdist._resilience.writes import MemberWrites
 from plugdist._world.state import world
@@ -106,6 +108,7 @@ class ResilientTraining:
         self.timeout = timeout or pg.timeout
         self.step = 0          # committed steps
         self.redone = 0        # attempts discarded because a member failed
+        self._committed_at = time.monotonic()  # when the last step was committed
         self.stopping = False  # a stop was agreed (request_stop): the same on every member
         self._stop_asked = False
         self._grow_due = False
@@ -159,6 +162,9 @@ class ResilientTraining:
         ok, waiting, stop = self._vote(finished)
         if ok:
             self.step += 1
+            now = time.monotonic()
+            note_step(self.step, now - self._committed_at, world.epoch)  # for plugdist-run --page
+            self._committed_at = now
             if self.sampler is not None:
                 self.sampler.commit(world.size)
             self._grow_due = waiting > 0

@@ -40,7 +40,7 @@ __all__ = [
     "declared_key", "death_key", "ticket_key", "admitted_key", "epoch_prefix", "joiner_uid",
     "group_prefix", "leaving_key", "left_key", "FT_FORGOTTEN", "ft_epoch_prefix", "ft_state_key",
     "ft_step_key", "ft_block_prefix", "ft_vote_key", "worker_round_root",
-    "worker_attempt_root", "rdzv_root",
+    "worker_attempt_root", "rdzv_root", "PAGE_DUMP", "page_status_key", "page_ops_key",
 ]
 
 # ---- a world's membership (reserved) ---------------------------------------------------------
@@ -265,3 +265,17 @@ def worker_attempt_root(attempt: str | int) -> str:
 def rdzv_root(run_id: str) -> str:
     """The launcher's rendezvous keys of run ``run_id``."""
     return f"plugdist/rdzv/{run_id}/"
+
+
+# plugdist-run's live page (--page): what each rank publishes for it, under the world's root
+PAGE_DUMP = "plugdist/page/dump"  # a counter: each increment asks every rank for its recent ops
+
+
+def page_status_key(uid: str) -> str:
+    """A rank's status for the live page (a JSON object), under member id ``uid``."""
+    return f"plugdist/page/status/{uid}"
+
+
+def page_ops_key(uid: str) -> str:
+    """A rank's answer to the live page's last request for its recent ops (a JSON object)."""
+    return f"plugdist/page/ops/{uid}"

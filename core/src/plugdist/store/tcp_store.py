@@ -20,6 +20,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 from plugdist.errors import (
     DistExcludedError,
@@ -737,6 +738,11 @@ class TCPStore(Store):
         self._vouch = w.request(w.Op.VOUCH, b"".join((w.U32.pack(len(r)), r, w.U32.pack(len(u)),
                                                       u, w.U32.pack(len(secret)), secret)))
         return TCPStoreSession(self._request, will, root.encode(), uid, secret, start, ticket)
+
+    def server_stats(self) -> dict[str, Any] | None:
+        """The load of the server this master runs (``StoreServer.stats``), or None on a
+        client. Any thread; never blocks."""
+        return self._server.stats() if self._server is not None else None
 
     def close(self) -> None:
         """Close this store's connections; on the master also stop the server (other clients

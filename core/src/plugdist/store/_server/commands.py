@@ -46,6 +46,7 @@ class Commands:
         self._data = keys.data
         self._queues = keys.queues
         self._waiters = keys.waiters
+        self.served = 0  # requests handled so far (read by StoreServer.stats)
         self.handlers: dict[int, Handler] = {
             w.Op.SET: self._op_set, w.Op.GET: self._op_get, w.Op.ADD: self._op_add,
             w.Op.COMPARE_SET: self._op_compare_set, w.Op.WAIT: self._op_wait,
@@ -74,6 +75,7 @@ class Commands:
         parked (``conn.waiter`` is set until it is answered through ``answer``), or a
         :class:`Sliced` for a request of more than ``SLICE_KEYS`` keys. Raises ValueError (and
         the like) for a malformed body."""
+        self.served += 1
         return self.handlers[op](conn, buf, pos, end)
 
     def refusal_ahead(self, conn: Any, op: int, buf: bytes | bytearray, pos: int,

@@ -30,6 +30,7 @@ import ipaddress
 import socket
 import threading
 import time
+from typing import Any
 
 from plugdist._log import get_logger
 from plugdist.errors import DistNetworkError
@@ -115,6 +116,18 @@ class StoreServer:
             return ipaddress.ip_address(self.listening_on.split("%")[0]).is_loopback
         except ValueError:
             return False
+
+    def stats(self, top: int = 5) -> dict[str, Any]:
+        """A snapshot of the load (for ``plugdist-run --page``): open connections, requests
+        served so far, parked requests, and the ``top`` keys with the most parked waiters. Any
+        thread; no lock: it reads counters and copies one dict, so the numbers may be a turn
+        apart."""
+        waiting = list(self._waiters.waiting.items())
+        busiest = sorted(((len(ws), k) for k, ws in waiting if ws), reverse=True)[:top]
+        return {"connections": len(self._conns), "requests": self._commands.served,
+                "parked": self._waiters.parked,
+                "top_waiters": [{"key": k.decode("utf-8", "replace"), "waiters": n}
+                                for n, k in busiest]}
 
     # ---- lifecycle -------------------------------------------------------------------------
 
