@@ -160,12 +160,14 @@ def test_members_writes_are_checked(master: TCPStore, monkeypatch: pytest.Monkey
 
 
 @pytest.mark.timeout(60)
-def test_members_values_are_checked_and_the_death_log_is_the_servers(master: TCPStore) -> None:
+def test_members_values_are_checked_and_the_death_log_is_the_servers(
+        master: TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """A member's credential does not let it write anything under its world's keys: a decision
     names only the epoch's members, a grow only joiners with a ticket not yet admitted, a seen
     mark only the writer's own (at most the log's length), a trim only up to what every member
     had read; no member deletes a death record, and the server deletes what a trim forgets.
     The leave count and the vote outcomes are members' writes, each checked too."""
+    monkeypatch.setenv(ALLOW_TOKENLESS_JOIN_ENV, "1")  # the joiners below, on a tokenless store
     c = client(master)
     zero, one = c.claim_member("", "0", 2, 10.0), c.claim_member("", "1", 2, 10.0)
     refused = {
@@ -255,11 +257,13 @@ def test_members_values_are_checked_and_the_death_log_is_the_servers(master: TCP
 
 
 @pytest.mark.timeout(60)
-def test_joiners_that_came_and_went_do_not_stop_the_trims(master: TCPStore) -> None:
+def test_joiners_that_came_and_went_do_not_stop_the_trims(
+        master: TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """Join-and-close, repeated past the store's per-request key limit (100 here, 131,072 by
     default) with no grow in between: the trim skips the tickets of joiners known gone, so the
     death log is still trimmed (it once had to check every such ticket in one request, was
     refused, and nothing was trimmed again)."""
+    monkeypatch.setenv(ALLOW_TOKENLESS_JOIN_ENV, "1")  # the joiners below, on a tokenless store
     from plugdist._resilience.cleanup import trim
 
     c = client(master)
