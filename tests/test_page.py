@@ -4,7 +4,7 @@ rule beyond loopback, checked with real HTTP requests from this process (a stran
 
 The browser is the system's Chromium (``make venv`` installs it with apt where it can); without
 one the browser test skips, saying how to install it. Each run keeps a screenshot of the page
-and prints its path; ``PLUGDIST_PAGE_SCREENSHOT=PATH`` also copies it there (docs/page.png is
+and prints its path; ``PLUGDIST_PAGE_SCREENSHOT=PATH`` also copies it there (docs/images/page.png is
 made that way).
 """
 

@@ -203,9 +203,15 @@ class Watch:
                         left=gone, joined=came)
 
     def _read_status(self, root: Store) -> None:
-        for uid in self._uids:
+        # a rank's status key stays once written: those seen are read in one request, the
+        # others looked for one by one (only until each rank's first report)
+        seen = [u for u in self._members if u in self._status]
+        if seen:
+            values = root.multi_get([page_status_key(u) for u in seen])
+            self._status.update((u, json.loads(v)) for u, v in zip(seen, values, strict=True))
+        for uid in self._members:
             key = page_status_key(uid)
-            if uid in self._members and root.check([key]):
+            if uid not in self._status and root.check([key]):
                 self._status[uid] = json.loads(root.get(key))
         self._read_pauses()
 
