@@ -29,7 +29,7 @@ drifts, cancels out). The abuses:
                  size), back to back, while 16 connections each ask for it 7 times (56 MiB)
                  and never read (re-opened when dropped)
   guests         5,000 connections that each send one NUM_KEYS and are then held (re-opened
-                 when displaced): past 4,096 from one address a new one displaces the oldest
+                 when dropped): guests, under the per-address bound
 
 Prints, per abuse, the ranks' round trip (set + get) median and p99 in µs, their ratios to the
 quiet window before, and what the stranger got done; then torch's TCPStore, quiet, for scale.

@@ -224,9 +224,10 @@ def test_env_world_without_token(tmp: Path) -> None:
         assert_membership_attacks_refused(got)
         assert "at most 131072 keys per request" in got["check_flood"], got
         assert_server_attacks_refused(got)
-        # 5,000 tokenless connections from loopback: past 4,096 a new one displaces the oldest
+        # 5,000 tokenless connections from loopback, held as guests (under the per-address
+        # bound): the members' connections, trusted, are untouched and the ranks train on
         closed, _, held = got["held_connections"].removeprefix("accepted: ").partition(" of ")
-        assert int(held.split()[0]) == 5000 and int(closed) >= 5000 - 4096, got
+        assert int(held.split()[0]) == 5000, got
         world.trains_on()
 
         # a stray second job: same MASTER_PORT, RANK=1 of 3, and one of another size

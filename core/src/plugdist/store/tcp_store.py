@@ -696,10 +696,9 @@ class TCPStore(Store):
             raise
         will = TCPStoreWill(self, conn, root + DEATHS, ttl)
         renewer().add(will)
-        r, u = root.encode(), uid.encode()
-        self._vouch = w.request(w.Op.VOUCH, b"".join((w.U32.pack(len(r)), r, w.U32.pack(len(u)),
-                                                      u, w.U32.pack(len(secret)), secret)))
-        return TCPStoreSession(self._request, will, root.encode(), uid, secret, start, ticket)
+        session = TCPStoreSession(self._request, will, root.encode(), uid, secret, start, ticket)
+        session.using(self)  # this store's pooled connections vouch with the identity
+        return session
 
     def close(self) -> None:
         """Close this store's connections; on the master also stop the server (other clients

@@ -69,7 +69,7 @@ class TCPStoreLimits:
     max_parked_inbound_bytes: int = 64 * 1024
     max_unread_reply_bytes: int = 1024 * 1024
     max_reply_bytes: int = w.MAX_FRAME
-    max_guests_per_address: int = 4096
+    max_guests_per_address: int = 32768
     guest_idle_timeout: timedelta = timedelta(seconds=60)
 
     def __post_init__(self) -> None:
