@@ -25,6 +25,11 @@ drifts, cancels out). The abuses:
   idle           2,000 connections that finish the handshake and send nothing (re-opened)
   forge          plain writes to the death log and the epoch records, forged member writes and
                  claims of a held identity, in a loop (each refused)
+  big_reply      MULTI_GETs naming one 8 MiB value 64 times (a 512 MiB reply: refused on its
+                 size), back to back, while 16 connections each ask for it 7 times (56 MiB)
+                 and never read (re-opened when dropped)
+  guests         5,000 connections that each send one NUM_KEYS and are then held (re-opened
+                 when dropped): guests, under the per-address bound
 
 Prints, per abuse, the ranks' round trip (set + get) median and p99 in µs, their ratios to the
 quiet window before, and what the stranger got done; then torch's TCPStore, quiet, for scale.
@@ -49,7 +54,7 @@ from typing import Any
 
 HOST = "127.0.0.1"
 PHASES = ("quiet", "check_flood", "mset_flood", "mget_flood", "oversized", "pipeline", "partial",
-          "trickle", "garbage", "idle", "forge")
+          "trickle", "garbage", "idle", "forge", "big_reply", "guests")
 
 
 def pin(cpu: int) -> None:
@@ -148,11 +153,49 @@ def role_stranger(a: argparse.Namespace) -> None:
     elif phase == "pipeline":
         one = w.request(w.Op.SET, w.U32.pack(3) + b"abc" + w.U32.pack(1) + b"x")
         frame = one * 1000
+    elif phase == "big_reply":
+        store.set("stranger/big", os.urandom(8 << 20))
+        frame = w.request(w.Op.MULTI_GET, w.F64.pack(30.0) + w.pack_blobs([b"stranger/big"] * 64))
+        unread = w.request(w.Op.MULTI_GET,
+                           w.F64.pack(30.0) + w.pack_blobs([b"stranger/big"] * 7))
+    elif phase == "guests":
+        import resource
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
+        num_keys = w.request(w.Op.NUM_KEYS, b"")
     began = time.monotonic()
     deadline = began + a.seconds
     while time.monotonic() < deadline:
         try:
-            if phase in ("check_flood", "mset_flood", "mget_flood", "oversized"):
+            if phase == "big_reply":  # the hogs never read: only re-opened when dropped
+                while len(held) < 16:
+                    s = _raw(port)
+                    s.setblocking(False)
+                    try:
+                        for _ in range(4):  # the server stops reading it after the first
+                            s.send(unread)
+                    except BlockingIOError:
+                        pass
+                    s.setblocking(True)
+                    held.append(s)
+                try:
+                    store._request(phase, frame, wait=30.0)
+                except DistError:
+                    done += 1
+                for s in list(held):
+                    try:
+                        s.send(b"")
+                    except OSError:
+                        held.remove(s)
+            elif phase == "guests":
+                held[:] = [s for s in held if _alive(s)]
+                while len(held) < 5000 and time.monotonic() < deadline:
+                    s = _raw(port)
+                    s.sendall(num_keys)
+                    held.append(s)
+                    done += 1
+                time.sleep(0.2)
+            elif phase in ("check_flood", "mset_flood", "mget_flood", "oversized"):
                 try:
                     store._request(phase, frame, wait=30.0)
                 except DistError:

@@ -240,22 +240,100 @@ def _attack_check_flood(store: Any, root: str) -> str:
     return f"answered in {time.monotonic() - start:.2f}s"
 
 
+def _attack_root_crash(store: Any, root: str) -> str:
+    """The four frames that ended every world: a claim on a root without '/', a plain set of
+    that root's epoch to a non-number, and the claim's connection closed (the server parsed
+    the epoch as it released the world)."""
+    store.set("xplugdist/epoch/current", "not a number")  # a plain key: accepted
+    session = store.claim_member("x", "0", 1, 10.0)
+    session.will._conn.close()
+    time.sleep(0.5)
+    return "claimed under root 'x' and closed"
+
+
+def _attack_big_multi_get(store: Any, root: str) -> str:
+    """A 460-byte MULTI_GET naming one 8 MiB value 64 times (a 512 MiB reply); then 16
+    connections that send MULTI_GETs of 7 of them (56 MiB each) and never read."""
+    from plugdist.errors import DistStoreError
+    from plugdist.store import _wire as w
+    store.set("stranger/big", os.urandom(8 << 20))
+    try:
+        store.multi_get(["stranger/big"] * 64)
+        answer = "answered"
+    except DistStoreError as err:
+        answer = f"refused: {err}"
+    host, port = store.host, store.port
+    frame = w.request(w.Op.MULTI_GET, w.F64.pack(30.0) + w.pack_blobs([b"stranger/big"] * 7))
+    hogs = []
+    for _ in range(16):
+        s = _raw(host, port)
+        s.setblocking(False)
+        for _ in range(20):
+            try:
+                s.send(frame)
+            except BlockingIOError:
+                break
+        hogs.append(s)
+    time.sleep(3)
+    for s in hogs:
+        s.close()
+    store.delete_key("stranger/big")
+    return answer
+
+
+def _held_connections(host: str, port: int, settle: float = 2.0) -> str:
+    """5,000 tokenless connections from the world's address (loopback), each sending one
+    NUM_KEYS (which proved a connection before) and then held: guests past the per-address
+    bound are displaced; the rest would go when idle."""
+    import resource
+
+    from plugdist.store import _wire as w
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
+    held = []
+    for _ in range(5000):
+        try:
+            s = socket.create_connection((host, port), timeout=10)
+            s.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, os.urandom(w.NONCE_SIZE), w.NO_PROOF)
+                      + w.request(w.Op.NUM_KEYS, b""))
+            held.append(s)
+        except OSError:
+            pass
+    deadline = time.monotonic() + settle
+    closed = 0
+    while True:  # up to ``settle`` seconds, until every one is closed
+        closed = sum(_closed(s, 0.0) for s in held)
+        if closed == len(held) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for s in held:
+        s.close()
+    return f"{closed} of {len(held)} closed by the server"
+
+
 ATTACKS: dict[str, Callable[[Any, str], str]] = {
     "evict": _attack_evict, "will": _attack_will, "end": _attack_end, "hang": _attack_hang,
     "hide": _attack_hide, "queue": _attack_queue, "wipe": _attack_wipe, "claim": _attack_claim,
     "forge": _attack_forge, "check_flood": _attack_check_flood, "join": _attack_join,
     "join_raw": _attack_join_raw, "vote": _attack_vote, "leave": _attack_leave,
+    "root_crash": _attack_root_crash, "big_multi_get": _attack_big_multi_get,
 }
 
 
 def _raw(host: str, port: int) -> socket.socket:
-    """A connection that did a tokenless handshake by hand."""
+    """A connection that did the handshake by hand (with PLUGDIST_STORE_TOKEN's proof when
+    that is set: a token holder's own code)."""
     from plugdist.store import _wire as w
     s = socket.create_connection((host, port), timeout=10)
     got = b""
     while len(got) < w.GREETING.size:
         got += s.recv(w.GREETING.size - len(got))
-    s.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0, os.urandom(w.NONCE_SIZE), w.NO_PROOF))
+    nonce, flags, proof = os.urandom(w.NONCE_SIZE), 0, w.NO_PROOF
+    token = os.environ.get("PLUGDIST_STORE_TOKEN")
+    if token:
+        flags = w.FLAG_PROOF
+        proof = w.client_proof(token.encode(), got[8:24], nonce, flags)
+    s.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, flags, nonce, proof))
     return s
 
 
@@ -309,6 +387,9 @@ def _strangers(host: str, port: int) -> str:
 
 RAW_ATTACKS: dict[str, Callable[[str, int], str]] = {
     "partial_frames": _flood_partial, "trickle": _trickle, "garbage": _strangers,
+    "held_connections": _held_connections,
+    # with a token: each fails its handshake, or is dropped by the handshake deadline (10 s)
+    "held_unproven": lambda host, port: _held_connections(host, port, settle=20.0),
 }
 
 

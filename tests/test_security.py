@@ -39,6 +39,8 @@ MEMBERSHIP_ATTACKS = ["evict", "will", "end", "hang", "hide", "queue", "claim", 
 # plugdist-run the launchers' rendezvous keys live in the same store)
 WIPE = ["wipe"]
 NOBODY = 65534  # another local user (the tests run as root)
+# the four frames that ended every world, and a reply of 512 MiB
+SERVER_ATTACKS = ["root_crash", "big_multi_get"]
 
 
 class World:
@@ -195,6 +197,14 @@ def assert_membership_attacks_refused(got: dict[str, str]) -> None:
         assert got["wipe"].startswith("accepted"), got["wipe"]  # plain keys: the world lives
 
 
+def assert_server_attacks_refused(got: dict[str, str]) -> None:
+    """The attacks on the server itself were refused, naming the rule or the limit."""
+    assert got["root_crash"].startswith("refused") and "must be empty or end in '/'" in \
+        got["root_crash"], got["root_crash"]
+    assert got["big_multi_get"].startswith("accepted: refused") and "max_reply_bytes" in \
+        got["big_multi_get"], got["big_multi_get"]
+
+
 def address(world: World) -> tuple[str, str, str]:
     info = world.store()
     return f"{info['host']}:{info['port']}", info["root"], info["token"]
@@ -254,9 +264,15 @@ def test_env_world_without_token(tmp: Path) -> None:
         slow = [subprocess.Popen([sys.executable, WORKERS, "stranger", addr, root, attack],
                                  stdout=subprocess.PIPE, text=True)
                 for attack in ("trickle", "partial_frames")]
-        got = stranger(addr, root, MEMBERSHIP_ATTACKS + WIPE + ["check_flood", "garbage"])
+        got = stranger(addr, root, MEMBERSHIP_ATTACKS + WIPE + ["check_flood", "garbage"]
+                       + SERVER_ATTACKS + ["held_connections"])
         assert_membership_attacks_refused(got)
         assert "at most 131072 keys per request" in got["check_flood"], got
+        assert_server_attacks_refused(got)
+        # 5,000 tokenless connections from loopback, held as guests (under the per-address
+        # bound): the members' connections, trusted, are untouched and the ranks train on
+        closed, _, held = got["held_connections"].removeprefix("accepted: ").partition(" of ")
+        assert int(held.split()[0]) == 5000, got
         world.trains_on()
 
         # a stray second job: same MASTER_PORT, RANK=1 of 3, and one of another size
@@ -325,8 +341,12 @@ def test_env_world_with_token_from_a_file(tmp: Path) -> None:
         got = stranger(addr, root, ["evict", "hide"])
         assert all(v.startswith("refused") and "authentication failed" in v
                    for v in got.values()), got
-        got = stranger(addr, root, MEMBERSHIP_ATTACKS, token=secret.read_text())
+        held = stranger(addr, root, ["held_unproven"])["held_unproven"]
+        assert held.startswith("accepted: 5000 of 5000 closed"), held  # the token's proof
+        got = stranger(addr, root, MEMBERSHIP_ATTACKS + SERVER_ATTACKS,
+                       token=secret.read_text())
         assert_membership_attacks_refused(got)
+        assert_server_attacks_refused(got)
         stray = subprocess.run(
             [sys.executable, WORKERS, "train", str(tmp)], capture_output=True, timeout=90,
             env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": addr.rpartition(":")[2],

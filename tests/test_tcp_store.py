@@ -667,7 +667,9 @@ def test_limits_on_frames_handshakes_and_stalls() -> None:
             m.set("too_big", b"x" * 2000)  # the server drops this connection
         assert m.get("fits") == b"x" * 900  # the store opens a new one
     reasons = [e["reason"] for e in logs if e["event"] == "tcp_store_client_dropped"]
-    assert sum("exceeds the limit of 1024" in r for r in reasons) == 2, reasons
+    # the raw client's, and the set's twice: a connection closed without a reply may have
+    # been closed before the request came, so the client tries once more on another
+    assert sum("exceeds the limit of 1024" in r for r in reasons) == 3, reasons
     assert sum("no complete handshake" in r for r in reasons) == 2, reasons
     assert sum("frame arriving too slowly" in r for r in reasons) == 2, reasons
     # the idle raw client, and the master store's own first connection, which its set then

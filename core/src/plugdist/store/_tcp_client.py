@@ -231,9 +231,12 @@ class TCPStoreSession:
     def using(self, store: Any) -> TCPStoreSession:
         """This identity's writes through the connections of ``store``, another TCPStore client
         of the same server (a process whose members share a few connections); the identity
-        itself stays on its own connection."""
+        itself stays on its own connection. ``store``'s connections vouch with this identity's
+        credential, if they vouch with none yet (the server then never displaces them)."""
         twin = copy.copy(self)
         twin._request = store._request
+        if getattr(store, "_vouch", False) is None:
+            store._vouch = w.request(w.Op.VOUCH, self._head)
         return twin
 
     def _member(self, what: str, op: w.Op, body: bytes) -> bytes:

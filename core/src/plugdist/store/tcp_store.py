@@ -49,10 +49,6 @@ from plugdist.store.api import DEFAULT_STORE_TIMEOUT, Store, to_bytes
 
 __all__ = ["TCPStore", "TCPStoreLimits", "TOKEN_ENV"]
 
-# a pooled connection idle this long may have been closed by the server (a guest's idle
-# deadline, or displaced): a close without a reply then means the request never ran
-_IDLE_RETRY = 1.0
-
 _JOIN_REPLY = struct.Struct("!qq")
 _OP_SET, _OP_GET, _OP_ADD = int(w.Op.SET), int(w.Op.GET), int(w.Op.ADD)
 
@@ -89,8 +85,7 @@ class _Connection:
     """One client socket. Not thread-safe for requests: the store hands it to one request at a
     time; :meth:`send_control` (a will's renewal) may come from another thread meanwhile."""
 
-    __slots__ = ("sock", "buf", "view", "sock_timeout", "send_lock", "fresh", "used",
-                 "vouched")
+    __slots__ = ("sock", "buf", "view", "sock_timeout", "send_lock", "vouched")
 
     def __init__(self, sock: socket.socket, timeout: float) -> None:
         self.sock = sock
@@ -98,8 +93,6 @@ class _Connection:
         self.view = memoryview(self.buf)
         self.sock_timeout = timeout
         self.send_lock = threading.Lock()  # a request's bytes never interleave a renewal's
-        self.fresh = True  # it has not carried a request yet
-        self.used = 0.0  # when its last request was answered (time.monotonic)
         self.vouched = False  # it showed the server this store's member credential
 
     def send_control(self, frame: bytes) -> None:
@@ -109,15 +102,11 @@ class _Connection:
 
     def roundtrip(self, frame: bytes, timeout: float) -> tuple[int, bytes]:
         """Send one request frame, read one response frame. Raises OSError/ConnectionError;
-        _DroppedUnused when the server had closed this connection before the request came (it
-        closed without a byte of reply a connection that was new, or idle for a while: a
-        server drops a new connection that sends nothing, and may drop or displace a guest
-        connection that sat idle), so the request never ran and may go on another one."""
+        _DroppedUnused when the server closed this connection without a byte of reply: it had
+        closed it before the request came (a new connection that sent nothing, a guest dropped
+        when idle or displaced; a request the server read is always answered before it closes
+        a connection), so the request never ran and may go on another connection."""
         sock = self.sock
-        fresh, self.fresh = self.fresh, False
-        now = time.monotonic()
-        fresh = fresh or now - self.used > _IDLE_RETRY
-        self.used = now
         if timeout != self.sock_timeout:
             sock.settimeout(timeout)
             self.sock_timeout = timeout
@@ -126,11 +115,9 @@ class _Connection:
                 sock.sendall(frame)
             n = sock.recv_into(self.buf)
         except (ConnectionResetError, BrokenPipeError) as e:
-            if fresh:
-                raise _DroppedUnused(str(e)) from e
-            raise
-        if n == 0 and fresh:
-            raise _DroppedUnused("the server closed it before its first request")
+            raise _DroppedUnused(str(e)) from e
+        if n == 0:
+            raise _DroppedUnused("the server closed it before the request came")
         while n < 5:
             if n == 0 or (got := sock.recv_into(self.view[n:])) == 0:
                 raise ConnectionError("server closed the connection")
@@ -149,7 +136,6 @@ class _Connection:
             if got == 0:
                 raise ConnectionError("server closed the connection")
             n += got
-        self.used = time.monotonic()
         return status, bytes(view[5:total])
 
     def close(self) -> None:
@@ -160,7 +146,7 @@ class _Connection:
 
 
 class _DroppedUnused(ConnectionError):
-    """A connection the server closed before it carried any request."""
+    """A connection the server closed before the request on it came (nothing of it ran)."""
 
 
 class _Tenancy:
@@ -734,10 +720,9 @@ class TCPStore(Store):
             raise
         will = TCPStoreWill(self, conn, root + DEATHS, ttl)
         renewer().add(will)
-        r, u = root.encode(), uid.encode()
-        self._vouch = w.request(w.Op.VOUCH, b"".join((w.U32.pack(len(r)), r, w.U32.pack(len(u)),
-                                                      u, w.U32.pack(len(secret)), secret)))
-        return TCPStoreSession(self._request, will, root.encode(), uid, secret, start, ticket)
+        session = TCPStoreSession(self._request, will, root.encode(), uid, secret, start, ticket)
+        session.using(self)  # this store's pooled connections vouch with the identity
+        return session
 
     def server_stats(self) -> dict[str, Any] | None:
         """The load of the server this master runs (``StoreServer.stats``), or None on a

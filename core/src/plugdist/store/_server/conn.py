@@ -24,6 +24,7 @@ READ = selectors.EVENT_READ
 WRITE = selectors.EVENT_WRITE
 _MAX_EVENTS = 1024  # readiness events taken from the kernel per turn of the loop
 _JOIN_BELOW = 64 * 1024  # pieces of an outbox smaller than this are joined
+_SEND_AT_ONCE = 256 * 1024  # bytes of an outbox offered to the kernel in one call
 
 
 if hasattr(selectors, "EpollSelector"):
@@ -87,10 +88,20 @@ class Outbox:
             chunks.append(data)
 
     def send(self, sock: socket.socket) -> int:
-        """Send what the kernel takes now (up to 64 pieces at once); the bytes sent. Raises
+        """Send what the kernel takes now, up to 64 pieces and ``_SEND_AT_ONCE`` bytes (a
+        reader of large replies costs each turn that much copying, not megabytes); the bytes
+        sent. Raises
         BlockingIOError and the like as ``socket.sendmsg`` does."""
         chunks = self.chunks
-        n = sock.sendmsg(list(itertools.islice(chunks, 64)))
+        offer: list[bytes | bytearray | memoryview] = []
+        room = _SEND_AT_ONCE
+        for chunk in itertools.islice(chunks, 64):
+            if len(chunk) >= room:
+                offer.append(memoryview(chunk)[:room])
+                break
+            offer.append(chunk)
+            room -= len(chunk)
+        n = sock.sendmsg(offer)
         self.size -= n
         left = n
         while left:

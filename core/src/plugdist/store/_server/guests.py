@@ -5,10 +5,11 @@ JOIN), or vouched with a live identity's credential (VOUCH: a member's client do
 of its pooled connections). Every other connection is a guest, and guests are bounded: per
 peer address (``TCPStoreLimits.max_guests_per_address``), by the server's connection limit
 (a new connection displaces a guest rather than being refused), and by an idle deadline
-(``guest_idle_timeout``). A guest displaced is the oldest one not parked in a request, else
-the oldest: a stranger holding connections cannot keep a member's new one out, and a guest
-that waits in a parked request or holds a will goes last (an idle one holding a will is not
-dropped: its will would run). Trusted connections are never displaced.
+(``guest_idle_timeout``). A guest displaced is, of the oldest ``_LOOK``, the one that sent
+nothing for longest and is not parked in a request nor holds a will, else the oldest: a
+stranger holding connections cannot keep a member's new one out, and an idle guest goes
+before a busy one (an idle one holding a will is not dropped for idleness: its will would
+run). Trusted connections are never displaced.
 
 Only the serving thread uses it; nothing here blocks. Finding whom to displace looks at a
 bounded number of the oldest guests (``_LOOK``), so a flood costs O(1) a connection.
@@ -23,6 +24,10 @@ from plugdist.store._server.conn import Conn
 from plugdist.store._server.limits import TCPStoreLimits
 
 __all__ = ["Guests"]
+
+
+def _last_active(conn: Conn) -> float:
+    return conn.active
 
 _LOOK = 64  # oldest guests looked at for one not parked before the oldest is displaced
 
@@ -72,13 +77,8 @@ class Guests:
                 del self._by_host[conn.host]
 
     def _displace(self, among: dict[Conn, None], why: str) -> bool:
-        victim = None
-        for conn in itertools.islice(among, _LOOK):
-            if conn.waiter is None and conn.will is None:
-                victim = conn
-                break
-        if victim is None:
-            victim = next(iter(among), None)
+        idle = [c for c in itertools.islice(among, _LOOK) if c.waiter is None and c.will is None]
+        victim = min(idle, key=_last_active) if idle else next(iter(among), None)
         if victim is None:
             return False
         self.displaced += 1

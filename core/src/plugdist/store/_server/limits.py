@@ -51,10 +51,11 @@ class TCPStoreLimits:
     ``max_guests_per_address``, ``guest_idle_timeout``: a *guest* is a connection that has not
     shown it belongs to the job (the token's proof, a member identity it holds, or a member's
     credential its client vouched with); a new connection from an address that already has
-    this many guests, or one that finds the server at ``max_connections``, displaces the
-    oldest guest (of that address; of all) that is not waiting in a parked request, if any,
-    else the oldest; a guest that sends nothing for ``guest_idle_timeout`` is dropped (the
-    client opens another when it needs one). Members' connections are never displaced.
+    this many guests, or one that finds the server at ``max_connections``, displaces a guest
+    (of that address; of all): among the oldest, the one idle longest that is not waiting in
+    a parked request, if any, else the oldest; a guest that sends nothing for
+    ``guest_idle_timeout`` is dropped (the client opens another when it needs one).
+    Members' connections are never displaced.
     """
 
     max_frame_bytes: int = w.MAX_FRAME
@@ -68,7 +69,7 @@ class TCPStoreLimits:
     max_parked_inbound_bytes: int = 64 * 1024
     max_unread_reply_bytes: int = 1024 * 1024
     max_reply_bytes: int = w.MAX_FRAME
-    max_guests_per_address: int = 4096
+    max_guests_per_address: int = 32768
     guest_idle_timeout: timedelta = timedelta(seconds=60)
 
     def __post_init__(self) -> None:
