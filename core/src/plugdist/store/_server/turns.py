@@ -6,7 +6,7 @@ request loop in :mod:`plugdist.store._server.framing` keeps to it); the rest wai
 for the next turn (:attr:`Turns.later`). A request of many keys runs a slice a turn
 (:mod:`plugdist.store._server.sliced`); one whose client left before it was done is finished
 a slice a turn if it must be (a MULTI_SET's writes: :attr:`Turns.orphans`). A connection whose
-bytes took the server longer than ``HEAVY`` in one go rests (is not read) for ``HEAVY_REST``
+bytes took the server longer than ``HEAVY`` of its CPU in one go rests (is not read) for ``HEAVY_REST``
 times as long, counted on one timeline for every heavy connection, so heavy work gets at most
 about 1 / (1 + ``HEAVY_REST``) of the server.
 
@@ -65,14 +65,17 @@ class Turns:
 
     def serve_conn(self, conn: Conn, force: bool = False) -> None:
         """Read from ``conn`` (or, ``force``, run the requests left in its buffer), charging the
-        time it took: past ``HEAVY`` the connection rests (see :meth:`rest`)."""
-        began = time.perf_counter()
+        time it took: past ``HEAVY`` the connection rests (see :meth:`rest`). The time is the
+        serving thread's CPU time, not the clock's: a request that was cheap but spanned the
+        thread's preemption (a loaded host) is not heavy, and its client must not rest for the
+        host's load."""
+        began = time.thread_time()
         self.charged = 0.0
         if force:
             self._process(conn, b"", force=True)
         else:
             self._on_readable(conn)
-        took = time.perf_counter() - began + self.charged
+        took = time.thread_time() - began + self.charged
         if conn.sliced is not None or conn.spent:  # a request read in slices: its whole cost
             conn.spent = took = conn.spent + took
             if conn.sliced is None or took > HEAVY:
