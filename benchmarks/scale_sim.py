@@ -245,9 +245,10 @@ class _Members:
                     return
                 self.lock.wait(left)
 
-    def shrink(self, epoch: int, survivors: int, coordinator: bool) -> None:
+    def shrink(self, epoch: int, survivors: int, coordinator: bool) -> float:
         """Every member of this process arrives (through a few shared connections); the
-        coordinator then decides as membership's ``_await_decision`` does."""
+        coordinator then decides as membership's ``_await_decision`` does. Returns when this
+        process's members had all arrived."""
         arrivals = epoch_key(epoch, "shrink/0/arrived")
         decided = epoch_key(epoch, "next")
         todo: queue.Queue[str] = queue.Queue()
@@ -271,8 +272,9 @@ class _Members:
             t.start()
         for t in threads:
             t.join()
+        arrived_at = time.monotonic()
         if not coordinator:
-            return
+            return arrived_at
         store = self.shared.get()
         try:
             arrived: set[str] = set()
@@ -292,6 +294,7 @@ class _Members:
                                       **json.loads(ours)}))
         finally:
             self.shared.put(store)
+        return arrived_at
 
 
 class _Watched:
@@ -420,12 +423,14 @@ def role_members(args: argparse.Namespace, inp: Any, out: Any) -> None:
             group.wait_for(group.knew_at, time.monotonic() + cmd["within"])
             reply = {"knew": list(group.knew_at.values()), "errors": group.errors[:5]}
         elif what == "shrink":
+            arrived = None
             try:
-                group.shrink(cmd["epoch"], cmd["survivors"], cmd["coordinator"])
+                arrived = group.shrink(cmd["epoch"], cmd["survivors"], cmd["coordinator"])
             except Exception as e:  # noqa: BLE001 - reported to the parent
                 group.errors.append(f"shrink: {e!r}")
             group.wait_for(group.decided_at, time.monotonic() + cmd["within"])
-            reply = {"decided": list(group.decided_at.values()), "errors": group.errors[:5]}
+            reply = {"decided": list(group.decided_at.values()), "arrived": arrived,
+                     "errors": group.errors[:5]}
         else:  # quit
             group.stopping = True
             if group.watch is not None:
@@ -531,7 +536,8 @@ def simulate(args: argparse.Namespace, impl: str = "plugdist") -> dict[str, Any]
     n, victims = args.members, args.victims
     server = _Child(role_server, argparse.Namespace(impl=impl))
     children: list[_Child] = []
-    result: dict[str, Any] = {"members": n, "impl": impl}
+    # the machine's load as the run starts (the figures hold for an otherwise idle machine)
+    result: dict[str, Any] = {"members": n, "impl": impl, "load_1m": os.getloadavg()[0]}
     try:
         port = int(server.ask()["port"])
         live = n - (0 if impl == "torch" else victims)
@@ -595,11 +601,18 @@ def simulate(args: argparse.Namespace, impl: str = "plugdist") -> dict[str, Any]
             result["death_known_s_max"] = round(max(knew), 3)
         result["probe_ms_p99_during_death"] = round(_pct(probe.take() or [0.0], 0.99), 2)
         # the survivors agree a shrink
+        cpu0, members_cpu0 = _cpu_seconds(server.pid), sum(_cpu_seconds(c.pid) for c in children)
         t_shrink = time.monotonic()
         for i, c in enumerate(children):
             c.send({"cmd": "shrink", "epoch": 0, "survivors": live, "coordinator": i == 0,
                     "within": args.timeout})
         replies = [c.ask() for c in children]
+        result["shrink_server_cpu_s"] = round(_cpu_seconds(server.pid) - cpu0, 3)
+        result["shrink_members_cpu_s"] = round(
+            sum(_cpu_seconds(c.pid) for c in children) - members_cpu0, 3)
+        arrived = [r["arrived"] for r in replies if r["arrived"] is not None]
+        if len(arrived) == len(replies):  # every member's arrival written
+            result["shrink_arrived_s"] = round(max(arrived) - t_shrink, 3)
         decided = [t - t_shrink for r in replies for t in r["decided"]]
         errors += [e for r in replies for e in r["errors"]]
         if errors:

@@ -1,7 +1,8 @@
 """Liveness at scale: TCPStore wills with a ttl (a stopped holder is declared dead, a renewed one
-never), the death log read in bursts by one parked request, a will withdrawn while its holder's
-wait is parked, and ``benchmarks/scale_sim.py`` at a small size so it cannot rot. Real
-processes, real sockets, real SIGSTOP/SIGKILL."""
+never, even while the server does not read its connection), the death log read in bursts by
+one parked request, a will withdrawn while its holder's wait is parked, and
+``benchmarks/scale_sim.py`` at a small size so it cannot rot. Real processes, real sockets,
+real SIGSTOP/SIGKILL."""
 
 from __future__ import annotations
 
@@ -68,6 +69,53 @@ def test_a_stopped_holder_is_declared_dead_after_its_ttl_and_a_renewed_one_never
         for proc in (renewed, stopped):
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+_PAUSED_HOLDER = """
+import struct, sys, time
+from plugdist.store import TCPStore
+from plugdist.store import _wire as w
+store = TCPStore("127.0.0.1", int(sys.argv[1]), None, False)
+will = store.hold_will("deaths", "paused", ttl=float(sys.argv[2]))
+# on the will's own connection, 32 gets of a 1 MiB value whose replies are never read: the
+# server stops reading the connection, and the renewals queue behind them
+get = w.request(w.Op.GET, struct.pack("!dI", 0.0, 3) + b"big")
+will._conn.send_control(get * 32)
+print("holding", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_will_renewed_on_a_connection_the_server_is_not_reading_does_not_lapse(
+        master: TCPStore) -> None:
+    """A ttl counts the holder's renewals, not the server's backlog: renewals that reached
+    the server while it did not read the connection (here paused: its replies lie unread; at
+    scale, resting after a heavy request) keep the will; once the holder stops, it lapses."""
+    ttl = 2.0
+    master.set("big", b"x" * (1 << 20))
+    holder = subprocess.Popen([sys.executable, "-c", _PAUSED_HOLDER, str(master.port),
+                               str(ttl)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        server = master._server
+        assert server is not None
+
+        def paused() -> bool:
+            return any(c.paused and c.will for c in list(server._conns.values()))
+
+        deadline = time.monotonic() + 30
+        while not paused() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert paused(), "the will's connection was never paused"
+        time.sleep(3 * ttl)  # several ttls, the connection unread throughout
+        assert paused()
+        assert master.add("deaths", 0) == 0, master.read_log("deaths", 1, timedelta(0))
+        os.kill(holder.pid, signal.SIGSTOP)  # it stops renewing: the will runs
+        assert master.read_log("deaths", 1, timedelta(seconds=30)) == [b"paused"]
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
 
 
 @pytest.mark.timeout(60)

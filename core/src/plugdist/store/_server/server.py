@@ -236,7 +236,9 @@ class StoreServer:
                         later.clear()
                     unproven: list[Conn] = []
                     accept = False
-                    for key, mask in sel.select(delay):
+                    ready = sel.select(delay)
+                    turns.new_turn()
+                    for key, mask in ready:
                         conn = key.data
                         if conn is None:
                             if key.fileobj is lsock:

@@ -6,9 +6,9 @@ request loop in :mod:`plugdist.store._server.framing` keeps to it); the rest wai
 for the next turn (:attr:`Turns.later`). A request of many keys runs a slice a turn
 (:mod:`plugdist.store._server.sliced`); one whose client left before it was done is finished
 a slice a turn if it must be (a MULTI_SET's writes: :attr:`Turns.orphans`). A connection whose
-bytes took the server longer than ``HEAVY`` in one go rests (is not read) for ``HEAVY_REST``
-times as long, counted on one timeline for every heavy connection, so heavy work gets at most
-about 1 / (1 + ``HEAVY_REST``) of the server.
+bytes took the server longer than ``HEAVY`` (of its CPU: not the host's load) in one go rests
+(is not read) for ``HEAVY_REST`` times as long, counted on one timeline for every heavy
+connection, so heavy work gets at most about 1 / (1 + ``HEAVY_REST``) of the server.
 
 Only the serving thread uses it; nothing here blocks.
 """
@@ -37,6 +37,12 @@ TURN_SECONDS = 50e-6
 # 1 / (1 + _HEAVY_REST) of the server
 HEAVY = 1e-3
 _HEAVY_REST = 3.0
+# a request's cost is its time by the clock, and past HEAVY, at most the serving thread's CPU
+# time since a mark taken before it: a cheap request that spanned a preemption (a loaded host)
+# is not heavy. The mark is taken at the first request of a turn and every _MARK_EVERY
+# requests (the thread's CPU clock is a system call, too dear to read around every request),
+# so the bound counts a few cheap requests before the one measured
+_MARK_EVERY = 16
 
 
 class Turns:
@@ -54,6 +60,8 @@ class Turns:
         self._rest_seq = 0
         self._heavy_next = 0.0  # when heavy requests have had their share (monotonic)
         self.charged = 0.0  # work charged to the connection being served, beyond its time
+        self._cpu_mark: float | None = None  # the thread's CPU time before this turn's requests
+        self._since_mark = 0  # requests served since the mark
 
     def attach(self, process: Callable[..., None], on_readable: Callable[[Conn], None],
                send: Callable[[Conn, Reply], None], watch: Callable[[Conn], None],
@@ -68,14 +76,24 @@ class Turns:
 
     def serve_conn(self, conn: Conn, force: bool = False) -> None:
         """Read from ``conn`` (or, ``force``, run the requests left in its buffer), charging the
-        time it took: past ``HEAVY`` the connection rests (see :meth:`rest`)."""
+        time it took: past ``HEAVY`` the connection rests (see :meth:`rest`). Past ``HEAVY`` by
+        the clock, the time is bounded by the serving thread's CPU time (see ``_MARK_EVERY``):
+        its client must not rest for the host's load."""
+        if self._cpu_mark is None or self._since_mark >= _MARK_EVERY:
+            self._cpu_mark, self._since_mark = time.thread_time(), 0
+        self._since_mark += 1
         began = time.perf_counter()
         self.charged = 0.0
         if force:
             self._process(conn, b"", force=True)
         else:
             self._on_readable(conn)
-        took = time.perf_counter() - began + self.charged
+        took = time.perf_counter() - began
+        if took > HEAVY:
+            cpu = time.thread_time()
+            took = min(took, cpu - self._cpu_mark)
+            self._cpu_mark, self._since_mark = cpu, 0
+        took += self.charged
         if conn.sliced is not None or conn.spent:  # a request read in slices: its whole cost
             conn.spent = took = conn.spent + took
             if conn.sliced is None or took > HEAVY:
@@ -83,8 +101,14 @@ class Turns:
         if took > HEAVY and not conn.closed:
             self.rest(conn, took)
 
+    def new_turn(self) -> None:
+        """Work not served through :meth:`serve_conn` may run from here on (the loop's own):
+        the next request takes a fresh CPU mark."""
+        self._cpu_mark = None
+
     def serve_resumed(self) -> None:
         """Run again the connections whose input holds whole requests (the end of a turn)."""
+        self.new_turn()  # the loop's own work (wills, waiters' timeouts) came since the mark
         resume = self.resume
         while resume:
             conn = resume.pop()
