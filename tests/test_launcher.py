@@ -628,7 +628,8 @@ def test_static_nodes_claiming_one_node_rank(tmp_path: Path) -> None:
 def test_elastic_world_reforms_after_a_node_is_lost(tmp_path: Path) -> None:
     """--nnodes 1:2: SIGKILL one launcher of a 2-node world; the other re-forms alone and
     finishes. With --nnodes 2, the survivor gives up within join_timeout naming the lost node."""
-    conf = "last_call_timeout=1,keep_alive_interval=0.2,keep_alive_max_attempt=5,join_timeout=5"
+    # join_timeout: long enough for the second launcher to start on a loaded machine
+    conf = "last_call_timeout=1,keep_alive_interval=0.2,keep_alive_max_attempt=5,join_timeout=15"
     for nnodes, expect in (("1:2", 0), ("2", 1)):
         out = tmp_path / nnodes.replace(":", "-")
         out.mkdir()
@@ -656,7 +657,7 @@ def test_elastic_world_reforms_after_a_node_is_lost(tmp_path: Path) -> None:
         else:
             summary = err[err.index("rendezvous timed out"):]
             assert "1 of at least 2 nodes joined" in summary
-            assert time.monotonic() - start < 30
+            assert time.monotonic() - start < 45
 
 
 @pytest.mark.timeout(90)

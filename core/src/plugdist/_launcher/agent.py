@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import select
 import shutil
 import signal
@@ -52,7 +53,13 @@ from plugdist._launcher.rendezvous import (
     StoreRendezvous,
 )
 from plugdist._launcher.summary import PROG, Failure, LaunchResult, WorkerStatus, exit_code_of
-from plugdist.errors import DistError, DistExcludedError, DistStoreError, LaunchError
+from plugdist.errors import (
+    DistError,
+    DistExcludedError,
+    DistStoreError,
+    LaunchError,
+    WorldClosedError,
+)
 
 __all__ = ["Agent", "LaunchError"]
 
@@ -233,6 +240,17 @@ class _Worker:
             error_file=self.error_file if err else None,
             error_message=err[0] if err else "", error_traceback=tuple(err[1]) if err else (),
             replaced=self.replaced, left_behind=self.left_behind)
+
+
+def _ended_on(w: _Worker, error: type[BaseException]) -> bool:
+    """Whether the exited worker ``w`` ended on an uncaught ``error``: its error file (a worker
+    under ``plugdist.record``) or else the last line of its stderr (Python's own report)."""
+    err = read_error_file(w.error_file)
+    if err is not None:
+        return err[0].startswith(f"{error.__name__}:")
+    w.drain(2.0)
+    lines = [x for x in b"".join(w.tail).decode("utf-8", "replace").splitlines() if x.strip()]
+    return bool(lines) and re.match(rf"(\S+\.)?{error.__name__}: ", lines[-1]) is not None
 
 
 def _choose_token(cfg: LaunchConfig) -> None:
@@ -627,7 +645,12 @@ class Agent:
     def _too_late(self, w: _Worker) -> bool:
         """A replacement that failed after every other worker had finished successfully: the
         run ended before it could join, which is not a failure of the run."""
-        if not w.replacement or any(o.returncode != 0 for o in self.workers
+        if not w.replacement:
+            return False
+        # the world said so itself (every member had left): the others may still be exiting,
+        # and any of them that fails still fails the run
+        world_closed = _ended_on(w, WorldClosedError)
+        if not world_closed and any(o.returncode != 0 for o in self.workers
                                     if o is not w and not o.replaced and not o.left_behind):
             return False
         w.replaced = True

@@ -39,8 +39,8 @@ class TCPStoreLimits:
     it are told so (the client retries, then
     raises DistNetworkError saying so) and closed, with one log line per second; the server
     also caps it to the process's open-file limit (less 256), which it raises towards it
-    first, and its log line then names that limit (a member of a resilient world holds two
-    connections: 16,384 ranks need about 33,000).
+    first, and its log line then names that limit (a member of a resilient world holds three
+    connections, the flight recorder's watcher's among them: 16,384 ranks need about 50,000).
     ``max_parked_inbound_bytes``: bytes a client may send while its blocking request is parked
     (one request at a time is the protocol; more drops it). ``max_unread_reply_bytes``: when a
     client's unread replies pass this, the server stops reading its requests until it reads.

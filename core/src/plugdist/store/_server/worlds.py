@@ -203,6 +203,7 @@ class Worlds:
         uid = uid_b.decode()
         try:
             self._check_free(conn)
+            check_root(root)  # a malformed request is refused for what it is, first
             self._check_credential(conn, "claim")
             if size < 1 or not (uid.isascii() and uid.isdigit()) or uid != str(int(uid)) \
                     or int(uid) >= size:  # one spelling per rank: "01" or "\u0661" is not "1"
@@ -252,6 +253,7 @@ class Worlds:
         (ttl,) = w.F64.unpack_from(buf, pos)
         try:
             self._check_free(conn)
+            check_root(root)  # a malformed request is refused for what it is, first
             self._check_credential(conn, "join")
             world = self._world(root)
         except _Refused as e:
