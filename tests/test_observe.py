@@ -34,7 +34,7 @@ from plugdist._observability.fr_watch import ask_key
 from plugdist._observability.observe import _ONE_AT
 from plugdist.backend import BackendBase
 from plugdist.store import HashStore
-from plugdist.testing import run_world
+from plugdist.testing import run_world, wait_for
 from plugdist.testing.pytest_plugin import available_backends
 
 BACKENDS = [b for b in ("gloo", "mpi", "toy") if b in available_backends()]
@@ -52,12 +52,7 @@ def _fr_env(tmp_path: Path, detail: bool = False) -> dict[str, str]:
 
 
 def eventually(cond: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+    return wait_for(cond, timeout)
 
 
 def fr_trace(directory: Path) -> str:

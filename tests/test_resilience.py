@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from plugdist.errors import DistStoreError
-from plugdist.testing.harness import free_port
+from plugdist.testing.harness import free_port, wait_for
 
 WORKER = str(Path(__file__).with_name("_resilience_workers.py"))
 
@@ -476,12 +476,7 @@ def test_the_stores_keys_stay_bounded_over_many_shrinks_and_grows(monkeypatch, k
         return out
 
     def eventually(what: Any, seconds: float = 10.0) -> bool:
-        deadline = time.monotonic() + seconds
-        while not what():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
-        return True
+        return wait_for(what, seconds)
 
     first = ["0", "1", "2", "3"]
     world = [Membership(client(), u, first) for u in first]
@@ -567,15 +562,12 @@ def test_a_joiner_that_gave_up_is_never_admitted(monkeypatch: pytest.MonkeyPatch
         member.start()
         with pytest.raises(DistTimeoutError, match="admission"):
             request_join(client(), timedelta(seconds=0.5))
-        deadline = time.monotonic() + 10
-        while "j1" not in member.failed and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: "j1" in member.failed, 10)
         assert member.failed.get("j1", "").startswith("left (it gave up joining"), member.failed
         assert member.joiners_waiting == 0
         waiting = threading.Thread(target=lambda: joined.append(request_join(client(), limit)))
         waiting.start()
-        while not master.check(["plugdist/join/2"]) and time.monotonic() < deadline + 10:
-            time.sleep(0.02)
+        assert wait_for(lambda: master.check(["plugdist/join/2"]), 20)
         decision = member.agree_grow(limit)
         waiting.join(20)
         assert decision is not None and decision.joined == ["j2"], decision

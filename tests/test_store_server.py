@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -20,6 +19,7 @@ from plugdist._log import get_logger
 from plugdist.errors import DistStoreError
 from plugdist.store import TCPStore
 from plugdist.store import _wire as wire
+from plugdist.testing import wait_for
 from structlog.testing import capture_logs
 
 HOST = "127.0.0.1"
@@ -27,12 +27,7 @@ T = timedelta(seconds=20)
 
 
 def eventually(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
+    return wait_for(cond, timeout)
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from plugdist._log import get_logger
 from plugdist.errors import DistNetworkError, DistStoreError, DistTimeoutError
 from plugdist.store import TCPStore, TCPStoreLimits
 from plugdist.store import _wire as wire
-from plugdist.testing import free_port
+from plugdist.testing import free_port, wait_for
 
 HOST = "127.0.0.1"
 
@@ -43,12 +43,7 @@ def port_is_free(port: int) -> bool:
 
 
 def eventually(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
+    return wait_for(cond, timeout)
 
 
 def raw_client(port: int, version: int = wire.VERSION, token: bytes | None = None,

@@ -27,6 +27,7 @@ import torch
 
 from plugdist._backend.abort import AbortSignal
 from plugdist._backend.capabilities import ALL_REDUCE_OPS, Capabilities
+from plugdist._backend.group import GroupIdentity
 from plugdist._backend.hook_checks import check_backend_class
 from plugdist._backend.reduce_op import ReduceOp
 from plugdist._backend.work import Work
@@ -110,7 +111,7 @@ def _derived_capabilities(cls: type[BackendBase]) -> Capabilities:
     return caps
 
 
-class BackendBase:
+class BackendBase(GroupIdentity):
     """The base class of every backend. See the module docstring and docs/backends.md."""
 
     backend_name: ClassVar[str] = "unknown"
@@ -168,23 +169,6 @@ class BackendBase:
         """Native ``(op, device)`` pairs, derived from the ``native_*`` hooks this class overrides.
         Override (returning a cached object) for finer control; ``plugdist info`` shows it."""
         return _derived_capabilities(cls)
-
-    # -- identity --------------------------------------------------------------------------------
-    def rank(self) -> int:
-        """This process's rank within the group."""
-        return self.group_rank
-
-    def size(self) -> int:
-        """Number of processes in the group."""
-        return self.group_size
-
-    @property
-    def group_name(self) -> str:
-        return self.options.group_name
-
-    @property
-    def timeout(self) -> timedelta:
-        return self.options.timeout
 
     def implements(self, hook: str) -> bool:
         """Whether this backend overrides ``hook`` (a name of :data:`BACKEND_METHODS`): the core

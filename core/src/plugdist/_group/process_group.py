@@ -34,7 +34,6 @@ import functools
 import inspect
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -51,6 +50,7 @@ from plugdist._backend.base import (
     GroupOptions,
 )
 from plugdist._backend.capabilities import Capabilities
+from plugdist._backend.group import GroupIdentity
 from plugdist._backend.reduce_op import ReduceOp, check_reduce_op
 from plugdist._backend.work import Work, completed_work
 from plugdist._group import composition, sparse
@@ -96,7 +96,7 @@ def _first_device(args: Mapping[str, Any]) -> str | None:
     return None
 
 
-class ProcessGroup:
+class ProcessGroup(GroupIdentity):
     """A group of processes and the collectives among them, over one backend per device type.
     See the module docstring."""
 
@@ -157,23 +157,6 @@ class ProcessGroup:
         self._blocking_ops = frozenset(own) if generic else frozenset()
         self._lean = {op: _LEAN[op] for op in LEAN_OPS if op in own and any(
             b.implements(f"native_{op}_blocking") for b in distinct)}
-
-    # -- identity ----------------------------------------------------------------------------
-    def rank(self) -> int:
-        """This process's rank within the group."""
-        return self.group_rank
-
-    def size(self) -> int:
-        """Number of processes in the group."""
-        return self.group_size
-
-    @property
-    def group_name(self) -> str:
-        return self.options.group_name
-
-    @property
-    def timeout(self) -> timedelta:
-        return self.options.timeout
 
     @property
     def backend(self) -> str:

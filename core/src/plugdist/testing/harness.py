@@ -32,6 +32,18 @@ __all__ = ["run_world", "RankResult", "WorldError", "free_port", "mpiexec_path",
 FAILURE_GRACE = 3.0
 
 
+
+def wait_for(condition: Callable[[], Any], timeout: float, interval: float = 0.01) -> bool:
+    """Whether ``condition()`` became true within ``timeout`` seconds, asked every ``interval``
+    seconds (blocking). It is asked once more at the deadline, so a condition that holds by
+    then counts even on a machine too busy to wake in time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return bool(condition())
+
 @dataclass
 class RankResult:
     """What one rank did: its return value, or its traceback, or that it never finished."""
