@@ -252,12 +252,16 @@ class FlightRecorder:
             pass
 
     def failed(self, rid: int, error: BaseException) -> None:
-        """Record ``error`` for the entry ``rid``; on a DistError, every rank dumps."""
+        """Record ``error`` for the entry ``rid``; on a DistError, every rank dumps. Called in
+        the thread that ran the op, it keeps that thread's stack for the entry: a later dump
+        (another rank's request) would otherwise read where the thread has moved on to."""
         self._keep(self._errors, rid, f"{type(error).__name__}: {error}")
-        if not isinstance(error, DistError):
-            return
         entry = self.ring[rid % self.capacity] if self.capacity else None
         if entry is None or entry[_ID] != rid:
+            return
+        if rid not in self._frames and entry[_THREAD] == threading.get_ident():
+            self._keep(self._frames, rid, _stack(sys._getframe(1), LIVE_DEPTH))
+        if not isinstance(error, DistError):
             return
         g, op, seq = entry[_GROUP], entry[_OP], entry[_COLL]
         self.dump_everywhere(f"{op} #{seq} of group {g.name!r} failed on rank "
