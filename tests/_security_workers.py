@@ -12,7 +12,8 @@ with the error and exits 3.
 ``python _security_workers.py stranger HOST:PORT ROOT ATTACK...``: each ATTACK (see
 ``ATTACKS``) against the store at HOST:PORT, whose world's membership lives under key prefix
 ROOT ("" for env://); prints one JSON line: attack -> "refused: <why>" or "accepted: <what>".
-The token, if any, comes from PLUGDIST_STORE_TOKEN like any client's. With STRANGER_UID set,
+The token, if any, comes from PLUGDIST_STORE_TOKEN like any client's; the ``round_*`` attacks
+write under RDZV_PREFIX (the launchers' current rendezvous round). With STRANGER_UID set,
 it runs as that Unix user (another local user: it imports as the user who started it, then
 drops to that uid before it opens a socket).
 """
@@ -54,6 +55,7 @@ def train(result_dir: str) -> None:
             "host": inner.host, "port": inner.port,
             "root": (store.prefix + "/") if inner is not store else "",
             "token": os.environ.get("PLUGDIST_STORE_TOKEN", ""),
+            "run_id": os.environ.get("PLUGDIST_RUN_ID", ""),
             "protected": world.membership is not None and world.membership.protected})
     events: list[str] = []
     misbehaved: dict[str, str] = {}
@@ -191,6 +193,40 @@ def _attack_wipe(store: Any, root: str) -> str:
     return f"{store.delete_prefix('')} keys deleted"
 
 
+def _round_key(name: str) -> str:
+    """A key of the launchers' current rendezvous round (RDZV_PREFIX: its prefix)."""
+    return os.environ["RDZV_PREFIX"] + name
+
+
+def _attack_round_end(store: Any, root: str) -> str:
+    """End the launchers' round: a forged outcome and failure (every node restarts)."""
+    store.compare_set(_round_key("outcome"), "", "failed: rank 0 on node 0")
+    store.set(_round_key("failure"), json.dumps({"rank": 0, "node": 0}))
+    return "outcome written"
+
+
+def _attack_round_master(store: Any, root: str) -> str:
+    """Point the round's workers at the stranger's own rank 0."""
+    store.set(_round_key("master"), "127.0.0.1:1")
+    return "master written"
+
+
+def _attack_round_closed(store: Any, root: str) -> str:
+    """Rewrite who is in the round."""
+    store.set(_round_key("closed"), json.dumps({"count": 1, "restart_count": 0}))
+    return "closed written"
+
+
+def _attack_round_heartbeat(store: Any, root: str) -> str:
+    """Keep a node's heartbeat going (a dead node would look alive)."""
+    return f"heartbeat at {store.add(_round_key('hb/1'), 1000)}"
+
+
+def _attack_round_wipe(store: Any, root: str) -> str:
+    """Delete every rendezvous key (the launchers would lose their rounds)."""
+    return f"{store.delete_prefix('plugdist/rdzv/')} keys deleted"
+
+
 def _attack_claim(store: Any, root: str) -> str:
     """Claim rank 1's identity (a second process saying it is rank 1 of a world of
     CLAIM_SIZE)."""
@@ -317,6 +353,9 @@ ATTACKS: dict[str, Callable[[Any, str], str]] = {
     "forge": _attack_forge, "check_flood": _attack_check_flood, "join": _attack_join,
     "join_raw": _attack_join_raw, "vote": _attack_vote, "leave": _attack_leave,
     "root_crash": _attack_root_crash, "big_multi_get": _attack_big_multi_get,
+    "round_end": _attack_round_end, "round_master": _attack_round_master,
+    "round_closed": _attack_round_closed, "round_heartbeat": _attack_round_heartbeat,
+    "round_wipe": _attack_round_wipe,
 }
 
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,10 @@ MEMBERSHIP_ATTACKS = ["evict", "will", "end", "hang", "hide", "queue", "claim", 
 # plugdist-run the launchers' rendezvous keys live in the same store)
 WIPE = ["wipe"]
 NOBODY = 65534  # another local user (the tests run as root)
+# the launchers' rendezvous round: its outcome, master, members and heartbeats, a wipe of it
+# (refused: the prefix is theirs), and a wipe of every key (the rounds' stay)
+ROUND_ATTACKS = ["round_end", "round_master", "round_closed", "round_heartbeat", "round_wipe",
+                 "wipe"]
 # the four frames that ended every world, and a reply of 512 MiB
 SERVER_ATTACKS = ["root_crash", "big_multi_get"]
 
@@ -165,11 +170,12 @@ def launched_world(tmp: Path, nodes: int, nproc: int, argv_for: Any = None,
 
 def stranger(address: str, root: str, attacks: list[str], token: str | None = None,
              argv_for: Any = None, timeout: float = 120, size: int = 3,
-             uid: int | None = None) -> dict[str, str]:
+             uid: int | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
     """Run the stranger process with ``attacks``; ``size``: the world size its claim says;
-    ``uid``: the Unix user it runs as (None: the test's)."""
+    ``uid``: the Unix user it runs as (None: the test's); ``extra``: more of its environment."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("PLUGDIST_STORE_TOKEN", "PLUGDIST_STORE_TOKEN_FILE")}
+    env.update(extra or {})
     env["CLAIM_SIZE"] = str(size)
     if uid is not None:
         env["STRANGER_UID"] = str(uid)
@@ -203,6 +209,39 @@ def assert_server_attacks_refused(got: dict[str, str]) -> None:
         got["root_crash"], got["root_crash"]
     assert got["big_multi_get"].startswith("accepted: refused") and "max_reply_bytes" in \
         got["big_multi_get"], got["big_multi_get"]
+
+
+def round_prefix(world: World) -> dict[str, str]:
+    """The stranger's RDZV_PREFIX: the launchers' keys of the round the workers run in."""
+    info = world.store()
+    round_ = re.fullmatch(r"plugdist/worker/round_(\d+)/", info["root"])
+    assert round_ and info["run_id"], info
+    return {"RDZV_PREFIX": f"plugdist/rdzv/{info['run_id']}/r{round_.group(1)}/"}
+
+
+def round_keys(addr: str, prefix: str) -> dict[str, Any]:
+    """The launchers' keys of a round that the round attacks aim at, read as the job would."""
+    from plugdist.store import TCPStore
+
+    host, _, port = addr.rpartition(":")
+    store = TCPStore(host, int(port), timeout=timedelta(seconds=20))
+    try:
+        got: dict[str, Any] = {name: store.get(prefix + name) if store.check([prefix + name])
+                               else None for name in ("outcome", "master", "closed")}
+        got["hb/1"] = store.add(prefix + "hb/1", 0)
+        return got
+    finally:
+        store.close()
+
+
+def assert_round_attacks_refused(got: dict[str, str]) -> None:
+    """Every write on the launchers' round was refused for want of the job's credential; a
+    wipe of every key was taken (plain keys) and left the rounds' (the job trains on after)."""
+    for name in ROUND_ATTACKS[:-1]:
+        assert got[name].startswith("refused") and "the launcher's rendezvous rounds, written " \
+            "only by the job's own processes" in got[name] and "runs as nobody" in got[name], \
+            (name, got[name])
+    assert got["wipe"].startswith("accepted"), got["wipe"]
 
 
 def address(world: World) -> tuple[str, str, str]:
@@ -369,7 +408,8 @@ def test_plugdist_run_one_node(tmp: Path) -> None:
         world.wait_started()
         addr, root, token = address(world)
         assert root.startswith("plugdist/worker/round_") and token
-        got = stranger(addr, root, ["evict", "end", "join"])
+        got = stranger(addr, root, ["evict", "end", "join", "round_end"],
+                       extra=round_prefix(world))
         assert all("authentication failed" in v for v in got.values()), got
         got = stranger(addr, root, MEMBERSHIP_ATTACKS, token=token, size=2)
         assert_membership_attacks_refused(got)
@@ -382,7 +422,9 @@ def test_plugdist_run_one_node(tmp: Path) -> None:
 def test_plugdist_run_two_nodes_on_loopback(tmp: Path) -> None:
     """Two plugdist-run launchers meeting on 127.0.0.1 (no token: loopback only), with the
     default run id (no flag: the nodes agree on it): every membership attack on the workers'
-    world is refused, and a member's writes that no member may make; it trains on."""
+    world is refused, and a member's writes that no member may make; another local user's
+    writes on the launchers' rendezvous round (its outcome, master, members, heartbeats) are
+    refused and its wipe deletes none of them; it trains on."""
     world = launched_world(tmp, 2, 1, env={"MISBEHAVE": "0"})
     try:
         world.wait_started()
@@ -391,6 +433,13 @@ def test_plugdist_run_two_nodes_on_loopback(tmp: Path) -> None:
         assert addr.startswith("127.0.0.1:") and token == ""
         got = stranger(addr, root, MEMBERSHIP_ATTACKS, size=2)
         assert_membership_attacks_refused(got)
+        if os.geteuid() == 0:  # a second Unix user is at hand
+            before = round_keys(addr, round_prefix(world)["RDZV_PREFIX"])
+            got = stranger(addr, root, ROUND_ATTACKS, uid=NOBODY, extra=round_prefix(world))
+            assert_round_attacks_refused(got)
+            after = round_keys(addr, round_prefix(world)["RDZV_PREFIX"])
+            assert after["outcome"] is None and after["master"] == before["master"], after
+            assert after["closed"] == before["closed"] and after["hb/1"] < 1000, after
         world.trains_on()
     finally:
         world.stop()

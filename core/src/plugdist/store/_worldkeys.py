@@ -14,7 +14,9 @@ Every key whose name holds one of those segments, at the top or after a ``/``, i
 TCPStore server refuses a plain write to it (set, add, compare_set, append, delete, queues, a
 will on it) from every client, and writes such keys only itself (a member's will, a join
 ticket) or through the checked operations of a world's members (docs/stores.md, "Who may write
-what"). Reads stay open to every client.
+what"). Reads stay open to every client. The launchers' rendezvous rounds (``plugdist/rdzv/``)
+are *job keys*: plain keys, written only by connections that hold the job's credential
+(:func:`is_job_key`).
 
 What a member may write, and the shape of each value, is :data:`MEMBER_WRITES`; what it may
 delete, :data:`MEMBER_DELETE_PREFIXES` (the death log and the join tickets are deleted by the
@@ -40,7 +42,8 @@ __all__ = [
     "declared_key", "death_key", "ticket_key", "admitted_key", "epoch_prefix", "joiner_uid",
     "group_prefix", "leaving_key", "left_key", "FT_FORGOTTEN", "ft_epoch_prefix", "ft_state_key",
     "ft_step_key", "ft_block_prefix", "ft_vote_key", "worker_round_root",
-    "worker_attempt_root", "rdzv_root", "PAGE_DUMP", "page_status_key", "page_ops_key",
+    "worker_attempt_root", "RDZV", "rdzv_root", "is_job_key", "PAGE_DUMP", "page_status_key",
+    "page_ops_key",
 ]
 
 # ---- a world's membership (reserved) ---------------------------------------------------------
@@ -262,9 +265,20 @@ def worker_attempt_root(attempt: str | int) -> str:
     return f"plugdist/worker/attempt_{attempt}"
 
 
+RDZV = "plugdist/rdzv"  # the launchers' rendezvous rounds: job keys (see is_job_key)
+_JOB_KEY = re.compile(b"(?:^|/)" + re.escape(RDZV.encode()) + b"/")
+
+
 def rdzv_root(run_id: str) -> str:
     """The launcher's rendezvous keys of run ``run_id``."""
-    return f"plugdist/rdzv/{run_id}/"
+    return f"{RDZV}/{run_id}/"
+
+
+def is_job_key(key: bytes) -> bool:
+    """Whether ``key`` is a launcher's rendezvous key (under ``plugdist/rdzv/``, at the top or
+    after a ``/``): a TCPStore server takes a plain write to it only from a connection that
+    holds the job's credential (its token, or without one the store's Unix user)."""
+    return b"plugdist/rdzv/" in key and _JOB_KEY.search(key) is not None
 
 
 # plugdist-run's live page (--page): what each rank publishes for it, under the world's root

@@ -17,13 +17,14 @@ from collections.abc import Callable
 from typing import Any
 
 from plugdist.store import _wire as w
+from plugdist.store._server.jobkeys import JobKeys
 from plugdist.store._server.keyspace import KeySpace
 from plugdist.store._server.replies import OK_EMPTY, Reply, name, ok, ok_value, reply, seconds
 from plugdist.store._server.sliced import SLICE_KEYS, KeysRead, Sliced, ValuesWritten
 from plugdist.store._server.waiters import Waiter
 from plugdist.store._server.worlds import Worlds
 from plugdist.store._wire import read_blob as _blob
-from plugdist.store._worldkeys import is_reserved
+from plugdist.store._worldkeys import is_job_key, is_reserved
 
 __all__ = ["Commands"]
 
@@ -38,11 +39,12 @@ Handler = Callable[[Any, bytes, int, int], "Reply | None | Sliced"]
 
 
 class Commands:
-    """Every command of one server, by op code, over the key space ``keys`` and its
-    ``worlds``."""
+    """Every command of one server, by op code, over the key space ``keys``, its ``worlds``
+    and the launchers' ``job_keys``."""
 
-    def __init__(self, keys: KeySpace, worlds: Worlds) -> None:
+    def __init__(self, keys: KeySpace, worlds: Worlds, job_keys: JobKeys) -> None:
         self._keys = keys
+        self._job_keys = job_keys
         self._data = keys.data
         self._queues = keys.queues
         self._waiters = keys.waiters
@@ -127,11 +129,23 @@ class Commands:
             return answer
         return run
 
+    def _guard(self, conn: Any, op: str, key: bytes) -> bytes | None:
+        """The refusal of a plain write ``op`` on ``key``: a world's reserved key, or a job key
+        from a connection without the job's credential; None for every other key."""
+        if b"plugdist/" not in key:
+            return None
+        if is_reserved(key):
+            return self._keys.refused(conn, op, key)
+        if is_job_key(key):
+            return self._job_keys.refusal(conn, op, key)
+        return None
+
     def _op_set(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)
         value, _ = _blob(buf, pos, end)
-        if is_reserved(key):
-            return self._keys.refused(conn, "set", key)
+        refusal = self._guard(conn, "set", key)
+        if refusal:
+            return refusal
         refusal = self._keys.too_big("set", key, len(value))
         if refusal:
             return refusal
@@ -153,10 +167,15 @@ class Commands:
         if pos + 12 + kl != end:
             raise ValueError("key length does not match the frame")
         key = bytes(buf[pos + 12:end])
-        if is_reserved(key):
-            if amount:
-                return self._keys.refused(conn, "add", key)
-            return self._keys.read_counter(key)  # add(key, 0) reads a counter, creating nothing
+        if b"plugdist/" in key:
+            if is_reserved(key):
+                if amount:
+                    return self._keys.refused(conn, "add", key)
+                return self._keys.read_counter(key)  # add(key, 0) reads, creating nothing
+            if is_job_key(key):
+                refusal = self._job_keys.refusal(conn, "add", key) if amount else None
+                if refusal:
+                    return refusal
         total = self._keys.add_to(key, amount)
         return total if isinstance(total, bytes) else ok(w.I64.pack(total))
 
@@ -167,8 +186,9 @@ class Commands:
         if pos < end:
             (ttl,) = w.F64.unpack_from(buf, pos)
             ttl = seconds(ttl)
-        if is_reserved(key):
-            return self._keys.refused(conn, "hold_will", key)
+        refusal = self._guard(conn, "hold_will", key)
+        if refusal:
+            return refusal
         if getattr(conn, "identity", None) is not None:
             return reply(w.Status.ERROR, b"hold_will refused: this connection holds a member "
                                          b"identity, whose will is the server's")
@@ -206,8 +226,9 @@ class Commands:
     def _op_append(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)
         tail, _ = _blob(buf, pos, end)
-        if is_reserved(key):
-            return self._keys.refused(conn, "append", key)
+        refusal = self._guard(conn, "append", key)
+        if refusal:
+            return refusal
         old = self._data.get(key)
         if len(old or b"") + len(tail) > self._keys.max_value_bytes:
             return reply(w.Status.ERROR, (
@@ -222,8 +243,9 @@ class Commands:
         key, pos = _blob(buf, pos, end)
         expected, pos = _blob(buf, pos, end)
         desired, _ = _blob(buf, pos, end)
-        if is_reserved(key):
-            return self._keys.refused(conn, "compare_set", key)
+        refusal = self._guard(conn, "compare_set", key)
+        if refusal:
+            return refusal
         refusal = self._keys.too_big("compare_set", key, len(desired))
         if refusal:
             return refusal
@@ -292,16 +314,20 @@ class Commands:
 
     def _op_delete_key(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, _ = _blob(buf, pos, end)
-        if is_reserved(key):
-            return self._keys.refused(conn, "delete_key", key)
+        refusal = self._guard(conn, "delete_key", key)
+        if refusal:
+            return refusal
         return ok(b"\x01" if self._keys.delete(key) else b"\x00")
 
     def _op_delete_prefix(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         prefix, _ = _blob(buf, pos, end)
-        if is_reserved(prefix):
-            return self._keys.refused(conn, "delete_prefix", prefix)
-        # a plain client's prefix that spans a world (e.g. "") leaves that world's keys alone
-        return ok(w.I64.pack(self._keys.delete_prefix(prefix, reserved_too=False)))
+        refusal = self._guard(conn, "delete_prefix", prefix)
+        if refusal:
+            return refusal
+        # a prefix that spans a world (e.g. "") leaves that world's keys alone, and the job
+        # keys unless this connection may write them
+        return ok(w.I64.pack(self._keys.delete_prefix(
+            prefix, reserved_too=False, job_too=self._job_keys.may_write(conn))))
 
     def _op_multi_set(self, conn: Any, buf: bytes, pos: int,
                       end: int) -> Reply | None | Sliced:
@@ -321,8 +347,8 @@ class Commands:
 
         def each(items: list[bytes]) -> bool:  # slices hold whole pairs: SLICE_KEYS is even
             for i in range(0, len(items), 2):
-                why = keys.refused(conn, "multi_set", items[i]) if is_reserved(items[i]) \
-                    else keys.too_big("multi_set", items[i], len(items[i + 1]))
+                why = self._guard(conn, "multi_set", items[i]) \
+                    or keys.too_big("multi_set", items[i], len(items[i + 1]))
                 if why:
                     refused.append(why)
                     return False
@@ -343,8 +369,9 @@ class Commands:
     def _op_queue_push(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)
         value, _ = _blob(buf, pos, end)
-        if is_reserved(key):
-            return self._keys.refused(conn, "queue_push", key)
+        refusal = self._guard(conn, "queue_push", key)
+        if refusal:
+            return refusal
         refusal = self._keys.too_big("queue_push", key, len(value))
         if refusal:
             return refusal
@@ -367,8 +394,9 @@ class Commands:
         if pos + 13 + kl != end:
             raise ValueError("key length does not match the frame")
         key = bytes(buf[pos + 13:end])
-        if is_reserved(key):
-            return self._keys.refused(conn, "queue_pop", key)
+        refusal = self._guard(conn, "queue_pop", key)
+        if refusal:
+            return refusal
         q = self._queues.get(key)
         if q:
             value = q.popleft()

@@ -21,7 +21,7 @@ from plugdist.store import _wire as w
 from plugdist.store._server.replies import Reply, name, ok, reply, seconds
 from plugdist.store._server.sliced import SLICE_KEYS, Sliced
 from plugdist.store._server.waiters import Waiters
-from plugdist.store._worldkeys import RESERVED_NAMES, is_reserved
+from plugdist.store._worldkeys import RESERVED_NAMES, is_job_key, is_reserved
 
 __all__ = ["KeySpace"]
 
@@ -153,15 +153,17 @@ class KeySpace:
         self.removals += had_value or had_queue
         return had_value or had_queue
 
-    def delete_prefix(self, prefix: bytes, reserved_too: bool) -> int:
+    def delete_prefix(self, prefix: bytes, reserved_too: bool, job_too: bool = True) -> int:
         """Delete every key and queue starting with ``prefix`` (the reserved ones only with
-        ``reserved_too``); how many."""
-        doomed = [k for k in self.data if k.startswith(prefix)
-                  and (reserved_too or not is_reserved(k))]
+        ``reserved_too``, the job keys only with ``job_too``); how many."""
+        def doomed_key(k: bytes) -> bool:
+            return (k.startswith(prefix) and (reserved_too or not is_reserved(k))
+                    and (job_too or not is_job_key(k)))
+
+        doomed = [k for k in self.data if doomed_key(k)]
         for k in doomed:
             del self.data[k]
-        queues = [k for k in self.queues if k.startswith(prefix)
-                  and (reserved_too or not is_reserved(k))]
+        queues = [k for k in self.queues if doomed_key(k)]
         for k in queues:
             del self.queues[k]
         self.removals += bool(doomed or queues)

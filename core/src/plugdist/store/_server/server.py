@@ -39,6 +39,7 @@ from plugdist.store._server.conn import READ, WRITE, Conn, Selector
 from plugdist.store._server.framing import Framing
 from plugdist.store._server.guests import Guests
 from plugdist.store._server.handshake import Handshake
+from plugdist.store._server.jobkeys import JobKeys
 from plugdist.store._server.keyspace import KeySpace
 from plugdist.store._server.limits import FD_RESERVE, TCPStoreLimits, Throttle, raise_fd_limit
 from plugdist.store._server.lobby import Lobby
@@ -81,8 +82,9 @@ class StoreServer:
                                      max_keys=limits.max_keys_per_request,
                                      max_reply_bytes=limits.max_reply_bytes, notice=self._warn)
         self._waiters = keys.waiters
-        self._worlds = Worlds(keys, self._warn, Admission(self.token is not None).refusal)
-        self._commands = Commands(keys, self._worlds)
+        admission = Admission(self.token is not None).refusal
+        self._worlds = Worlds(keys, self._warn, admission)
+        self._commands = Commands(keys, self._worlds, JobKeys(admission, self._warn))
         self._frames = frames = Framing(limits, self._commands, self._pending, turns,
                                         self._drop, self._close, self._log, self._warn)
         turns.attach(frames.process, frames.on_readable, frames.send, frames.watch,
