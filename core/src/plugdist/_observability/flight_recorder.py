@@ -77,9 +77,9 @@ _FALLBACK_PREFIX = "gloo"
 _TORCH_OPS = {"all_gather_into_tensor": "_all_gather_base",
               "reduce_scatter_tensor": "_reduce_scatter_base"}
 
-# an entry: (record id, group, op, collective seq, p2p seq, peer, kind, a, b, created ns,
-# thread id, started at creation)
-_ID, _GROUP, _OP, _COLL, _P2P, _PEER, _KIND, _A, _B, _CREATED, _THREAD, _STARTED = range(12)
+# an entry (a list, written once and then only at _DONE): [record id, group, op, collective seq,
+# p2p seq, peer, kind, a, b, created ns, thread id, started at creation, completed ns or None]
+_ID, _GROUP, _OP, _COLL, _P2P, _PEER, _KIND, _A, _B, _CREATED, _THREAD, _STARTED, _DONE = range(13)
 
 
 class Flat(tuple):  # type: ignore[type-arg]
@@ -127,16 +127,15 @@ class FlightRecorder:
     """The process's recorder (one: :data:`recorder`). ``on`` is read on every op.
 
     Threading: :meth:`record` and :meth:`completed` take no lock (each writes one slot of a
-    list, which is atomic under the GIL; an entry's completion is tagged with its record id, so
-    a slot reused meanwhile is never marked by an older op); :meth:`snapshot` copies under the
-    lock."""
+    list, which is atomic under the GIL; a completion is written into the op's own entry, found
+    by its record id, so a slot reused meanwhile is never marked by an older op); :meth:`snapshot`
+    copies under the lock."""
 
     def __init__(self) -> None:
         self.on = False
         self.fast = False  # on, keeping no caller frames: observe.blocking's short route
         self.capacity = 0
-        self.ring: list[tuple[Any, ...] | None] = []
-        self.done: list[tuple[int, int] | None] = []  # per slot: (record id, completed ns)
+        self.ring: list[list[Any] | None] = []
         self.ids = itertools.count()
         self._errors: dict[int, str] = {}  # record id -> error, for failed ops
         self._starts: dict[int, int] = {}  # record id -> started ns, for late starts
@@ -207,12 +206,9 @@ class FlightRecorder:
     def _resize(self, capacity: int) -> None:
         """A new ring of ``capacity`` slots keeping the newest entries (under the lock)."""
         kept = sorted((e for e in self.ring if e is not None), key=lambda e: e[_ID])[-capacity:]
-        done = {d[0]: d for d in self.done if d is not None}
         self.ring = [None] * capacity
-        self.done = [None] * capacity
         for e in kept:
             self.ring[e[_ID] % capacity] = e
-            self.done[e[_ID] % capacity] = done.get(e[_ID])
         self.capacity = capacity
 
     # -- entries ---------------------------------------------------------------------------------
@@ -229,8 +225,9 @@ class FlightRecorder:
         else:
             g.collectives += 1
         rid = next(self.ids)
-        self.ring[rid % self.capacity] = (rid, g, op, g.collectives, g.p2p, peer, kind, a, b,
-                                          time.monotonic_ns(), threading.get_ident(), started)
+        self.ring[rid % self.capacity] = [rid, g, op, g.collectives, g.p2p, peer, kind, a, b,
+                                          time.monotonic_ns(), threading.get_ident(), started,
+                                          None]
         if self.depth:
             self.keep_frames(rid)
         return rid
@@ -247,9 +244,11 @@ class FlightRecorder:
     def completed(self, rid: int) -> None:
         """Mark the entry ``rid`` completed."""
         try:
-            self.done[rid % self.capacity] = (rid, time.monotonic_ns())
+            entry = self.ring[rid % self.capacity]
         except (ZeroDivisionError, IndexError):  # the ring was reset or resized meanwhile
-            pass
+            return
+        if entry is not None and entry[_ID] == rid:
+            entry[_DONE] = time.monotonic_ns()
 
     def failed(self, rid: int, error: BaseException) -> None:
         """Record ``error`` for the entry ``rid``; on a DistError, every rank dumps. Called in
@@ -279,8 +278,7 @@ class FlightRecorder:
     def snapshot(self) -> dict[str, Any]:
         """The dump: torch's flight-recorder dict."""
         with self._lock:
-            ring = [e for e in self.ring if e is not None] if self.on else []
-            done = {d[0]: d[1] for d in self.done if d is not None}
+            ring = [list(e) for e in self.ring if e is not None] if self.on else []
             errors, starts = dict(self._errors), dict(self._starts)
             frames = dict(self._frames)
             groups = list(self._groups.values())
@@ -290,7 +288,7 @@ class FlightRecorder:
                         if e[_GROUP].uid not in known}.values())
         live = sys._current_frames()
         epoch = time.time_ns() - time.monotonic_ns()  # entries read the monotonic clock
-        entries = [_to_dict(e, done.get(e[_ID]), starts.get(e[_ID]), errors.get(e[_ID]),
+        entries = [_to_dict(e, e[_DONE], starts.get(e[_ID]), errors.get(e[_ID]),
                             frames.get(e[_ID]), live, epoch) for e in ring]
         status: dict[str, dict[str, int]] = {}
         for g in groups:
@@ -341,14 +339,14 @@ class FlightRecorder:
         """Dump everywhere for ops in flight past their group's timeout (each once); returns
         the seconds until the next in-flight op's deadline, or None when none is in flight."""
         with self._lock:
-            ring = [e for e in self.ring if e is not None] if self.on else []
-            done = {d[0] for d in self.done if d is not None}
+            ring = [e for e in self.ring if e is not None and e[_DONE] is None] if self.on \
+                else []
             errors = set(self._errors)
         now = time.monotonic_ns()
-        late: list[tuple[Any, ...]] = []
+        late: list[list[Any]] = []
         soonest: float | None = None
         for e in sorted(ring, key=lambda e: e[_ID]):
-            if e[_ID] in done or e[_ID] in errors or e[_ID] in self._dumped_for:
+            if e[_ID] in errors or e[_ID] in self._dumped_for:
                 continue
             left = (e[_CREATED] + e[_GROUP].timeout_ns - now) / 1e9
             if left < 0:
@@ -374,7 +372,7 @@ class FlightRecorder:
         with self._lock:
             self.on = self.fast = False
             self.capacity = 0
-            self.ring, self.done = [], []
+            self.ring = []
             self._groups.clear()
             self._errors.clear()
             self._starts.clear()
@@ -419,7 +417,7 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _to_dict(e: tuple[Any, ...], done: int | None, late_start: int | None, error: str | None,
+def _to_dict(e: list[Any], done: int | None, late_start: int | None, error: str | None,
              frames: list[tuple[Any, int]] | None, live: dict[int, Any],
              epoch: int) -> dict[str, Any]:
     """One entry in torch's terms; ``live`` (thread id -> current frame) gives an op still in

@@ -128,9 +128,8 @@ def blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool] 
         return
     g.collectives = seq = g.collectives + 1
     rid = next(rec.ids)
-    slot = rid % rec.capacity
-    rec.ring[slot] = (rid, g, op, seq, g.p2p, None, ONE, shape, dtype, _time_ns(),
-                      _thread_id(), True)
+    rec.ring[rid % rec.capacity] = entry = [rid, g, op, seq, g.p2p, None, ONE, shape, dtype,
+                                            _time_ns(), _thread_id(), True, None]
     try:
         if lean is None or not lean(pg, *args):
             _current.entry = rid  # only here: the lean route dispatches nothing
@@ -141,10 +140,7 @@ def blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool] 
     except BaseException as err:
         rec.failed(rid, err)
         raise
-    try:  # tagged with its id: a slot reused or a ring resized meanwhile mislabels nothing
-        rec.done[slot] = (rid, _time_ns())
-    except IndexError:
-        pass
+    entry[-1] = _time_ns()  # its own entry: a slot reused meanwhile is not marked
 
 
 def _blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool] | None) -> None:
