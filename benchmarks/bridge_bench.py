@@ -13,6 +13,9 @@ Parts:
              also plugdist's own all_reduce on that MPI group, async (Work + wait) and sync
   overhead   the bridge's own cost: torch.distributed.all_reduce over plugdist_gloo vs
              plugdist.all_reduce on the very same plugdist gloo group
+  floor      the same on a one-rank group whose op does nothing (the CPU each route costs, free
+             of gloo's own 30-60 us and its noise), with torch's floor beside it: torch's
+             all_reduce on a Python group whose allreduce returns a finished Work at once
   ddp        torch DDP iteration on 8 x Linear(1024) + ReLU, batch 32: plugdist_mpi vs gloo
   fsdp       the same model under FSDP2 (fully_shard per Linear and the root)
   import     what the torch.backends entry point adds to ``import torch``
@@ -32,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-PARTS = ("allreduce", "overhead", "ddp", "fsdp", "import")
+PARTS = ("allreduce", "overhead", "floor", "ddp", "fsdp", "import")
 _CHUNKS = 6
 
 
@@ -159,6 +162,61 @@ def overhead_in_process(sizes: list[int]) -> list[dict[str, Any]]:
     if tdist.is_initialized():
         raise RuntimeError("torch's default group outlived plugdist's world")
     return rows
+
+
+def floor_in_process(reps: int = 9, n: int = 20000) -> dict[str, float]:
+    """µs per all_reduce of 2 floats, best of ``reps`` loops of ``n``, alternating, on one-rank
+    groups in this process whose op does nothing: plugdist's ``run_blocking`` and
+    ``plugdist.all_reduce``-style dispatch, torch over the bridge, torch over a bare Python group
+    (torch's own cost of calling a Python backend)."""
+    import torch
+    import torch.distributed as tdist
+    from plugdist import GroupOptions, ProcessGroup, ReduceOp
+    from plugdist._torch.bridge import BridgeGroup
+    from plugdist.backend import BackendBase
+    from torch._C import _distributed_c10d as c10d
+
+    class Nothing(BackendBase):
+        backend_name = "nothing"
+
+        def native_all_reduce(self, *, tensor: Any, op: Any) -> Any:
+            raise NotImplementedError
+
+        def native_blocking(self, op: str, kwargs: dict[str, Any]) -> None:
+            return None
+
+        def native_all_reduce_blocking(self, *, tensor: Any, op: Any) -> None:
+            return None
+
+    class Bare(c10d.ProcessGroup):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__(0, 1)
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result([])
+            self.done = c10d._create_work_from_future(done)
+
+        def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+            return self.done
+
+        def getBackendName(self) -> str:  # noqa: N802
+            return "bare"
+
+    torch.set_num_threads(1)
+    pg = ProcessGroup(Nothing(0, 1, GroupOptions(group_name="nothing", global_ranks=(0,))))
+    bridge, bare, t, total = BridgeGroup(pg, "nothing", owned=False), Bare(), torch.ones(2), \
+        ReduceOp.SUM
+    sides: dict[str, Callable[[], Any]] = {
+        "plugdist": lambda: pg.run_blocking("all_reduce", t, total),
+        "torch_over_bridge": lambda: tdist.all_reduce(t, group=bridge),
+        "torch_over_bare": lambda: tdist.all_reduce(t, group=bare)}
+    best = {name: float("inf") for name in sides}
+    for _ in range(reps):
+        for name, fn in sides.items():
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / n * 1e6)
+    return best
 
 
 def _reference_mlp(layers: int = 8, width: int = 1024) -> Any:
@@ -311,6 +369,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{r['bytes']:>10} {1e6 * r['torch_over_bridge']:>18.1f} "
                       f"{1e6 * r['torch_async_wait']:>15.1f} {1e6 * r['plugdist']:>13.1f} "
                       f"{1e6 * (r['torch_over_bridge'] - r['plugdist']):>16.1f}", flush=True)
+    if "floor" in parts:
+        got = floor_in_process()
+        print(f"\nwhat each route costs the CPU per all_reduce (1 rank, in this process, an op "
+              f"that does nothing; best of 9 loops):\n  plugdist's run_blocking "
+              f"{got['plugdist']:.2f} us; torch over the bridge {got['torch_over_bridge']:.2f} "
+              f"us; torch over a bare Python group {got['torch_over_bare']:.2f} us\n  the "
+              f"bridge adds {got['torch_over_bridge'] - got['plugdist']:.2f} us to plugdist's "
+              f"own op, of which torch's floor (its all_reduce calling a Python group) is "
+              f"{got['torch_over_bare']:.2f} us and the bridge's code "
+              f"{got['torch_over_bridge'] - got['plugdist'] - got['torch_over_bare']:.2f} us",
+              flush=True)
     for kind in ("ddp", "fsdp"):
         if kind in parts:
             res = run_world(bridge_bench.training_rank, 2, backend="mpi",

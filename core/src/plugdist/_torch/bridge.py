@@ -66,6 +66,7 @@ _REDUCE_OPS = {_RED.SUM: ReduceOp.SUM, _RED.AVG: ReduceOp.AVG, _RED.PRODUCT: Red
 _REDUCTIONS: tuple[ReduceOp | None, ...] = tuple(
     _REDUCE_OPS.get(_RED(i)) for i in range(max(int(v) for v in _RED.__members__.values()) + 1))
 _AllreduceOptions: Any = c10d.AllreduceOptions
+_TORCH_SUM: Any = c10d.ReduceOp.SUM
 
 
 def torch_name(backend: str) -> str:
@@ -241,7 +242,9 @@ class BridgeGroup(_TorchProcessGroup):
         # (each read of an options field is a call into torch's binding)
         if (type(opts) is _AllreduceOptions and opts.asyncOp is False and type(tensors) is list
                 and len(tensors) == 1 and self._coalesced is None):
-            red = _REDUCTIONS[opts.reduceOp.op]
+            # a sum, told by one comparison: reading the reduction's type costs 0.4 us more
+            torch_red = opts.reduceOp
+            red = ReduceOp.SUM if torch_red == _TORCH_SUM else _REDUCTIONS[torch_red.op]
             if red is not None:
                 self.plugdist_group.run_blocking("all_reduce", tensors[0], red)
                 return self._done
