@@ -38,6 +38,7 @@ docs/backends.md gives every hook's contract. What is here:
   it imports torch.distributed);
 * failure reporting: ``report_failed_ranks``;
 * observation, for wrappers that run ops themselves: ``observing``, ``run_observed``;
+  ``dump_on_signal`` (a recorder's dump when the process gets a named signal);
 * threads: ``BackendThreads`` (start them, stop them at shutdown and at program exit),
   ``program_running``, ``recv_exact`` (a socket read that stops with them), ``POLL_SECONDS``.
 """
@@ -58,6 +59,7 @@ from plugdist._backend.wrapper import BackendWrapper
 from plugdist._group.process_group import ProcessGroup
 from plugdist._lifecycle.regroup import report_failed_ranks
 from plugdist._log import get_logger, set_log_level
+from plugdist._observability.dump_signal import dump_on_signal
 from plugdist._observability.observe import active as observing
 from plugdist._observability.observe import run as run_observed
 from plugdist.errors import (
@@ -92,7 +94,7 @@ __all__ = [
     "Store", "DEFAULT_STORE_TIMEOUT", "to_bytes", "to_seconds", "is_loopback",
     "PlugdistStoreForTorch",
     "report_failed_ranks",
-    "observing", "run_observed",
+    "observing", "run_observed", "dump_on_signal",
     "BackendThreads", "POLL_SECONDS", "program_running", "recv_exact",
 ]
 

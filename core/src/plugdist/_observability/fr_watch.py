@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import os
-import signal
 import threading
 from datetime import timedelta
 from typing import Any
 
 from plugdist._log import get_logger
+from plugdist._observability.dump_signal import dump_on_signal
 from plugdist.errors import DistTimeoutError
 
 __all__ = ["Watcher", "ask_key", "SIGNAL_ENV", "COUNTER_KEY"]
@@ -97,7 +96,7 @@ class Watcher:
 
     def start(self) -> None:
         """Start the thread if it does not run (and install the dump signal's handler)."""
-        _install_signal_handler(self._rec)
+        dump_on_signal(SIGNAL_ENV, "SIGUSR1", self._rec.dump)
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return
@@ -228,30 +227,3 @@ class Watcher:
             with self._lock:
                 self._parked = None
         return True
-
-
-_signal_installed = False
-
-
-def _install_signal_handler(rec: Any) -> None:
-    """Dump on ``PLUGDIST_FR_DUMP_SIGNAL`` (default SIGUSR1): once, from the main thread, and
-    only when nobody else handles that signal."""
-    global _signal_installed
-    if _signal_installed or threading.current_thread() is not threading.main_thread():
-        return
-    _signal_installed = True
-    name = os.environ.get(SIGNAL_ENV, "SIGUSR1").strip().upper()
-    if name in ("", "0", "OFF", "NONE"):
-        return
-    signum = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
-    if not isinstance(signum, signal.Signals):
-        get_logger().warning("flight_recorder_bad_signal", setting=f"{SIGNAL_ENV}={name!r}",
-                             hint="use a signal name such as SIGUSR1, or OFF")
-        return
-
-    def on_signal(num: int, _frame: Any) -> None:
-        rec.dump(f"signal {signal.Signals(num).name}")
-
-    with contextlib.suppress(ValueError, OSError):
-        if signal.getsignal(signum) in (signal.SIG_DFL, None):
-            signal.signal(signum, on_signal)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import threading
 import time
@@ -28,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from plugdist.backend import get_logger
+from plugdist.backend import dump_on_signal, get_logger
 
 from ._env import env_int
 
@@ -203,29 +202,7 @@ def dump_flight_recorder(reason: str = "on demand",
     return recorders.dump(reason, directory)
 
 
-_signal_installed = False
-
-
 def install_signal_handler() -> None:
-    """Dump on ``PLUGDIST_FLIGHT_RECORDER_SIGNAL`` (default SIGUSR2), once per process.
-
-    Only from the main thread, and only when nobody else handles that signal already."""
-    global _signal_installed
-    if _signal_installed or threading.current_thread() is not threading.main_thread():
-        return
-    name = os.environ.get(SIGNAL_ENV, "SIGUSR2").strip().upper()
-    _signal_installed = True
-    if name in ("", "0", "OFF", "NONE"):
-        return
-    signum = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
-    if not isinstance(signum, signal.Signals):
-        get_logger().warning("flight_recorder_bad_signal", setting=f"{SIGNAL_ENV}={name!r}",
-                             hint="use a signal name such as SIGUSR2, or OFF")
-        return
-    if signal.getsignal(signum) not in (signal.SIG_DFL, None):
-        return
-
-    def on_signal(_signum: int, _frame: Any) -> None:
-        recorders.dump(f"signal {signum.name}")
-
-    signal.signal(signum, on_signal)
+    """Dump on ``PLUGDIST_FLIGHT_RECORDER_SIGNAL`` (default SIGUSR2), once per process, from
+    the main thread, when nobody else handles that signal already."""
+    dump_on_signal(SIGNAL_ENV, "SIGUSR2", recorders.dump)
