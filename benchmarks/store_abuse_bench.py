@@ -37,6 +37,8 @@ quiet window before, and what the stranger got done; then torch's TCPStore, quie
     .venv/bin/python benchmarks/store_abuse_bench.py
     .venv/bin/python benchmarks/store_abuse_bench.py --seconds 6 --phases quiet,check_flood
     .venv/bin/python benchmarks/store_abuse_bench.py --max-keys 16384 --no-torch  # a lower cap
+    .venv/bin/python benchmarks/store_abuse_bench.py --phases quiet,guests --max-guests 4096
+        # the guests over their per-address bound: every re-opened connection displaces one
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def role_server(a: argparse.Namespace) -> None:
     else:
         from plugdist.store import TCPStore, TCPStoreLimits
         store = TCPStore(HOST, 0, None, True, t, token="",
-                         limits=TCPStoreLimits(max_keys_per_request=a.max_keys))
+                         limits=TCPStoreLimits(max_keys_per_request=a.max_keys,
+                                               max_guests_per_address=a.max_guests))
         # a live world's membership on it, for the forgeries to aim at
         store.claim_member("", "0", 2, 30.0)
         store.claim_member("", "1", 2, 30.0)
@@ -140,6 +143,7 @@ def role_stranger(a: argparse.Namespace) -> None:
     port, phase = a.port, a.phase
     store = TCPStore(HOST, port, timeout=timedelta(seconds=120))
     done = 0
+    filled = 0.0  # guests: when all 5,000 were first open (s after it began)
     held: list[socket.socket] = []
     if phase == "check_flood":
         frame = w.request(w.Op.CHECK, w.pack_blobs([b"hot"] * a.max_keys))
@@ -194,6 +198,8 @@ def role_stranger(a: argparse.Namespace) -> None:
                     s.sendall(num_keys)
                     held.append(s)
                     done += 1
+                if len(held) >= 5000 and not filled:
+                    filled = time.monotonic() - began
                 time.sleep(0.2)
             elif phase in ("check_flood", "mset_flood", "mget_flood", "oversized"):
                 try:
@@ -247,7 +253,8 @@ def role_stranger(a: argparse.Namespace) -> None:
                 time.sleep(0.05)
         except OSError:
             held.clear()
-    print(json.dumps({"done": done, "began": began, "ended": time.monotonic()}), flush=True)
+    report: Any = f"{done} ({filled:.2g} s to open 5,000)" if filled else done
+    print(json.dumps({"done": report, "began": began, "ended": time.monotonic()}), flush=True)
 
 
 def spawn(role: str, *args: str) -> subprocess.Popen[str]:
@@ -268,7 +275,8 @@ def _stats(samples: list[tuple[float, float]], lo: float, hi: float) -> dict[str
 def run(impl: str, phases: list[str], a: argparse.Namespace) -> dict[str, Any]:
     """Each abuse of ``phases`` ``--repeats`` times after a quiet window: per abuse, the
     medians over repeats of (quiet stats, abuse stats, abuse/quiet ratios, what was done)."""
-    server = spawn("server", "--impl", impl, "--max-keys", str(a.max_keys))
+    server = spawn("server", "--impl", impl, "--max-keys", str(a.max_keys),
+                   "--max-guests", str(a.max_guests))
     port = json.loads(server.stdout.readline())["port"]  # type: ignore[union-attr]
     ranks = [spawn("rank", "--impl", impl, "--port", str(port), "--gap", str(a.gap))
              for _ in range(a.ranks)]
@@ -328,6 +336,9 @@ def main() -> None:
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--max-keys", type=int, default=131072,
                    help="the server's max_keys_per_request, and the size of the CHECK flood")
+    p.add_argument("--max-guests", type=int, default=32768,
+                   help="the server's max_guests_per_address (below 5,000 the guests abuse "
+                        "is over the bound: each connection it re-opens displaces one)")
     a = p.parse_args()
     if a.role != "main":
         {"server": role_server, "rank": role_rank, "stranger": role_stranger}[a.role](a)
@@ -337,7 +348,7 @@ def main() -> None:
     torch = None if a.no_torch else run("torch", ["quiet"], a)["quiet"]
     print(f"{a.ranks} ranks, a set + get every {a.gap:g} ms each; {a.seconds:g} s windows, "
           f"{a.repeats} repeats; server on CPU 1, ranks and stranger (nice 19) on CPU 0; "
-          f"max_keys_per_request {a.max_keys}")
+          f"max_keys_per_request {a.max_keys}, max_guests_per_address {a.max_guests}")
     print(f"{'phase':<12} {'p50 us':>9} {'p99 us':>9} {'p50/quiet':>10} {'p99/quiet':>10} "
           f"{'samples':>8}  stranger got done")
     rows = list(ours.items()) + ([("torch quiet", torch)] if torch else [])

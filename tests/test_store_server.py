@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -264,6 +265,29 @@ def test_guests_are_bounded_and_members_connections_never_are() -> None:
     other_session.will.cancel()
     member.close()
     other.close()
+    m.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_busy_guest_outlives_the_idle_timeout_and_an_idle_one_does_not() -> None:
+    """The idle deadline runs from a guest's last request, not from when it connected: a guest
+    that sends a request every 0.4 s stays past several ``guest_idle_timeout`` of 1.5 s, one
+    connected with it that sends nothing more is dropped."""
+    from plugdist.store import TCPStoreLimits
+    limits = TCPStoreLimits(guest_idle_timeout=timedelta(seconds=1.5))
+    m = TCPStore(HOST, 0, is_master=True, timeout=T, token="", limits=limits)
+    busy, idle = bound_to("127.0.0.2", m.port), bound_to("127.0.0.2", m.port)
+    num_keys = wire.request(wire.Op.NUM_KEYS, b"")
+    began = time.monotonic()
+    while time.monotonic() - began < 5.0:
+        busy.sendall(num_keys)
+        assert len(busy.recv(64)) > 0, "a busy guest was dropped"
+        time.sleep(0.4)
+    assert eventually(lambda: hung_up(idle), 30)
+    busy.sendall(num_keys)
+    assert len(busy.recv(64)) > 0
+    busy.close()
+    idle.close()
     m.close()
 
 

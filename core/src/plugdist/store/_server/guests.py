@@ -12,12 +12,15 @@ before a busy one (an idle one holding a will is not dropped for idleness: its w
 run). Trusted connections are never displaced.
 
 Only the serving thread uses it; nothing here blocks. Finding whom to displace looks at a
-bounded number of the oldest guests (``_LOOK``), so a flood costs O(1) a connection.
+bounded number of the oldest guests (``_LOOK``), so a flood costs O(1) a connection; the idle
+deadlines are a heap, so a sweep costs what is due, not a walk of every guest.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import time
 from collections.abc import Callable
 
 from plugdist.store._server.conn import Conn
@@ -42,6 +45,11 @@ class Guests:
         self._drop = drop
         self._all: dict[Conn, None] = {}  # oldest first
         self._by_host: dict[str, dict[Conn, None]] = {}
+        # (when to look at it again, seq, conn): a guest's idle deadline from the last time it
+        # was looked at; a closed or trusted one is skipped when its entry comes up (and the
+        # heap is rebuilt from the guests once it holds twice as many entries as there are)
+        self._due: list[tuple[float, int, Conn]] = []
+        self._seq = itertools.count()
         self.displaced = 0  # guests displaced so far (for the log and the tests)
 
     def __len__(self) -> int:
@@ -61,6 +69,12 @@ class Guests:
                                  f"(TCPStoreLimits.max_guests_per_address)")
         self._all[conn] = None
         self._by_host.setdefault(conn.host, {})[conn] = None
+        due = self._due
+        if len(due) > 2 * len(self._all) + 1024:
+            due[:] = [(c.active + self._idle, next(self._seq), c) for c in self._all]
+            heapq.heapify(due)
+        else:  # ``active`` is set as it is accepted, just after
+            heapq.heappush(due, (time.perf_counter() + self._idle, next(self._seq), conn))
         return True
 
     def trust(self, conn: Conn) -> None:
@@ -93,11 +107,20 @@ class Guests:
     def drop_idle(self, now: float) -> None:
         """Drop the guests that sent nothing for ``guest_idle_timeout``, wait in no parked
         request and hold no will (``now``: ``time.perf_counter()``)."""
-        idle = [c for c in self._all if c.waiter is None and c.will is None and c.handshaken
-                and now - c.active > self._idle]
-        for conn in idle:
+        due, idle = self._due, self._idle
+        recheck = self.sweep_interval()
+        while due and due[0][0] <= now:
+            conn = heapq.heappop(due)[2]
+            if conn not in self._all:
+                continue  # closed, or trusted since
+            if conn.waiter is not None or conn.will is not None or not conn.handshaken:
+                heapq.heappush(due, (now + recheck, next(self._seq), conn))
+                continue
+            if now - conn.active < idle:  # it sent something since: its deadline moved on
+                heapq.heappush(due, (conn.active + idle, next(self._seq), conn))
+                continue
+            self.forget(conn)
             self._drop(conn, f"a connection that has not shown it belongs to the job sent "
                              f"nothing for {self._idle:.3g}s (TCPStoreLimits."
                              f"guest_idle_timeout); its client opens another when it needs one",
                        gone=True)
-            self.forget(conn)
