@@ -18,8 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from plugdist.store import _wire as w
-from plugdist.store._server.replies import name, reply
+from plugdist.store._server.replies import write_refused
 
 __all__ = ["JobKeys"]
 
@@ -46,9 +45,7 @@ class JobKeys:
         """None when ``conn`` may ``op`` the job key ``key``, else the ERROR reply (logged)."""
         if self.may_write(conn):
             return None
-        self._notice("tcp_store_job_key_write_refused", peer=getattr(conn, "peer", "?"), op=op,
-                     key=name(key)[:200])
-        return reply(w.Status.ERROR, (
-            f"{op}({name(key)[:200]!r}) refused: keys under plugdist/rdzv/ are the launcher's "
-            f"rendezvous rounds, written only by the job's own processes, and "
-            f"{conn.job_refusal}").encode())
+        return write_refused(
+            self._notice, "tcp_store_job_key_write_refused", conn, op, key,
+            f"keys under plugdist/rdzv/ are the launcher's rendezvous rounds, written only by "
+            f"the job's own processes, and {conn.job_refusal}")

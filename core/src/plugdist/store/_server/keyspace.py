@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plugdist.store import _wire as w
-from plugdist.store._server.replies import Reply, name, ok, reply, seconds
+from plugdist.store._server.replies import Reply, name, ok, reply, seconds, write_refused
 from plugdist.store._server.sliced import SLICE_KEYS, Sliced
 from plugdist.store._server.waiters import Waiters
 from plugdist.store._worldkeys import RESERVED_NAMES, is_job_key, is_reserved
@@ -216,12 +216,11 @@ class KeySpace:
 
     def refused(self, conn: Any, op: str, key: bytes) -> bytes:
         """The reply to a plain write on a reserved key (and a rate-limited log line)."""
-        self.notice("tcp_store_reserved_write_refused", peer=getattr(conn, "peer", "?"), op=op,
-                    key=name(key)[:200])
-        return reply(w.Status.ERROR, (
-            f"{op}({name(key)[:200]!r}) refused: this key belongs to a world's membership "
-            f"(keys holding {RESERVED_NAMES}), which only the store and the world's members, "
-            f"through checked operations, change; use other key names").encode())
+        return write_refused(
+            self.notice, "tcp_store_reserved_write_refused", conn, op, key,
+            f"this key belongs to a world's membership (keys holding {RESERVED_NAMES}), which "
+            f"only the store and the world's members, through checked operations, change; use "
+            f"other key names")
 
     def too_many(self, op: str, n: int) -> bytes | None:
         if n <= self.max_keys:

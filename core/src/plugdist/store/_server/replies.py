@@ -3,9 +3,13 @@ request fields they share. Pure functions and constants; no state, safe from any
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from plugdist.store import _wire as w
 
 __all__ = ["MAX_TIMEOUT", "OK_EMPTY", "Blobs", "Parts", "Reply", "name", "ok", "ok_value",
+           "write_refused",
            "ok_values", "pack_blob", "reply", "seconds", "whole_seconds"]
 
 MAX_TIMEOUT = 1e7  # seconds; longer ones are clamped (the deadline heap needs finite numbers)
@@ -112,3 +116,12 @@ def pack_blob(data: bytes) -> bytes:
 
 
 OK_EMPTY = ok(b"")
+
+
+def write_refused(notice: Callable[..., None], event: str, conn: Any, op: str, key: bytes,
+                  why: str) -> bytes:
+    """The ERROR reply to a write ``op`` on ``key`` that a rule refuses (``why``), logged
+    (rate-limited) as ``event`` with the peer, op and key."""
+    shown = name(key)[:200]
+    notice(event, peer=getattr(conn, "peer", "?"), op=op, key=shown)
+    return reply(w.Status.ERROR, f"{op}({shown!r}) refused: {why}".encode())
