@@ -146,6 +146,7 @@ class _Members:
         self.knew_at: dict[str, float] = {}
         self.decided_at: dict[str, float] = {}
         self.errors: list[str] = []
+        self.log_replies = 0  # death-log replies the members read (a will lapsing counts too)
         self.wills: dict[str, Any] = {}
         self.sessions: dict[str, Any] = {}  # each member's identity, for its checked writes
         self.stopping = False
@@ -221,6 +222,7 @@ class _Members:
                     return
                 raise
             seen += len(entries)
+            self.log_replies += 1
             self.learn(uid, dead, [json.loads(raw) for raw in entries], time.monotonic())
 
     def learn(self, uid: str, dead: set[str], records: list[dict[str, Any]], now: float) -> None:
@@ -373,6 +375,7 @@ class _LogWatch(threading.Thread):
                         self.parsed.clear()
                     self.parsed[body] = records
                 st.seen += len(records)
+                self.group.log_replies += 1
                 self.group.learn(st.uid, st.dead, records, now)
             elif status != w.Status.TIMEOUT:
                 raise RuntimeError(f"member {st.uid}: read_log: {body.decode(errors='replace')}")
@@ -421,7 +424,8 @@ def role_members(args: argparse.Namespace, inp: Any, out: Any) -> None:
                                      "errors": group.errors[:5]}
         elif what == "knew":
             group.wait_for(group.knew_at, time.monotonic() + cmd["within"])
-            reply = {"knew": list(group.knew_at.values()), "errors": group.errors[:5]}
+            reply = {"knew": list(group.knew_at.values()), "log_replies": group.log_replies,
+                     "errors": group.errors[:5]}
         elif what == "shrink":
             arrived = None
             try:
@@ -593,6 +597,8 @@ def simulate(args: argparse.Namespace, impl: str = "plugdist") -> dict[str, Any]
         result["death_members_cpu_s"] = round(
             sum(_cpu_seconds(c.pid) for c in children) - members_cpu0, 3)
         knew = [t - t_kill for r in replies for t in r["knew"]]
+        # one reply per member when the node's deaths reach each waiter together
+        result["death_log_replies"] = sum(r["log_replies"] for r in replies)
         errors += [e for r in replies for e in r["errors"]]
         result["death_known_by"] = len(knew)
         if len(knew) == live:

@@ -194,6 +194,11 @@ def test_members_values_are_checked_and_the_death_log_is_the_servers(
         "left before every member leaves": lambda: zero.set("plugdist/epoch/0/left", "1"),
         "a decision nested past the parser's depth": lambda: zero.compare_set(
             "plugdist/epoch/0/next", "", "[" * 900),
+        "an arrival as another": lambda: zero.append_log(
+            "plugdist/epoch/0/shrink/0/arrived", "1"),
+        "a death appended as a log": lambda: zero.append_log(DEATHS, '{"uid": "1"}'),
+        "a log appended to a leave count": lambda: zero.append_log(
+            "plugdist/epoch/0/leaving", "0"),
     }
     for what, write in refused.items():
         with pytest.raises(DistStoreError, match="member write refused"):
@@ -201,6 +206,11 @@ def test_members_values_are_checked_and_the_death_log_is_the_servers(
             pytest.fail(what)
     with pytest.raises(DistStoreError, match="malformed record"):
         zero.record("[" * 60_000)  # the serving thread lives on
+    # a shrink's arrival, in one request: counted and written, each as its own write would be
+    arrivals = "plugdist/epoch/0/shrink/0/arrived"
+    assert (one.append_log(arrivals, "1"), zero.append_log(arrivals, "0")) == (1, 2)
+    assert c.read_log(arrivals, 1, timedelta(seconds=5)) == [b"1", b"0"]
+    assert c.add(arrivals, 0) == 2
     # an outcome is written once; the leave count stops at the epoch's size
     assert zero.compare_set("plugdist/ft/0/step/0/0", "", "commit [0.0, 1.0]") \
         == b"commit [0.0, 1.0]"

@@ -76,9 +76,14 @@ class PlainWrites:
         return True
 
 
-def append_log(store: Any, key: str, value: str) -> None:
-    """Append ``value`` to the numbered log ``key`` (counted first, then written: a reader
-    that finds the count ahead of the entry waits for the entry). ``store``: a Store or a
-    :class:`MemberWrites`."""
-    n = store.add(key, 1)
+def append_log(store: Any, key: str, value: str) -> int:
+    """Append ``value`` to the numbered log ``key``, returning its number n: with a Store's
+    plain writes, counted first, then written (a reader that finds the count ahead of the
+    entry waits for the entry); a member session that appends in one request
+    (``append_log``) does so."""
+    append = getattr(store, "append_log", None)
+    if append is not None:
+        return int(append(key, value))
+    n = int(store.add(key, 1))
     store.set(f"{key}/{n}", value)
+    return n

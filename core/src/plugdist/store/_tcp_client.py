@@ -257,6 +257,13 @@ class TCPStoreSession:
         body = _blob(k) + _blob(to_bytes(expected_value)) + _blob(to_bytes(desired_value))
         return self._member("compare_set", w.Op.COMPARE_SET, body)
 
+    def append_log(self, key: str, value: bytes | str) -> int:
+        """Append ``value`` to the numbered log ``key`` in one round trip: the server counts it
+        (n) and writes ``key/n``, checking both as the two writes would be; returns n."""
+        k = check_key(key).encode()
+        return int(w.I64.unpack(self._member("append_log", w.Op.LOG_APPEND,
+                                             _blob(k) + _blob(to_bytes(value))))[0])
+
     def delete_key(self, key: str) -> bool:
         return self._member("delete_key", w.Op.DELETE_KEY,
                             _blob(check_key(key).encode())) == b"\x01"

@@ -156,6 +156,7 @@ class Op(enum.IntEnum):
     MEMBER = 23  # a member's checked write on its world's reserved keys
     RECORD = 24  # a member's checked record appended to its world's death log
     VOUCH = 25  # root, uid, credential: this connection is a member's (its client holds one)
+    LOG_APPEND = 26  # in MEMBER only: key, value: the log's counter up to n, value at key/n
 
 
 # frames the server reads while a request of the connection is parked (they have no reply)

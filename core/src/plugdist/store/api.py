@@ -67,7 +67,9 @@ class MemberSession(Protocol):
     the store holds, and the writes it checks. Keys are relative to the world's root; each
     write raises DistStoreError when the store refuses it. ``protected``: the store owns the
     membership keys (only sessions may write them). ``start``/``ticket``: for a joiner, how far
-    the death log ran when it took its ticket, and the ticket (0 and 0 for a rank)."""
+    the death log ran when it took its ticket, and the ticket (0 and 0 for a rank). A session
+    may also offer ``append_log(key, value) -> int`` (a numbered log's next entry in one
+    request); membership uses it where it exists, an ``add`` and a ``set`` where not."""
 
     @property
     def will(self) -> Will: ...

@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, Protocol
 
 from plugdist.store import _wire as w
@@ -62,8 +62,9 @@ from plugdist.store._worldkeys import (
     ticket_key,
 )
 
-__all__ = ["Refused", "WorldRecords", "KeyReader", "kind_of", "check_value", "check_add",
-           "check_delete_prefix", "apply_trim", "check_uids", "members_of"]
+__all__ = ["Refused", "FirstRanks", "Roster", "WorldRecords", "KeyReader", "kind_of",
+           "check_value", "check_add", "check_delete_prefix", "apply_trim", "check_uids",
+           "members_of"]
 
 _KEYS: list[tuple[re.Pattern[str], str]] = [
     (template_pattern(template), kind) for template, kind in MEMBER_WRITES]
@@ -77,12 +78,53 @@ class Refused(Exception):
     status = w.Status.ERROR
 
 
+class FirstRanks(Collection[str]):
+    """The members of a world's first epoch, ranks ``"0"`` to ``str(size - 1)``, without
+    building them: every check of a world of 16,384 ranks asks whether one uid is among them,
+    and must not cost 16,384 strings."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __contains__(self, uid: object) -> bool:
+        return isinstance(uid, str) and uid.isascii() and uid.isdigit() \
+            and str(int(uid)) == uid and int(uid) < self.size
+
+    def __iter__(self) -> Iterator[str]:
+        return (str(r) for r in range(self.size))
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class Roster(Collection[str]):
+    """An epoch's members as a members record lists them, in its order, with a set beside
+    the list: every checked write asks whether its writer is a member, in O(1)."""
+
+    __slots__ = ("_order", "_set")
+
+    def __init__(self, uids: list[str]) -> None:
+        self._order = list(uids)
+        self._set = frozenset(self._order)
+
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._set
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
 class WorldRecords(Protocol):
     """What the checks read of a world (``worlds._World``)."""
 
     root: bytes
     size: int
-    members: dict[int, list[str]]
+    members: dict[int, Roster]
     admitted: set[str]
     held: dict[str, Any]
 
@@ -103,15 +145,15 @@ def kind_of(rel: str, counter: bool) -> tuple[str, dict[str, str]]:
     raise Refused(f"{rel!r} is not a key a member writes this way")
 
 
-def members_of(world: WorldRecords, epoch: int) -> list[str] | None:
+def members_of(world: WorldRecords, epoch: int) -> Collection[str] | None:
     """The members of ``epoch`` as recorded (epoch 0: the first claim's ranks), or None."""
     members = world.members.get(epoch)
     if members is None and epoch == 0:
-        return [str(r) for r in range(world.size)]
+        return FirstRanks(world.size)
     return members
 
 
-def _member_of(world: WorldRecords, uid: str, epoch: int) -> list[str]:
+def _member_of(world: WorldRecords, uid: str, epoch: int) -> Collection[str]:
     members = members_of(world, epoch)
     if members is None:
         raise Refused(f"epoch {epoch} has no members record")
@@ -321,7 +363,8 @@ def _trim_record(raw: bytes) -> dict[str, int]:
     return {f: record[f] for f in fields}
 
 
-def _read_by_all(world: WorldRecords, keys: KeyReader, members: list[str], epoch: int) -> int:
+def _read_by_all(world: WorldRecords, keys: KeyReader, members: Collection[str],
+                 epoch: int) -> int:
     """How far every member of ``epoch`` had read the death log on entering the epoch before,
     and every joiner still waiting started reading it."""
     floor = None

@@ -230,6 +230,9 @@ class StoreServer:
                     if guests:
                         wait = max(0.0, next_idle - time.perf_counter())
                         delay = wait if delay is None else min(delay, wait)
+                    if wills.dying:
+                        due = wills.due(time.monotonic())
+                        delay = due if delay is None else min(delay, due)
                     if graveyard or orphans or keys.untidy:
                         delay = 0.0
                     if later:  # connections with requests left over from the last turn
@@ -277,7 +280,7 @@ class StoreServer:
                         warn.flush(now)
                     if will_deadlines and will_deadlines[0][0] <= now:
                         wills.lapse(now)
-                    if wills.dying:
+                    if wills.dying and wills.due(now) == 0.0:
                         dying, wills.dying = wills.dying, []
                         keys.execute_wills(dying)
                     if pending and now >= next_sweep:
@@ -342,7 +345,7 @@ class StoreServer:
             self._waiters.forget(conn.waiter)
             conn.waiter = None
         if conn.will is not None:
-            self._wills.dying.append(conn.will)  # executed together at the end of this turn
+            self._wills.die(conn.will)
             conn.will = None
         if conn.identity is not None:
             try:

@@ -162,6 +162,7 @@ class Waiters:
         waiters = self.waiting.pop(key, None)
         if not waiters:
             return
+        logs_read: dict[tuple[bytes, int], Reply | Sliced] = {}  # a log's readers share a reply
         for waiter in waiters:
             if waiter.done:
                 continue
@@ -174,7 +175,14 @@ class Waiters:
                 self.waiting.setdefault(waiter.keys[nxt], []).append(waiter)
             else:
                 waiter.pos = len(waiter.keys)
-                self.finish(waiter, self._ready_reply(waiter))
+                if waiter.op == w.Op.LOG_READ:
+                    read = (waiter.log, waiter.count)
+                    answer = logs_read.get(read)
+                    if answer is None:
+                        answer = logs_read[read] = self._ready_reply(waiter)
+                else:
+                    answer = self._ready_reply(waiter)
+                self.finish(waiter, answer)
 
     def _ready_reply(self, waiter: Waiter) -> Reply | Sliced:
         if waiter.op == w.Op.GET:

@@ -16,7 +16,8 @@ holder's other connections act for it.
 
 Members (the world's first-epoch ranks, and the joiners a members record admitted) write the
 agreement and epoch records, their leave counts and the fault-tolerant loop's vote outcomes
-through MEMBER, which checks the credential, then the key and the value
+through MEMBER (a numbered log's next entry, as a shrink's arrival, in one LOG_APPEND checked
+as its two writes would be), which checks the credential, then the key and the value
 (:mod:`plugdist.store._server.checks`), and append decisions and declared failures through
 RECORD. The server alone writes the death log (its counter and its ``died`` and ``joining``
 entries; it deletes the entries a member's accepted trim record forgets), the join tickets and
@@ -31,7 +32,7 @@ import json
 import secrets
 import struct
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
 from plugdist.store import _wire as w
@@ -80,27 +81,6 @@ class KeyPrimitives(Protocol):
     def arm(self, conn: Any, ttl: float) -> None: ...
 
 
-class _FirstRanks(Collection[str]):
-    """The members of a world's first epoch, ranks ``"0"`` to ``str(size - 1)``, without
-    building them: a claim asks whether one uid is among them, and each claim of a world of
-    16,384 ranks must not cost 16,384 strings."""
-
-    __slots__ = ("size",)
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __contains__(self, uid: object) -> bool:
-        return isinstance(uid, str) and uid.isascii() and uid.isdigit() \
-            and str(int(uid)) == uid and int(uid) < self.size
-
-    def __iter__(self) -> Iterator[str]:
-        return (str(r) for r in range(self.size))
-
-    def __len__(self) -> int:
-        return self.size
-
-
 class _Gone(_Refused):
     """A member's write with the credential of an identity whose holder left (the server ran
     its will): the writer is no longer in the world; answered GONE."""
@@ -122,7 +102,7 @@ class _World:
         self.left: set[str] = set()           # uids whose holder left (died or withdrew)
         self.admitted: set[str] = set()       # joiners some members record named
         self.declared: set[str] = set()       # uids a member declared failed (once each)
-        self.members: dict[int, list[str]] = {}  # epoch -> its members, as recorded
+        self.members: dict[int, checks.Roster] = {}  # epoch -> its members, as recorded
         self.claims: dict[str, tuple[str, float]] = {}  # uid -> (holder's peer, when it took it)
 
     def where(self) -> str:
@@ -179,9 +159,7 @@ class Worlds:
             self._notice("tcp_store_world_unreadable", root=_name(world.root),
                          key=CURRENT, value=_name(raw or b"")[:64])
             epoch = 0
-        if epoch == 0 and 0 not in world.members:
-            return 0, _FirstRanks(world.size)
-        return epoch, world.members.get(epoch, [])
+        return epoch, checks.members_of(world, epoch) or ()
 
     def _hold(self, conn: Any, world: _World, uid: str, ttl: float) -> bytes:
         if not ttl >= MIN_IDENTITY_TTL:  # NaN too
@@ -335,6 +313,10 @@ class Worlds:
                 checks.check_add(world, keys, uid, rel, fields, amount)
                 total = keys.add_to(root + rel.encode(), amount)
                 return total if isinstance(total, bytes) else _ok(w.I64.pack(total))
+            if op == w.Op.LOG_APPEND:
+                key_b, pos = _blob(buf, pos, end)
+                value, _ = _blob(buf, pos, end)
+                return self._append_log(world, uid, _rel(key_b), value)
             if op in (w.Op.SET, w.Op.COMPARE_SET):
                 key_b, pos = _blob(buf, pos, end)
                 rel = _rel(key_b)
@@ -373,9 +355,30 @@ class Worlds:
         except _Refused as e:
             return self._refuse(conn, "member write", str(e), e.status)
 
+    def _append_log(self, world: _World, uid: str, rel: str, value: bytes) -> bytes:
+        """A member's append to the numbered log ``rel``: checked as its two writes would be
+        (the counter's add of 1, then the entry's set), done as one."""
+        keys = self._keys
+        kind, fields = checks.kind_of(rel, counter=True)
+        checks.check_add(world, keys, uid, rel, fields, 1)
+        counter = world.root + rel.encode()
+        count = keys.value(counter) or b"0"
+        try:
+            n = int(count) + 1
+        except ValueError:
+            raise _Refused(f"{rel!r} is not a log's counter ({count[:40]!r})") from None
+        entry_rel = f"{rel}/{n}"
+        entry_kind, entry_fields = checks.kind_of(entry_rel, counter=False)
+        entry = world.root + entry_rel.encode()
+        checks.check_value(world, keys, uid, entry_rel, entry_kind, entry_fields, value,
+                           keys.value(entry))
+        keys.add_to(counter, 1)
+        keys.put(entry, value)
+        return _ok(w.I64.pack(n))
+
     def _admit(self, world: _World, epoch: int, value: bytes) -> None:
         """A members record was written: its joiners are members from now on."""
-        members = json.loads(value)
+        members = checks.Roster(json.loads(value))
         world.members[epoch] = members
         world.admitted.update(u for u in members if not u.isdigit())
 
