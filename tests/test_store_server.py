@@ -406,13 +406,15 @@ class _Fuzzer:
             kind, action = "close", ("close", "now")
         if kind == "claim":
             _, root, uid, size, ttl = action
-            if self.server._keys.data.get(root + b"plugdist/closed") is not None:
-                self.granted_in.pop(root, None)  # a claim makes a closed world afresh
-                self.withdrawn.pop(root, None)
+            worlds = self.server._worlds._worlds
+            before = worlds.get(root)
             got = self.ask(i, wire.Op.CLAIM, _blob(root) + _blob(uid) + wire.I64.pack(size)
                            + wire.F64.pack(ttl))
             if got and got[0] == wire.Status.OK:
                 assert root.endswith(b"/") or root == b"", root
+                if before is not None and worlds.get(root) is not before:
+                    self.granted_in.pop(root, None)  # the claim made a closed world afresh
+                    self.withdrawn.pop(root, None)
                 self.identity(i, root, uid, got[1][4:])
         elif kind == "join":
             _, root, ttl = action
@@ -557,7 +559,8 @@ def test_sequences_of_claims_joins_writes_and_closes_never_break_the_server() ->
                     fuzz.close(i)
                 # the fuzz's connections are gone and their identities' wills have run
                 assert eventually(lambda: len(server._conns) == 3
-                                  and server._waiters.parked == 1), server._conns
+                                  and server._waiters.parked == 1
+                                  and not server._keys.dying), server._conns
                 m.set("bystander/release", "go")
                 watcher.settimeout(10)
                 assert watcher.recv(64)[5:] == b"go"

@@ -414,3 +414,51 @@ def test_a_tokenless_client_trusts_only_its_own_users_server() -> None:
         other.kill()
         other.wait()
     assert _resolve("localhost", 29500) == [(socket.AF_INET, ("127.0.0.1", 29500))]
+
+
+_STRANGER_FILLS = """
+import os, sys
+from datetime import timedelta
+from plugdist.errors import DistStoreError
+from plugdist.store import TCPStore
+os.setgid(65534); os.setuid(65534)
+store = TCPStore("127.0.0.1", int(sys.argv[1]), timeout=timedelta(seconds=20), token="")
+big = b"x" * (1 << 20)
+written = 0
+try:
+    for i in range(64):  # 64 MiB, twice the limit
+        store.set(f"junk/{i}", big)
+        written += 1
+    print("all", written)
+except DistStoreError as e:
+    print(written, e)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a second Unix user (runs as root)")
+def test_another_users_writes_cannot_fill_a_tokenless_store() -> None:
+    """Another local user's process writing plain keys to a tokenless store is refused once
+    its bytes pass ``max_stranger_bytes`` (it could otherwise fill the host's memory and take
+    the store, and rank 0, down), with a message naming the limit; the store's own user's
+    processes write on past it, and the store serves on."""
+    import subprocess
+    import sys
+
+    limits = TCPStoreLimits(max_stranger_bytes=32 << 20)
+    m = TCPStore(HOST, 0, is_master=True, timeout=T, token="", limits=limits)
+    try:
+        done = subprocess.run([sys.executable, "-c", _STRANGER_FILLS, str(m.port)],
+                              capture_output=True, text=True, timeout=50)
+        assert done.returncode == 0, done.stderr[-2000:]
+        written, _, why = done.stdout.strip().partition(" ")
+        assert written.isdigit() and 28 <= int(written) < 32, done.stdout  # ~32 MiB, not more
+        assert "TCPStoreLimits.max_stranger_bytes" in why and "runs as nobody" in why, why
+        assert m.check([f"junk/{int(written) - 1}"]) and not m.check([f"junk/{written}"])
+        own = client(m)
+        for i in range(40):  # the job's own user: past the count, never refused
+            own.set(f"own/{i}", b"y" * (1 << 20))
+        assert own.get("own/39") == b"y" * (1 << 20)
+        own.close()
+    finally:
+        m.close()

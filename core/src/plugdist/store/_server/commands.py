@@ -19,6 +19,7 @@ from typing import Any
 from plugdist.store import _wire as w
 from plugdist.store._server.jobkeys import JobKeys
 from plugdist.store._server.keyspace import KeySpace
+from plugdist.store._server.quota import StrangerQuota
 from plugdist.store._server.replies import OK_EMPTY, Reply, name, ok, ok_value, reply, seconds
 from plugdist.store._server.sliced import SLICE_KEYS, KeysRead, Sliced, ValuesWritten
 from plugdist.store._server.waiters import Waiter
@@ -39,12 +40,14 @@ Handler = Callable[[Any, bytes, int, int], "Reply | None | Sliced"]
 
 
 class Commands:
-    """Every command of one server, by op code, over the key space ``keys``, its ``worlds``
-    and the launchers' ``job_keys``."""
+    """Every command of one server, by op code, over the key space ``keys``, its ``worlds``,
+    the launchers' ``job_keys`` and the strangers' ``quota``."""
 
-    def __init__(self, keys: KeySpace, worlds: Worlds, job_keys: JobKeys) -> None:
+    def __init__(self, keys: KeySpace, worlds: Worlds, job_keys: JobKeys,
+                 quota: StrangerQuota) -> None:
         self._keys = keys
         self._job_keys = job_keys
+        self._charge = quota.charge
         self._data = keys.data
         self._queues = keys.queues
         self._waiters = keys.waiters
@@ -146,7 +149,8 @@ class Commands:
         refusal = self._guard(conn, "set", key)
         if refusal:
             return refusal
-        refusal = self._keys.too_big("set", key, len(value))
+        refusal = self._keys.too_big("set", key, len(value)) \
+            or self._charge(conn, "set", key, len(key) + len(value))
         if refusal:
             return refusal
         self._keys.put(key, value)
@@ -176,6 +180,10 @@ class Commands:
                 refusal = self._job_keys.refusal(conn, "add", key) if amount else None
                 if refusal:
                     return refusal
+        if key not in self._data:
+            refusal = self._charge(conn, "add", key, len(key) + 20)
+            if refusal:
+                return refusal
         total = self._keys.add_to(key, amount)
         return total if isinstance(total, bytes) else ok(w.I64.pack(total))
 
@@ -186,7 +194,8 @@ class Commands:
         if pos < end:
             (ttl,) = w.F64.unpack_from(buf, pos)
             ttl = seconds(ttl)
-        refusal = self._guard(conn, "hold_will", key)
+        refusal = self._guard(conn, "hold_will", key) \
+            or self._charge(conn, "hold_will", key, len(key) + len(value))
         if refusal:
             return refusal
         if getattr(conn, "identity", None) is not None:
@@ -234,6 +243,9 @@ class Commands:
             return reply(w.Status.ERROR, (
                 f"append({name(key)!r}) would grow the value past this server's limit of "
                 f"{self._keys.max_value_bytes} bytes (TCPStoreLimits.max_value_bytes)").encode())
+        refusal = self._charge(conn, "append", key, len(key) + len(tail))
+        if refusal:
+            return refusal
         self._data[key] = tail if old is None else old + tail
         if old is None:
             self._keys.created_value(key)
@@ -246,7 +258,8 @@ class Commands:
         refusal = self._guard(conn, "compare_set", key)
         if refusal:
             return refusal
-        refusal = self._keys.too_big("compare_set", key, len(desired))
+        refusal = self._keys.too_big("compare_set", key, len(desired)) \
+            or self._charge(conn, "compare_set", key, len(key) + len(desired))
         if refusal:
             return refusal
         return ok_value(self._keys.compare_set(key, expected, desired))
@@ -348,7 +361,9 @@ class Commands:
         def each(items: list[bytes]) -> bool:  # slices hold whole pairs: SLICE_KEYS is even
             for i in range(0, len(items), 2):
                 why = self._guard(conn, "multi_set", items[i]) \
-                    or keys.too_big("multi_set", items[i], len(items[i + 1]))
+                    or keys.too_big("multi_set", items[i], len(items[i + 1])) \
+                    or self._charge(conn, "multi_set", items[i],
+                                    len(items[i]) + len(items[i + 1]))
                 if why:
                     refused.append(why)
                     return False
@@ -372,7 +387,8 @@ class Commands:
         refusal = self._guard(conn, "queue_push", key)
         if refusal:
             return refusal
-        refusal = self._keys.too_big("queue_push", key, len(value))
+        refusal = self._keys.too_big("queue_push", key, len(value)) \
+            or self._charge(conn, "queue_push", key, len(key) + len(value))
         if refusal:
             return refusal
         poppers = self._waiters.poppers.get(key)

@@ -131,7 +131,8 @@ class Conn:
     __slots__ = ("sock", "peer", "inbuf", "need", "out", "handshaken", "proven", "nonce",
                  "waiter", "closed", "since", "started", "held", "skip", "vetted", "paused",
                  "resting", "unwatched", "will", "will_ttl", "will_deadline", "identity",
-                 "sliced", "spent", "tail", "tail_len", "trusted", "host", "active", "job_refusal")
+                 "sliced", "spent", "tail", "tail_len", "trusted", "host", "active",
+                 "job_refusal", "counted")
 
     def __init__(self, sock: socket.socket, peer: str, nonce: bytes) -> None:
         self.sock = sock
@@ -164,4 +165,5 @@ class Conn:
         self.sliced: Sliced | None = None  # its request of many keys, being read or answered
         self.spent = 0.0          # seconds the server spent on that request so far
         self.job_refusal: str | None = None  # why it may not write job keys ("": it may)
+        self.counted = 0          # bytes of its plain writes in the strangers' quota
 

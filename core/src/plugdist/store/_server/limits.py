@@ -56,6 +56,11 @@ class TCPStoreLimits:
     a parked request, if any, else the oldest; a guest that sends nothing for
     ``guest_idle_timeout`` is dropped (the client opens another when it needs one).
     Members' connections are never displaced.
+    ``max_stranger_bytes``: bytes of plain writes (keys and values) the server takes, over its
+    life, from connections not known to hold the job's credential (on a tokenless store, other
+    local users' processes); past it, such a write is refused, naming the limit. A connection
+    that holds the credential (the token's proof, or the store's own Unix user) is never
+    refused by it (see :mod:`plugdist.store._server.quota`).
     """
 
     max_frame_bytes: int = w.MAX_FRAME
@@ -71,6 +76,7 @@ class TCPStoreLimits:
     max_reply_bytes: int = w.MAX_FRAME
     max_guests_per_address: int = 32768
     guest_idle_timeout: timedelta = timedelta(seconds=60)
+    max_stranger_bytes: int = 256 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if not self.max_value_bytes + 64 <= self.max_reply_bytes <= w.MAX_FRAME:

@@ -24,6 +24,7 @@ import pwd
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 __all__ = ["ALLOW_TOKENLESS_JOIN_ENV", "Admission", "socket_owner"]
@@ -39,6 +40,7 @@ _DIAG_REQ = struct.Struct("=BBBBI")      # family, protocol, extensions, pad, st
 _NO_COOKIE = struct.pack("=III", 0, 0xFFFFFFFF, 0xFFFFFFFF)  # interface, "any socket"
 _UID_AT = _NLMSG.size + 4 + 48 + 12      # idiag_uid in the reply's inet_diag_msg
 _UNKNOWN = -1
+_NOT_YET = (0.001, 0.004, 0.016, 0.064)  # pauses before asking again for a local peer not found
 
 
 def _unmapped(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -57,6 +59,7 @@ class _Diag:
         self._seq = 0
         self._lock = threading.Lock()
         self.broken = not hasattr(socket, "AF_NETLINK")
+        self.answered = False  # a query found a socket: sock_diag works on this host
 
     def owner(self, peer: tuple[Any, int], local: tuple[Any, int]) -> int | None:
         """The uid owning the TCP socket at ``peer`` connected to ``local``; None: the kernel
@@ -84,6 +87,9 @@ class _Diag:
                 reply = self._sock.recv(8192)
                 if _NLMSG.unpack_from(reply)[3] == self._seq:
                     break
+        except TimeoutError:  # no answer in time: ask /proc this once, and a fresh socket next
+            self.close()
+            return _UNKNOWN
         except OSError:
             self.close()
             self.broken = True
@@ -95,12 +101,20 @@ class _Diag:
             return None if -code == errno.ENOENT else _UNKNOWN
         if len(reply) < _UID_AT + 4:
             return _UNKNOWN
+        self.answered = True
         return int(struct.unpack_from("=I", reply, _UID_AT)[0])
 
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+    def forked(self) -> None:
+        """In a child of fork(): a socket of its own (the kernel answers a netlink socket, and
+        a socket shared with the parent hands one process's answers to the other, which
+        discards them), and a lock no parent thread can be holding."""
+        self._sock = None
+        self._lock = threading.Lock()
 
 
 def _proc_hex(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> str:
@@ -127,6 +141,8 @@ def _proc_owner(peer: tuple[Any, int], local: tuple[Any, int]) -> int | None:
 
 
 _diag = _Diag()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_diag.forked)
 
 
 def socket_owner(sock: socket.socket) -> int | None:
@@ -147,11 +163,21 @@ def socket_owner(sock: socket.socket) -> int | None:
     if uid is None and raw[0] != peer[0]:
         # a v4-mapped address: the other end is an IPv4 socket, or an IPv6 one that used it
         uid = _diag.owner(raw, (ipaddress.ip_address(local_addr.split("%")[0]), local_port))
+    if uid is None and _diag.answered and peer[0].is_loopback:
+        # sock_diag works here, and the other end is on this host: it is not in the kernel's
+        # tables yet (a connect completes before the listener's side exists when thousands
+        # connect at once); it will be within milliseconds
+        for pause in _NOT_YET:
+            time.sleep(pause)
+            uid = _diag.owner(peer, local)
+            if uid is not None:
+                break
     if uid is None or uid == _UNKNOWN:
-        # not found may also mean this kernel has no TCP diagnostics: ask /proc, and if it
-        # knows the socket, ask it from now on
+        # not found may also mean this kernel has no TCP diagnostics: ask /proc (a scan of
+        # every socket), and if it knows the socket and sock_diag never answered, ask it from
+        # now on
         uid = _proc_owner(peer, local)
-        if uid is not None and uid != _UNKNOWN:
+        if uid is not None and uid != _UNKNOWN and not _diag.answered:
             _diag.broken = True
     return uid
 

@@ -44,6 +44,7 @@ from plugdist.store._server.keyspace import KeySpace
 from plugdist.store._server.limits import FD_RESERVE, TCPStoreLimits, Throttle, raise_fd_limit
 from plugdist.store._server.lobby import Lobby
 from plugdist.store._server.peers import Admission
+from plugdist.store._server.quota import StrangerQuota
 from plugdist.store._server.turns import Turns
 from plugdist.store._server.wills import Wills
 from plugdist.store._server.worlds import Worlds
@@ -84,7 +85,9 @@ class StoreServer:
         self._waiters = keys.waiters
         admission = Admission(self.token is not None).refusal
         self._worlds = Worlds(keys, self._warn, admission)
-        self._commands = Commands(keys, self._worlds, JobKeys(admission, self._warn))
+        job_keys = JobKeys(admission, self._warn)
+        self._commands = Commands(keys, self._worlds, job_keys, StrangerQuota(
+            job_keys, limits.max_stranger_bytes, self._warn))
         self._frames = frames = Framing(limits, self._commands, self._pending, turns,
                                         self._drop, self._close, self._log, self._warn)
         turns.attach(frames.process, frames.on_readable, frames.send, frames.watch,
@@ -230,8 +233,8 @@ class StoreServer:
                     if guests:
                         wait = max(0.0, next_idle - time.perf_counter())
                         delay = wait if delay is None else min(delay, wait)
-                    if wills.dying:
-                        due = wills.due(time.monotonic())
+                    if keys.dying:
+                        due = keys.wills_due(time.monotonic())
                         delay = due if delay is None else min(delay, due)
                     if graveyard or orphans or keys.untidy:
                         delay = 0.0
@@ -280,9 +283,8 @@ class StoreServer:
                         warn.flush(now)
                     if will_deadlines and will_deadlines[0][0] <= now:
                         wills.lapse(now)
-                    if wills.dying and wills.due(now) == 0.0:
-                        dying, wills.dying = wills.dying, []
-                        keys.execute_wills(dying)
+                    if keys.dying and keys.wills_due(now) == 0.0:
+                        keys.flush_wills()
                     if pending and now >= next_sweep:
                         frames.sweep_stalled(now)
                         next_sweep = now + frames.sweep_interval()
@@ -345,7 +347,7 @@ class StoreServer:
             self._waiters.forget(conn.waiter)
             conn.waiter = None
         if conn.will is not None:
-            self._wills.die(conn.will)
+            self._keys.will_died(conn.will)
             conn.will = None
         if conn.identity is not None:
             try:

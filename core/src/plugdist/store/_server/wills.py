@@ -1,6 +1,6 @@
-"""Wills: a connection's will is written when it closes (gathered with the wills of the
-connections closing within :data:`GATHER_S` of it), and one with a ttl runs (the connection
-is dropped) when no RENEW came for that long.
+"""Will expiry: a connection's will with a ttl runs (the connection is dropped, and its will
+written as every closed connection's is, see ``KeySpace.will_died``) when no RENEW came for
+that long.
 
 Wills with a ttl wait in a heap by deadline; a RENEW moves a connection's deadline without
 touching the heap, and an entry found early is pushed again at the new deadline (lazy), so a
@@ -20,19 +20,12 @@ from __future__ import annotations
 
 import heapq
 import socket
-import time
 from collections.abc import Callable
 
 from plugdist.store import _wire as w
 from plugdist.store._server.conn import Conn, have
 
 __all__ = ["Wills"]
-
-# how long the wills of connections that close together are gathered before they are written:
-# the sockets of a process killed with its node close within microseconds of each other but
-# reach the serving loop over a few turns, and gathered, they reach each reader of the death
-# log in one reply (at 16,384 readers, a reply each per turn cost 0.4 s)
-GATHER_S = 0.005
 
 # input a connection may already hold for the lapse check to read more (a will's holder sends
 # 5-byte renewals; a connection holding more is read at its own turns)
@@ -50,19 +43,6 @@ class Wills:
         self.read: Callable[[Conn], None]
         self.deadlines: list[tuple[float, int, Conn]] = []
         self._seq = 0
-        self.dying: list[tuple[bytes, bytes]] = []  # wills of closed connections, unwritten
-        self.dying_since = 0.0  # when the first of them closed (monotonic)
-
-    def die(self, will: tuple[bytes, bytes]) -> None:
-        """A connection with ``will`` closed: its will is written within :data:`GATHER_S`,
-        together with those of the connections closing meanwhile."""
-        if not self.dying:
-            self.dying_since = time.monotonic()
-        self.dying.append(will)
-
-    def due(self, now: float) -> float:
-        """Seconds until the gathered wills are written (0: now)."""
-        return max(0.0, self.dying_since + GATHER_S - now)
 
     def arm(self, conn: Conn) -> None:
         """Watch ``conn``'s will deadline (``conn.will_deadline``)."""

@@ -79,6 +79,7 @@ class KeyPrimitives(Protocol):
     def append_entry(self, log: bytes, value: bytes) -> int: ...
     def read_counter(self, key: bytes) -> bytes: ...
     def arm(self, conn: Any, ttl: float) -> None: ...
+    def flush_wills(self) -> None: ...
 
 
 class _Gone(_Refused):
@@ -139,6 +140,7 @@ class Worlds:
         world = self._worlds.get(root)
         if world is not None and afresh_if_closed \
                 and self._keys.value(root + CLOSED.encode()) is not None:
+            self._keys.flush_wills()  # the last world's deaths land in its own log
             for name in (*(f"{tree}/" for tree in RESERVED_TREES), CLOSED):
                 self._keys.delete_prefix(root + name.encode(), reserved_too=True)
             world = None
