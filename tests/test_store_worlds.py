@@ -417,31 +417,60 @@ def test_a_tokenless_client_trusts_only_its_own_users_server() -> None:
 
 
 _STRANGER_FILLS = """
-import os, sys
+import json, os, struct, sys
 from datetime import timedelta
 from plugdist.errors import DistStoreError
-from plugdist.store import TCPStore
+from plugdist.store import TCPStore, _wire as wire
 os.setgid(65534); os.setuid(65534)
+held = []
 store = TCPStore("127.0.0.1", int(sys.argv[1]), timeout=timedelta(seconds=20), token="")
-big = b"x" * (1 << 20)
+big = b"x" * (512 << 10)
 written = 0
 try:
-    for i in range(64):  # 64 MiB, twice the limit
+    for i in range(128):  # 64 MiB, twice the limit
         store.set(f"junk/{i}", big)
         written += 1
     print("all", written)
 except DistStoreError as e:
     print(written, e)
+refused = {}
+for what, call in (("keys", lambda: store.check([f"k{i}" for i in range(2000)])),
+                   ("request", lambda: store.set("big", b"x" * (2 << 20)))):
+    try:
+        call()
+    except DistStoreError as e:
+        refused[what] = str(e)
+parked = 0
+try:
+    for i in range(64):  # parked WAITs of 1,000 keys of 900 bytes: 0.9 MiB each
+        conn = TCPStore("127.0.0.1", int(sys.argv[1]), timeout=timedelta(seconds=20), token="")
+        conn.check(["x"])
+        sock = conn._idle[-1].sock
+        keys = b"".join(struct.pack("!I", 900) + b"w" * 891 + b"%09d" % (i * 1000 + k)
+                        for k in range(1000))
+        sock.sendall(wire.request(wire.Op.WAIT, struct.pack("!dI", 60.0, 1000) + keys))
+        sock.settimeout(0.5)
+        try:
+            refused["parked"] = sock.recv(400)[5:].decode()
+            break
+        except TimeoutError:
+            parked += 1
+            held.append(conn)
+except DistStoreError as e:
+    refused["parked"] = str(e)
+refused["parked_count"] = parked
+print(json.dumps(refused))
 """
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs a second Unix user (runs as root)")
 def test_another_users_writes_cannot_fill_a_tokenless_store() -> None:
     """Another local user's process writing plain keys to a tokenless store is refused once
     its bytes pass ``max_stranger_bytes`` (it could otherwise fill the host's memory and take
-    the store, and rank 0, down), with a message naming the limit; the store's own user's
-    processes write on past it, and the store serves on."""
+    the store, and rank 0, down), with a message naming the limit; so is a request of it over
+    1 MiB or 1,024 keys, and a wait that would park more than the same limit; the store's own
+    user's processes write on past it, and the store serves on."""
     import subprocess
     import sys
 
@@ -449,11 +478,20 @@ def test_another_users_writes_cannot_fill_a_tokenless_store() -> None:
     m = TCPStore(HOST, 0, is_master=True, timeout=T, token="", limits=limits)
     try:
         done = subprocess.run([sys.executable, "-c", _STRANGER_FILLS, str(m.port)],
-                              capture_output=True, text=True, timeout=50)
+                              capture_output=True, text=True, timeout=150)
         assert done.returncode == 0, done.stderr[-2000:]
-        written, _, why = done.stdout.strip().partition(" ")
-        assert written.isdigit() and 28 <= int(written) < 32, done.stdout  # ~32 MiB, not more
+        first, last = done.stdout.strip().splitlines()[-2:]
+        written, _, why = first.partition(" ")
+        assert written.isdigit() and 56 <= int(written) < 64, done.stdout  # ~32 MiB, not more
         assert "TCPStoreLimits.max_stranger_bytes" in why and "runs as nobody" in why, why
+        # its requests are small, and what they park is bounded by the same limit
+        refused = json.loads(last)
+        for what in ("keys", "request"):
+            assert "send at most 1048576 bytes and 1024 keys per request" in refused[what], \
+                refused[what]
+        assert "parked requests of processes that are not the job's" in refused["parked"], \
+            refused
+        assert 25 <= refused["parked_count"] <= 36, refused  # 32 MiB of 0.96 MiB requests
         assert m.check([f"junk/{int(written) - 1}"]) and not m.check([f"junk/{written}"])
         own = client(m)
         for i in range(40):  # the job's own user: past the count, never refused

@@ -48,6 +48,7 @@ class Commands:
         self._keys = keys
         self._job_keys = job_keys
         self._charge = quota.charge
+        self.stranger_refusal = quota.request_refusal
         self._data = keys.data
         self._queues = keys.queues
         self._waiters = keys.waiters
@@ -215,7 +216,7 @@ class Commands:
         conn.will_ttl = 0.0
         return b""
 
-    def _op_log_read(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
+    def _op_log_read(self, conn: Any, buf: bytes, pos: int, end: int) -> Reply | None:
         timeout, start, kl = _F64_I64_U32.unpack_from(buf, pos)
         if pos + 20 + kl != end:
             raise ValueError("key length does not match the frame")
@@ -229,8 +230,7 @@ class Commands:
         if waiter.timeout <= 0:
             return reply(w.Status.TIMEOUT, f"log_read timeout (0s): missing keys "
                                            f"{[name(first)]}".encode())
-        self._waiters.park(waiter)
-        return None
+        return self._waiters.park(waiter)
 
     def _op_append(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, pos = _blob(buf, pos, end)
@@ -264,7 +264,7 @@ class Commands:
             return refusal
         return ok_value(self._keys.compare_set(key, expected, desired))
 
-    def _keyed(self, op: w.Op, buf: bytes, pos: int, end: int,
+    def _keyed(self, conn: Any, op: w.Op, buf: bytes, pos: int, end: int,
                each: Callable[[list[bytes]], bool] | None,
                finish: Callable[[list[bytes]], Reply | None | Sliced],
                keep: bool = False) -> Reply | None | Sliced:
@@ -272,7 +272,8 @@ class Commands:
         ``max_keys``, answered at once up to ``SLICE_KEYS`` keys, else read in slices (see
         :class:`~plugdist.store._server.sliced.KeysRead`)."""
         n = self._count(buf, pos, end)
-        refusal = self._keys.too_many(op.name.lower(), n)
+        refusal = self._keys.too_many(op.name.lower(), n) \
+            or self.stranger_refusal(conn, op.name.lower(), end - pos, n)
         if refusal:
             return refusal
         if n > (end - pos - 4) // 4:
@@ -299,7 +300,7 @@ class Commands:
             return self._waiters.wait_for(conn, op, keys, timeout,
                                           seen[0] if self._keys.removals == removals else 0)
 
-        return self._keyed(op, buf, pos + 8, end, each, finish, keep=True)
+        return self._keyed(conn, op, buf, pos + 8, end, each, finish, keep=True)
 
     def _op_wait(self, conn: Any, buf: bytes, pos: int, end: int) -> Reply | None | Sliced:
         return self._awaited(conn, w.Op.WAIT, buf, pos, end)
@@ -318,7 +319,7 @@ class Commands:
             found[0] = all([k in data or bool(queues.get(k)) for k in keys])
             return found[0]
 
-        return self._keyed(w.Op.CHECK, buf, pos, end, each,
+        return self._keyed(conn, w.Op.CHECK, buf, pos, end, each,
                            lambda _: ok(b"\x01" if found[0] else b"\x00"))
 
     def _op_num_keys(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
@@ -349,7 +350,8 @@ class Commands:
         turn, in order (see :class:`~plugdist.store._server.sliced.ValuesWritten`)."""
         n = self._count(buf, pos, end)
         keys = self._keys
-        refusal = keys.too_many("multi_set", n // 2)
+        refusal = keys.too_many("multi_set", n // 2) \
+            or self.stranger_refusal(conn, "multi_set", end - pos, n)
         if refusal:
             return refusal
         if n % 2:
@@ -425,14 +427,13 @@ class Commands:
         if timeout <= 0:
             return reply(w.Status.TIMEOUT,
                          f"queue_pop timeout (0s): queue {name(key)!r} is empty".encode())
-        self._waiters.park(Waiter(conn, w.Op.QUEUE_POP, [key], timeout))
-        return None
+        return self._waiters.park(Waiter(conn, w.Op.QUEUE_POP, [key], timeout))
 
     def _op_queue_len(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes:
         key, _ = _blob(buf, pos, end)
         return ok(w.I64.pack(len(self._queues.get(key, ()))))
 
-    def _op_wait_workers(self, conn: Any, buf: bytes, pos: int, end: int) -> bytes | None:
+    def _op_wait_workers(self, conn: Any, buf: bytes, pos: int, end: int) -> Reply | None:
         timeout, count = _F64_I64.unpack_from(buf, pos)
         timeout = seconds(timeout)
         joined = self._waiters.joined
@@ -441,5 +442,4 @@ class Commands:
         if timeout <= 0:
             return reply(w.Status.TIMEOUT, (f"Timed out after 0 seconds waiting for clients. "
                                             f"{joined}/{count} clients joined.").encode())
-        self._waiters.park(Waiter(conn, w.Op.WAIT_WORKERS, [], timeout, count))
-        return None
+        return self._waiters.park(Waiter(conn, w.Op.WAIT_WORKERS, [], timeout, count))

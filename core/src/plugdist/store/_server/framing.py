@@ -277,7 +277,8 @@ class Framing:
         if conn.need <= _EARLY or conn.vetted or len(buf) < 5 or conn.waiter is not None:
             return
         length, op = w.HEADER.unpack_from(buf, 0)
-        verdict = self._commands.refusal_ahead(conn, op, buf, 5, len(buf))
+        verdict = self._commands.stranger_refusal(conn, _op_name(op), 5 + length) \
+            or self._commands.refusal_ahead(conn, op, buf, 5, len(buf))
         if verdict is None:
             return  # the fields that tell are not here yet
         conn.vetted = True
@@ -414,3 +415,10 @@ class Framing:
     def _received(conn: Conn) -> int:
         """Bytes of its current frame ``conn`` has sent (held, or dropped as refused)."""
         return conn.need - conn.skip if conn.skip else have(conn)
+
+
+def _op_name(op: int) -> str:
+    try:
+        return w.Op(op).name.lower()
+    except ValueError:
+        return f"command {op}"

@@ -22,7 +22,8 @@ from plugdist.store._server.replies import write_refused
 
 __all__ = ["JobKeys"]
 
-_WHAT = "write the launcher's rendezvous keys"
+_WHAT = ("act as the job (write its launchers' rounds, send large requests, store more than "
+         "a stranger's share)")
 
 
 class JobKeys:

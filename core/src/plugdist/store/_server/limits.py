@@ -58,7 +58,8 @@ class TCPStoreLimits:
     Members' connections are never displaced.
     ``max_stranger_bytes``: bytes of plain writes (keys and values) the server takes, over its
     life, from connections not known to hold the job's credential (on a tokenless store, other
-    local users' processes); past it, such a write is refused, naming the limit. A connection
+    local users' processes), and bytes of keys their parked requests hold at once; past it,
+    such a write or request is refused, naming the limit. A connection
     that holds the credential (the token's proof, or the store's own Unix user) is never
     refused by it (see :mod:`plugdist.store._server.quota`).
     """

@@ -13,6 +13,19 @@ kept): one that does takes its bytes out of the count and is never counted again
 is refused, naming the limit and the fix. The job's own processes are therefore never refused
 by it, and are asked only once the count is full.
 
+The same limit bounds what such connections' parked requests hold at once (a WAIT of 131,072
+long keys is 32 MiB, kept until its keys exist or its timeout passes, and a stranger may open
+thousands of connections): the bytes of their keys count while they are parked and are given
+back when each is answered or forgotten; past the limit, a stranger's request is refused
+instead of parked.
+
+And such a connection's requests are small: at most :data:`STRANGER_REQUEST_BYTES` bytes and
+``SLICE_KEYS`` keys each (a larger one asks for the credential first, and a stranger's is
+refused; a frame that announces more is answered at once and its bytes dropped as they come).
+So a stranger's request is read, run and forgotten within one turn of the serving loop, never
+held across turns while it is read in slices: what it holds is bounded by the partial-frame
+limit while it arrives and by this quota once parked.
+
 Only the serving thread uses it; nothing blocks but that one kernel query.
 """
 
@@ -21,10 +34,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from plugdist.store import _wire as w
 from plugdist.store._server.jobkeys import JobKeys
-from plugdist.store._server.replies import write_refused
+from plugdist.store._server.replies import reply, write_refused
+from plugdist.store._server.sliced import SLICE_KEYS
 
-__all__ = ["StrangerQuota"]
+__all__ = ["StrangerQuota", "STRANGER_REQUEST_BYTES"]
+
+STRANGER_REQUEST_BYTES = 1024 * 1024  # one request of a connection not known to be the job's
 
 
 class StrangerQuota:
@@ -36,6 +53,7 @@ class StrangerQuota:
         self.limit = limit
         self._notice = notice
         self.counted = 0  # bytes written by connections not known to hold the credential
+        self.parked = 0  # bytes their parked requests hold now
 
     def charge(self, conn: Any, op: str, key: bytes, size: int) -> bytes | None:
         """Count a plain write of ``size`` bytes from ``conn``: None when it may write them,
@@ -50,8 +68,34 @@ class StrangerQuota:
             self.counted -= conn.counted
             conn.counted = 0
             return None
-        return write_refused(
+        return write_refused(  # the message names the fix
             self._notice, "tcp_store_stranger_quota_full", conn, op, key,
             f"this store keeps at most {self.limit} bytes written by processes that are not "
             f"the job's (TCPStoreLimits.max_stranger_bytes), and {conn.job_refusal}; run it as "
             f"the store's own user, or give it the job's token")
+
+    def hold(self, conn: Any, size: int) -> bool:
+        """Whether ``conn`` may park a request holding ``size`` bytes: the parked requests of
+        connections not known to hold the credential hold at most ``limit`` bytes at once
+        (counted until each is answered or forgotten: :meth:`release`)."""
+        if conn.job_refusal == "":
+            return True
+        if self.parked + size <= self.limit:
+            self.parked += size
+            return True
+        return self._job_keys.may_write(conn)
+
+    def release(self, size: int) -> None:
+        """A counted parked request of ``size`` bytes was answered or forgotten."""
+        self.parked -= size
+
+    def request_refusal(self, conn: Any, op: str, size: int, keys: int = 0) -> bytes | None:
+        """The ERROR reply to a request of ``size`` bytes naming ``keys`` keys from ``conn``
+        when it is larger than a stranger's may be and ``conn`` is not the job's; else None."""
+        if (size <= STRANGER_REQUEST_BYTES and keys <= SLICE_KEYS) or conn.job_refusal == "" \
+                or self._job_keys.may_write(conn):
+            return None
+        return reply(w.Status.ERROR, (
+            f"{op} refused: a request of {size} bytes and {keys} keys; processes that are not "
+            f"the job's send at most {STRANGER_REQUEST_BYTES} bytes and {SLICE_KEYS} keys per "
+            f"request, and {conn.job_refusal}").encode())

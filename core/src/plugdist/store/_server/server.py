@@ -86,8 +86,9 @@ class StoreServer:
         admission = Admission(self.token is not None).refusal
         self._worlds = Worlds(keys, self._warn, admission)
         job_keys = JobKeys(admission, self._warn)
-        self._commands = Commands(keys, self._worlds, job_keys, StrangerQuota(
-            job_keys, limits.max_stranger_bytes, self._warn))
+        quota = StrangerQuota(job_keys, limits.max_stranger_bytes, self._warn)
+        self._waiters.hold, self._waiters.release = quota.hold, quota.release
+        self._commands = Commands(keys, self._worlds, job_keys, quota)
         self._frames = frames = Framing(limits, self._commands, self._pending, turns,
                                         self._drop, self._close, self._log, self._warn)
         turns.attach(frames.process, frames.on_readable, frames.send, frames.watch,

@@ -34,12 +34,14 @@ from plugdist.store._server.sliced import SLICE_KEYS, Sliced, Space, ValuesRead
 __all__ = ["Waiter", "Waiters"]
 
 _NAMED_MISSING = 16  # a timeout names at most this many missing keys
+_KEY_OVERHEAD = 64  # bytes a parked key costs beyond its own (its bytes object, its list slot)
 
 
 class Waiter:
     """One parked request of connection ``conn``."""
 
-    __slots__ = ("conn", "op", "keys", "pos", "deadline", "timeout", "count", "done", "log")
+    __slots__ = ("conn", "op", "keys", "pos", "deadline", "timeout", "count", "done", "log",
+                 "held")
 
     def __init__(self, conn: Any, op: w.Op, keys: list[bytes], timeout: float,
                  count: int = 0, log: bytes = b"") -> None:
@@ -52,6 +54,7 @@ class Waiter:
         self.count = count  # WAIT_WORKERS: clients wanted; LOG_READ: the first entry wanted
         self.log = log  # LOG_READ: the log's counter key
         self.done = False
+        self.held = 0  # bytes counted in the strangers' parked bytes (see Waiters.hold)
 
 
 class Waiters:
@@ -74,6 +77,10 @@ class Waiters:
         self._seq = itertools.count()
         self.joined = 0  # clients whose handshake carried the join flag
         self.parked = 0
+        # the strangers' quota (the server sets it): (conn, bytes) -> whether it may park that
+        # much, and the bytes given back when a counted request is answered or forgotten
+        self.hold: Callable[[Any, int], bool] = lambda conn, size: True
+        self.release: Callable[[int], None] = lambda size: None
 
     def join(self) -> None:
         """A client joined: count it, and answer the WAIT_WORKERS requests it satisfies."""
@@ -98,7 +105,18 @@ class Waiters:
                 return i
         return len(keys)
 
-    def park(self, waiter: Waiter) -> None:
+    def park(self, waiter: Waiter) -> Reply | None:
+        """Park ``waiter`` (None), or refuse it (the ERROR reply) when it would hold more than
+        the strangers' quota allows a connection not known to be the job's."""
+        size = sum(map(len, waiter.keys)) + _KEY_OVERHEAD * len(waiter.keys) + len(waiter.log)
+        if not self.hold(waiter.conn, size):
+            return reply(w.Status.ERROR, (
+                f"{waiter.op.name.lower()} refused: it would park {size} bytes of keys, and "
+                f"the parked requests of processes that are not the job's hold at most "
+                f"TCPStoreLimits.max_stranger_bytes together ({waiter.conn.job_refusal})"
+            ).encode())
+        if waiter.conn.job_refusal != "":
+            waiter.held = size
         waiter.conn.waiter = waiter
         if waiter.op == w.Op.WAIT_WORKERS:
             self.worker_waiters.append(waiter)
@@ -114,6 +132,7 @@ class Waiters:
             dl[:] = [e for e in dl if not e[2].done]
             heapq.heapify(dl)
         heapq.heappush(dl, (waiter.deadline, next(self._seq), waiter))
+        return None
 
     def forget(self, waiter: Waiter) -> None:
         """Unpark ``waiter`` without answering it (its connection closed). Idempotent."""
@@ -126,6 +145,9 @@ class Waiters:
             return
         waiter.done = True
         self.parked -= 1
+        if waiter.held:
+            self.release(waiter.held)
+            waiter.held = 0
         if waiter.op == w.Op.WAIT_WORKERS:
             self.worker_waiters.remove(waiter)
             return
@@ -252,8 +274,7 @@ class Waiters:
                                              f"{self._missing(waiter)}".encode())
             self._space.discard(keys)
             return answer
-        self.park(waiter)
-        return None
+        return self.park(waiter)
 
     def _missing(self, waiter: Waiter) -> str:
         """The names of ``waiter``'s missing keys, for its timeout's message: those among the
