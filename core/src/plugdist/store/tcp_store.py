@@ -375,7 +375,7 @@ class TCPStore(Store):
     def _check_server_user(self, sock: socket.socket) -> None:
         """Without a token, a server on this host must be run by this process's Unix user (or
         root): another user's program that holds the port is not this job's store."""
-        owner = socket_owner(sock)
+        owner = socket_owner(sock, listener=True)
         if owner is None or owner in (-1, 0, os.geteuid()):
             return
         raise DistStoreError(

@@ -145,10 +145,13 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_diag.forked)
 
 
-def socket_owner(sock: socket.socket) -> int | None:
+def socket_owner(sock: socket.socket, listener: bool = False) -> int | None:
     """The uid of the Unix user whose process owns the other end of ``sock`` (a connected TCP
     socket), when that end is on this host; None when it is not (or is gone); -1 when this
-    platform cannot tell. Blocks for one query to the kernel."""
+    platform cannot tell. Blocks for one query to the kernel; with ``listener`` (the other end
+    is a server's, which may not have accepted the connection yet) up to 85 ms more for a
+    loopback peer not found at once. The server never waits so (its peer's socket exists
+    until the peer closes it)."""
     try:
         peer_addr, peer_port = sock.getpeername()[:2]
         local_addr, local_port = sock.getsockname()[:2]
@@ -163,7 +166,7 @@ def socket_owner(sock: socket.socket) -> int | None:
     if uid is None and raw[0] != peer[0]:
         # a v4-mapped address: the other end is an IPv4 socket, or an IPv6 one that used it
         uid = _diag.owner(raw, (ipaddress.ip_address(local_addr.split("%")[0]), local_port))
-    if uid is None and _diag.answered and peer[0].is_loopback:
+    if uid is None and listener and _diag.answered and peer[0].is_loopback:
         # sock_diag works here, and the other end is on this host: it is not in the kernel's
         # tables yet (a connect completes before the listener's side exists when thousands
         # connect at once); it will be within milliseconds
