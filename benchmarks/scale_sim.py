@@ -280,7 +280,6 @@ class _Members:
             self.shared.put(store)
         return arrived_at
 
-
     def _arrive_all(self, arrivals: str) -> None:
         """Every member of this process appends its arrival: membership's checked LOG_APPEND
         frame for each, sent on the process's shared connections with one request in flight
