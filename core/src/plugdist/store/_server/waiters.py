@@ -108,15 +108,17 @@ class Waiters:
     def park(self, waiter: Waiter) -> Reply | None:
         """Park ``waiter`` (None), or refuse it (the ERROR reply) when it would hold more than
         the strangers' quota allows a connection not known to be the job's."""
-        size = sum(map(len, waiter.keys)) + _KEY_OVERHEAD * len(waiter.keys) + len(waiter.log)
-        if not self.hold(waiter.conn, size):
-            return reply(w.Status.ERROR, (
-                f"{waiter.op.name.lower()} refused: it would park {size} bytes of keys, and "
-                f"the parked requests of processes that are not the job's hold at most "
-                f"TCPStoreLimits.max_stranger_bytes together ({waiter.conn.job_refusal})"
-            ).encode())
-        if waiter.conn.job_refusal != "":
-            waiter.held = size
+        if waiter.conn.job_refusal != "":  # not known to be the job's: its bytes count
+            size = sum(map(len, waiter.keys)) + _KEY_OVERHEAD * len(waiter.keys) \
+                + len(waiter.log)
+            if not self.hold(waiter.conn, size):
+                return reply(w.Status.ERROR, (
+                    f"{waiter.op.name.lower()} refused: it would park {size} bytes of keys, "
+                    f"and the parked requests of processes that are not the job's hold at most "
+                    f"TCPStoreLimits.max_stranger_bytes together ({waiter.conn.job_refusal})"
+                ).encode())
+            if waiter.conn.job_refusal != "":  # not found to be the job's when asked
+                waiter.held = size
         waiter.conn.waiter = waiter
         if waiter.op == w.Op.WAIT_WORKERS:
             self.worker_waiters.append(waiter)
