@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import plugdist
 import pytest
 from plugdist._tools.bench import parse_size, parser
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_help_explains_every_option() -> None:
@@ -58,3 +61,36 @@ def test_every_op_compares_with_raw_mpi4py(op: str) -> None:
     assert [r[0] for r in rows] == ["8", "32"]
     for r in rows:
         assert float(r[3]) > 0 and float(r[6]) > 0 and 0 < float(r[7]) < 100, r
+
+
+def test_old_vs_new_prints_each_sides_median_beside_the_other(tmp_path: Path) -> None:
+    """Two "installations" (two interpreters: links to this one in two checkouts' venvs) run
+    the same benchmark script, each its own checkout's copy, alternately; every line with
+    numbers comes back twice, old above new, each number the median of that side's runs."""
+    roots = {}
+    for side, us in (("old", "[5.0, 7.0, 6.0]"), ("new", "[2.0, 3.0, 4.0]")):
+        root = roots[side] = tmp_path / side
+        (root / ".venv" / "bin").mkdir(parents=True)
+        (root / ".venv" / "bin" / "python").symlink_to(sys.executable)
+        (root / "benchmarks").mkdir()
+        # each run prints the next of its side's times (a count kept beside the script)
+        (root / "benchmarks" / "tiny.py").write_text(
+            "import pathlib\n"
+            "n = pathlib.Path(__file__).with_suffix('.n')\n"
+            "i = int(n.read_text()) if n.exists() else 0\n"
+            "n.write_text(str(i + 1))\n"
+            "print('# tiny')\n"
+            f"print(f'all_reduce 8 float32 {{{us}[i]:.2f}} 1.50x')\n")
+    res = subprocess.run(
+        [str(roots["new"] / ".venv" / "bin" / "python"), str(BENCHMARKS / "old_vs_new.py"),
+         "--old", str(roots["old"] / ".venv" / "bin" / "python"),
+         "--new", str(roots["new"] / ".venv" / "bin" / "python"), "--repeat", "3", "--",
+         str(roots["new"] / "benchmarks" / "tiny.py")],
+        capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert "    # tiny" in lines
+    at = lines.index("old all_reduce 8 float32 6.00 1.50x")
+    assert lines[at + 1] == "new all_reduce 8 float32 3.00 1.50x", lines
+    assert f"# old: {roots['old'] / '.venv' / 'bin' / 'python'} " \
+           f"{roots['old'] / 'benchmarks' / 'tiny.py'}" in lines, lines

@@ -294,6 +294,59 @@ def test_nothing_is_recorded_with_a_buffer_of_zero(monkeypatch: pytest.MonkeyPat
         recorder.reset()
 
 
+class _Held(BackendBase):
+    """One rank whose blocking all_reduce waits until the test lets it go."""
+
+    backend_name = "held"
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        raise NotImplementedError
+
+    def native_all_reduce_blocking(self, *, tensor: torch.Tensor, op: ReduceOp) -> None:
+        self.entered.set()
+        assert self.release.wait(30)
+
+
+def _issue_held_all_reduce(pg: ProcessGroup) -> None:
+    pg.run_blocking("all_reduce", torch.ones(4), ReduceOp.SUM)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timed", [False, True])
+def test_an_op_in_flight_is_dumped_with_its_threads_stack(
+        recording: None, monkeypatch: pytest.MonkeyPatch, timed: bool) -> None:
+    """The short route keeps no thread id: a dump finds the thread blocked in the op (its
+    stack, its id). A completed op is untimed unless TORCH_NCCL_ENABLE_TIMING asks."""
+    if timed:
+        monkeypatch.setenv("TORCH_NCCL_ENABLE_TIMING", "1")
+    backend = _Held(0, 1, GroupOptions(group_name="held", global_ranks=(0,)))
+    pg = ProcessGroup(backend)
+    recorder.add_group(pg, None, (0,), 0)
+    issuer = threading.Thread(target=_issue_held_all_reduce, args=(pg,))
+    issuer.start()
+    try:
+        assert backend.entered.wait(30)
+        (live,) = recorder.snapshot()["entries"]
+        assert live["state"] == "started" and live["input_sizes"] == [[4]], live
+        assert live["thread_id"] == str(issuer.ident), live
+        assert "_issue_held_all_reduce" in [f["name"] for f in live["frames"]], live["frames"]
+    finally:
+        backend.release.set()
+        issuer.join(30)
+    (done,) = recorder.snapshot()["entries"]
+    assert done["state"] == "completed" and done["retired"], done
+    if timed:
+        assert done["duration_ms"] is not None and done["duration_ms"] > 0, done
+        assert done["time_discovered_completed_ns"] >= done["time_created_ns"], done
+    else:
+        assert done["duration_ms"] is None and done["time_discovered_completed_ns"] is None
+
+
 def test_one_tensor_ops_sit_where_the_short_route_reads_them() -> None:
     """observe.blocking reads a one-tensor collective's tensor at a fixed position."""
     for op, at in _ONE_AT.items():

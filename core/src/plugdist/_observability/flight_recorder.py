@@ -8,18 +8,22 @@ reads it::
 
     python -m torch.distributed.flight_recorder.fr_trace DIR    # or: torchfrtrace DIR
 
-Recording an op costs under a microsecond (measured in docs/observability.md): an entry is one
-tuple of what the op already holds (its group, name, sequence numbers, its tensors' ``shape`` and
-``dtype`` objects, never the tensors themselves: the ring keeps no tensor alive), a monotonic
-clock read and the thread's id;
-the completion is one more clock read. Names, sizes, dtype strings, states and stacks are made at
-dump time. Memory: ``capacity`` small tuples (about 2000 x 0.3 KB).
+Recording an op costs about half a microsecond (measured in docs/observability.md): an entry is
+one list of what the op already holds (its group, name, sequence numbers, its tensors' ``shape``
+and ``dtype`` objects, never the tensors themselves: the ring keeps no tensor alive) and a
+monotonic clock read; a synchronous op of one tensor (observe's short route) marks its completion
+without a clock read and leaves its thread to be found at dump time (it is the thread blocked in
+that group's ``run_blocking``). Names, sizes, dtype strings, states and stacks are made at dump
+time. Memory: ``capacity`` small lists (about 2000 x 0.3 KB).
 
 Switches (read when a group is built): ``TORCH_FR_BUFFER_SIZE`` (entries kept; default 2000;
 0 turns recording off). ``TORCH_FR_DUMP_TEMP_FILE`` (default ``/tmp/nccl_trace_rank_``,
 torch's) is the dump path prefix. ``PLUGDIST_FR_STACK_DEPTH`` (default 0) is how many caller
 frames each entry keeps; an entry without frames that is still in flight at a dump gets its
 thread's stack at that moment (where a hung op waits), at no cost per op.
+``TORCH_NCCL_ENABLE_TIMING=1`` (torch's switch for its ops' durations) gives every entry its
+completion time, hence a ``duration_ms``; by default, as in torch, a completed synchronous op
+records that it completed, not when.
 
 Dumps happen on request (:func:`dump_flight_recorder`), on a signal, and when an op fails with a
 ``DistError`` or stays in flight past its group's timeout: then every rank dumps, through
@@ -59,6 +63,7 @@ VERSION = "2.10"  # the dump format torch 2.13 writes and its analyzer reads
 BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 DUMP_FILE_ENV = "TORCH_FR_DUMP_TEMP_FILE"
 DEPTH_ENV = "PLUGDIST_FR_STACK_DEPTH"
+TIMING_ENV = "TORCH_NCCL_ENABLE_TIMING"
 DEFAULT_CAPACITY = 2000
 DEFAULT_DUMP_FILE = "/tmp/nccl_trace_rank_"
 LIVE_DEPTH = 16  # frames of an op still in flight, read from its thread when dumping
@@ -68,6 +73,7 @@ _OWN_FILES = frozenset({__file__, __file__.replace("flight_recorder.py", "observ
 # output, or only one of them: see _IO_OF_ONE); PAIR: (shape, dtype) of the input and the output;
 # LISTS: tuples of (shape or Flat, dtype), inputs and outputs; NONE: no tensors
 ONE, PAIR, LISTS, NONE = range(4)
+COMPLETED = True  # an entry's _DONE: completed, at a time not taken
 _IO_OF_ONE = {"send": (True, False), "recv": (False, True)}  # (is input, is output)
 
 # prefixes torch's analyzer accepts (fr_trace's Op); any other backend is recorded as gloo
@@ -77,8 +83,10 @@ _FALLBACK_PREFIX = "gloo"
 _TORCH_OPS = {"all_gather_into_tensor": "_all_gather_base",
               "reduce_scatter_tensor": "_reduce_scatter_base"}
 
-# an entry (a list, written once and then only at _DONE): [record id, group, op, collective seq,
-# p2p seq, peer, kind, a, b, created ns, thread id, started at creation, completed ns or None]
+# an entry (a list, written once and then only at _DONE, and at _THREAD when an op of the short
+# route fails): [record id, group, op, collective seq, p2p seq, peer, kind, a, b, created ns,
+# thread id (None: the short route's, see _blocked_in), started at creation, completed ns, or
+# COMPLETED (done, untimed: the short route's), or None]
 _ID, _GROUP, _OP, _COLL, _P2P, _PEER, _KIND, _A, _B, _CREATED, _THREAD, _STARTED, _DONE = range(13)
 
 
@@ -133,7 +141,7 @@ class FlightRecorder:
 
     def __init__(self) -> None:
         self.on = False
-        self.fast = False  # on, keeping no caller frames: observe.blocking's short route
+        self.fast = False  # on, no caller frames, untimed: observe.blocking's short route
         self.capacity = 0
         self.ring: list[list[Any] | None] = []
         self.ids = itertools.count()
@@ -144,6 +152,7 @@ class FlightRecorder:
         self._groups: dict[str, Group] = {}
         self.global_rank: int | None = None
         self.depth = 0
+        self.timed = False  # TIMING_ENV: every entry gets its completion time
         self.watch = fr_watch.Watcher(self)
         self._dumped_for: set[int] = set()  # record ids of overdue entries already dumped for
 
@@ -154,6 +163,7 @@ class FlightRecorder:
         0. A group with a store is watched for dump requests (the first such group's store)."""
         capacity = _capacity()
         depth = os.environ.get(DEPTH_ENV, "").strip()
+        timed = os.environ.get(TIMING_ENV, "").strip() not in ("", "0")
         g = Group(pg.group_name, pg.backend_name, pg.rank(), global_ranks,
                   pg.timeout.total_seconds(), store)
         with self._lock:
@@ -162,7 +172,8 @@ class FlightRecorder:
             if capacity and capacity != self.capacity:
                 self._resize(capacity)
             self.on = self.on or capacity > 0
-            self.fast = self.on and not self.depth
+            self.timed = timed
+            self.fast = self.on and not self.depth and not timed
             self.global_rank = global_rank
             self._groups[g.name] = g
         pg._flight_group = g
@@ -258,6 +269,8 @@ class FlightRecorder:
         entry = self.ring[rid % self.capacity] if self.capacity else None
         if entry is None or entry[_ID] != rid:
             return
+        if entry[_THREAD] is None:  # the short route's: failed on the thread that issued it
+            entry[_THREAD] = threading.get_ident()
         if rid not in self._frames and entry[_THREAD] == threading.get_ident():
             self._keep(self._frames, rid, _stack(sys._getframe(1), LIVE_DEPTH))
         if not isinstance(error, DistError):
@@ -417,6 +430,18 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _blocked_in(g: Group, live: dict[int, Any]) -> int | None:
+    """The thread blocked in ``run_blocking`` of the group recorded as ``g`` (the thread of an
+    in-flight entry of the short route, which keeps none), or None."""
+    for thread, f in live.items():
+        while f is not None:
+            if f.f_code.co_name == "run_blocking" and \
+                    getattr(f.f_locals.get("self"), "_flight_group", None) is g:
+                return thread
+            f = f.f_back
+    return None
+
+
 def _to_dict(e: list[Any], done: int | None, late_start: int | None, error: str | None,
              frames: list[tuple[Any, int]] | None, live: dict[int, Any],
              epoch: int) -> dict[str, Any]:
@@ -428,14 +453,19 @@ def _to_dict(e: list[Any], done: int | None, late_start: int | None, error: str 
     created = e[_CREATED] + epoch
     if started is not None:
         started += epoch
-    if done is not None:
-        done += epoch
     state = "completed" if done is not None else "started" if started is not None \
         else "scheduled"
+    if done is COMPLETED:
+        done = None
+    elif done is not None:
+        done += epoch
+    thread = e[_THREAD]
+    if thread is None and state != "completed":
+        thread = _blocked_in(g, live)
     if not frames:
         frames = []
-        if state != "completed" and e[_THREAD] in live:
-            frames = _stack(live[e[_THREAD]], LIVE_DEPTH)
+        if state != "completed" and thread in live:
+            frames = _stack(live[thread], LIVE_DEPTH)
     in_sizes, in_dtypes, out_sizes, out_dtypes = _sizes(e[_KIND], op, e[_A], e[_B])
     name = _TORCH_OPS.get(op, op)
     if op == "send":
@@ -450,12 +480,13 @@ def _to_dict(e: list[Any], done: int | None, late_start: int | None, error: str 
         "input_sizes": in_sizes, "input_dtypes": in_dtypes,
         "output_sizes": out_sizes, "output_dtypes": out_dtypes,
         "state": state, "time_discovered_started_ns": started,
-        "time_discovered_completed_ns": done, "retired": done is not None,
+        "time_discovered_completed_ns": done, "retired": state == "completed",
         "timeout_ms": g.timeout_ns // 1_000_000, "is_p2p": op in ("send", "recv"),
         "duration_ms": None if done is None or started is None else (done - started) / 1e6,
         "frames": [{"name": code.co_name, "filename": code.co_filename, "line": line}
                    for code, line in frames],
-        "thread_id": str(e[_THREAD]), "thread_name": "", "backend": g.backend,
+        "thread_id": "" if thread is None else str(thread), "thread_name": "",
+        "backend": g.backend,
         "error": error,
     }
 
