@@ -39,6 +39,9 @@ from plugdist.testing.pytest_plugin import available_backends
 
 BACKENDS = [b for b in ("gloo", "mpi", "toy") if b in available_backends()]
 FR_BACKENDS = [b for b in ("gloo", "mpi") if b in available_backends()]
+# the line of the op that hangs in _observe_workers.hang
+_HUNG_LINE = next(i for i, line in enumerate(
+    inspect.getsource(w).splitlines(), 1) if "dist.all_reduce(torch.ones(16, device" in line)
 HANG_TIMEOUT = 2.0  # the hanging group's; the world's stays long enough for a loaded machine
 
 
@@ -95,7 +98,7 @@ def _no_recorder_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", [*FR_BACKENDS, "nccl"])
+@pytest.mark.parametrize("backend", [*FR_BACKENDS, "toy", "nccl"])
 @pytest.mark.parametrize("ws", [2, 3])
 def test_fr_trace_names_the_rank_that_skipped_a_collective(backend: str, ws: int,
                                                            tmp_path: Path,
@@ -122,7 +125,8 @@ def test_fr_trace_names_the_rank_that_skipped_a_collective(backend: str, ws: int
     assert f"collective: {prefix}:all_reduce" in report, report
     assert f"group info: 1:plugdist:{backend}" in report, report
     assert "collective state: started" in report, report
-    assert re.search(r"\nhang at .*_observe_workers.py", report), report  # the waiting thread's
+    # the issuing thread's stack where it waited: at the op's line, not where it went on to
+    assert re.search(rf"\n\s*hang at .*_observe_workers.py:{_HUNG_LINE}\n", report), report
 
 
 @pytest.mark.timeout(120)

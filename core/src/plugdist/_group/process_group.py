@@ -142,8 +142,9 @@ class ProcessGroup(GroupIdentity):
         # plain tensor, or None (_native_lean)
         self._lean_checked: dict[_LeanKey, BackendBase | None] = {}
         cls = type(self)
-        if any(b.implements("wrap_op") for b in distinct):
-            # a wrapper sees every public op: no route stands in for one
+        # a wrapper sees every public op (and observes it itself): no route stands in for one
+        self._intercepted_ops = any(b.implements("wrap_op") for b in distinct)
+        if self._intercepted_ops:
             self._lean: dict[str, Callable[..., bool]] = {}
             self._blocking_ops: frozenset[str] = frozenset()
             for op in OPS:
@@ -381,7 +382,7 @@ class ProcessGroup(GroupIdentity):
         if not (_torch_profiler._is_profiler_enabled or _recorder.on):  # observe.active(), inlined
             if lean is None or not lean(self, *args):
                 self._run_blocking_rest(op, args)
-        elif lean is None and op not in self._blocking_ops:
+        elif self._intercepted_ops:
             getattr(self, op)(*args).wait()  # a wrapper's public op, observed there
         else:
             observe.blocking(self, op, args, lean)

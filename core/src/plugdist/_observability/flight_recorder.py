@@ -262,17 +262,23 @@ class FlightRecorder:
             entry[_DONE] = time.monotonic_ns()
 
     def failed(self, rid: int, error: BaseException) -> None:
-        """Record ``error`` for the entry ``rid``; on a DistError, every rank dumps. Called in
-        the thread that ran the op, it keeps that thread's stack for the entry: a later dump
-        (another rank's request) would otherwise read where the thread has moved on to."""
+        """Record ``error`` for the entry ``rid``; on a DistError, every rank dumps. Keeps the
+        stack of the thread that issued the op, as it is now (in the op, or waiting on it): a
+        later dump (another rank's request) would otherwise read where it has moved on to."""
         self._keep(self._errors, rid, f"{type(error).__name__}: {error}")
         entry = self.ring[rid % self.capacity] if self.capacity else None
         if entry is None or entry[_ID] != rid:
             return
+        here = threading.get_ident()
         if entry[_THREAD] is None:  # the short route's: failed on the thread that issued it
-            entry[_THREAD] = threading.get_ident()
-        if rid not in self._frames and entry[_THREAD] == threading.get_ident():
-            self._keep(self._frames, rid, _stack(sys._getframe(1), LIVE_DEPTH))
+            entry[_THREAD] = here
+        if rid not in self._frames:
+            # the issuer's stack now: a Work's failure is noted on the thread that completes
+            # it, while the issuer still waits on this op (it moves on before a later dump)
+            f = sys._getframe(1) if entry[_THREAD] == here else \
+                sys._current_frames().get(entry[_THREAD])
+            if f is not None:
+                self._keep(self._frames, rid, _stack(f, LIVE_DEPTH))
         if not isinstance(error, DistError):
             return
         g, op, seq = entry[_GROUP], entry[_OP], entry[_COLL]
