@@ -18,7 +18,9 @@ device on its ProcessGroup). Each op goes to the backend of its tensors' device 
   at all (a Work costs tens of microseconds, the whole budget of a small message). Without those
   hooks, for composed ops, and for a backend that intercepts public ops (a wrapper's
   ``wrap_op``), it waits on the public op's Work.
-* **Observation**: every op passes :func:`plugdist._observability.observe.active` once.
+* **Observation**: every op passes :func:`plugdist._observability.observe.active` once; a
+  synchronous op of one tensor is recorded by ``run_blocking`` itself, the flight recorder's
+  short route (:func:`plugdist._observability.observe.blocking` says why).
 
 Contract for every op: all members of the group call it, in the same order, with matching
 arguments. Public ops never block on the network unless the backend is synchronous; the returned
@@ -33,6 +35,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -55,7 +58,10 @@ from plugdist._backend.reduce_op import ReduceOp, check_reduce_op
 from plugdist._backend.work import Work, completed_work
 from plugdist._group import composition, sparse
 from plugdist._observability import observe
+from plugdist._observability.flight_recorder import COMPLETED as _COMPLETED
+from plugdist._observability.flight_recorder import ONE as _ONE
 from plugdist._observability.flight_recorder import recorder as _recorder
+from plugdist._observability.observe import SHORT_OPS as _SHORT_OPS
 from plugdist.errors import DistTimeoutError
 
 __all__ = ["ProcessGroup", "GroupOptions", "Capabilities", "OPS", "DEFAULT_TIMEOUT",
@@ -73,6 +79,7 @@ class _Waiting(threading.local):
 
 
 _waiting = _Waiting()
+_now_ns = time.monotonic_ns  # the flight recorder's clock
 # what a dispatch run by native_blocking returns: only run_blocking (which just waits) and a
 # public op's own ``then`` (AVG's divide, run at once) ever see it
 _DONE = completed_work()
@@ -99,6 +106,10 @@ def _first_device(args: Mapping[str, Any]) -> str | None:
 class ProcessGroup(GroupIdentity):
     """A group of processes and the collectives among them, over one backend per device type.
     See the module docstring."""
+
+    # the flight recorder's record of this group, set by its add_group (absent on a group built
+    # by hand until the recorder first sees it)
+    _flight_group: Any
 
     def __init__(self, backends: BackendBase | Mapping[str, BackendBase], *legacy: Any) -> None:
         """The group over ``backends``: one backend (it serves every type in its
@@ -144,6 +155,8 @@ class ProcessGroup(GroupIdentity):
         cls = type(self)
         # a wrapper sees every public op (and observes it itself): no route stands in for one
         self._intercepted_ops = any(b.implements("wrap_op") for b in distinct)
+        # the ops run_blocking records on the flight recorder's short route (not a wrapper's)
+        self._short_ops = frozenset() if self._intercepted_ops else _SHORT_OPS
         if self._intercepted_ops:
             self._lean: dict[str, Callable[..., bool]] = {}
             self._blocking_ops: frozenset[str] = frozenset()
@@ -379,7 +392,30 @@ class ProcessGroup(GroupIdentity):
         if self.abort_signal.reason is not None:
             raise self.abort_signal.error(self.where(op))
         lean = self._lean.get(op)
-        if not (_torch_profiler._is_profiler_enabled or _recorder.on):  # observe.active(), inlined
+        rec = _recorder
+        if rec.fast and op in self._short_ops and not _torch_profiler._is_profiler_enabled:
+            # the flight recorder's short route, written here (see observe.blocking): the
+            # entry of FlightRecorder.record, untimed, without the thread's id. First: the
+            # recorder is on by default
+            try:
+                t = args[0]
+                shape, dtype = t.shape, t.dtype
+                g = self._flight_group
+            except (IndexError, AttributeError):  # not a tensor (its checks say so), or a
+                observe.blocking(self, op, args, lean)  # group built by hand: the long way
+                return
+            g.collectives = seq = g.collectives + 1
+            rid = next(rec.ids)
+            rec.ring[rid % rec.capacity] = entry = [rid, g, op, seq, g.p2p, None, _ONE, shape,
+                                                    dtype, _now_ns(), None, True, None]
+            try:
+                if lean is None or not lean(self, *args):
+                    observe.issue_rest(self, op, args, rid)
+            except BaseException as err:
+                rec.failed(rid, err)
+                raise
+            entry[-1] = _COMPLETED  # its own entry: a slot reused meanwhile is not marked
+        elif not (_torch_profiler._is_profiler_enabled or rec.on):  # observe.active(), inlined
             if lean is None or not lean(self, *args):
                 self._run_blocking_rest(op, args)
         elif self._intercepted_ops:

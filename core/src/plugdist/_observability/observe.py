@@ -15,15 +15,14 @@ composition issues inside are not observed again), and so is an op issued throug
 group that calls :func:`run` itself (the debug plugin): the inner group's dispatch only marks
 the wrapper's entry ``started``. When nobody watches (the profiler off, recording turned off
 with ``TORCH_FR_BUFFER_SIZE=0``), the cost is :func:`active`: two attribute reads. With the
-recorder alone (the default), a blocking op of one tensor takes the short route of
-:func:`blocking`: the entry from the tensor's ``shape`` and ``dtype``, no list built.
+recorder alone (the default), a blocking op of one tensor takes the recorder's short route,
+written in ``ProcessGroup.run_blocking`` (see :func:`blocking`).
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,17 +30,9 @@ import torch
 from torch._C._profiler import _RecordFunctionFast
 from torch.autograd import profiler as _profiler
 
-from plugdist._observability.flight_recorder import (
-    COMPLETED,
-    LISTS,
-    NONE,
-    ONE,
-    PAIR,
-    Flat,
-    recorder,
-)
+from plugdist._observability.flight_recorder import LISTS, NONE, ONE, PAIR, Flat, recorder
 
-__all__ = ["active", "run", "blocking"]
+__all__ = ["active", "run", "blocking", "issue_rest", "SHORT_OPS"]
 
 # op -> (how its tensors are recorded, point-to-point, input parameters, output parameters,
 # peer parameter) of its public method
@@ -67,9 +58,9 @@ _OTHER: _Spec = (NONE, False, (), (), None)
 # arguments of its public method (run_blocking's)
 _Positions = tuple[int, bool, tuple[int, ...], tuple[int, ...], int]
 _positions: dict[str, _Positions] = {}
-# the collectives of one tensor: its position in ProcessGroup's signature (blocking's short route)
-_ONE_AT = {"all_reduce": 0, "broadcast": 0, "reduce": 0}
-_time_ns = time.monotonic_ns  # the recorder's clock (system time at dump)
+# the collectives of one tensor, the first argument of each: the recorder's short route, which
+# ProcessGroup.run_blocking writes itself (see issue_rest)
+SHORT_OPS = frozenset({"all_reduce", "broadcast", "reduce"})
 
 
 def active() -> bool:
@@ -118,39 +109,24 @@ def run(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
 def blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool] | None) -> None:
     """``ProcessGroup.run_blocking`` observed: ``lean(pg, *args)`` (the backend's lean route,
     True once done), else ``pg._run_blocking_rest(op, args)``, as one observed op done when
-    this returns. With the recorder alone (the default) and a collective of one tensor, the
-    entry is written here, inline (what :meth:`FlightRecorder.record` and ``completed`` do,
-    without their calls, untimed and without the thread's id: this is every small op's
-    cost)."""
-    at = _ONE_AT.get(op)
-    rec = recorder
-    if at is None or not rec.fast or _profiler._is_profiler_enabled:
-        _blocking(pg, op, args, lean)
-        return
+    this returns (an entry, and a profiler event under the profiler).
+
+    A collective of one tensor (:data:`SHORT_OPS`) with the recorder alone on (the default)
+    does not come here: ``run_blocking`` writes its entry itself, the recorder's short route
+    (what :meth:`FlightRecorder.record` writes, untimed, without the thread's id; a dump finds
+    the thread blocked in that ``run_blocking``), since the call here would be a fifth of what
+    recording such an op costs."""
+    _blocking(pg, op, args, lean)
+
+
+def issue_rest(pg: Any, op: str, args: tuple[Any, ...], rid: int) -> None:
+    """``pg._run_blocking_rest(op, args)`` for the op recorded as ``rid`` on the short route:
+    the public op it issues marks that entry started instead of making its own."""
+    _current.entry = rid
     try:
-        t = args[at]
-        shape, dtype = t.shape, t.dtype
-        g = pg._flight_group
-    except (IndexError, AttributeError):  # not a tensor (the op's checks say so), a group
-        _blocking(pg, op, args, lean)  # built by hand: the long way
-        return
-    g.collectives = seq = g.collectives + 1
-    rid = next(rec.ids)
-    # no thread id (the dump finds the thread blocked in this group's run_blocking) and no
-    # completion time (COMPLETED): two calls less on every small op
-    rec.ring[rid % rec.capacity] = entry = [rid, g, op, seq, g.p2p, None, ONE, shape, dtype,
-                                            _time_ns(), None, True, None]
-    try:
-        if lean is None or not lean(pg, *args):
-            _current.entry = rid  # only here: the lean route dispatches nothing
-            try:
-                pg._run_blocking_rest(op, args)
-            finally:
-                _current.entry = None
-    except BaseException as err:
-        rec.failed(rid, err)
-        raise
-    entry[-1] = COMPLETED  # its own entry: a slot reused meanwhile is not marked
+        pg._run_blocking_rest(op, args)
+    finally:
+        _current.entry = None
 
 
 def _blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool] | None) -> None:
