@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import torch
+from observability_bench import set_recording
 from plugdist import GroupOptions, ProcessGroup, ReduceOp
 
 try:  # plugin API 2: a backend apart from the ProcessGroup
@@ -66,11 +67,11 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, fn in (("lean", lean), ("work", work)):
             for recording in (False, True):
-                recorder.on = recording
+                set_recording(recorder, recording)
                 t0 = time.process_time()
                 fn()
                 per_op = (time.process_time() - t0) / n * 1e6
-                recorder.on = False
+                set_recording(recorder, False)
                 key = name + (" + recorder" if recording else "")
                 best[key] = min(best.get(key, float("inf")), per_op)
     print(f"plugdist {'plugin API 2 (backend apart)' if split else 'plugin API 1'}: "

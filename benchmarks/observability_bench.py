@@ -48,6 +48,16 @@ def before(pg: Any, op: str, *args: Any) -> None:
         pg._run_blocking_rest(op, args)
 
 
+def set_recording(recorder: Any, on: bool) -> None:
+    """Turn ``recorder`` on or off for every group now (an installation without ``switch``
+    had ``on`` alone)."""
+    switch = getattr(recorder, "switch", None)
+    if switch is None:
+        recorder.on = on
+    else:
+        switch(on)
+
+
 def _under_mpi() -> bool:
     return any(k in os.environ for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK"))
 
@@ -98,7 +108,7 @@ def run(args: argparse.Namespace) -> None:
 
     def loop(mode: str) -> float:
         n = args.iters
-        recorder.on = mode == "recording"
+        set_recording(recorder, mode == "recording")
         comm.Barrier()
         start = time.perf_counter()
         if mode == "mpi4py":
@@ -113,13 +123,13 @@ def run(args: argparse.Namespace) -> None:
                 for _ in range(n):
                     dist.all_reduce(t)
                 elapsed = time.perf_counter() - start
-            recorder.on = False
+            set_recording(recorder, False)
             return elapsed / n * 1e6
         else:
             for _ in range(n):
                 dist.all_reduce(t)
         elapsed = time.perf_counter() - start
-        recorder.on = False
+        set_recording(recorder, False)
         return elapsed / n * 1e6
 
     for mode in MODES:  # warm up every path
@@ -190,7 +200,7 @@ def local(args: argparse.Namespace) -> dict[str, float]:
     n = args.iters * 4
 
     def loop(mode: str) -> float:
-        recorder.on = mode == "recording"
+        set_recording(recorder, mode == "recording")
         start = time.perf_counter()
         if mode == "no hook":
             for _ in range(n):
@@ -199,7 +209,7 @@ def local(args: argparse.Namespace) -> dict[str, float]:
             for _ in range(n):
                 pg.run_blocking("all_reduce", t, total)
         elapsed = time.perf_counter() - start
-        recorder.on = False
+        set_recording(recorder, False)
         return elapsed / n * 1e6
 
     modes = ("no hook", "off", "recording")

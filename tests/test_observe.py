@@ -33,6 +33,7 @@ from plugdist._observability.flight_recorder import recorder
 from plugdist._observability.fr_watch import ask_key
 from plugdist._observability.observe import SHORT_OPS
 from plugdist.backend import BackendBase
+from plugdist.errors import DistTimeoutError
 from plugdist.store import HashStore
 from plugdist.testing import run_world, wait_for
 from plugdist.testing.pytest_plugin import available_backends
@@ -349,6 +350,31 @@ def test_an_op_in_flight_is_dumped_with_its_threads_stack(
         assert done["time_discovered_completed_ns"] >= done["time_created_ns"], done
     else:
         assert done["duration_ms"] is None and done["time_discovered_completed_ns"] is None
+
+
+@pytest.mark.parametrize("outcome", ["result", "error"])
+def test_on_completion_calls_each_observer_once_even_past_one_that_raises(outcome: str) -> None:
+    """Work.on_completion (the base Work's, through its future): called on completion with
+    the op's error or None, at once when already done; an observer that raises is logged
+    and does not stop the others."""
+    seen: list[Any] = []
+
+    def broken(error: BaseException | None) -> None:
+        raise RuntimeError("an observer's bug")
+
+    work = Work(op="all_reduce", rank=0, group="g", backend="echo")
+    work.on_completion(broken)
+    work.on_completion(seen.append)
+    assert seen == []
+    if outcome == "result":
+        work.set_result([torch.ones(1)])
+        assert seen == [None]
+    else:
+        work.set_exception(DistTimeoutError("slow"))
+        assert len(seen) == 1 and isinstance(seen[0], DistTimeoutError), seen
+        assert "rank 0" in str(seen[0]) and "all_reduce" in str(seen[0])
+    work.on_completion(seen.append)
+    assert len(seen) == 2 and type(seen[1]) is type(seen[0]), seen  # at once, the same outcome
 
 
 def test_one_tensor_ops_sit_where_the_short_route_reads_them() -> None:

@@ -22,6 +22,7 @@ import torch
 from plugdist import ProcessGroup
 from plugdist._backend.reduce_op import ReduceOp
 from plugdist._group.process_group import OPS, GroupOptions
+from plugdist._observability.flight_recorder import recorder
 from plugdist.errors import DistError, DistNetworkError, DistTimeoutError
 from plugdist.store import HashStore, PrefixStore, TCPStore
 from plugdist.testing import free_port, run_world
@@ -198,6 +199,19 @@ def collectives_world(rank: int, n: int) -> dict[str, Any]:
             (w.is_completed(), w.is_success(), w.exception()))
     c.check(w.get_future().done() and w.get_future().value()[0] is t, "future holds the output")
     c.check(torch.equal(t, torch.full((3,), float(n))), "all_reduce ones", t.tolist())
+
+    # observing an op (the flight recorder, on by default) makes no future
+    seen: list[BaseException | None] = []
+    w = pg.all_reduce(torch.ones(2))
+    w.on_completion(seen.append)
+    c.check(w.wait() is True and w.lazy_future is None, "an observed op made no future",
+            w.lazy_future)
+    c.check(seen == [None], "on_completion called back once, with no error", seen)
+    w.on_completion(seen.append)  # already done: at once, on this thread
+    c.check(seen == [None, None], "on_completion after completion", seen)
+    last = recorder.snapshot()["entries"][-1]
+    c.check((last["profiling_name"], last["state"]) == ("gloo:all_reduce", "completed"),
+            "the recorder saw it complete", (last["profiling_name"], last["state"]))
 
     # 0-dim and empty tensors
     s = torch.tensor(rank + 1, dtype=torch.int16)

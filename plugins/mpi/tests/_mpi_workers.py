@@ -25,6 +25,7 @@ import torch
 from plugdist import ProcessGroup
 from plugdist._backend.reduce_op import ReduceOp
 from plugdist._group.process_group import OPS, GroupOptions
+from plugdist._observability.flight_recorder import recorder
 from plugdist._world.state import world as _world
 from plugdist.errors import DistBackendError, DistError, DistTimeoutError
 from plugdist.store import HashStore, PrefixStore, TCPStore
@@ -585,6 +586,22 @@ def check_work_outcome_and_future_in_any_order(rank: int, ws: int) -> None:
         time.sleep(0.001)
     assert seen == [float(ws)], seen
     assert w.result()[0][0].item() == float(ws)
+
+
+@check
+def check_observing_an_op_makes_no_future(rank: int, ws: int) -> None:
+    """The flight recorder (on by default) follows an async op to its end through
+    Work.on_completion, which MPIWork keeps without a torch future (a future costs
+    microseconds per op)."""
+    seen: list[BaseException | None] = []
+    w = dist.all_reduce(torch.ones(2), async_op=True)
+    w.on_completion(seen.append)
+    assert w.wait() is True and w.lazy_future is None, w.lazy_future
+    assert seen == [None], seen
+    w.on_completion(seen.append)  # already done: at once, on this thread
+    assert seen == [None, None], seen
+    last = recorder.snapshot()["entries"][-1]
+    assert (last["profiling_name"], last["state"]) == ("gloo:all_reduce", "completed"), last
 
 
 @check

@@ -45,7 +45,9 @@ class Work:
     group is aborted), ``successor(op)`` (the pending Work ``then`` returns), ``context(op)``
     (this Work's context, for such a successor), ``where()`` (the error prefix),
     ``with_context(exc)`` (an error naming this op), ``timeout_seconds(timeout)``, and
-    ``set_source_rank(rank)`` (the sender of a receive, once known).
+    ``set_source_rank(rank)`` (the sender of a receive, once known), and ``on_completion``
+    (with :meth:`call_back`: a Work that keeps its outcome itself calls its observers without
+    making a future).
     """
 
     def __init__(self, future: torch.futures.Future | None = None, *, op: str = "", rank: int = -1,
@@ -172,6 +174,27 @@ class Work:
 
     def get_future(self) -> torch.futures.Future:
         return self.future
+
+    def on_completion(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Call ``callback(error)`` once the op finished (``error``: None on success, else what
+        :meth:`exception` returns): on the thread that completes it, or at once on this thread
+        if it already has. The core's observers (flight recorder, profiler) use it. Here it
+        goes through the future; a Work that keeps its outcome itself overrides it (keep the
+        callbacks, then :meth:`call_back` them when settling) so that observing an op makes no
+        future, which costs microseconds."""
+        self.get_future().add_done_callback(lambda _fut: self.call_back([callback],
+                                                                         self.exception()))
+
+    def call_back(self, callbacks: list[Callable[[BaseException | None], None]],
+                  error: BaseException | None) -> None:
+        """Run the ``on_completion`` callbacks kept for an op that finished with ``error``;
+        one that raises is logged and does not stop the others (nor the completing thread)."""
+        for callback in callbacks:
+            try:
+                callback(error)
+            except Exception as exc:  # noqa: BLE001 - an observer must not break completion
+                lifecycle("completion_callback_failed", group=self.group, group_rank=self.rank,
+                          backend=self.backend, level="warning", op=self.op, error=repr(exc))
 
     def result(self) -> Any:
         """The op's output tensors, after a successful ``wait``."""

@@ -180,6 +180,14 @@ class FlightRecorder:
         if self.on:
             self.watch.start()
 
+    def switch(self, on: bool) -> None:
+        """Turn recording on or off for every group now (benchmarks that compare the two; the
+        setting is otherwise read when a group is built). On takes a ring: a group built
+        with recording on."""
+        with self._lock:
+            self.on = on and self.capacity > 0
+            self.fast = self.on and not self.depth and not self.timed
+
     def remove_group(self, pg: Any) -> None:
         """Forget ``pg`` (destroyed); the watcher stops with the last group it could watch,
         and moves to the next one when its group goes (a resilient world's new epoch)."""
@@ -260,6 +268,13 @@ class FlightRecorder:
             return
         if entry is not None and entry[_ID] == rid:
             entry[_DONE] = time.monotonic_ns()
+
+    def finished(self, rid: int, error: BaseException | None) -> None:
+        """:meth:`completed`, or :meth:`failed` with ``error`` when there is one."""
+        if error is None:
+            self.completed(rid)
+        else:
+            self.failed(rid, error)
 
     def failed(self, rid: int, error: BaseException) -> None:
         """Record ``error`` for the entry ``rid``; on a DistError, every rank dumps. Keeps the

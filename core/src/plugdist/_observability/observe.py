@@ -21,6 +21,7 @@ written in ``ProcessGroup.run_blocking`` (see :func:`blocking`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections.abc import Callable
@@ -88,6 +89,8 @@ def run(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
     if outer is not None:
         recorder.started(outer)
         return issue()
+    if recorder.on and not _profiler._is_profiler_enabled:
+        return _recorded(pg, op, args, issue, started)
     rid, rf = _begin(pg, op, args, started)
     _current.entry = rid
     try:
@@ -102,7 +105,28 @@ def run(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
     elif result.is_completed():
         _finish(rid, rf, result.exception())
     else:
-        result.get_future().add_done_callback(lambda fut: _finish(rid, rf, _error(fut)))
+        result.on_completion(lambda error: _finish(rid, rf, error))
+    return result
+
+
+def _recorded(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
+              issue: Callable[[], Any], started: bool) -> Any:
+    """:func:`run` with the recorder alone watching (the default): its entry, no profiler."""
+    rid = _record(pg, op, args, started)
+    _current.entry = rid
+    try:
+        result = issue()
+    except BaseException as err:
+        recorder.failed(rid, err)
+        raise
+    finally:
+        _current.entry = None
+    if result is None:
+        recorder.completed(rid)
+    elif result.is_completed():
+        recorder.finished(rid, result.exception())
+    else:
+        result.on_completion(functools.partial(recorder.finished, rid))
     return result
 
 
@@ -160,24 +184,20 @@ def _begin(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
 def _finish(rid: int | None, rf: Any, error: BaseException | None) -> None:
     if rf is not None:
         rf.__exit__(None, None, None)
-    if rid is None:
-        return
-    if error is None:
-        recorder.completed(rid)
-    else:
-        recorder.failed(rid, error)
-
-
-def _error(fut: torch.futures.Future) -> BaseException | None:
-    try:
-        fut.value()
-    except BaseException as err:  # noqa: BLE001 - recorded; the caller's wait raises it
-        return err
-    return None
+    if rid is not None:
+        recorder.finished(rid, error)
 
 
 def _record(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any], started: bool) -> int:
     """The entry of any op: its tensors taken as its kind records them."""
+    if type(args) is dict:  # a dispatch's (every async op): an op of one tensor read directly
+        spec = _SPECS.get(op, _OTHER)
+        if spec[0] == ONE:
+            t = args.get("tensor")  # every ONE op's tensor (see _SPECS)
+            if type(t) is torch.Tensor:
+                peer = spec[4]
+                return recorder.record(pg, op, spec[1], ONE, t.shape, t.dtype,
+                                       args.get(peer) if peer else None, started)
     kind, p2p = _SPECS.get(op, _OTHER)[:2]
     inputs, outputs, peer = _values(pg, op, args)
     a: Any = None

@@ -66,6 +66,7 @@ class GlooWork(Work):
         self._armed = False     # completion was handed to a callback or a waiter thread
         self._finished = False  # the outcome (_value or _error) is final
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[BaseException | None], None]] = []  # on_completion's
 
     def attach(self, native: Any, *, arm: bool = False) -> GlooWork:
         """Hand over torch's work for the issued op; returns self. ``arm`` starts completion
@@ -103,6 +104,9 @@ class GlooWork(Work):
             self._finished = True
             self._native = None  # the torch work holds the tensors; let them go
             fut = self.lazy_future
+            callbacks, self._callbacks = self._callbacks, []
+        if callbacks:
+            self.call_back(callbacks, self._error)
         if fut is not None:  # someone holds the future: complete it (its callbacks run here)
             if self._error is not None:
                 fut.set_exception(self._error)
@@ -139,8 +143,19 @@ class GlooWork(Work):
             self._error = abort.error(self.where())
             self._finished = True
             fut = self.lazy_future
+            callbacks, self._callbacks = self._callbacks, []
+        if callbacks:
+            self.call_back(callbacks, self._error)
         if fut is not None:
             fut.set_exception(self._error)
+
+    def on_completion(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Work.on_completion without a future: kept until the outcome is final."""
+        with self._lock:
+            if not self._finished:
+                self._callbacks.append(callback)
+                return
+        callback(self._error)
 
     def _poll(self) -> bool:
         """Complete from torch's work if it finished; True when the outcome is final."""

@@ -112,6 +112,7 @@ class MPIWork(Work):
     _state = _RUNNING
     _value: Any = None
     _error: BaseException | None = None
+    _callbacks: list[Callable[[BaseException | None], None]] | None = None  # on_completion's
 
     def set_result(self, value: Any) -> None:
         with _OUTCOME_LOCK:
@@ -120,6 +121,9 @@ class MPIWork(Work):
             self._value = value
             self._state = _OK
             fut = self.lazy_future
+            callbacks, self._callbacks = self._callbacks, None
+        if callbacks:
+            self.call_back(callbacks, None)
         if fut is not None:  # runs the future's callbacks (``then``) on this thread
             fut.set_result(value)
 
@@ -131,8 +135,22 @@ class MPIWork(Work):
             self._error = err
             self._state = _FAILED
             fut = self.lazy_future
+            callbacks, self._callbacks = self._callbacks, None
+        if callbacks:
+            self.call_back(callbacks, err)
         if fut is not None:
             fut.set_exception(err)
+
+    def on_completion(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Work.on_completion without a future: kept until the outcome is set."""
+        with _OUTCOME_LOCK:
+            if not self._state:
+                if self._callbacks is None:
+                    self._callbacks = [callback]
+                else:
+                    self._callbacks.append(callback)
+                return
+        callback(self._error)
 
     def make_future(self) -> torch.futures.Future:
         with _OUTCOME_LOCK:
