@@ -54,15 +54,19 @@ def command_for(python: str, cmd: list[str], here: Path) -> tuple[list[str], str
 
 
 def lines_of(output: str) -> dict[tuple[str, int], tuple[list[str], list[str]]]:
-    """Each output line by (its text without numbers, its occurrence): its pieces between
-    numbers, and its numbers as printed."""
+    """Each output line by (its text without numbers, spacing aside, and the number it starts
+    with, if any: a table row's size; then its occurrence): its pieces between numbers, and its
+    numbers as printed (the leading one kept as a label, not compared)."""
     seen: dict[str, int] = {}
     out: dict[tuple[str, int], tuple[list[str], list[str]]] = {}
     for line in output.splitlines():
         pieces = _NUMBER.split(line)
-        text = "\0".join(pieces)
+        numbers = _NUMBER.findall(line)
+        text = "\0".join(" ".join(p.split()) for p in pieces)
+        if numbers and not pieces[0].strip():  # a row: its first number names it
+            text += "\0" + numbers[0]
         at = seen[text] = seen.get(text, -1) + 1
-        out[(text, at)] = (pieces, _NUMBER.findall(line))
+        out[(text, at)] = (pieces, numbers)
     return out
 
 

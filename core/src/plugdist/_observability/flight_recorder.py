@@ -8,13 +8,14 @@ reads it::
 
     python -m torch.distributed.flight_recorder.fr_trace DIR    # or: torchfrtrace DIR
 
-Recording an op costs about half a microsecond (measured in docs/observability.md): an entry is
-one list of what the op already holds (its group, name, sequence numbers, its tensors' ``shape``
-and ``dtype`` objects, never the tensors themselves: the ring keeps no tensor alive) and a
-monotonic clock read; a synchronous op of one tensor (observe's short route) marks its completion
-without a clock read and leaves its thread to be found at dump time (it is the thread blocked in
-that group's ``run_blocking``). Names, sizes, dtype strings, states and stacks are made at dump
-time. Memory: ``capacity`` small lists (about 2000 x 0.3 KB).
+Recording a small synchronous op costs about half a microsecond, an async one (followed to its
+end through ``Work.on_completion``) a few (measured in docs/observability.md): an entry is one
+list of what the op already holds (its group, name, sequence numbers, its tensors' ``shape`` and
+``dtype`` objects, never the tensors themselves: the ring keeps no tensor alive) and a monotonic
+clock read. A synchronous op of one tensor (the short route, which ``ProcessGroup.run_blocking``
+writes) marks its completion without a clock read and leaves its thread to be found at dump time
+(the thread blocked in that group's ``run_blocking``). Names, sizes, dtype strings, states and
+stacks are made at dump time. Memory: ``capacity`` small lists (about 2000 x 0.3 KB).
 
 Switches (read when a group is built): ``TORCH_FR_BUFFER_SIZE`` (entries kept; default 2000;
 0 turns recording off). ``TORCH_FR_DUMP_TEMP_FILE`` (default ``/tmp/nccl_trace_rank_``,
@@ -141,7 +142,7 @@ class FlightRecorder:
 
     def __init__(self) -> None:
         self.on = False
-        self.fast = False  # on, no caller frames, untimed: observe.blocking's short route
+        self.fast = False  # on, no caller frames, untimed: run_blocking's short route
         self.capacity = 0
         self.ring: list[list[Any] | None] = []
         self.ids = itertools.count()

@@ -140,21 +140,6 @@ def blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool] 
     (what :meth:`FlightRecorder.record` writes, untimed, without the thread's id; a dump finds
     the thread blocked in that ``run_blocking``), since the call here would be a fifth of what
     recording such an op costs."""
-    _blocking(pg, op, args, lean)
-
-
-def issue_rest(pg: Any, op: str, args: tuple[Any, ...], rid: int) -> None:
-    """``pg._run_blocking_rest(op, args)`` for the op recorded as ``rid`` on the short route:
-    the public op it issues marks that entry started instead of making its own."""
-    _current.entry = rid
-    try:
-        pg._run_blocking_rest(op, args)
-    finally:
-        _current.entry = None
-
-
-def _blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool] | None) -> None:
-    """:func:`blocking` for any op, under the profiler too."""
     rid, rf = _begin(pg, op, args, True)
     try:
         if lean is None or not lean(pg, *args):
@@ -167,6 +152,16 @@ def _blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool]
         _finish(rid, rf, err)
         raise
     _finish(rid, rf, None)
+
+
+def issue_rest(pg: Any, op: str, args: tuple[Any, ...], rid: int) -> None:
+    """``pg._run_blocking_rest(op, args)`` for the op recorded as ``rid`` on the short route:
+    the public op it issues marks that entry started instead of making its own."""
+    _current.entry = rid
+    try:
+        pg._run_blocking_rest(op, args)
+    finally:
+        _current.entry = None
 
 
 def _begin(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
