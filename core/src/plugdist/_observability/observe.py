@@ -21,7 +21,6 @@ written in ``ProcessGroup.run_blocking`` (see :func:`blocking`).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import threading
 from collections.abc import Callable
@@ -89,8 +88,6 @@ def run(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
     if outer is not None:
         recorder.started(outer)
         return issue()
-    if recorder.on and not _profiler._is_profiler_enabled:
-        return _recorded(pg, op, args, issue, started)
     rid, rf = _begin(pg, op, args, started)
     _current.entry = rid
     try:
@@ -109,27 +106,6 @@ def run(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
     return result
 
 
-def _recorded(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
-              issue: Callable[[], Any], started: bool) -> Any:
-    """:func:`run` with the recorder alone watching (the default): its entry, no profiler."""
-    rid = _record(pg, op, args, started)
-    _current.entry = rid
-    try:
-        result = issue()
-    except BaseException as err:
-        recorder.failed(rid, err)
-        raise
-    finally:
-        _current.entry = None
-    if result is None:
-        recorder.completed(rid)
-    elif result.is_completed():
-        recorder.finished(rid, result.exception())
-    else:
-        result.on_completion(functools.partial(recorder.finished, rid))
-    return result
-
-
 def blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool] | None) -> None:
     """``ProcessGroup.run_blocking`` observed: ``lean(pg, *args)`` (the backend's lean route,
     True once done), else ``pg._run_blocking_rest(op, args)``, as one observed op done when
@@ -143,20 +119,17 @@ def blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool] 
     rid, rf = _begin(pg, op, args, True)
     try:
         if lean is None or not lean(pg, *args):
-            _current.entry = rid
-            try:
-                pg._run_blocking_rest(op, args)
-            finally:
-                _current.entry = None
+            issue_rest(pg, op, args, rid)
     except BaseException as err:
         _finish(rid, rf, err)
         raise
     _finish(rid, rf, None)
 
 
-def issue_rest(pg: Any, op: str, args: tuple[Any, ...], rid: int) -> None:
-    """``pg._run_blocking_rest(op, args)`` for the op recorded as ``rid`` on the short route:
-    the public op it issues marks that entry started instead of making its own."""
+def issue_rest(pg: Any, op: str, args: tuple[Any, ...], rid: int | None) -> None:
+    """``pg._run_blocking_rest(op, args)`` for the op observed as ``rid`` (its entry; None
+    when only the profiler watches): the public op it issues marks that entry started instead
+    of making its own."""
     _current.entry = rid
     try:
         pg._run_blocking_rest(op, args)
@@ -185,15 +158,12 @@ def _finish(rid: int | None, rf: Any, error: BaseException | None) -> None:
 
 def _record(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any], started: bool) -> int:
     """The entry of any op: its tensors taken as its kind records them."""
-    if type(args) is dict:  # a dispatch's (every async op): an op of one tensor read directly
-        spec = _SPECS.get(op, _OTHER)
-        if spec[0] == ONE:
-            t = args.get("tensor")  # every ONE op's tensor (see _SPECS)
-            if type(t) is torch.Tensor:
-                peer = spec[4]
-                return recorder.record(pg, op, spec[1], ONE, t.shape, t.dtype,
-                                       args.get(peer) if peer else None, started)
-    kind, p2p = _SPECS.get(op, _OTHER)[:2]
+    kind, p2p, _, _, peer_name = _SPECS.get(op, _OTHER)
+    if kind == ONE and type(args) is dict:  # a dispatch's (every async op): read directly
+        t = args.get("tensor")  # every ONE op's tensor (see _SPECS)
+        if type(t) is torch.Tensor:
+            return recorder.record(pg, op, p2p, ONE, t.shape, t.dtype,
+                                   args.get(peer_name) if peer_name else None, started)
     inputs, outputs, peer = _values(pg, op, args)
     a: Any = None
     b: Any = None
