@@ -16,8 +16,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 def test_help_explains_every_option() -> None:
     actions = [a for a in parser()._actions if a.dest != "help"]
     assert {a.dest for a in actions} >= {"backend", "op", "nproc", "minbytes", "maxbytes",
-                                         "stepfactor", "dtype", "compare", "iters", "pin",
-                                         "timeout"}
+                                         "stepfactor", "dtype", "compare", "completion",
+                                         "iters", "pin", "timeout"}
     for action in actions:
         assert action.help and len(action.help) > 15, f"{action.option_strings}: {action.help!r}"
     text = parser().format_help()
@@ -29,35 +29,43 @@ def test_parse_size() -> None:
         [8, 64 << 10, 1 << 20, 2 << 30, 512]
 
 
-def _sweep(*args: str) -> list[list[str]]:
+def _sweep(*args: str, header: str = "completion=blocking ") -> list[list[str]]:
     res = subprocess.run([sys.executable, "-m", "plugdist._tools.bench", "--nproc", "2", "-b", "8",
                           "-e", "32", "-f", "4", "--iters", "30", *args, "--timeout", "120"],
                          capture_output=True, text=True, timeout=150)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.strip().splitlines()
     assert lines[0].startswith("# plugdist-bench") and "ratio = median over chunks" in lines[0]
+    assert header in lines[0], lines[0]
     assert lines[1].split()[:6] == ["size(B)", "count", "type", "time(us)", "algbw(GB/s)",
                                     "busbw(GB/s)"]
     return [line.split() for line in lines[2:]]
 
 
-@pytest.mark.parametrize("backend, compare", [("gloo", "torch"), ("mpi", "mpi4py")])
-def test_sweep_prints_one_row_per_size_with_a_ratio(backend: str, compare: str) -> None:
+@pytest.mark.parametrize("backend, compare, completion", [
+    ("gloo", "torch", "blocking"), ("mpi", "mpi4py", "blocking"),
+    ("gloo", "torch", "work"), ("mpi", "mpi4py", "future")])
+def test_sweep_prints_one_row_per_size_with_a_ratio(backend: str, compare: str,
+                                                    completion: str) -> None:
     if not plugdist.is_backend_available(backend):
         pytest.skip(f"plugdist-{backend} is not installed")
-    rows = _sweep("--backend", backend, "--op", "all_reduce", "--compare", compare)
+    rows = _sweep("--backend", backend, "--op", "all_reduce", "--compare", compare,
+                  "--completion", completion, header=f"completion={completion} ")
     assert [(r[0], r[1], r[2]) for r in rows] == [("8", "2", "float32"), ("32", "8", "float32")]
     for r in rows:
         ours, theirs, ratio = float(r[3]), float(r[6]), float(r[7])
         assert ours > 0 and theirs > 0 and 0 < ratio < 100, r
 
 
-@pytest.mark.parametrize("op", ["broadcast", "reduce", "all_gather", "reduce_scatter",
-                                "all_to_all"])
-def test_every_op_compares_with_raw_mpi4py(op: str) -> None:
+@pytest.mark.parametrize("op, completion", [
+    ("broadcast", "blocking"), ("reduce", "blocking"), ("all_gather", "blocking"),
+    ("reduce_scatter", "blocking"), ("all_to_all", "blocking"),
+    ("reduce", "work"), ("all_gather", "future")])
+def test_every_op_compares_with_raw_mpi4py(op: str, completion: str) -> None:
     if not plugdist.is_backend_available("mpi"):
         pytest.skip("plugdist-mpi is not installed")
-    rows = _sweep("--backend", "mpi", "--op", op, "--compare", "mpi4py")
+    rows = _sweep("--backend", "mpi", "--op", op, "--compare", "mpi4py",
+                  "--completion", completion, header=f"completion={completion} ")
     assert [r[0] for r in rows] == ["8", "32"]
     for r in rows:
         assert float(r[3]) > 0 and float(r[6]) > 0 and 0 < float(r[7]) < 100, r

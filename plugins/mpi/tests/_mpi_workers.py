@@ -589,6 +589,31 @@ def check_work_outcome_and_future_in_any_order(rank: int, ws: int) -> None:
 
 
 @check
+def check_a_future_is_left_to_the_progress_thread_at_once(rank: int, ws: int) -> None:
+    """Whoever waits on a future drives no MPI: making one for a running op marks it awaited,
+    so the progress thread takes it up without leaving it to its issuer first (before, such a
+    wait took a millisecond for an 8-byte op); the future then completes with the op."""
+    if rank == 0:
+        buf = torch.zeros(2)
+        w = dist.irecv(buf, src=1, tag=23)
+        fut = w.get_future()   # rank 1 sends only after the barrier below: still running
+        assert not fut.done() and w._pending.awaited, (fut.done(), w._pending)
+        dist.barrier()
+        value = fut.wait()
+        same(value[0], torch.full((2,), 23.0), "a receive awaited through its future")
+        assert w.is_completed() and w.is_success()
+    else:
+        dist.barrier()
+        if rank == 1:
+            dist.send(torch.full((2,), 23.0), dst=0, tag=23)
+    # a collective awaited through a future chained to it (DDP's comm hooks)
+    got = dist.all_reduce(torch.ones(2), async_op=True).get_future().then(
+        lambda f: f.value()[0] + 1).wait()
+    same(got, torch.full((2,), ws + 1.0), "an all_reduce awaited through its future")
+    dist.barrier()
+
+
+@check
 def check_observing_an_op_makes_no_future(rank: int, ws: int) -> None:
     """The flight recorder (on by default) follows an async op to its end through
     Work.on_completion, which MPIWork keeps without a torch future (a future costs

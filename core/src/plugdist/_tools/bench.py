@@ -61,8 +61,30 @@ def _iters(nbytes: int) -> int:
     return max(3 * _CHUNKS, min(600, int(40e6 / (nbytes + 20_000))))
 
 
-def _ops(op: str, dist: Any) -> Callable[[Any, Any], None]:
-    """A closure running one ``op`` on tensors prepared for it, for either API (same names)."""
+COMPLETIONS = ("blocking", "work", "future")
+
+# async_op=True twins of _ops's calls, for either API: (module, buffers, group) -> Work
+_ASYNC: dict[str, Callable[[Any, Any, Any], Any]] = {
+    "all_reduce": lambda d, buf, g: d.all_reduce(buf[0], group=g, async_op=True),
+    "broadcast": lambda d, buf, g: d.broadcast(buf[0], 0, group=g, async_op=True),
+    "reduce": lambda d, buf, g: d.reduce(buf[0], 0, group=g, async_op=True),
+    "all_gather": lambda d, buf, g: d.all_gather_into_tensor(buf[1], buf[0], group=g,
+                                                             async_op=True),
+    "reduce_scatter": lambda d, buf, g: d.reduce_scatter_tensor(buf[1], buf[0], group=g,
+                                                                async_op=True),
+    "all_to_all": lambda d, buf, g: d.all_to_all_single(buf[1], buf[0], group=g, async_op=True),
+}
+
+
+def _ops(op: str, dist: Any, completion: str = "blocking") -> Callable[[Any, Any], None]:
+    """A closure running one ``op`` on tensors prepared for it, for either API (same names):
+    a blocking call, or (``completion``) an async op waited on through its Work (``work``) or
+    its future (``future``)."""
+    if completion != "blocking":
+        start = _ASYNC[op]
+        if completion == "work":
+            return lambda buf, group: start(dist, buf, group).wait()
+        return lambda buf, group: start(dist, buf, group).get_future().wait()
     if op == "all_reduce":
         return lambda buf, group: dist.all_reduce(buf[0], group=group)
     if op == "broadcast":
@@ -104,11 +126,25 @@ def _synchronized(fn: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
     return run
 
 
-def _mpi4py_op(op: str) -> Callable[[Any, Any], None]:
-    """Raw mpi4py on numpy views of the same buffers (made once per size, outside the timing)."""
+def _mpi4py_op(op: str, completion: str = "blocking") -> Callable[[Any, Any], None]:
+    """Raw mpi4py on numpy views of the same buffers (made once per size, outside the timing):
+    the blocking call, or for an async ``completion`` its non-blocking twin, then ``Wait``."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    if completion != "blocking":
+        root = comm.Get_rank() == 0
+        start: dict[str, Callable[[Any], Any]] = {
+            "all_reduce": lambda arr: comm.Iallreduce(MPI.IN_PLACE, arr[0], op=MPI.SUM),
+            "broadcast": lambda arr: comm.Ibcast(arr[0], root=0),
+            "reduce": lambda arr: comm.Ireduce(MPI.IN_PLACE if root else arr[0],
+                                               arr[0] if root else None, op=MPI.SUM, root=0),
+            "all_gather": lambda arr: comm.Iallgather(arr[0], arr[1]),
+            "reduce_scatter": lambda arr: comm.Ireduce_scatter_block(arr[0], arr[1], op=MPI.SUM),
+            "all_to_all": lambda arr: comm.Ialltoall(arr[0], arr[1]),
+        }
+        begin = start[op]
+        return lambda arr, _g: begin(arr).Wait()
     if op == "all_reduce":
         return lambda arr, _g: comm.Allreduce(MPI.IN_PLACE, arr[0], op=MPI.SUM)
     if op == "broadcast":
@@ -157,16 +193,16 @@ def bench_rank(rank: int, world_size: int, cfg: dict[str, Any]) -> list[dict[str
     torch.set_num_threads(1)
     dtype = getattr(torch, cfg["dtype"])
     device = check_device()  # this rank's GPU for a CUDA-only backend, else None
-    ours = _ops(cfg["op"], dist)
+    ours = _ops(cfg["op"], dist, cfg["completion"])
     theirs = None
     if cfg["compare"] == "torch":
         import torch.distributed as tdist
 
         tdist.init_process_group(cfg["backend"], init_method=f"tcp://127.0.0.1:{cfg['torch_port']}",
                                  rank=rank, world_size=world_size, timeout=timedelta(minutes=5))
-        theirs = _ops(cfg["op"], tdist)
+        theirs = _ops(cfg["op"], tdist, cfg["completion"])
     elif cfg["compare"] == "mpi4py":
-        theirs = _mpi4py_op(cfg["op"])
+        theirs = _mpi4py_op(cfg["op"], cfg["completion"])
     if device is not None:
         ours = _synchronized(ours)
         theirs = _synchronized(theirs) if theirs is not None else None
@@ -218,7 +254,8 @@ def _format(rows: list[dict[str, Any]], cfg: dict[str, Any], n: int) -> str:
     if cfg["compare"]:
         head += f" {cfg['compare'] + '(us)':>12} {'ratio':>7}"
     lines = [f"# plugdist-bench: op={cfg['op']} backend={cfg['backend']} nproc={n} "
-             f"dtype={cfg['dtype']} pinned={cfg['pin']} (per-op latency on rank 0, best of "
+             f"dtype={cfg['dtype']} completion={cfg['completion']} "
+             f"pinned={cfg['pin']} (per-op latency on rank 0, best of "
              f"{_CHUNKS} chunk medians; ratio = median over chunks of plugdist / "
              f"{cfg['compare'] or '-'}, each pair timed back to back)", head]
     for r in rows:
@@ -258,6 +295,10 @@ def parser() -> argparse.ArgumentParser:
                    help="also time torch.distributed on the same backend (torch) or raw mpi4py "
                         "on the same buffers (mpi4py, with --backend mpi), interleaved with "
                         "plugdist in the same processes; default: plugdist alone")
+    p.add_argument("--completion", choices=COMPLETIONS, default="blocking",
+                   help="how each op is completed, on both sides: a blocking call (default), "
+                        "or async_op=True then the Work's wait() (work) or get_future().wait() "
+                        "(future); raw mpi4py then runs the non-blocking call and Wait()")
     p.add_argument("--iters", type=int, default=0,
                    help="ops per side for every size (default: ~40 MB moved, at least 24)")
     p.add_argument("--no-pin", dest="pin", action="store_false",
@@ -296,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = {"op": args.op, "backend": args.backend, "dtype": args.dtype, "compare": args.compare,
            "pin": args.pin, "torch_port": free_port(), "iters": args.iters,
+           "completion": args.completion,
            "sizes": _sizes(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor)}
     # under ``python -m plugdist._tools.bench`` this module is __main__; ranks import by real name
     from plugdist._tools import bench
