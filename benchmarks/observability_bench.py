@@ -8,15 +8,17 @@ Modes, run alternately in chunks (every rank runs the same chunk at the same tim
 * ``off``         ``dist.all_reduce`` with nobody watching: the flight recorder off
                   (``TORCH_FR_BUFFER_SIZE=0``), no profiler; the hook is one check;
 * ``recording``   ``dist.all_reduce`` with the flight recorder on (the default);
-* ``profiling``   ``dist.all_reduce`` under ``torch.profiler.profile(record_shapes=True)``.
+* ``profiling``   ``dist.all_reduce`` under ``torch.profiler.profile(record_shapes=True)``;
+* ``async off``, ``async recording``: ``dist.all_reduce(t, async_op=True).wait()``, the
+                  recorder off and on (an async op's entry is completed through its Work).
 
 Then, on rank 0 alone, the same three plugdist modes on an in-process one-rank group whose lean
 route does nothing: the CPU each mode costs per op, without the network's noise.
 
 Prints µs per op on rank 0 — the best chunk (the one least disturbed by other load; the ratios
 use it) and the median chunk — the ratios to ``no hook``, and what recording costs per op
-(``recording`` - ``off``, best chunks): the goals are ``off`` within 2% of ``no hook`` and
-recording at most 0.5 µs per op.
+(``recording`` - ``off``, best chunks; the same for async ops): the goals are ``off`` within
+2% of ``no hook`` and recording at most 0.5 µs per op.
 
 ``--against PYTHON`` compares two installations in one run: this script runs under PYTHON (say,
 the virtualenv of a checkout before a change) and under this interpreter, alternately,
@@ -38,7 +40,7 @@ import sys
 import time
 from typing import Any
 
-MODES = ("mpi4py", "no hook", "off", "recording", "profiling")
+MODES = ("mpi4py", "no hook", "off", "recording", "profiling", "async off", "async recording")
 
 
 def before(pg: Any, op: str, *args: Any) -> None:
@@ -108,7 +110,7 @@ def run(args: argparse.Namespace) -> None:
 
     def loop(mode: str) -> float:
         n = args.iters
-        set_recording(recorder, mode == "recording")
+        set_recording(recorder, mode.endswith("recording"))
         comm.Barrier()
         start = time.perf_counter()
         if mode == "mpi4py":
@@ -125,6 +127,9 @@ def run(args: argparse.Namespace) -> None:
                 elapsed = time.perf_counter() - start
             set_recording(recorder, False)
             return elapsed / n * 1e6
+        elif mode.startswith("async"):
+            for _ in range(n):
+                dist.all_reduce(t, async_op=True).wait()
         else:
             for _ in range(n):
                 dist.all_reduce(t)
@@ -156,7 +161,9 @@ def run(args: argparse.Namespace) -> None:
             print(f"observe check, nobody watching: "
                   f"{100 * (best['off'] / best['no hook'] - 1):+.1f}% (goal < 2%); recording "
                   f"costs {best['recording'] - best['off']:.2f} us/op over MPI "
-                  f"({best['recording'] / best['off']:.3f}x off; goal <= 0.5 us)")
+                  f"({best['recording'] / best['off']:.3f}x off; goal <= 0.5 us); "
+                  f"an async op's recording costs "
+                  f"{best['async recording'] - best['async off']:.2f} us/op")
             print("in-process, an op that does nothing: best us/op " + ", ".join(
                 f"{m} {v:.2f}" for m, v in local_best.items())
                 + f"; the check costs "
@@ -243,12 +250,16 @@ def compare(args: argparse.Namespace) -> None:
     print(f"{'':<26}{'old us/op':>10}{'new us/op':>10}")
     for part in ("mpi", "local"):  # over MPI, then in-process on an op that does nothing
         for mode in best["new"][part]:
-            print(f"{part + ' ' + mode:<26}{best['old'][part][mode]:>10.2f}"
+            old = best["old"][part].get(mode)  # a mode the old version lacks: "-"
+            print(f"{part + ' ' + mode:<26}{'-' if old is None else f'{old:.2f}':>10}"
                   f"{best['new'][part][mode]:>10.2f}")
         for side in sides:
             b = best[side][part]
             print(f"{part} recording cost, {side}: {b['recording'] - b['off']:.2f} us/op "
                   f"({b['recording'] / b['off']:.3f}x off)")
+            if "async off" in b:
+                print(f"{part} async recording cost, {side}: "
+                      f"{b['async recording'] - b['async off']:.2f} us/op")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from plugdist._observability.flight_recorder import recorder
 from plugdist._observability.fr_watch import ask_key
 from plugdist._observability.observe import SHORT_OPS
 from plugdist.backend import BackendBase
-from plugdist.errors import DistTimeoutError
+from plugdist.errors import DistError, DistTimeoutError
 from plugdist.store import HashStore
 from plugdist.testing import run_world, wait_for
 from plugdist.testing.pytest_plugin import available_backends
@@ -352,6 +352,67 @@ def test_an_op_in_flight_is_dumped_with_its_threads_stack(
         assert done["duration_ms"] is None and done["time_discovered_completed_ns"] is None
 
 
+class _Later(BackendBase):
+    """One rank whose async all_reduce stays pending until the test completes its Work."""
+
+    backend_name = "later"
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.pending: list[Work] = []
+
+    def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        work = self.work("all_reduce")
+        self.pending.append(work)
+        return work
+
+
+@pytest.mark.parametrize("outcome", ["result", "error"])
+def test_an_async_op_is_recorded_by_the_short_route_until_its_work_completes(
+        recording: None, outcome: str) -> None:
+    """An async op of one tensor (the recorder alone on): its entry is written at the call,
+    with the issuing thread, and completed (untimed) or failed through its Work."""
+    backend = _Later(0, 1, GroupOptions(group_name="later", global_ranks=(0,)))
+    pg = ProcessGroup(backend)
+    recorder.add_group(pg, None, (0,), 0)
+    work = pg.all_reduce(torch.ones(5))
+    (live,) = recorder.snapshot()["entries"]
+    assert (live["state"], live["input_sizes"], live["error"]) == ("started", [[5]], None), live
+    assert live["thread_id"] == str(threading.get_ident()), live
+    if outcome == "result":
+        backend.pending[0].set_result([torch.ones(5)])
+        work.wait()
+    else:
+        backend.pending[0].set_exception(RuntimeError("the wire broke"))
+        with pytest.raises(DistError, match="the wire broke"):
+            work.wait()
+    (done,) = recorder.snapshot()["entries"]
+    if outcome == "result":
+        assert (done["state"], done["duration_ms"], done["error"]) == ("completed", None, None)
+    else:
+        assert done["state"] == "started" and "the wire broke" in done["error"], done
+
+
+def test_an_async_op_done_after_its_ring_slot_was_reused_leaves_that_slot_alone(
+        recording: None) -> None:
+    backend = _Later(0, 1, GroupOptions(group_name="wrap", global_ranks=(0,)))
+    pg = ProcessGroup(backend)
+    recorder.add_group(pg, None, (0,), 0)
+    first = pg.all_reduce(torch.ones(5))
+    for _ in range(recorder.capacity - 1):
+        pg.all_reduce(torch.ones(2))
+        backend.pending[-1].set_result([torch.ones(2)])
+    newest = pg.all_reduce(torch.ones(3))  # takes the first op's slot, and stays pending
+    backend.pending[0].set_result([torch.ones(5)])
+    assert first.wait()
+    entries = recorder.snapshot()["entries"]
+    assert [e["collective_seq_id"] for e in entries] == list(range(2, recorder.capacity + 2))
+    assert entries[-1]["input_sizes"] == [[3]] and entries[-1]["state"] == "started", entries
+    assert all(e["state"] == "completed" for e in entries[:-1]), entries
+    backend.pending[-1].set_result([torch.ones(3)])
+    assert newest.wait() and recorder.snapshot()["entries"][-1]["state"] == "completed"
+
+
 @pytest.mark.parametrize("outcome", ["result", "error"])
 def test_on_completion_calls_each_observer_once_even_past_one_that_raises(outcome: str) -> None:
     """Work.on_completion (the base Work's, through its future): called on completion with
@@ -375,6 +436,13 @@ def test_on_completion_calls_each_observer_once_even_past_one_that_raises(outcom
         assert "rank 0" in str(seen[0]) and "all_reduce" in str(seen[0])
     work.on_completion(seen.append)
     assert len(seen) == 2 and type(seen[1]) is type(seen[0]), seen  # at once, the same outcome
+
+
+def test_a_work_done_at_birth_calls_an_observer_at_once_without_a_future() -> None:
+    seen: list[Any] = []
+    work = completed_work([torch.ones(1)], op="all_reduce", rank=0, group="g", backend="echo")
+    work.on_completion(seen.append)
+    assert seen == [None] and work.lazy_future is None
 
 
 def test_one_tensor_ops_sit_where_the_short_route_reads_them() -> None:

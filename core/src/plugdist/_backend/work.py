@@ -295,6 +295,10 @@ class _CompletedWork(Work):
     def result(self) -> Any:
         return self._value
 
+    def on_completion(self, callback: Callable[[BaseException | None], None]) -> None:
+        """At once, on this thread (this Work is done)."""
+        self.call_back([callback], None)
+
     def then(self, fn: Callable[[Any], Any], *, op: str | None = None) -> Work:
         """``fn`` runs now, on this thread (this Work is done)."""
         context = self.context(op)

@@ -507,6 +507,9 @@ class ProcessGroup(GroupIdentity):
         watches. An aborted group refuses it (plugdist._backend.abort)."""
         if self.abort_signal.reason is not None:
             raise self.abort_signal.error(self.where(op))
+        if (_recorder.fast and op in self._short_ops
+                and not _torch_profiler._is_profiler_enabled):  # the default: first
+            return observe.run_one(self, op, device, kwargs, gathering)
         if observe.active():
             return observe.run(
                 self, op, kwargs,

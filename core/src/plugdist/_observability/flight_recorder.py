@@ -86,8 +86,9 @@ _TORCH_OPS = {"all_gather_into_tensor": "_all_gather_base",
 
 # an entry (a list, written once and then only at _DONE, and at _THREAD when an op of the short
 # route fails): [record id, group, op, collective seq, p2p seq, peer, kind, a, b, created ns,
-# thread id (None: the short route's, see _blocked_in), started at creation, completed ns, or
-# COMPLETED (done, untimed: the short route's), or None]
+# thread id (None: the blocking short route's, see _blocked_in), started at creation, completed
+# ns, or COMPLETED (done, untimed: the short routes'), or None]. Written by record, and by the
+# short routes: ProcessGroup.run_blocking (blocking) and observe.run_one (async)
 _ID, _GROUP, _OP, _COLL, _P2P, _PEER, _KIND, _A, _B, _CREATED, _THREAD, _STARTED, _DONE = range(13)
 
 

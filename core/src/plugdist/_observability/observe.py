@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,9 +31,17 @@ import torch
 from torch._C._profiler import _RecordFunctionFast
 from torch.autograd import profiler as _profiler
 
-from plugdist._observability.flight_recorder import LISTS, NONE, ONE, PAIR, Flat, recorder
+from plugdist._observability.flight_recorder import (
+    COMPLETED,
+    LISTS,
+    NONE,
+    ONE,
+    PAIR,
+    Flat,
+    recorder,
+)
 
-__all__ = ["active", "run", "blocking", "issue_rest", "SHORT_OPS"]
+__all__ = ["active", "run", "run_one", "blocking", "issue_rest", "SHORT_OPS"]
 
 # op -> (how its tensors are recorded, point-to-point, input parameters, output parameters,
 # peer parameter) of its public method
@@ -54,6 +63,8 @@ _SPECS: dict[str, _Spec] = {
     "recv": (ONE, True, (), ("tensor",), "src"),
 }
 _OTHER: _Spec = (NONE, False, (), (), None)
+_now_ns = time.monotonic_ns  # the flight recorder's clock
+_thread_id = threading.get_ident
 # op -> (kind, p2p, input positions, output positions, peer position) among the positional
 # arguments of its public method (run_blocking's)
 _Positions = tuple[int, bool, tuple[int, ...], tuple[int, ...], int]
@@ -104,6 +115,41 @@ def run(pg: Any, op: str, args: tuple[Any, ...] | dict[str, Any],
     else:
         result.on_completion(lambda error: _finish(rid, rf, error))
     return result
+
+
+def run_one(pg: Any, op: str, device: str, kwargs: dict[str, Any], gathering: bool) -> Any:
+    """``pg._dispatch_unobserved(op, device, kwargs, gathering)`` observed by the recorder's
+    short route: a collective of one tensor (:data:`SHORT_OPS`, its tensor ``kwargs["tensor"]``)
+    with the recorder alone on, untimed (``FlightRecorder.fast``, the default). Its entry is
+    :meth:`FlightRecorder.record`'s, written here, completed untimed through the Work's
+    ``on_completion``. Anything else takes :func:`run`: an observation around this one (a
+    wrapper's, or ``run_blocking``'s), a tensor argument that is not a tensor, a group built by
+    hand. Unlike :func:`run`, ops the backend issues meanwhile on other groups are their own
+    entries (this group's own dispatch is not entered again: compositions and AVG's divide run
+    below it)."""
+    t = kwargs.get("tensor")
+    g = getattr(pg, "_flight_group", None)
+    if _current.entry is not None or type(t) is not torch.Tensor or g is None:
+        return run(pg, op, kwargs,
+                   lambda: pg._dispatch_unobserved(op, device, kwargs, gathering), started=True)
+    g.collectives = seq = g.collectives + 1
+    rid = next(recorder.ids)
+    recorder.ring[rid % recorder.capacity] = entry = [
+        rid, g, op, seq, g.p2p, None, ONE, t.shape, t.dtype, _now_ns(), _thread_id(), True, None]
+    try:
+        work = pg._dispatch_unobserved(op, device, kwargs, gathering)
+    except BaseException as err:
+        recorder.failed(rid, err)
+        raise
+
+    def done(error: BaseException | None) -> None:
+        if error is None:
+            entry[-1] = COMPLETED  # this entry: a ring slot reused meanwhile is not touched
+        else:
+            recorder.failed(rid, error)
+
+    work.on_completion(done)
+    return work
 
 
 def blocking(pg: Any, op: str, args: tuple[Any, ...], lean: Callable[..., bool] | None) -> None:
