@@ -737,6 +737,17 @@ def check_lean_all_reduce_reuses_memory_rightly(rank: int, ws: int) -> None:
     floats.fill_(rank + 0.5)
     assert pg.native_all_reduce_blocking(tensor=floats, op=R.SUM) is None
     assert floats.tolist() == [sum(r + 0.5 for r in range(ws))] * 4, floats
+    # the async all_reduce keeps its arguments in the same place: mixed with the lean one on
+    # the same memory, each still reduces what it is given
+    mem.fill_(rank)
+    assert pg.native_all_reduce(tensor=head, op=R.SUM).wait()
+    assert mem.tolist() == [ws * (ws - 1) // 2] * 2 + [rank] * 2, mem
+    floats.fill_(rank + 0.25)
+    assert pg.native_all_reduce(tensor=floats, op=R.MAX).wait()
+    assert floats.tolist() == [ws - 0.75] * 4, floats
+    mem.fill_(rank + 2)
+    assert pg.native_all_reduce_blocking(tensor=mem, op=R.MAX) is None
+    assert mem.tolist() == [ws + 1] * 4, mem
 
 
 @check

@@ -364,15 +364,25 @@ def _device_of(pg: GroupLike, kw: dict[str, Any]) -> str:
     return pg.device_types[0]
 
 
+def native_hook(pg: GroupLike, op: str, device: str) -> Callable[..., Any] | None:
+    """``pg``'s bound ``native_<op>`` when ``op`` is native on ``device``, else None."""
+    return getattr(pg, "native_" + op) if pg.capabilities().is_native(op, device) else None
+
+
 def run_op(pg: GroupLike, op: str, device: str, kwargs: dict[str, Any]) -> Work:
     """Run ``op`` as planned: the native hook, or composed. A native hook that returns
     ``NotImplemented`` (arguments it cannot handle) is composed from the other ops instead."""
-    caps = pg.capabilities()
-    if caps.is_native(op, device):
-        work = getattr(pg, "native_" + op)(**kwargs)
+    return run_planned(pg, native_hook(pg, op, device), op, device, kwargs)
+
+
+def run_planned(pg: GroupLike, native: Callable[..., Any] | None, op: str, device: str,
+                kwargs: dict[str, Any]) -> Work:
+    """:func:`run_op` with its native hook already looked up (:func:`native_hook`)."""
+    if native is not None:
+        work = native(**kwargs)
         if work is not NotImplemented:
-            return work
-    return compose(pg, caps, op, device, kwargs)
+            return work  # type: ignore[no-any-return]
+    return compose(pg, pg.capabilities(), op, device, kwargs)
 
 
 def _do(pg: GroupLike, op_name: str, /, **kw: Any) -> Work:

@@ -152,6 +152,8 @@ class ProcessGroup(GroupIdentity):
         # (op, reduction, dtype, device type) -> the backend whose lean hook takes that op on a
         # plain tensor, or None (_native_lean)
         self._lean_checked: dict[_LeanKey, BackendBase | None] = {}
+        # (op, device type) -> the backend's bound native hook, or None (composed)
+        self._natives: dict[tuple[str, str], Callable[..., Any] | None] = {}
         cls = type(self)
         # a wrapper sees every public op (and observes it itself): no route stands in for one
         self._intercepted_ops = any(b.implements("wrap_op") for b in distinct)
@@ -528,7 +530,11 @@ class ProcessGroup(GroupIdentity):
             if (backend.capabilities().is_native(op, device)
                     and backend.native_blocking(op, kwargs) is not NotImplemented):
                 return _DONE
-        return composition.run_op(backend, op, device, kwargs)
+        try:
+            native = self._natives[op, device]
+        except KeyError:  # fixed for the group's life, as its backends and their capabilities
+            native = self._natives[op, device] = composition.native_hook(backend, op, device)
+        return composition.run_planned(backend, native, op, device, kwargs)
 
     def _run_reduction(self, op_name: str, sample: torch.Tensor, out: torch.Tensor | None,
                        **kwargs: Any) -> Work:

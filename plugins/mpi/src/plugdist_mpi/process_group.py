@@ -520,10 +520,14 @@ class MPIProcessGroup(BackendBase):
         return self._issue("broadcast", lambda c: c.Ibcast(buf, root=src), [tensor])
 
     def native_all_reduce(self, *, tensor: torch.Tensor, op: ReduceOp) -> Work:
-        dt, mop = self._reduce_spec("all_reduce", op, tensor.dtype)
-        buf = self._typed(tensor, dt)
-        return self._issue("all_reduce", lambda c: c.Iallreduce(self._MPI.IN_PLACE, buf, mop),
-                           [tensor])
+        # the MPI arguments of the lean route's, kept per (address, bytes, dtype, op)
+        key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype, op)
+        args = self._lean_args.get(key)
+        if args is None:
+            dt, mop = self._reduce_spec("all_reduce", op, tensor.dtype)
+            buf = [self._fromaddress(key[0], key[1]), tensor.numel(), dt]
+            args = self._remember(key, (self._MPI.IN_PLACE, buf, mop))
+        return self._issue("all_reduce", lambda c: c.Iallreduce(*args), [tensor])
 
     def native_blocking(self, op: str, kwargs: dict[str, Any]) -> Any:
         """Every op is one non-blocking MPI call (issued by ``_issue``): run it on this thread."""
