@@ -17,8 +17,9 @@ Threading model (one engine per process, shared by every MPI group of the proces
   - otherwise one daemon **progress thread**, which completes the Works of ops nobody waits on
     (async ops, future callbacks). It tests continuously (yielding the CPU and the GIL between
     rounds) for ``PLUGDIST_MPI_SPIN_US`` microseconds after the last issue or completion, then
-    naps up to 1 ms between rounds. It stands aside while some thread is driving and for the
-    first 200 us of a fresh op (its issuer usually waits on it at once), and sleeps on a
+    naps up to 1 ms between rounds (50 us while an op is awaited through a future). It stands
+    aside while some thread is driving and for the first 200 us of a fresh op (its issuer
+    usually waits on it at once, unless it asked for the op's future), and sleeps on a
     condition variable (no CPU) when nothing is pending.
 
   A blocking op of the synchronous frontend skips the Work altogether: the calling thread
@@ -69,6 +70,7 @@ __all__ = ["Engine", "MPIWork", "engine", "SPIN_ENV"]
 
 SPIN_ENV = "PLUGDIST_MPI_SPIN_US"
 _MAX_NAP = 1e-3  # longest nap between polls: bounds the latency polling adds to slow ops
+_AWAITED_NAP = 5e-5  # the same while an op is awaited through a future (its waiter drives none)
 _GRACE = 2e-4    # how long a fresh op is left to a thread that may wait on it (and drive)
 _LOOK = 1e-3     # how often a dozing progress thread looks for ops nobody drives
 _DOZE = 0.01     # seconds without activity before it sleeps until woken (ops notify it)
@@ -455,6 +457,7 @@ class Engine:
                     return
                 finished = self._test_pending()
                 quiet_for = time.perf_counter() - self._last_event
+                longest = _AWAITED_NAP if any(p.awaited for p in self._pending) else _MAX_NAP
             # Works are completed outside the lock: their callbacks may issue new ops
             for item in finished:
                 self._complete(*item)
@@ -465,7 +468,7 @@ class Engine:
             elif quiet_for < self._spin:
                 os.sched_yield()  # hand the CPU (and the GIL) to other threads, then poll again
             else:
-                nap = min(_MAX_NAP, nap * 2 if nap else 2e-5)
+                nap = min(longest, nap * 2 if nap else 2e-5)
                 time.sleep(nap)
 
     def _stand_aside(self) -> None:
