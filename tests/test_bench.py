@@ -102,3 +102,20 @@ def test_old_vs_new_prints_each_sides_median_beside_the_other(tmp_path: Path) ->
     assert lines[at + 1] == "new all_reduce 8 float32 3.00 1.50x", lines
     assert f"# old: {roots['old'] / '.venv' / 'bin' / 'python'} " \
            f"{roots['old'] / 'benchmarks' / 'tiny.py'}" in lines, lines
+
+
+def test_late_peer_bench_times_each_way_of_waiting_past_the_delay() -> None:
+    """benchmarks/late_peer_bench.py, short: every way of waiting lasts at least the peer's
+    delay, and its table says so."""
+    if not plugdist.is_backend_available("mpi"):
+        pytest.skip("plugdist-mpi is not installed")
+    res = subprocess.run([sys.executable, str(BENCHMARKS / "late_peer_bench.py"), "--late-ms",
+                          "2", "--rounds", "2", "--timeout", "120"],
+                         capture_output=True, text=True, timeout=150)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert lines[1].split() == ["way", "median", "worst", "excess", "(median)"], lines
+    rows = {r.split()[0]: [float(x) for x in r.split()[1:]] for r in lines[2:]}
+    assert set(rows) == {"sync", "work", "future"}, lines
+    for way, (median, worst, excess) in rows.items():
+        assert 2.0 <= median <= worst and excess > -0.5, (way, lines)
