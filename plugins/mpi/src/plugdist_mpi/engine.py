@@ -17,10 +17,11 @@ Threading model (one engine per process, shared by every MPI group of the proces
   - otherwise one daemon **progress thread**, which completes the Works of ops nobody waits on
     (async ops, future callbacks). It tests continuously (yielding the CPU and the GIL between
     rounds) for ``PLUGDIST_MPI_SPIN_US`` microseconds after the last issue or completion, then
-    naps up to 1 ms between rounds (50 us while an op is awaited through a future). It stands
-    aside while some thread is driving and for the first 200 us of a fresh op (its issuer
-    usually waits on it at once, unless it asked for the op's future), and sleeps on a
-    condition variable (no CPU) when nothing is pending.
+    naps up to 1 ms between rounds (while an op is awaited through a future: 50 us, and each
+    round tests in a burst, as a waiting thread does). It stands aside while some thread is
+    driving and for the first 200 us of a fresh op (its issuer usually waits on it at once,
+    unless it asked for the op's future), and sleeps on a condition variable (no CPU) when
+    nothing is pending.
 
   A blocking op of the synchronous frontend skips the Work altogether: the calling thread
   starts the request and tests it itself (:meth:`Engine.run_here`); only if the group's timeout
@@ -76,6 +77,7 @@ _LOOK = 1e-3     # how often a dozing progress thread looks for ops nobody drive
 _DOZE = 0.01     # seconds without activity before it sleeps until woken (ops notify it)
 _BURST = 32      # tests in a row by a waiting thread before it yields the CPU
 _TRIES = range(_BURST)
+_ONCE = range(1)
 
 T = TypeVar("T")
 
@@ -455,9 +457,15 @@ class Engine:
                 self._stand_aside()
                 if self._stopping:
                     return
-                finished = self._test_pending()
+                awaited = any(p.awaited for p in self._pending)
+                # an awaited op gets a burst, as a waiter's drive gives it: a collective
+                # advances one step per test, and between naps each test costs a nap
+                for _ in _TRIES if awaited else _ONCE:
+                    finished = self._test_pending()
+                    if finished:
+                        break
                 quiet_for = time.perf_counter() - self._last_event
-                longest = _AWAITED_NAP if any(p.awaited for p in self._pending) else _MAX_NAP
+                longest = _AWAITED_NAP if awaited else _MAX_NAP
             # Works are completed outside the lock: their callbacks may issue new ops
             for item in finished:
                 self._complete(*item)
