@@ -77,7 +77,6 @@ _LOOK = 1e-3     # how often a dozing progress thread looks for ops nobody drive
 _DOZE = 0.01     # seconds without activity before it sleeps until woken (ops notify it)
 _BURST = 32      # tests in a row by a waiting thread before it yields the CPU
 _TRIES = range(_BURST)
-_ONCE = range(1)
 
 T = TypeVar("T")
 
@@ -459,8 +458,10 @@ class Engine:
                     return
                 awaited = any(p.awaited for p in self._pending)
                 # an awaited op gets a burst, as a waiter's drive gives it: a collective
-                # advances one step per test, and between naps each test costs a nap
-                for _ in _TRIES if awaited else _ONCE:
+                # advances one step per test, and between naps each test costs a nap. At most
+                # a burst of tests in all, so that the lock is not held long from issuers
+                rounds = max(_BURST // len(self._pending), 1) if awaited else 1
+                for _ in range(rounds):
                     finished = self._test_pending()
                     if finished:
                         break
