@@ -15,8 +15,9 @@ composition issues inside are not observed again), and so is an op issued throug
 group that calls :func:`run` itself (the debug plugin): the inner group's dispatch only marks
 the wrapper's entry ``started``. When nobody watches (the profiler off, recording turned off
 with ``TORCH_FR_BUFFER_SIZE=0``), the cost is :func:`active`: two attribute reads. With the
-recorder alone (the default), a blocking op of one tensor takes the recorder's short route,
-written in ``ProcessGroup.run_blocking`` (see :func:`blocking`).
+recorder alone (the default), an op of one tensor takes the recorder's short route: a blocking
+one's is written in ``ProcessGroup.run_blocking`` (see :func:`blocking`), an async one's in
+:func:`run_one`.
 """
 
 from __future__ import annotations
