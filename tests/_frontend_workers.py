@@ -109,3 +109,26 @@ def monitored_barrier_with_missing_rank(rank: int, world_size: int) -> str:
     except dist.DistError as err:
         return str(err)
     return "no error"
+
+
+def destroy_with_a_receive_pending(rank: int, world_size: int, grace: float) -> dict:
+    """On a group of both ranks, rank 0 posts a receive rank 1 never matches, then destroys
+    that group while rank 1 waits in a world barrier (alive: no failure to confirm). The
+    group's grace for confirming a failure is ``grace`` seconds. Returns, on rank 0, whether
+    the group was monitored, how long the destroy took and the receive's error."""
+    group = dist.new_group([0, 1])
+    out: dict = {}
+    if rank == 0:
+        signal = group.abort_signal
+        out["monitored"], signal.confirm_grace = signal.monitored, grace
+        work = dist.irecv(torch.zeros(3), src=1, group=group)
+        start = time.monotonic()
+        dist.destroy_process_group(group)
+        out["destroy_s"] = time.monotonic() - start
+        try:
+            work.wait()
+            out["error"] = None
+        except dist.DistError as err:
+            out["error"] = f"{type(err).__name__}: {err}"
+    dist.barrier()
+    return out

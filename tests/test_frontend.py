@@ -157,3 +157,18 @@ def test_plugdist_and_torch_distributed_side_by_side() -> None:
     finally:
         dist.destroy_process_group()
         tdist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_destroying_a_group_fails_its_pending_ops_at_once() -> None:
+    """A receive pending when its group is destroyed fails with the shutdown as its error,
+    without the wait a transport error gets for membership to name a failed member (the
+    grace, 100 s here: the destroy would take that long)."""
+    results = run_world(w.destroy_with_a_receive_pending, 2, backend="toy", args=(100.0,),
+                        timeout=100)
+    got = results[0]
+    assert got["monitored"], "resilience is on by default: the group's errors are explained"
+    assert got["destroy_s"] < 50, got
+    assert got["error"] is not None and got["error"].startswith("DistError:"), got
+    assert "shut down" in got["error"], got
+    assert results[1] == {}

@@ -38,15 +38,18 @@ class AbortSignal:
     """Fired once, with the reason, when the group is aborted. ``monitored`` says whether a
     membership watches the group (only then is a transport error worth a second look);
     ``confirm_grace`` how long such an error waits for the membership to name the failure
-    (membership raises it where its store takes longer to notice a death)."""
+    (membership raises it where its store takes longer to notice a death); ``closing``, set
+    by :meth:`close` when the group is shut down, ends that wait: the shutdown failed the op."""
 
-    __slots__ = ("reason", "ranks", "monitored", "confirm_grace", "_event", "_futures", "_lock")
+    __slots__ = ("reason", "ranks", "monitored", "confirm_grace", "closing", "_event",
+                 "_futures", "_lock")
 
     def __init__(self) -> None:
         self.reason: str | None = None
         self.ranks: tuple[int, ...] = ()
         self.monitored = False
         self.confirm_grace = _CONFIRM_GRACE
+        self.closing = False
         self._event = threading.Event()
         # Works whose future someone holds (DDP, comm hooks, ``then``): fired, they fail too
         self._futures: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -92,13 +95,23 @@ class AbortSignal:
         """Block until fired or ``seconds`` passed; True if fired."""
         return self._event.wait(seconds)
 
+    def close(self) -> None:
+        """The group is being shut down: errors of its ops are raised as they are from now
+        on (waits in :meth:`explain` end within ``SLICE``). Any thread; idempotent."""
+        self.closing = True
+
     def explain(self, exc: BaseException, here: str) -> BaseException:
         """For an op's error ``exc``: the rank-failure error when the group is (or within
-        ``confirm_grace`` seconds becomes) aborted for a failure, else ``exc`` itself."""
+        ``confirm_grace`` seconds becomes) aborted for a failure, else ``exc`` itself — at
+        once once the group is closing (:meth:`close`)."""
         if isinstance(exc, DistRankFailureError) or not self.monitored:
             return exc
-        if self.reason is None and not self._event.wait(self.confirm_grace):
-            return exc
+        deadline = time.monotonic() + self.confirm_grace
+        while self.reason is None:
+            left = deadline - time.monotonic()
+            if self.closing or left <= 0:
+                return exc
+            self._event.wait(min(left, SLICE))
         err = self.error(here)
         err.__cause__ = exc
         return err

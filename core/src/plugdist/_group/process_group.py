@@ -241,7 +241,11 @@ class ProcessGroup(GroupIdentity):
         return self._backend.work(op, **kwargs)
 
     def shutdown(self) -> None:
-        """Shut every backend of the group down (see ``BackendBase.shutdown``)."""
+        """Shut every backend of the group down (see ``BackendBase.shutdown``). The ops it
+        fails fail as they are: a shutdown is no member's failure to wait for membership to
+        confirm (``AbortSignal.close``)."""
+        for b in self._distinct:
+            b.abort_signal.close()
         for b in self._distinct:
             b.shutdown()
 
