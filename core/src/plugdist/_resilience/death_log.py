@@ -95,6 +95,14 @@ class DeathLog(MemberState):
         self.joiners_waiting = sum(1 for t in self._join_tickets
                                    if t > self._join_done and joiner_uid(t) not in self.failed)
 
+    def _count_waiting(self, asked: int, admitted: int) -> None:
+        """``joiners_waiting`` from the store's join counters (tickets taken, tickets admitted
+        or passed over), less the tickets whose joiner failed or gave up (the death log's)."""
+        with self._lock:
+            gone = sum(1 for t in self._join_tickets
+                       if admitted < t <= asked and joiner_uid(t) in self.failed)
+            self.joiners_waiting = max(asked - admitted - gone, 0)
+
     def _how(self, record: dict[str, Any]) -> str:
         """How a member failed, from its death-log record."""
         cause = record.get("cause", "died")

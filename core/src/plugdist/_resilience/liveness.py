@@ -187,7 +187,7 @@ class Liveness(DeathLog):
             if not store.check(keys):
                 return
         *beats, current, asked, admitted, trim = store.multi_get(keys)
-        self.joiners_waiting = int(asked) - int(admitted)
+        self._count_waiting(int(asked), int(admitted))
         self._skip_trimmed(int(json.loads(trim)["log"]))
         now = time.monotonic()
         for u, beat in zip(others, beats, strict=True):
