@@ -695,11 +695,14 @@ def test_c10d_restart_on_every_node_and_the_summary_elsewhere(tmp_path: Path) ->
 
 @pytest.mark.timeout(30)
 def test_signal_while_waiting_for_other_nodes(tmp_path: Path) -> None:
+    port = free_port()
     proc = subprocess.Popen([*LAUNCHER, "--nnodes", "2", "--rdzv-backend", "c10d",
-                             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", WORKER,
+                             "--rdzv-endpoint", f"127.0.0.1:{port}", WORKER,
                              str(tmp_path), "env"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)   # serving the store, waiting for a second node that never comes
+    # serving the store (its signal handlers are in by then), waiting for a second node that
+    # never comes
+    _wait_for_port(port, proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=10)
     assert proc.returncode == 128 + signal.SIGINT, err

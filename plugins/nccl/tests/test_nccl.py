@@ -294,15 +294,16 @@ def test_communicator_abort_ends_a_stuck_call() -> None:
     (only ncclCommAbort can end such a call). State machine only, as above."""
     raw = _CupyLikeComm()
     comm = Communicator(raw, abort_grace=timedelta(seconds=0.2))
-    release = threading.Event()
+    inside, release = threading.Event(), threading.Event()
 
     def stuck() -> None:
         with comm.use():
+            inside.set()
             release.wait(10)
 
     t = threading.Thread(target=stuck)
     t.start()
-    time.sleep(0.05)
+    assert inside.wait(10)
     started = time.monotonic()
     comm.abort()
     assert 0.15 < time.monotonic() - started < 3
@@ -404,7 +405,7 @@ def test_watchdog_completes_works_and_survives_a_sticky_cuda_error() -> None:
     for w in (sticky, behind):
         with pytest.raises(dist.DistBackendError, match="illegal memory"):
             w.wait()
-    assert dog.stopped
+    _until(lambda: dog.stopped)  # the handler stops it after failing the works
 
 
 def test_watchdog_survives_its_own_handler_failing() -> None:
@@ -418,7 +419,7 @@ def test_watchdog_survives_its_own_handler_failing() -> None:
     _until(lambda: w.get_future().done())
     with pytest.raises(RuntimeError, match="handler broke"):
         w.get_future().wait()
-    assert dog.stopped
+    _until(lambda: dog.stopped)  # stopped after the works were failed
 
 
 def test_watchdog_bounds_a_launch_and_stops_checking_once_broken() -> None:
@@ -433,8 +434,9 @@ def test_watchdog_bounds_a_launch_and_stops_checking_once_broken() -> None:
     queued = _work(op="queued")
     queued.enqueued(_Event())  # on the GPU, never fires: no op timeout in this mode
     dog.track(queued)
-    time.sleep(0.5)
-    assert seen == [] and checks, "an op timeout fired although op_timeout_s is None"
+    _until(lambda: checks)  # the watchdog polls the communicator while healthy
+    time.sleep(0.5)  # past the launch timeout: an op timeout would have fired by now
+    assert seen == [], "an op timeout fired although op_timeout_s is None"
     for w in dog.drain():
         w.fail(RuntimeError("cleared"))
     stuck = _work(op="stuck-launch")

@@ -356,7 +356,8 @@ class FlightRecorder:
         try:
             data = pickle.dumps(self.snapshot())
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            # a name of this thread's own: the watcher and an op's thread may dump at once
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             tmp.write_bytes(data)
             os.replace(tmp, target)
         except Exception as err:  # noqa: BLE001 - see the docstring
