@@ -131,6 +131,14 @@ def torch_view() -> dict[str, Any]:
             "plugdist": [dist.get_rank(), dist.get_world_size()]}
 
 
+def fr_watched() -> list[str | None]:
+    """The group the flight recorder's watcher takes dump requests through, and the world's."""
+    from plugdist._observability.flight_recorder import recorder
+
+    watched = recorder.watched()
+    return [watched.name if watched is not None else None, dist.group.WORLD.group_name]
+
+
 def kill_shrink_grow() -> None:
     """Victims die mid-loop; survivors name them, shrink, check, admit joiners, check."""
     victims = {int(v) for v in os.environ["VICTIMS"].split(",")}
@@ -143,7 +151,8 @@ def kill_shrink_grow() -> None:
         bad = check_collectives("joined")
         _write(f"joiner-{os.getpid()}", {"role": "joiner", "rank": dist.get_rank(),
                                          "size": dist.get_world_size(), "bad": bad,
-                                         "init_s": admitted - t0, "torch": torch_view()})
+                                         "init_s": admitted - t0, "torch": torch_view(),
+                                         "fr_watched": fr_watched()})
         final_barrier()
         return
     # INIT_METHOD: a store URL (etcd://...) instead of env://
@@ -165,12 +174,13 @@ def kill_shrink_grow() -> None:
               "error": str(err), "error_ranks": list(err.ranks), "failed_known": failed_known,
               "detect_s": seen - max(killed), "shrink_s": first_op - shrink_start,
               "rank": dist.get_rank(), "size": dist.get_world_size(), "bad": bad,
-              "torch_shrunk": torch_view()}
+              "torch_shrunk": torch_view(), "fr_watched_shrunk": fr_watched()}
     if grow_back:
         result["grow_s"] = _grow_to(grow_back)
         result["bad"] += check_collectives("grown")
         result["grown_size"] = dist.get_world_size()
         result["torch_grown"] = torch_view()
+        result["fr_watched_grown"] = fr_watched()
     _write(f"survivor-{rank}", result)
     final_barrier()
 

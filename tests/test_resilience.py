@@ -112,12 +112,18 @@ def test_kill_shrink_then_grow(tmp_path: Path, backend: str) -> None:
                                      "plugdist": [r["rank"], 3]}, r
         assert r["torch_grown"] == {"rank": r["rank"], "size": 4, "world_size": 4, "sum": 4.0,
                                     "plugdist": [r["rank"], 4]}, r
+        # the flight recorder takes dump requests through each epoch's world, as a joiner does
+        for epoch in ("fr_watched_shrunk", "fr_watched_grown"):
+            watched, world = r[epoch]
+            assert watched == world, (epoch, r)
     assert sorted(r["rank"] for r in alive) == [0, 1, 2], "ranks are compacted in the old order"
     joiner = [r for r in found.values() if r["role"] == "joiner"]
     assert len(joiner) == 1 and joiner[0]["rank"] == 3 and joiner[0]["size"] == 4, joiner
     assert joiner[0]["bad"] == []
     assert joiner[0]["torch"] == {"rank": 3, "size": 4, "world_size": 4, "sum": 4.0,
                                   "plugdist": [3, 4]}, joiner
+    assert joiner[0]["fr_watched"][0] == joiner[0]["fr_watched"][1], joiner
+    assert joiner[0]["fr_watched"][1] == alive[0]["fr_watched_grown"][1], (joiner, alive)
 
 
 @pytest.mark.resilience

@@ -181,6 +181,9 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
     for g in reversed(world.members()):
         hook.plugdist_group_destroyed(group=g)
         g.shutdown()
+        # the flight recorder's watcher moves to the new epoch's world, as a joiner's watches
+        # it: dump requests must reach every member through one store prefix
+        groups.retire_group(g)
         world.remove(g)
     world.default = None
     decision = m.enter(decision)
