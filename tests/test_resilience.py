@@ -590,3 +590,31 @@ def test_a_joiner_that_gave_up_is_never_admitted(monkeypatch: pytest.MonkeyPatch
             m.stop()
         for store in reversed(stores):
             store.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_transport_error_waits_for_membership_once() -> None:
+    """AbortSignal.explain: an op's transport error waits up to ``confirm_grace`` for
+    membership to name a failed member, once (when its Work fails; a wait on that Work looked
+    again and waited a second grace), and not at all once the group is shut down; a failure
+    named later still turns it into DistRankFailureError. The graces that must not be waited
+    are 120 s here: the test's timeout fails such a wait."""
+    from plugdist._backend.abort import AbortSignal
+    from plugdist.errors import DistNetworkError, DistRankFailureError
+
+    signal = AbortSignal()
+    signal.monitored, signal.confirm_grace = True, 0.2
+    err = DistNetworkError("lost its connection to a peer")
+    assert signal.explain(err, "[here]") is err  # nobody failed: as it was, after the grace
+    signal.confirm_grace = 120.0
+    assert signal.explain(err, "[here]") is err  # the Work's wait: no second grace
+    signal.fire("rank 1 died", (1,))
+    named = signal.explain(err, "[here]")
+    assert isinstance(named, DistRankFailureError) and named.__cause__ is err, named
+    assert named.ranks == (1,) and "rank 1 died" in str(named)
+
+    closing = AbortSignal()
+    closing.monitored, closing.confirm_grace = True, 120.0
+    closing.close()
+    fresh = DistNetworkError("the group was shut down")
+    assert closing.explain(fresh, "[here]") is fresh

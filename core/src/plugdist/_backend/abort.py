@@ -14,6 +14,7 @@ Thread-safe.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -32,6 +33,7 @@ SLICE = 0.05  # seconds: how often a blocked wait looks at its group's signal
 # transport error that is no death is raised that much later. A store that notices deaths
 # later says so (Store.hold_will's liveness_timeout)
 _CONFIRM_GRACE = 5.0
+_EXPLAINED = "_plugdist_explained"  # set on an error explain() returned as it was
 
 
 class AbortSignal:
@@ -106,10 +108,15 @@ class AbortSignal:
         once once the group is closing (:meth:`close`)."""
         if isinstance(exc, DistRankFailureError) or not self.monitored:
             return exc
-        deadline = time.monotonic() + self.confirm_grace
+        # an error explained before (when its Work failed) waited its grace then: a wait on
+        # that Work only looks again
+        grace = 0.0 if getattr(exc, _EXPLAINED, False) else self.confirm_grace
+        deadline = time.monotonic() + grace
         while self.reason is None:
             left = deadline - time.monotonic()
             if self.closing or left <= 0:
+                with contextlib.suppress(AttributeError):  # an exception without a __dict__
+                    setattr(exc, _EXPLAINED, True)
                 return exc
             self._event.wait(min(left, SLICE))
         err = self.error(here)
