@@ -111,17 +111,25 @@ def monitored_barrier_with_missing_rank(rank: int, world_size: int) -> str:
     return "no error"
 
 
-def destroy_with_a_receive_pending(rank: int, world_size: int, grace: float) -> dict:
-    """On a group of both ranks, rank 0 posts a receive rank 1 never matches, then destroys
-    that group while rank 1 waits in a world barrier (alive: no failure to confirm). The
-    group's grace for confirming a failure is ``grace`` seconds. Returns, on rank 0, whether
-    the group was monitored, how long the destroy took and the receive's error."""
-    group = dist.new_group([0, 1])
+def destroy_with_an_op_pending(rank: int, world_size: int, op: str, grace: float) -> dict:
+    """On a group of both ranks (its timeout, and its grace for confirming a failure,
+    ``grace`` seconds), rank 0 leaves an op pending that rank 1 never joins — a receive, or an
+    all_reduce it stopped waiting for after half a second — then destroys that group while
+    rank 1 waits in a world barrier (alive: no failure to confirm). Returns, on rank 0,
+    whether the group was monitored, how long the destroy took and the op's error."""
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=grace))
     out: dict = {}
     if rank == 0:
         signal = group.abort_signal
         out["monitored"], signal.confirm_grace = signal.monitored, grace
-        work = dist.irecv(torch.zeros(3), src=1, group=group)
+        if op == "recv":
+            work = dist.irecv(torch.zeros(3), src=1, group=group)
+        else:
+            work = dist.all_reduce(torch.ones(3), group=group, async_op=True)
+            try:
+                work.wait(timeout=timedelta(seconds=0.5))
+            except dist.DistTimeoutError:
+                out["timed_out"] = True
         start = time.monotonic()
         dist.destroy_process_group(group)
         out["destroy_s"] = time.monotonic() - start

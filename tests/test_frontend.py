@@ -160,15 +160,19 @@ def test_plugdist_and_torch_distributed_side_by_side() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_destroying_a_group_fails_its_pending_ops_at_once() -> None:
-    """A receive pending when its group is destroyed fails with the shutdown as its error,
-    without the wait a transport error gets for membership to name a failed member (the
-    grace, 100 s here: the destroy would take that long)."""
-    results = run_world(w.destroy_with_a_receive_pending, 2, backend="toy", args=(100.0,),
+@pytest.mark.parametrize(("backend", "op"), [("toy", "recv"), ("gloo", "recv"),
+                                             ("gloo", "all_reduce")])
+def test_destroying_a_group_fails_its_pending_ops_at_once(backend: str, op: str) -> None:
+    """An op pending when its group is destroyed fails, its error saying the group was shut
+    down, and the destroy does not wait for it: not for the grace a transport error gets for
+    membership to name a failed member, nor for the op's timeout (Gloo's teardown waited for
+    its ops in flight). Both are 100 s here: a destroy that waited would take that long."""
+    results = run_world(w.destroy_with_an_op_pending, 2, backend=backend, args=(op, 100.0),
                         timeout=100)
     got = results[0]
     assert got["monitored"], "resilience is on by default: the group's errors are explained"
     assert got["destroy_s"] < 50, got
     assert got["error"] is not None and got["error"].startswith("DistError:"), got
     assert "shut down" in got["error"], got
+    assert got.get("timed_out") == (True if op == "all_reduce" else None), got
     assert results[1] == {}

@@ -654,6 +654,44 @@ def test_an_op_that_completes_as_a_timed_wait_gives_up_keeps_its_own_outcome(
     assert wait_native(_LateWork(failed), limit, signal) == (True, failed)
 
 
+class _NeverDone:
+    """A torch work that never completes; its timed ``wait`` keeps the timeouts it was given,
+    and waits none of them (torch's counts whole milliseconds, 0 meaning no limit at all)."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[timedelta] = []
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        assert timeout is not None, "an untimed wait on an op that never completes"
+        self.timeouts.append(timeout)
+        if timeout < timedelta(milliseconds=1):
+            raise AssertionError(f"torch waits {timeout} forever: it counts whole milliseconds")
+        time.sleep(timeout.total_seconds() / 10)
+        raise RuntimeError("Operation timed out!")
+
+    def is_completed(self) -> bool:
+        return False
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("monitored", [True, False])
+def test_a_timed_wait_never_hands_torch_a_timeout_under_a_millisecond(monitored: bool) -> None:
+    """The last slice of a sliced wait (resilient groups slice every wait) was often under a
+    millisecond, which torch's ``Work.wait`` takes as no limit: a ``wait(timeout)`` on an op a
+    peer never joined then lasted until Gloo's own timeout. So was a timeout under 1 ms."""
+    from plugdist._backend.abort import AbortSignal
+    from plugdist_gloo.work import wait_native
+
+    signal = AbortSignal()
+    signal.monitored = monitored
+    for limit in (timedelta(microseconds=300), timedelta(seconds=0.2)):
+        native = _NeverDone()
+        finished, _ = wait_native(native, limit, signal)
+        assert not finished
+        assert native.timeouts and min(native.timeouts) >= timedelta(milliseconds=1), (
+            native.timeouts)
+
+
 def _tcp_pair() -> tuple[Any, Any]:
     import socket
 

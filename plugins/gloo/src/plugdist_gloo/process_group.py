@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -103,6 +104,31 @@ def _rank_of_peer(message: str, peers: dict[int, list[bytes]]) -> int | None:
     host, port = m.group(1), int(m.group(2))
     found = {r for r, blobs in peers.items() if _listens_at(blobs, host, port)}
     return found.pop() if len(found) == 1 else None
+
+
+# seconds a clean shutdown lets Gloo release the group before it cuts the group's connections:
+# Gloo's destructor waits for the ops in flight, and an op a peer never joins (one the caller
+# stopped waiting for, a receive nobody sends to) ends only at Gloo's timeout; then how long it
+# waits for the release once the connections are cut
+_CLEAN_RELEASE_S = 1.0
+_CUT_RELEASE_S = 5.0
+
+
+def _release(held: list[Any], released: threading.Event) -> None:
+    """On a thread of its own: shut Gloo's group ``held[0]`` down and drop it (its destructor
+    joins Gloo's threads, the GIL released), then the store bridge ``held[1]`` Gloo used."""
+    pg = held.pop(0)
+    for name in ("shutdown", "abort"):
+        fn = getattr(pg, name, None)
+        if fn is not None:
+            try:
+                fn()
+                break
+            except Exception:  # noqa: BLE001 - best effort, the group is going anyway
+                continue
+    del pg  # the destructor runs here, unless a caller still holds a Work of the group
+    held.clear()  # the bridge, after the group
+    released.set()
 
 
 # seconds from an abort to the release of the aborted group: by then Gloo has failed every op of
@@ -221,6 +247,8 @@ class GlooProcessGroup(BackendBase):
         self._sockets: set[int] | None = None  # this group's socket inodes (set once built)
         self._cut = False  # its connections were shut down (_cut_connections)
         self._waiters = Waiters(f"plugdist-gloo-{self.group_name}-r{rank}")
+        # the Works of async ops, while someone holds them: shutdown fails those in flight
+        self._issued: weakref.WeakSet[GlooWork] = weakref.WeakSet()
         # held for the group's life: C++ keeps only the base object, and a collected Python
         # subclass leaves its methods "not implemented"
         self._bridge: PlugdistStoreForTorch | None = PlugdistStoreForTorch(store, self.timeout)
@@ -261,25 +289,34 @@ class GlooProcessGroup(BackendBase):
         return True, "torch.distributed.ProcessGroupGloo"
 
     def shutdown(self) -> None:
-        """Close Gloo's connections and join its threads. Idempotent; ops still pending fail.
+        """Close Gloo's connections and join its threads. Idempotent; ops still pending fail
+        (their Works say the group was shut down): with ops in flight the group's connections
+        are cut first, since Gloo would wait for them until its timeout. Blocks while Gloo
+        releases the group, about a second more at most if it waits for an op nobody holds.
         On an aborted group it does not block: see _let_go."""
         if getattr(self, "_pg", None) is None:
             return
         if self.abort_signal.fired:
             self._let_go()
             return
-        pg, self._pg = self._pg, None
-        for name in ("shutdown", "abort"):
-            fn = getattr(pg, name, None)
-            if fn is not None:
-                try:
-                    fn()
-                    break
-                except Exception as exc:  # noqa: BLE001 - best effort, the group is going anyway
-                    self._log.debug("gloo shutdown step failed", step=name, error=str(exc))
+        held = [self._pg, self._bridge]  # the bridge last: Gloo may use the store until then
+        self._pg = self._bridge = None
+        if self._waiters.busy() or not all(w.is_completed() for w in list(self._issued)):
+            self._cut_connections()  # ops in flight: only a cut ends them before Gloo's timeout
+        released = threading.Event()
+        thread = threading.Thread(target=_release, args=(held, released),
+                                  name="plugdist-gloo-shutdown", daemon=True)
+        del held
+        thread.start()
+        if not released.wait(_CLEAN_RELEASE_S):
+            self._cut_connections()  # an op in flight holds Gloo's release up
+            released.wait(_CUT_RELEASE_S)
+        if released.is_set():
+            thread.join()
+        else:
+            self._log.warning("gloo group not released yet; left to finish in the background",
+                              group=self.group_name)
         self._waiters.close()
-        del pg
-        self._bridge = None  # last: Gloo may use the store until it is released
         self._log.debug("gloo group shut down")
 
     def _let_go(self) -> None:
@@ -341,6 +378,7 @@ class GlooProcessGroup(BackendBase):
         ``staged`` tensors) once torch's work is. See ``work.py`` for how it completes."""
         pg = self._native(op)
         work = GlooWork(self, op, result, staged, any_source)
+        self._issued.add(work)
         try:
             return work.attach(call(pg), arm=op in ("send", "recv"))
         except Exception as exc:

@@ -63,6 +63,11 @@ class Waiters:
                 with self._lock:
                     self._unfinished -= 1
 
+    def busy(self) -> bool:
+        """Whether a job is queued or running (a send or receive still in flight)."""
+        with self._lock:
+            return self._unfinished > 0
+
     def close(self, timeout: float = 5.0) -> None:
         """Refuse new jobs, let running ones finish (up to ``timeout`` s in all), join threads."""
         with self._lock:

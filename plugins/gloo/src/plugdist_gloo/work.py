@@ -13,6 +13,7 @@ have no future, only a blocking wait that one thread may call (a waiter thread, 
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -98,6 +99,12 @@ class GlooWork(Work):
             translated = self._pg._translate(self.op, error)
             if self.abort is not None:
                 translated = self.abort.explain(translated, self.where())
+                if self.abort.closing and not self.abort.fired:
+                    # failed by the shutdown's cut of the group's connections, not by a peer
+                    shut = DistError(f"{self.where()} the group was shut down while this op "
+                                     f"was in flight")
+                    shut.__cause__ = translated
+                    translated = shut
         with self._lock:
             if translated is not None:
                 self._error = translated
@@ -232,7 +239,7 @@ def wait_native(native: Any, limit: timedelta | None,
 
         def once(seconds: float | None) -> bool:
             try:
-                native.wait() if seconds is None else native.wait(timedelta(seconds=seconds))
+                native.wait() if seconds is None else native.wait(_bounded(seconds))
             except Exception:  # noqa: BLE001 - a timed-out slice, or the op's error
                 if not native.is_completed():
                     return False
@@ -246,12 +253,19 @@ def wait_native(native: Any, limit: timedelta | None,
             return True, (failure[0] if failure else None)
         return False, None
     try:
-        native.wait() if limit is None else native.wait(limit)
+        native.wait() if limit is None else native.wait(_bounded(limit.total_seconds()))
     except Exception as exc:  # noqa: BLE001 - the caller says what it means
         if not native.is_completed():
             return False, exc
         return True, _outcome(native)
     return True, None
+
+
+def _bounded(seconds: float) -> timedelta:
+    """A timeout for torch's ``Work.wait``, which counts whole milliseconds and takes 0 for no
+    limit at all: under a millisecond is rounded up to one (the last slice of a sliced wait
+    is often that short, and waited forever)."""
+    return timedelta(milliseconds=max(1, math.ceil(seconds * 1000)))
 
 
 def _outcome(native: Any) -> BaseException | None:
