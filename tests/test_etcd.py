@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import plugdist  # noqa: E402
 from _store_workers import result, spawn, wait_ready  # noqa: E402
 from plugdist.errors import DistStoreError  # noqa: E402
+from plugdist.testing.harness import wait_for  # noqa: E402
 from plugdist_etcd import EtcdStore, EtcdUnavailableError, parse_etcd_url  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -325,14 +326,6 @@ sys.stdin.readline()
 """
 
 
-def _until(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    """Wait for ``condition`` (polled every 20 ms) or fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"still not {what} after {timeout:g}s"
-        time.sleep(0.02)
-
-
 def _liveness_leases(url: str) -> dict[bytes, int]:
     """The job's will liveness keys at ``url`` and the lease each was put with."""
     from plugdist_etcd import EtcdClient
@@ -382,12 +375,12 @@ def test_a_node_keeper_renews_its_workers_wills_with_one_lease(etcd1, tmp_path) 
         store.wait(["deaths/1"], timedelta(seconds=30))
         assert store.get("deaths/1") == b"killed"
         # the keeper counts a will after etcd deleted its key, which the watcher may see first
-        _until(lambda: keeper.released == 1, "counted as released by the keeper")
+        assert wait_for(lambda: keeper.released == 1, 30), keeper.released
 
         os.kill(workers["stopped"].pid, signal.SIGSTOP)
         store.wait(["deaths/2"], timedelta(seconds=30))
         assert store.get("deaths/2") == b"stopped"
-        _until(lambda: keeper.released == 2, "counted as released by the keeper")
+        assert wait_for(lambda: keeper.released == 2, 30), keeper.released
         os.kill(workers["stopped"].pid, signal.SIGCONT)
 
         polite = workers["polite"]
