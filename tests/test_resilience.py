@@ -618,3 +618,50 @@ def test_a_transport_error_waits_for_membership_once() -> None:
     closing.close()
     fresh = DistNetworkError("the group was shut down")
     assert closing.explain(fresh, "[here]") is fresh
+
+
+@pytest.mark.timeout(60)
+def test_keeping_the_will_for_the_exit_does_not_wait_for_the_parked_monitor() -> None:
+    """``stop(withdraw=False)``, as at an exit on an uncaught exception, keeps the will (it runs
+    when the process's connections close). The monitor parked on the will's connection wakes
+    only when the will is withdrawn, so stop does not join it: joining held such an exit up
+    for a second, and the others learned of the failure that much later. The kept will still
+    runs when its connection drops, and the monitor ends then. A clean stop joins it."""
+    import socket
+
+    from plugdist import TCPStore
+    from plugdist._resilience import liveness
+    from plugdist._resilience.membership import Membership
+    from plugdist.store._worldkeys import DEATHS
+
+    limit = timedelta(seconds=20)
+    master = TCPStore("127.0.0.1", 0, None, is_master=True, timeout=limit)
+    clients = [TCPStore("127.0.0.1", master.port, None, timeout=limit) for _ in range(2)]
+    try:
+        failing, leaving = (Membership(clients[i], str(i), ["0", "1"]) for i in range(2))
+        joined: dict[str, list[float | None]] = {"0": [], "1": []}
+        monitors = {}
+        for m in (failing, leaving):
+            m.start()
+            assert m._parked and m._thread is not None, m.uid
+            monitors[m.uid] = thread = m._thread
+            real_join = thread.join
+
+            def recorded(timeout: float | None = None, uid: str = m.uid,
+                         join: Any = real_join) -> None:
+                joined[uid].append(timeout)
+                join(timeout)
+            thread.join = recorded  # type: ignore[method-assign]
+        failing.stop(withdraw=False)
+        assert joined["0"] == [] and monitors["0"].is_alive()
+        will = liveness._kept_wills[-1]
+        will._conn.sock.shutdown(socket.SHUT_RDWR)  # the process's connections close
+        assert wait_for(lambda: master.add(DEATHS, 0) == 1, 10), "the kept will did not run"
+        assert wait_for(lambda: not monitors["0"].is_alive(), 10)
+        liveness._kept_wills.remove(will)
+        leaving.stop()
+        assert joined["1"] == [1.0] and not monitors["1"].is_alive()
+    finally:
+        for c in clients:
+            c.close()
+        master.close()

@@ -104,7 +104,7 @@ class Liveness(DeathLog):
 
     def _stop_liveness(self, withdraw: bool) -> None:
         """Withdraw the will (or keep it, to run at this process's exit: ``withdraw`` False)
-        and stop the monitor. Idempotent; blocks up to a second."""
+        and stop the monitor. Idempotent; blocks up to a second (see Membership.stop)."""
         self._stop.set()
         will, self._will = self._will, None
         if will is not None and withdraw:
@@ -112,7 +112,12 @@ class Liveness(DeathLog):
         elif will is not None:
             _kept_wills.append(will)  # not collected (which could close it) before the exit
         thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
+        # a monitor parked on the will's connection wakes only when the will is withdrawn: one
+        # kept for the exit would hold this up for the join's whole second (the daemon thread
+        # ends with the process)
+        parked_for_good = self._parked and not withdraw
+        if (thread is not None and thread is not threading.current_thread()
+                and not parked_for_good):
             thread.join(1.0)
         mon, self._monitor_store = self._monitor_store, None
         if mon is not None and mon is not self.store:

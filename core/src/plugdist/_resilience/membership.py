@@ -98,9 +98,10 @@ class Membership(Agreement, Liveness):
                                  f"store refused this process: {err}") from None
 
     def stop(self, withdraw: bool = True) -> None:
-        """Withdraw the will and stop the monitor. Idempotent; blocks up to a second.
-        ``withdraw=False`` (a process ending on an error) keeps the will: it runs when this
-        process's connection to the store closes, as for a crash."""
+        """Withdraw the will and stop the monitor. Idempotent; blocks up to a second while the
+        monitor ends. ``withdraw=False`` (a process ending on an error) keeps the will: it runs
+        when this process's connection to the store closes, as for a crash; a monitor parked
+        on that connection is then left to end with the process, not waited for."""
         self._stop_liveness(withdraw)
 
     def watch(self, pg: ProcessGroup, uids: Sequence[str]) -> None:
