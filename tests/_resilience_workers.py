@@ -185,6 +185,20 @@ def kill_shrink_grow() -> None:
     final_barrier()
 
 
+def destroy_at_failure() -> None:
+    """The victims die mid-loop; the others destroy the world as soon as they learn of it
+    (a ``finally: destroy_process_group()``), timing the destroy."""
+    victims = {int(v) for v in os.environ["VICTIMS"].split(",")}
+    dist.init_process_group(os.environ["BACKEND"], timeout=TIMEOUT)
+    rank = dist.get_rank()
+    _, err = _until_failure(victims, kill_at=3)
+    started = time.time()
+    dist.destroy_process_group()
+    _write(f"survivor-{rank}", {"role": "survivor", "old_rank": rank,
+                                "error_type": type(err).__name__,
+                                "destroy_s": time.time() - started})
+
+
 def final_barrier() -> None:
     dist.barrier()
     dist.destroy_process_group()
@@ -356,4 +370,4 @@ if __name__ == "__main__":
     {"default_mode": default_mode, "kill_shrink_grow": kill_shrink_grow,
      "excluded_alive": excluded_alive, "die_during_shrink": die_during_shrink,
      "die_after_agreeing": die_after_agreeing, "die_while_connecting": die_while_connecting,
-     "torch_ddp": torch_ddp}[sys.argv[1]]()
+     "torch_ddp": torch_ddp, "destroy_at_failure": destroy_at_failure}[sys.argv[1]]()

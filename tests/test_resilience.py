@@ -145,6 +145,23 @@ def test_a_rank_ending_on_an_uncaught_error_is_a_failure_for_the_others(tmp_path
 
 @pytest.mark.resilience
 @pytest.mark.timeout(260)
+def test_the_store_host_destroying_after_a_failure_does_not_wait_for_the_dead(
+        tmp_path: Path) -> None:
+    """Rank 2 of 3 ends on an uncaught error; ranks 0 (the store's host) and 1 destroy the
+    world as soon as they learn of it. The host waits for the others to leave, and the dead
+    one never will: it counts as gone, so the wait ends without its timeout (which logs that
+    peers did not all leave)."""
+    found = run_scenario(tmp_path, "destroy_at_failure", 3, "gloo", victims="2",
+                         extra_env={"DIE_BY": "raise"}, victim_exit=1)
+    alive = survivors(found)
+    assert sorted(r["old_rank"] for r in alive) == [0, 1], found
+    assert all(r["error_type"] == "DistRankFailureError" for r in alive), alive
+    host_log = (tmp_path / "rank0.log").read_text()
+    assert "peers did not all leave" not in host_log, (host_log[-2000:], alive)
+
+
+@pytest.mark.resilience
+@pytest.mark.timeout(260)
 def test_a_hung_rank_is_caught_by_heartbeats(tmp_path: Path) -> None:
     """Rank 1 stops (SIGSTOP: alive, connections open, silent): it stops renewing its will,
     whose ttl is the hang timeout, so the store declares it dead 2 s after its last renewal

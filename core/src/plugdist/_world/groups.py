@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -490,6 +491,7 @@ def _store_barrier(store: Store, tag: str, group_rank: int, size: int, timeout: 
 
 
 _LEAVE_WAIT = timedelta(seconds=10)
+_LEAVE_LOOK = timedelta(seconds=0.25)  # how often the host's wait looks for failed members
 
 
 def _close_store() -> None:
@@ -515,10 +517,32 @@ def _leave(m: Membership | None) -> None:
             if world.epoch and not checked:
                 store.set(CLOSED, str(world.epoch))  # tells waiting joiners
         if getattr(store, "is_master", False):
-            store.wait([left], _LEAVE_WAIT)
+            _wait_for_the_others(store, leaving, left, m)
     except DistError as err:
         get_logger(rank=world.rank).warning("destroy_process_group: peers did not all leave",
                                             error=str(err))
+
+
+def _wait_for_the_others(store: Store, leaving: str, left: str, m: Membership | None) -> None:
+    """The store's host, in ``_leave``: block until every member has left (``left`` is set)
+    or every member still alive has (a failed member never will: membership knows it), at
+    most ``_LEAVE_WAIT``; then raises DistTimeoutError."""
+    deadline = time.monotonic() + _LEAVE_WAIT.total_seconds()
+    while True:
+        try:
+            store.wait([left], min(_LEAVE_LOOK, timedelta(
+                seconds=max(0.0, deadline - time.monotonic()))))
+            return
+        except DistTimeoutError:
+            gone = int(store.get(leaving))
+            failed = len(m.failed_ranks()) if m is not None else 0
+            if failed and gone + failed >= world.size:
+                return
+            if time.monotonic() >= deadline:
+                here = where(rank=world.rank, op="destroy_process_group")
+                raise DistTimeoutError(
+                    f"{timed_out(here, _LEAVE_WAIT.total_seconds(), 'the others to leave')}: "
+                    f"{gone} of {world.size} ranks called destroy_process_group") from None
 
 
 def destroy(group: ProcessGroup | None = None) -> None:
