@@ -377,6 +377,32 @@ def check_no_sync(rank: int, ws: int) -> None:
                 want = [a + p.grad / ws for a, p in zip(want, ref.parameters(), strict=True)]
         assert_close_lists([p.grad for p in local.parameters()], want,
                            f"after no_sync (gradient_as_bucket_view={as_view})", 1e-5, 1e-6)
+    check_no_sync_find_unused(rank, ws)
+
+
+def check_no_sync_find_unused(rank: int, ws: int) -> None:
+    """find_unused_parameters: ``extra`` gets gradients only in the no_sync micro-batches, yet
+    counts as used, so the synchronising backward averages its accumulated sums too; ``never``
+    keeps no gradient."""
+    local, ref = make_pair(Branchy, rank)
+    ddp = DDP(local, find_unused_parameters=True)
+    micro = batches("branchy", 3, ws, 4, seed=17)
+    uses_extra = [True, True, False]
+    with ddp.no_sync():
+        for m, use_extra in zip(micro[:2], uses_extra[:2], strict=True):
+            x, y = m[rank]
+            F.mse_loss(ddp(x, use_extra=use_extra), y).backward()
+    x, y = micro[2][rank]
+    F.mse_loss(ddp(x, use_extra=uses_extra[2]), y).backward()
+    want: list[torch.Tensor | None] = [None] * len(list(ref.parameters()))
+    for m, use_extra in zip(micro, uses_extra, strict=True):
+        for r in range(ws):
+            ref.zero_grad(set_to_none=True)
+            F.mse_loss(ref(m[r][0], use_extra=use_extra), m[r][1]).backward()
+            want = [w if p.grad is None else p.grad / ws if w is None else w + p.grad / ws
+                    for w, p in zip(want, ref.parameters(), strict=True)]
+    assert_close_lists([p.grad for p in local.parameters()], want,
+                       "no_sync with find_unused_parameters", 1e-5, 1e-6)
 
 
 def check_bucket_view(rank: int, ws: int) -> None:

@@ -338,7 +338,8 @@ class BucketedReducer(Reducer):
             if self._static and self._iterations > 1:
                 self._hook_counts_left = list(self._hook_counts)
             if self._dynamic_find_unused():
-                self._local_used = bytearray(len(self.parameters))
+                # _local_used is not reset here: it still holds the no_sync backwards' uses
+                # (it is cleared when a synchronised backward finishes)
                 self._unused = self._search_unused(outputs)
 
     def set_forward_pass_work(self, work: Work, use_static_world_size: bool) -> None:
@@ -419,12 +420,14 @@ class BucketedReducer(Reducer):
     def _on_grad_ready(self, index: int) -> None:
         """Runs in autograd after ``.grad`` of parameter ``index`` was accumulated."""
         with self._lock:
+            # Marked even outside a synchronising backward: a parameter used in any no_sync
+            # backward since the last reduction counts as used, so its accumulated gradient
+            # is averaged, not left local.
+            if self._tracks_used() and self.parameters[index].grad is not None:
+                self._local_used[index] = 1
             if not self._expect_hooks:
                 return  # no_sync, or a backward DDP's forward did not prepare
             static_first = self._static_first_iteration()
-            if static_first or self._dynamic_find_unused():
-                if self.parameters[index].grad is not None:
-                    self._local_used[index] = 1
             if static_first:
                 # The graph is learned in the first iteration; everything is reduced at its end
                 # (normally queued by on_backward_start; here if the outputs bypassed DDP).
