@@ -603,6 +603,34 @@ def check_join(rank: int, ws: int) -> None:
     # the model is usable normally after join
     x, y = data[0][rank]
     F.mse_loss(ddp(x), y).backward()
+    check_join_no_sync(rank, ws)
+
+
+def check_join_no_sync(rank: int, ws: int) -> None:
+    """Gradient accumulation under join: every other step runs in no_sync; ranks that ran out
+    still shadow those steps, and each synchronising step averages over the ranks training."""
+    local, ref = make_pair(mlp, rank)
+    ddp = DDP(local, bucket_cap_mb=0.002)
+    counts = [2 + 2 * r for r in range(ws)]
+    data = batches("mlp", max(counts), ws, 3, seed=21)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ddp.join(divide_by_initial_world_size=False):
+        for step in range(counts[rank]):
+            x, y = data[step][rank]
+            if step % 2 == 0:
+                with ddp.no_sync():
+                    F.mse_loss(ddp(x), y).backward()
+            else:
+                F.mse_loss(ddp(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(0, max(counts), 2):
+        active = [r for r in range(ws) if step < counts[r]]
+        shards = [data[s][r] for s in (step, step + 1) for r in active]
+        reference_step(ref, ropt, shards, loss_for("mlp"), lambda r: {}, divisor=len(active))
+    assert_close_lists(list(local.parameters()), list(ref.parameters()), "join with no_sync",
+                       1e-5, 1e-6)
 
 
 def check_join_variants(rank: int, ws: int) -> None:

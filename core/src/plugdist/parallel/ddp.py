@@ -208,9 +208,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         join_enabled = self._join_config.enable
         if sync_grads:
             self.reducer.prepare_for_forward()
-            work = Join.notify_join_context(self)
-            if work is not None:
-                self.reducer.set_forward_pass_work(work, self._divide_by_initial_world_size)
+        # every iteration counts as one under join, synchronising or not (no_sync): the joined
+        # ranks shadow each one, and learn from the all-reduce below whether it synchronises
+        work = Join.notify_join_context(self)
+        if work is not None:
+            self.reducer.set_forward_pass_work(work, self._divide_by_initial_world_size)
         if grad_enabled and self.reducer.rebuild_buckets():
             self._log.info("ddp_buckets_rebuilt", bucket_sizes=self.reducer.bucket_sizes())
         if self._will_sync_buffers():
