@@ -287,16 +287,36 @@ def check_conv_bn(rank: int, ws: int) -> None:
 
 
 def check_conv_bn_no_broadcast(rank: int, ws: int) -> None:
-    """broadcast_buffers=False: each rank's BatchNorm statistics follow its own shards."""
-    local, _ = make_pair(conv_bn, rank)
+    """broadcast_buffers=False: each rank's BatchNorm statistics follow its own shards, from
+    its own starting values (construction copies parameters only), and the end of join()
+    leaves them alone too."""
+    local, ref = make_pair(conv_bn, rank)
+    with torch.no_grad():
+        local[1].running_mean.fill_(float(rank + 1))
     ddp = DDP(local, broadcast_buffers=False)
+    # every collective first, the checks at the end: a check failing on one rank only must
+    # not leave the others waiting in a collective
+    after_construction = local[1].running_mean.detach().clone()
+    params_after_construction = [p.detach().clone() for p in local.parameters()]
     for shards in batches("image", 2, ws, 3):
         x, y = shards[rank]
         F.cross_entropy(ddp(x), y).backward()
     means = [torch.zeros(6) for _ in range(ws)]
     ddp.process_group.all_gather(means, local[1].running_mean.detach().clone()).wait()
+    data = batches("image", ws, ws, 3, seed=9)
+    with ddp.join():  # rank r has r + 1 batches
+        for step in range(rank + 1):
+            x, y = data[step][rank]
+            F.cross_entropy(ddp(x), y).backward()
+        own = [b.detach().clone() for b in local.buffers()]
+    if not torch.equal(after_construction, torch.full((6,), float(rank + 1))):
+        raise AssertionError(f"construction replaced this rank's buffers: running_mean "
+                             f"{after_construction.tolist()}")
+    assert_close_lists(params_after_construction, list(ref.parameters()),
+                       "parameters after construction", 0, 0)
     if ws > 1 and torch.equal(means[0], means[1]):
         raise AssertionError("running stats agree across ranks without buffer broadcast")
+    assert_close_lists(list(local.buffers()), own, "buffers after join", 0, 0)
 
 
 def check_tied(rank: int, ws: int) -> None:

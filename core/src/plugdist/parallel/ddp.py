@@ -1,10 +1,11 @@
 """DistributedDataParallel: data-parallel training over any plugdist backend.
 
 Every rank holds a replica of the module. Construction checks that all ranks built the same
-model and copies rank 0's parameters and buffers to the others; each forward broadcasts rank
-0's buffers (``broadcast_buffers``); each backward averages the gradients across ranks through
-a :class:`~plugdist.parallel.reducer.Reducer` (the bucketed one by default, or any found under
-the ``plugdist.reducers`` entry points), overlapping communication with the rest of backward.
+model and copies rank 0's parameters to the others, and its buffers when ``broadcast_buffers``
+(the default), as each forward then does; each backward averages the gradients across ranks
+through a :class:`~plugdist.parallel.reducer.Reducer` (the bucketed one by default, or any
+found under the ``plugdist.reducers`` entry points), overlapping communication with the rest
+of backward.
 A ``torch.nn.SyncBatchNorm`` in the module is made to synchronise over plugdist (see
 :func:`plugdist.nn.sync_batchnorm.adopt_torch_sync_batchnorms`).
 
@@ -53,7 +54,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     ``bucket_cap_mb`` also caps the small first bucket (1 MiB by default). Bucket views keep each
     parameter's own strides when it is dense, so ``.grad`` layouts match AccumulateGrad's.
 
-    Construction is collective (two all-gathers and the broadcasts of parameters and buffers).
+    Construction is collective (two all-gathers and the broadcasts of parameters, and of
+    buffers when ``broadcast_buffers``).
     """
 
     def __init__(self, module: nn.Module, device_ids: list[int | torch.device] | None = None,
@@ -194,9 +196,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         return params, names, sparse
 
     def _module_states(self) -> list[torch.Tensor]:
-        return [t for n, t in _unique_named([*self.module.named_parameters(),
-                                             *self.module.named_buffers()])
-                if n not in self.parameters_to_ignore]
+        """The parameters, and the buffers unless ``broadcast_buffers=False``, that DDP keeps
+        equal across ranks (less those listed to ignore)."""
+        named: list[tuple[str, torch.Tensor]] = [*self.module.named_parameters()]
+        if self.broadcast_buffers:
+            named.extend(self.module.named_buffers())
+        return [t for n, t in _unique_named(named) if n not in self.parameters_to_ignore]
 
     def _sync_module_states(self, src: int) -> None:
         broadcast_coalesced(self.process_group, self._module_states(), src)
