@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from plugdist._log import get_logger
 from plugdist.errors import DistStoreError
-from plugdist.store import TCPStore
+from plugdist.store import TCPStore, TCPStoreLimits
 from plugdist.store import _wire as wire
 from plugdist.testing import wait_for
 from structlog.testing import capture_logs
@@ -193,6 +193,69 @@ def test_a_reply_over_the_limit_is_refused_and_unread_replies_cost_no_copy(
         s.close()
     assert eventually(lambda: len(server._conns) == 2)
     c.close()
+
+
+_STRANGER_WRITES_SMALL = """
+import encodings.idna, os, socket, sys  # idna: loaded while the interpreter's files are readable
+from plugdist.store import _wire as wire
+os.setgid(65534); os.setuid(65534)
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=20)
+def exact(n):
+    got = b""
+    while len(got) < n:
+        got += s.recv(n - len(got))
+    return got
+exact(wire.GREETING.size)
+s.sendall(wire.HELLO.pack(wire.MAGIC, wire.VERSION, 0, os.urandom(wire.NONCE_SIZE),
+                          wire.NO_PROOF))
+exact(wire.WELCOME.size)
+def frames(n):
+    if sys.argv[2] == "queue_push":  # an empty key and value
+        return wire.request(wire.Op.QUEUE_PUSH, wire.pack_blobs([b"", b""])) * n
+    return b"".join(wire.request(wire.Op.MULTI_SET, wire.pack_blobs([b"%08x" % i, b""]))
+                    for i in range(written, written + n))
+written = 0
+while written < 20000:  # 20,000 tiny writes, or until refused
+    s.sendall(frames(500))
+    refusal = None
+    for _ in range(500):
+        length, status = wire.HEADER.unpack(exact(5))
+        body = exact(length)
+        if status != wire.Status.OK:
+            refusal = refusal or body.decode()
+        elif refusal is None:
+            written += 1
+    if refusal:
+        print(written, refusal)
+        sys.exit()
+print(written, "never refused")
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a second Unix user (runs as root)")
+@pytest.mark.parametrize("op", ["queue_push", "multi_set"])
+def test_a_strangers_tiny_writes_count_what_their_entries_cost(op: str) -> None:
+    """Another local user's empty queue pushes, or keys of 8 bytes with empty values, cost the
+    server ~90 bytes each beyond their own: the strangers' quota counts that, so they are
+    refused before the entries they made take more memory than ``max_stranger_bytes`` (empty
+    pushes, counted as 0 bytes, were never refused; tiny keys took 11 times the limit)."""
+    import subprocess
+    import sys
+
+    limit = 64 << 10
+    m = TCPStore(HOST, 0, is_master=True, timeout=T, token="",
+                 limits=TCPStoreLimits(max_stranger_bytes=limit))
+    try:
+        done = subprocess.run([sys.executable, "-c", _STRANGER_WRITES_SMALL, str(m.port), op],
+                              capture_output=True, text=True, timeout=50)
+        assert done.returncode == 0, done.stderr[-2000:]
+        written, _, why = done.stdout.strip().partition(" ")
+        assert "TCPStoreLimits.max_stranger_bytes" in why, done.stdout
+        each = 90 if op == "multi_set" else 8  # measured: a key in a dict; a deque slot
+        assert limit // 256 < int(written) and int(written) * each <= limit, done.stdout
+    finally:
+        m.close()
 
 
 def bound_to(host: str, port: int) -> socket.socket:

@@ -19,7 +19,7 @@ from typing import Any
 from plugdist.store import _wire as w
 from plugdist.store._server.jobkeys import JobKeys
 from plugdist.store._server.keyspace import KeySpace
-from plugdist.store._server.quota import StrangerQuota
+from plugdist.store._server.quota import ENTRY_OVERHEAD, QUEUE_OVERHEAD, StrangerQuota
 from plugdist.store._server.replies import OK_EMPTY, Reply, name, ok, ok_value, reply, seconds
 from plugdist.store._server.sliced import SLICE_KEYS, KeysRead, Sliced, ValuesWritten
 from plugdist.store._server.waiters import Waiter
@@ -151,7 +151,7 @@ class Commands:
         if refusal:
             return refusal
         refusal = self._keys.too_big("set", key, len(value)) \
-            or self._charge(conn, "set", key, len(key) + len(value))
+            or self._charge(conn, "set", key, ENTRY_OVERHEAD + len(key) + len(value))
         if refusal:
             return refusal
         self._keys.put(key, value)
@@ -182,7 +182,7 @@ class Commands:
                 if refusal:
                     return refusal
         if key not in self._data:
-            refusal = self._charge(conn, "add", key, len(key) + 20)
+            refusal = self._charge(conn, "add", key, ENTRY_OVERHEAD + len(key) + 20)
             if refusal:
                 return refusal
         total = self._keys.add_to(key, amount)
@@ -196,7 +196,7 @@ class Commands:
             (ttl,) = w.F64.unpack_from(buf, pos)
             ttl = seconds(ttl)
         refusal = self._guard(conn, "hold_will", key) \
-            or self._charge(conn, "hold_will", key, len(key) + len(value))
+            or self._charge(conn, "hold_will", key, ENTRY_OVERHEAD + len(key) + len(value))
         if refusal:
             return refusal
         if getattr(conn, "identity", None) is not None:
@@ -243,7 +243,8 @@ class Commands:
             return reply(w.Status.ERROR, (
                 f"append({name(key)!r}) would grow the value past this server's limit of "
                 f"{self._keys.max_value_bytes} bytes (TCPStoreLimits.max_value_bytes)").encode())
-        refusal = self._charge(conn, "append", key, len(key) + len(tail))
+        refusal = self._charge(conn, "append", key,
+                               len(tail) + (ENTRY_OVERHEAD + len(key) if old is None else 0))
         if refusal:
             return refusal
         self._data[key] = tail if old is None else old + tail
@@ -259,7 +260,8 @@ class Commands:
         if refusal:
             return refusal
         refusal = self._keys.too_big("compare_set", key, len(desired)) \
-            or self._charge(conn, "compare_set", key, len(key) + len(desired))
+            or self._charge(conn, "compare_set", key,
+                              ENTRY_OVERHEAD + len(key) + len(desired))
         if refusal:
             return refusal
         return ok_value(self._keys.compare_set(key, expected, desired))
@@ -365,7 +367,7 @@ class Commands:
                 why = self._guard(conn, "multi_set", items[i]) \
                     or keys.too_big("multi_set", items[i], len(items[i + 1])) \
                     or self._charge(conn, "multi_set", items[i],
-                                    len(items[i]) + len(items[i + 1]))
+                                    ENTRY_OVERHEAD + len(items[i]) + len(items[i + 1]))
                 if why:
                     refused.append(why)
                     return False
@@ -389,8 +391,10 @@ class Commands:
         refusal = self._guard(conn, "queue_push", key)
         if refusal:
             return refusal
+        q = self._queues.get(key)
+        size = ENTRY_OVERHEAD + len(value) + (QUEUE_OVERHEAD + len(key) if q is None else 0)
         refusal = self._keys.too_big("queue_push", key, len(value)) \
-            or self._charge(conn, "queue_push", key, len(key) + len(value))
+            or self._charge(conn, "queue_push", key, size)
         if refusal:
             return refusal
         poppers = self._waiters.poppers.get(key)
@@ -398,7 +402,6 @@ class Commands:
             # a parked pop takes the value directly, oldest pop first
             self._waiters.finish(poppers[0], ok_value(value))
             return OK_EMPTY
-        q = self._queues.get(key)
         if q is None:
             q = self._queues[key] = deque()
         q.append(value)

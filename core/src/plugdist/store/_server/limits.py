@@ -56,12 +56,12 @@ class TCPStoreLimits:
     a parked request, if any, else the oldest; a guest that sends nothing for
     ``guest_idle_timeout`` is dropped (the client opens another when it needs one).
     Members' connections are never displaced.
-    ``max_stranger_bytes``: bytes of plain writes (keys and values) the server takes, over its
-    life, from connections not known to hold the job's credential (on a tokenless store, other
-    local users' processes), and bytes of keys their parked requests hold at once; past it,
-    such a write or request is refused, naming the limit. A connection
-    that holds the credential (the token's proof, or the store's own Unix user) is never
-    refused by it (see :mod:`plugdist.store._server.quota`).
+    ``max_stranger_bytes``: bytes of plain writes (keys and values, and what each entry costs
+    the server beyond them) the server takes, over its life, from connections not known to
+    hold the job's credential (on a tokenless store, other local users' processes), and bytes
+    of keys their parked requests hold at once; past it, such a write or request is refused,
+    naming the limit. A connection that holds the credential (the token's proof, or the
+    store's own Unix user) is never refused by it (see :mod:`plugdist.store._server.quota`).
     """
 
     max_frame_bytes: int = w.MAX_FRAME

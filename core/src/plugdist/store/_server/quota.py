@@ -2,22 +2,23 @@
 
 On a store without a token, every local user reaches a loopback port and may write plain keys
 (as with torch's store). Unbounded, that is a way to crash the store's process, and with it
-rank 0: values of 32 MiB, one after another, until the host runs out of memory. So the bytes
-of plain writes (each key and value: SET, APPEND, COMPARE_SET, MULTI_SET, QUEUE_PUSH, a new
-counter, a will's record) from connections not known to hold the job's credential count
-against ``TCPStoreLimits.max_stranger_bytes`` together, over the server's life (a deletion
-gives nothing back). A write that would pass it makes the server ask whether its connection
-holds the credential (:class:`~plugdist.store._server.jobkeys.JobKeys`: the token's
+rank 0: values of 32 MiB, one after another, until the host runs out of memory. So the bytes of
+plain writes (each key and value: SET, APPEND, COMPARE_SET, MULTI_SET, QUEUE_PUSH, a new
+counter, a will's record), each with :data:`ENTRY_OVERHEAD` bytes for the entry that holds it
+(and :data:`QUEUE_OVERHEAD` more for a new queue), from connections not known to hold the job's
+credential count against ``TCPStoreLimits.max_stranger_bytes`` together, over the server's life
+(a deletion gives nothing back). A write that would pass it makes the server ask whether its
+connection holds the credential (:class:`~plugdist.store._server.jobkeys.JobKeys`: the token's
 handshake, or without a token the store's own Unix user; one kernel query per connection,
-kept): one that does takes its bytes out of the count and is never counted again; any other
-is refused, naming the limit and the fix. The job's own processes are therefore never refused
-by it, and are asked only once the count is full.
+kept): one that does takes its bytes out of the count and is never counted again; any other is
+refused, naming the limit and the fix. The job's own processes are therefore never refused by
+it, and are asked only once the count is full.
 
 The same limit bounds what such connections' parked requests hold at once (a WAIT of 131,072
 long keys is 32 MiB, kept until its keys exist or its timeout passes, and a stranger may open
-thousands of connections): the bytes of their keys count while they are parked and are given
-back when each is answered or forgotten; past the limit, a stranger's request is refused
-instead of parked.
+thousands of connections): the bytes of their keys, each with :data:`ENTRY_OVERHEAD`, count
+while they are parked and are given back when each is answered or forgotten; past the limit,
+a stranger's request is refused instead of parked.
 
 And such a connection's requests are small: at most :data:`STRANGER_REQUEST_BYTES` bytes and
 ``SLICE_KEYS`` keys each (a larger one asks for the credential first, and a stranger's is
@@ -39,9 +40,15 @@ from plugdist.store._server.jobkeys import JobKeys
 from plugdist.store._server.replies import reply, write_refused
 from plugdist.store._server.sliced import SLICE_KEYS
 
-__all__ = ["StrangerQuota", "STRANGER_REQUEST_BYTES"]
+__all__ = ["ENTRY_OVERHEAD", "QUEUE_OVERHEAD", "StrangerQuota", "STRANGER_REQUEST_BYTES"]
 
 STRANGER_REQUEST_BYTES = 1024 * 1024  # one request of a connection not known to be the job's
+# bytes a stored key, queue entry or parked key costs beyond its own bytes (its bytes object's
+# header, its dict, deque or list slot): a key of 8 bytes with an empty value takes ~90 bytes
+# in CPython, so a quota of key and value bytes alone let tiny keys take 11 times the limit
+ENTRY_OVERHEAD = 96
+# what a new queue costs beyond its first entry: its deque (760 bytes empty)
+QUEUE_OVERHEAD = 768
 
 
 class StrangerQuota:

@@ -18,6 +18,7 @@ from typing import Any
 
 from plugdist.errors import store_timeout
 from plugdist.store import _wire as w
+from plugdist.store._server.quota import ENTRY_OVERHEAD
 from plugdist.store._server.replies import (
     OK_EMPTY,
     Reply,
@@ -34,7 +35,6 @@ from plugdist.store._server.sliced import SLICE_KEYS, Sliced, Space, ValuesRead
 __all__ = ["Waiter", "Waiters"]
 
 _NAMED_MISSING = 16  # a timeout names at most this many missing keys
-_KEY_OVERHEAD = 64  # bytes a parked key costs beyond its own (its bytes object, its list slot)
 
 
 class Waiter:
@@ -109,7 +109,7 @@ class Waiters:
         """Park ``waiter`` (None), or refuse it (the ERROR reply) when it would hold more than
         the strangers' quota allows a connection not known to be the job's."""
         if waiter.conn.job_refusal != "":  # not known to be the job's: its bytes count
-            size = sum(map(len, waiter.keys)) + _KEY_OVERHEAD * len(waiter.keys) \
+            size = sum(map(len, waiter.keys)) + ENTRY_OVERHEAD * len(waiter.keys) \
                 + len(waiter.log)
             if not self.hold(waiter.conn, size):
                 return reply(w.Status.ERROR, (
