@@ -258,6 +258,46 @@ def test_a_strangers_tiny_writes_count_what_their_entries_cost(op: str) -> None:
         m.close()
 
 
+@pytest.mark.timeout(60)
+def test_pipelined_requests_are_not_copied_again_at_every_turn(master: TCPStore) -> None:
+    """A client that sends 100,000 small requests at once is served a turn of requests at a
+    time; what waits for the next turns stays where it is: a turn copies at most the
+    ``TURN_REQUESTS`` frames it may serve, not the rest of the input again (quadratic: thousands
+    of times the input, and a copy of it per connection at every turn)."""
+    from plugdist.store._server.turns import TURN_REQUESTS
+
+    server = master._server
+    assert server is not None
+    commands = server._commands
+    handle = commands.handle
+    last: list[bytes] = [b""]  # the buffer requests were last run from (held: a new one is new)
+    copied = 0
+
+    def counting(conn: Any, op: int, buf: bytes, pos: int, end: int) -> Any:
+        nonlocal copied
+        if buf is not last[0]:
+            copied += len(buf)
+            last[0] = buf
+        return handle(conn, op, buf, pos, end)
+
+    commands.handle = counting  # type: ignore[method-assign]
+    n = 100_000
+    frame = wire.request(wire.Op.NUM_KEYS, b"")
+    s = raw_client(master.port)
+    try:
+        s.sendall(frame * n)
+        got = 0
+        while got < 13 * n:  # each reply: a header and an i64
+            chunk = s.recv(1 << 20)
+            assert chunk
+            got += len(chunk)
+    finally:
+        s.close()
+        commands.handle = handle  # type: ignore[method-assign]
+    sent = len(frame) * n  # each turn serves one frame at least, and reads 256 KiB at most
+    assert copied <= (TURN_REQUESTS + 1) * sent, f"{copied} bytes run from for {sent} sent"
+
+
 def bound_to(host: str, port: int) -> socket.socket:
     """A guest from the loopback address ``host`` that sent one request (proven, no token)."""
     s = socket.create_connection((HOST, port), timeout=10, source_address=(host, 0))

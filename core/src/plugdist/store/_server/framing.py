@@ -43,6 +43,9 @@ _SKIP_COST = 1.0 / (64 * 1024 * 1024)
 # whole), not in one growing buffer: a buffer of tens of MiB costs milliseconds to grow and, when
 # its sender is dropped, to free, in front of everyone
 _CHUNKED = 1024 * 1024
+# a turn copies the front of a connection's queued input to run from: the frames it may serve,
+# but past the first, no more than this (a turn may end after one large frame)
+_CUT_BYTES = 64 * 1024
 
 
 class Framing:
@@ -117,6 +120,7 @@ class Framing:
                 self._drop(conn, f"sent more than {self._limits.max_parked_inbound_bytes} bytes "
                                  f"while its request was parked (one request at a time)")
             return
+        queued: bytearray | None = None  # conn.inbuf, when buf holds only its front
         if conn.inbuf:
             # a large frame arrives in many reads: append until it is whole
             self._append(conn, data)
@@ -127,6 +131,11 @@ class Framing:
             if conn.tail:
                 buf = b"".join((conn.inbuf, *conn.tail))
                 self.forget_tail(conn)
+            elif conn.handshaken:
+                # only the frames this turn may serve are copied: the rest stays in inbuf,
+                # whose front is then deleted in place (bytearray does that without a copy)
+                queued = conn.inbuf
+                buf = bytes(queued[:_turn_cut(queued)])
             else:
                 buf = bytes(conn.inbuf)
         else:
@@ -190,6 +199,12 @@ class Framing:
             self.internal_error(conn, "framing", e)
             self._close(conn)
             return
+        new_frame = pos > 0  # one was served: what is left starts a new frame
+        left: bytes | bytearray = buf
+        if queued is not None:
+            if pos:
+                del queued[:pos]
+            left, pos, end = queued, 0, len(queued)
         if pos >= end:
             if conn.inbuf:
                 conn.inbuf = bytearray()
@@ -200,8 +215,11 @@ class Framing:
             return
         need = 5
         if end - pos >= 5:
-            need = 5 + w.HEADER.unpack_from(buf, pos)[0]
-        self._keep(conn, buf, pos, need)
+            need = 5 + w.HEADER.unpack_from(left, pos)[0]
+        if queued is not None:
+            self._kept(conn, need, new_frame)
+        else:
+            self._keep(conn, buf, pos, need)
         if end - pos >= need and conn.waiter is None and not conn.paused and not conn.resting \
                 and conn.sliced is None:
             self._later.append(conn)  # whole requests left: served at the next turn
@@ -255,13 +273,20 @@ class Framing:
             freed += len(self.graveyard.popleft())
 
     def _keep(self, conn: Conn, buf: bytes, pos: int, need: int) -> None:
-        was_partial = bool(conn.inbuf) and pos == 0
+        """Keep ``buf[pos:]`` (the front of a frame ``need`` bytes long, or whole frames the next
+        turns serve) as ``conn``'s input."""
+        new_frame = not conn.inbuf or pos > 0
         conn.inbuf = bytearray(memoryview(buf)[pos:])
+        self._kept(conn, need, new_frame)
+
+    def _kept(self, conn: Conn, need: int, new_frame: bool) -> None:
+        """``conn.inbuf`` holds the unserved input, the first frame of which is ``need`` bytes
+        long; ``new_frame``: that frame was not the one held before."""
         conn.need = need
-        if not was_partial:
+        if new_frame:
             conn.vetted = False
         if conn.waiter is None and not conn.paused and not conn.resting and conn.sliced is None:
-            if not was_partial:  # a new frame's clock starts with its first byte
+            if new_frame:  # a new frame's clock starts with its first byte
                 conn.started = time.monotonic()
             self._pending.add(conn)
         self.hold(conn, len(conn.inbuf) if len(conn.inbuf) < need else 0)
@@ -415,6 +440,21 @@ class Framing:
     def _received(conn: Conn) -> int:
         """Bytes of its current frame ``conn`` has sent (held, or dropped as refused)."""
         return conn.need - conn.skip if conn.skip else have(conn)
+
+
+def _turn_cut(buf: bytearray) -> int:
+    """The length of the front of ``buf`` one turn may serve: its first whole frame, and those
+    after it up to ``TURN_REQUESTS`` frames and ``_CUT_BYTES`` bytes (at least a header's worth,
+    so the first frame's length is checked)."""
+    pos, end = 0, len(buf)
+    for _ in range(TURN_REQUESTS):
+        if end - pos < 5:
+            break
+        stop = pos + 5 + w.HEADER.unpack_from(buf, pos)[0]
+        if stop > end or (pos and stop > _CUT_BYTES):
+            break
+        pos = stop
+    return pos or min(end, 5)
 
 
 def _op_name(op: int) -> str:
