@@ -298,6 +298,35 @@ def test_pipelined_requests_are_not_copied_again_at_every_turn(master: TCPStore)
     assert copied <= (TURN_REQUESTS + 1) * sent, f"{copied} bytes run from for {sent} sent"
 
 
+@pytest.mark.timeout(60)
+def test_a_log_read_is_answered_in_bounded_replies_and_read_log_reads_on(
+        master: TCPStore) -> None:
+    """One LOG_READ of a log of millions of tiny entries held the server's only thread for
+    seconds: a reply carries at most 1,024 entries (``LOG_READ_ENTRIES``), and ``read_log``
+    reads on after a full reply, so its callers still get every entry to the first gap."""
+    c = client(master)
+    n = 2 * 1024 + 100
+    c.multi_set([f"L/{i}" for i in range(1, n + 1)], [b""] * n)
+    s = raw_client(master.port)
+    try:
+        s.sendall(wire.request(wire.Op.LOG_READ, wire.F64.pack(5.0) + wire.I64.pack(1)
+                               + wire.pack_blobs([b"L"])[4:]))
+        head = b""
+        while len(head) < 5:
+            head += s.recv(5 - len(head))
+        length, status = wire.HEADER.unpack(head)
+        body = b""
+        while len(body) < length:
+            body += s.recv(length - len(body))
+    finally:
+        s.close()
+    assert status == wire.Status.OK
+    assert wire.U32.unpack_from(body)[0] == 1024
+    assert c.read_log("L", 1, T) == [b""] * n
+    assert c.read_log("L", n - 1023, T) == [b""] * 1024  # a full last reply: nothing behind it
+    c.close()
+
+
 def bound_to(host: str, port: int) -> socket.socket:
     """A guest from the loopback address ``host`` that sent one request (proven, no token)."""
     s = socket.create_connection((HOST, port), timeout=10, source_address=(host, 0))

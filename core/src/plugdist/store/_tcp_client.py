@@ -197,9 +197,23 @@ def read_log(request: Callable[..., bytes], key: str, start: int,
     k = check_key(key).encode()
     if start < 1:
         raise ValueError(f"read_log: entries are numbered from 1, got start={start}")
+    """``Store.read_log`` over ``request``: one request parked until ``key/start`` exists,
+    and, after a reply of ``LOG_READ_ENTRIES`` entries (the most a reply carries), requests that
+    do not wait for the entries behind them, until a shorter reply or a missing entry."""
     frame = w.HDR_F64_I64_BLOB.pack(20 + len(k), w.Op.LOG_READ, timeout, start, len(k)) + k
     reply = request("read_log", frame, wait=timeout)
     entries, _ = w.unpack_blobs(reply, 0, len(reply))
+    batch = len(entries)
+    while batch == w.LOG_READ_ENTRIES:
+        frame = w.HDR_F64_I64_BLOB.pack(20 + len(k), w.Op.LOG_READ, 0.0, start + len(entries),
+                                        len(k)) + k
+        try:
+            reply = request("read_log", frame, wait=0.0)
+        except DistTimeoutError:
+            break  # none behind it
+        more, _ = w.unpack_blobs(reply, 0, len(reply))
+        entries += more
+        batch = len(more)
     return entries
 
 

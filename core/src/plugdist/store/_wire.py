@@ -59,9 +59,10 @@ with an empty key), the server appends ``value`` to the numbered log ``key`` (th
 connection that sends no RENEW for ``ttl`` seconds is dropped and its will executed (a stopped
 process stops renewing). RENEW and WILL_DROP have no reply and are the only frames the server
 reads while a request of the connection is parked, so a holder may renew, or withdraw its will,
-while its own LOG_READ waits. LOG_READ parks until ``key/start`` exists, then answers every
-consecutive entry ``key/start``, ``key/start+1``, ... present: one wake carries a burst of
-entries.
+while its own LOG_READ waits. LOG_READ parks until ``key/start`` exists, then answers the
+consecutive entries ``key/start``, ``key/start+1``, ... present, at most
+:data:`LOG_READ_ENTRIES` of them (and 16 MiB): one wake carries a burst of entries, and a reply
+of ``LOG_READ_ENTRIES`` entries may have more behind it, which the client reads on.
 
 Worlds (version 3). Keys that :mod:`plugdist.store._worldkeys` reserves for a world's membership
 are written only by the server: a plain write to one is answered ERROR. CLAIM makes this
@@ -115,6 +116,7 @@ SERVER_LABEL = b"plugdist-tcpstore-v3 server"
 
 HEADER = struct.Struct("!IB")
 MAX_FRAME = 64 * 1024 * 1024
+LOG_READ_ENTRIES = 1024  # a LOG_READ reply's most entries: one reply costs the server little
 
 U8 = struct.Struct("!B")
 U16 = struct.Struct("!H")

@@ -223,12 +223,13 @@ class Waiters:
         return OK_EMPTY
 
     def log_entries(self, log: bytes, start: int) -> bytes:
-        """The entries ``log/start``, ``log/start+1``, ... up to the first missing one."""
-        entries = []
+        """The entries ``log/start``, ``log/start+1``, ... up to the first missing one, at most
+        ``LOG_READ_ENTRIES`` of them and about half ``max_value_bytes`` (the client reads on)."""
+        entries: list[bytes] = []
         data = self._data
         n = start
         size = 0
-        while size < self._max_value_bytes // 2:
+        while size < self._max_value_bytes // 2 and len(entries) < w.LOG_READ_ENTRIES:
             value = data.get(log + b"/" + str(n).encode())
             if value is None:
                 break
