@@ -149,6 +149,11 @@ def test_bad_argument_types(h: Handle) -> None:
         s.add("k", "1")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="int"):
         s.add("k", True)
+    for amount in (2**63, -(2**63) - 1):  # a counter is a signed 64-bit int, as torch's
+        with pytest.raises(TypeError, match=r"64-bit signed int, from -9223372036854775808 "
+                                            r"to 9223372036854775807"):
+            s.add("k", amount)
+    assert s.add("edge", 2**63 - 1) == 2**63 - 1 and s.add("edge", -(2**63 - 1)) == 0
     with pytest.raises(TypeError, match="keys must be str"):
         s.set(1, "v")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="bytes or str"):

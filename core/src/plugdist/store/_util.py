@@ -22,8 +22,15 @@ def check_keys(keys: Sequence[str]) -> list[str]:
     return [check_key(k) for k in keys]
 
 
+AMOUNT_MIN, AMOUNT_MAX = -(2**63), 2**63 - 1  # a counter is a signed 64-bit int (as torch's)
+
+
 def check_amount(amount: int) -> int:
-    """``add`` amounts are ints (bool is refused: it is almost always a bug)."""
+    """``add`` amounts are ints of 64 bits (bool is refused: it is almost always a bug); anything
+    else is a TypeError, as torch's stores raise."""
     if isinstance(amount, bool) or not isinstance(amount, int):
         raise TypeError(f"add amount must be an int, got {type(amount).__name__}")
+    if not AMOUNT_MIN <= amount <= AMOUNT_MAX:
+        raise TypeError(f"add amount must be a 64-bit signed int, from {AMOUNT_MIN} to "
+                        f"{AMOUNT_MAX}, got {amount}")
     return amount

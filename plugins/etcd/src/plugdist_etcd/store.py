@@ -246,6 +246,9 @@ class EtcdStore(Store):
     def add(self, key: str, amount: int) -> int:
         if isinstance(amount, bool) or not isinstance(amount, int):
             raise TypeError(f"add amount must be an int, got {type(amount).__name__}")
+        if not -(2**63) <= amount < 2**63:  # as the core's stores (a signed 64-bit counter)
+            raise TypeError(f"add amount must be a 64-bit signed int, from {-(2**63)} to "
+                            f"{2**63 - 1}, got {amount}")
 
         def plus(current: bytes | None) -> bytes:
             try:
