@@ -194,12 +194,12 @@ def renewer() -> _Renewer:
 
 def read_log(request: Callable[..., bytes], key: str, start: int,
               timeout: float) -> list[bytes]:
-    k = check_key(key).encode()
-    if start < 1:
-        raise ValueError(f"read_log: entries are numbered from 1, got start={start}")
     """``Store.read_log`` over ``request``: one request parked until ``key/start`` exists,
     and, after a reply of ``LOG_READ_ENTRIES`` entries (the most a reply carries), requests that
     do not wait for the entries behind them, until a shorter reply or a missing entry."""
+    k = check_key(key).encode()
+    if start < 1:
+        raise ValueError(f"read_log: entries are numbered from 1, got start={start}")
     frame = w.HDR_F64_I64_BLOB.pack(20 + len(k), w.Op.LOG_READ, timeout, start, len(k)) + k
     reply = request("read_log", frame, wait=timeout)
     entries, _ = w.unpack_blobs(reply, 0, len(reply))
