@@ -348,7 +348,8 @@ class BackendBase(GroupIdentity):
     def native_reduce_scatter(self, *, output: torch.Tensor, input_list: list[torch.Tensor],
                               op: ReduceOp) -> Work:
         """Reduce ``input_list[rank]`` over the group with ``op`` into ``output`` on each
-        ``rank``. Complete the Work with ``[output]``."""
+        ``rank``; every entry has ``output``'s shape (the core composes lists whose entries
+        differ in size). Complete the Work with ``[output]``."""
         raise NotImplementedError
 
     def native_reduce_scatter_tensor(self, *, output: torch.Tensor, input: torch.Tensor,

@@ -34,7 +34,7 @@ from plugdist._backend.reduce_op import ReduceOp, apply_local
 from plugdist._backend.work import Work, gather_works
 from plugdist.errors import DistBackendError
 
-__all__ = ["compose", "plan", "reduce_by_gathering", "COMPOSED_TAG"]
+__all__ = ["compose", "plan", "reduce_by_gathering", "reduce_scatter_uneven", "COMPOSED_TAG"]
 
 COMPOSED_TAG = 32700  # within MPI's guaranteed tag range (0..32767)
 
@@ -420,7 +420,7 @@ def reduce_by_gathering(pg: GroupLike, caps: Capabilities, op: str, device: str,
         raise DistBackendError(
             f"{pg.where(op)} ReduceOp.{red.name} is not supported by backend {pg.backend_name!r} "
             f"and cannot be composed (it has no all_gather)")
-    me, n = pg.rank(), pg.size()
+    me = pg.rank()
     if op == "all_reduce":
         t = kwargs["tensor"]
         return _gathered_reduce(pg, op, t, red).then(lambda r: [t.copy_(r)])
@@ -430,11 +430,40 @@ def reduce_by_gathering(pg: GroupLike, caps: Capabilities, op: str, device: str,
             lambda r: [t.copy_(r)] if me == dst else [t])
     out = kwargs["output"]
     if op == "reduce_scatter":
-        src = torch.cat([i.reshape(-1) for i in kwargs["input_list"]])
+        inputs = kwargs["input_list"]
+        src = torch.cat([i.reshape(-1) for i in inputs])
+        start = sum(t.numel() for t in inputs[:me])
     else:
         src = kwargs["input"]
+        start = me * out.numel()
     return _gathered_reduce(pg, op, src.contiguous(), red).then(
-        lambda r: [out.copy_(_chunks(r.contiguous(), n, out.shape)[me])])
+        lambda r: [out.copy_(r.reshape(-1)[start:start + out.numel()].view(out.shape))])
+
+
+def is_uneven(kwargs: dict[str, Any]) -> bool:
+    """Whether a reduce_scatter's ``input_list`` has an entry not shaped like ``output``
+    (native hooks and the recipes get even lists only: :func:`reduce_scatter_uneven` takes
+    the rest)."""
+    shape = kwargs["output"].shape
+    return any(t.shape != shape for t in kwargs["input_list"])
+
+
+def reduce_scatter_uneven(pg: GroupLike, caps: Capabilities, device: str,
+                          kwargs: dict[str, Any]) -> Work:
+    """A reduce_scatter whose ``input_list`` entries differ in size (entry ``r`` sized as rank
+    ``r``'s output): an all_reduce of the concatenated inputs, of which each rank keeps its
+    share. Every rank sees the same sizes, so every rank takes this route."""
+    if not is_available(caps, "all_reduce", device):
+        raise DistBackendError(
+            f"{pg.where('reduce_scatter')} input_list entries differ in size, which is composed "
+            f"from all_reduce, and backend {pg.backend_name!r} cannot run all_reduce on {device} "
+            f"tensors; pass entries of one size")
+    out, inputs, me = kwargs["output"], kwargs["input_list"], pg.rank()
+    flat = torch.cat([t.reshape(-1) for t in inputs])
+    start = sum(t.numel() for t in inputs[:me])
+    share = flat[start:start + out.numel()].view(out.shape)
+    return _do(pg, "all_reduce", tensor=flat, op=kwargs["op"]).then(
+        lambda _v: [out.copy_(share)], op="reduce_scatter")
 
 
 __all__ += ["Recipe", "RECIPES"]

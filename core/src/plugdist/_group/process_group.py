@@ -342,8 +342,11 @@ class ProcessGroup(GroupIdentity):
 
     def reduce_scatter(self, output: torch.Tensor, input_list: Sequence[torch.Tensor],
                        op: ReduceOp = ReduceOp.SUM) -> Work:
+        """Reduce ``input_list[r]`` of every rank into rank ``r``'s ``output``. Entries may
+        differ in size, as in torch: ``input_list[r]`` must match rank ``r``'s ``output``; an
+        uneven list is composed from an all_reduce of the concatenated inputs."""
         self._check_tensor("reduce_scatter", output, "output")
-        self._check_list("reduce_scatter", "input_list", input_list, output)
+        self._check_uneven_list("reduce_scatter", "input_list", input_list, output)
         self._check_reduce("reduce_scatter", op, output)
         return self._run_reduction("reduce_scatter", output, output, output=output,
                                    input_list=list(input_list), op=op)
@@ -528,6 +531,9 @@ class ProcessGroup(GroupIdentity):
         if gathering:
             return composition.reduce_by_gathering(backend, backend.capabilities(), op, device,
                                                    kwargs)
+        if op == "reduce_scatter" and composition.is_uneven(kwargs):
+            return composition.reduce_scatter_uneven(backend, backend.capabilities(), device,
+                                                     kwargs)
         call = _waiting.call
         if call is not None and call[0] is self and call[1] == op:
             _waiting.call = None  # for this dispatch only, not the ops a composition issues
@@ -619,6 +625,24 @@ class ProcessGroup(GroupIdentity):
             if t.shape != like.shape or t.dtype != like.dtype:
                 raise ValueError(f"{self.where(op)} {name}[{i}] is {t.dtype}{list(t.shape)} "
                                  f"but must match {like.dtype}{list(like.shape)}")
+
+    def _check_uneven_list(self, op: str, name: str, tensors: Sequence[torch.Tensor] | None,
+                           mine: torch.Tensor) -> None:
+        """``tensors`` holds one tensor of ``mine``'s dtype per rank, and this rank's entry
+        holds as many elements as ``mine``; the others' sizes are their ranks' to match."""
+        if tensors is None or len(tensors) != self.group_size:
+            n = "None" if tensors is None else len(tensors)
+            raise ValueError(f"{self.where(op)} {name} has {n} tensors; it needs one per rank "
+                             f"({self.group_size})")
+        for i, t in enumerate(tensors):
+            self._check_tensor(op, t, f"{name}[{i}]")
+            if t.dtype != mine.dtype:
+                raise ValueError(f"{self.where(op)} {name}[{i}] is {t.dtype} but must be "
+                                 f"{mine.dtype}")
+        own = tensors[self.group_rank]
+        if own.numel() != mine.numel():
+            raise ValueError(f"{self.where(op)} {name}[{self.group_rank}] (this rank's share) "
+                             f"has {own.numel()} elements but output has {mine.numel()}")
 
     def _check_flat(self, op: str, a: torch.Tensor, b: torch.Tensor, ok: bool,
                     why: Callable[[], str]) -> None:

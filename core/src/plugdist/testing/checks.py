@@ -389,6 +389,12 @@ def check_reduce_scatter(rank: int, ws: int) -> None:
             work.wait()
             same(out2, expected(op, [value(r * ws + rank, dtype, op=op) for r in range(ws)]),
                  f"reduce_scatter_tensor {dtype} {op}")
+            # entries of different sizes, as torch allows: entry i sized for rank i's output
+            uneven = [value(rank * ws + i, dtype, n=i + 1, op=op) for i in range(ws)]
+            mine = torch.zeros(rank + 1, dtype=dtype)
+            dist.reduce_scatter(mine, uneven, op=op)
+            same(mine, expected(op, [value(r * ws + rank, dtype, n=rank + 1, op=op)
+                                     for r in range(ws)]), f"uneven reduce_scatter {dtype} {op}")
 
 
 @check
