@@ -68,8 +68,10 @@ def check_reduce_op(op: ReduceOp, dtype: torch.dtype, *, context: str = "") -> N
                          f"reduce with SUM and divide yourself".strip())
 
 
+@torch.no_grad()
 def apply_local(op: ReduceOp, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Reduce ``tensors`` elementwise in this process (used by composed ops and backends)."""
+    """Reduce ``tensors`` elementwise in this process (used by composed ops and backends),
+    outside autograd (tensors that require grad included), as collectives are."""
     out = tensors[0].clone()
     for t in tensors[1:]:
         if op in (ReduceOp.SUM, ReduceOp.AVG):

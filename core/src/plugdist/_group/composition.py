@@ -395,9 +395,31 @@ def _fallback_recipes(caps: Capabilities, op: str, device: str) -> list[Recipe]:
     return [r for r in RECIPES[op] if op not in r.needs and r.needs <= plans.keys()]
 
 
+def _requires_grad(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.requires_grad
+    return isinstance(v, list) and any(isinstance(t, torch.Tensor) and t.requires_grad for t in v)
+
+
+def _detach(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    return [t.detach() if isinstance(t, torch.Tensor) else t for t in v]
+
+
+def without_autograd(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with every tensor that requires grad (an ``nn.Parameter``) detached: the same
+    memory, written in place by the recipes' local steps, which autograd refuses on such a leaf.
+    Collectives are outside autograd, as torch's are."""
+    if not any(_requires_grad(v) for v in kwargs.values()):
+        return kwargs
+    return {k: _detach(v) if _requires_grad(v) else v for k, v in kwargs.items()}
+
+
 def compose(pg: GroupLike, caps: Capabilities, op: str, device: str,
             kwargs: dict[str, Any]) -> Work:
     """Run ``op`` from the first usable recipe for ``device`` (see :func:`plan`)."""
+    kwargs = without_autograd(kwargs)
     planned = _plans(caps, device).get(op, [])
     recipes = _fallback_recipes(caps, op, device) if planned is None else planned
     for recipe in recipes:
@@ -416,6 +438,7 @@ def reduce_by_gathering(pg: GroupLike, caps: Capabilities, op: str, device: str,
                         kwargs: dict[str, Any]) -> Work:
     """A reduction the backend lacks (e.g. PRODUCT): all_gather the inputs, reduce locally."""
     red = kwargs["op"]
+    kwargs = without_autograd(kwargs)
     if not is_available(caps, "all_gather", device):
         raise DistBackendError(
             f"{pg.where(op)} ReduceOp.{red.name} is not supported by backend {pg.backend_name!r} "
@@ -458,6 +481,7 @@ def reduce_scatter_uneven(pg: GroupLike, caps: Capabilities, device: str,
             f"{pg.where('reduce_scatter')} input_list entries differ in size, which is composed "
             f"from all_reduce, and backend {pg.backend_name!r} cannot run all_reduce on {device} "
             f"tensors; pass entries of one size")
+    kwargs = without_autograd(kwargs)
     out, inputs, me = kwargs["output"], kwargs["input_list"], pg.rank()
     flat = torch.cat([t.reshape(-1) for t in inputs])
     start = sum(t.numel() for t in inputs[:me])

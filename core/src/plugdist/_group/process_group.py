@@ -562,7 +562,7 @@ class ProcessGroup(GroupIdentity):
 
             def divide(result: Any) -> Any:
                 if out is not None:
-                    out.div_(size)
+                    out.detach().div_(size)  # in place, outside autograd (see compose)
                 return result
 
             return work.then(divide)

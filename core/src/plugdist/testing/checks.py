@@ -264,6 +264,26 @@ def check_all_reduce(rank: int, ws: int) -> None:
 
 
 @check
+def check_parameters(rank: int, ws: int) -> None:
+    """Ops that write in place into their input, on tensors that require grad (model
+    weights), natively or composed alike, as torch's accept them."""
+    ops = [ReduceOp.SUM, ReduceOp.MAX, ReduceOp.AVG, ReduceOp.PRODUCT]
+    refused = _world().capabilities().refused_reduce_ops
+    for op in (op for op in ops if op not in refused):
+        p = torch.nn.Parameter(value(rank, torch.float32, op=op))
+        dist.all_reduce(p, op=op)
+        want = expected(op, [value(r, torch.float32, op=op) for r in range(ws)])
+        same(p.detach(), want, f"all_reduce of a Parameter {op}")
+        p = torch.nn.Parameter(value(rank, torch.float32, op=op))
+        dist.reduce(p, dst=0, op=op)
+        if rank == 0:
+            same(p.detach(), want, f"reduce of a Parameter {op}")
+    p = torch.nn.Parameter(value(rank, torch.float32))
+    dist.broadcast(p, src=0)
+    same(p.detach(), value(0, torch.float32), "broadcast of a Parameter")
+
+
+@check
 def check_all_reduce_shapes(rank: int, ws: int) -> None:
     scalar = torch.tensor(float(rank + 1))
     dist.all_reduce(scalar)
