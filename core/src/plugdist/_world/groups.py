@@ -574,7 +574,10 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = No
               use_local_synchronization: bool = False, group_desc: str | None = None) -> Any:
     """A group of ``ranks`` (global ranks; default all). Every rank of the world must call it,
     in the same order; members get the group, non-members ``GroupMember.NON_GROUP_MEMBER``.
-    Blocks until every member has built its side (bounded by ``timeout``)."""
+    With ``use_local_synchronization``, only the members must call it (in the same order among
+    themselves): its name comes from its ranks (``World.local_group_name``), not the call
+    order, and a non-member's call does nothing. Blocks until every member has built its side
+    (bounded by ``timeout``)."""
     world.require("new_group")
     members = tuple(sorted(range(world.size) if ranks is None else ranks))
     if len(set(members)) != len(members):
@@ -585,9 +588,14 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = No
             f"new_group: ranks {bad} are not in the world (valid: 0..{world.size - 1})")
     if not members:
         raise ValueError("new_group: ranks must not be empty")
-    name = world.next_group_name()
-    if world.rank not in members:
-        return _NON_MEMBER
+    if use_local_synchronization:
+        if world.rank not in members:
+            return _NON_MEMBER
+        name = world.local_group_name(members)
+    else:
+        name = world.next_group_name()
+        if world.rank not in members:
+            return _NON_MEMBER
     default_info = world.info(world.require("new_group"))
     return _build_group(Backend(backend) if backend else default_info.backend, members, name,
                         timeout or default_info.timeout, pg_options)

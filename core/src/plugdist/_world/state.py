@@ -6,6 +6,7 @@ Nothing else in plugdist keeps module-level state about groups. Thread-safe.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -55,6 +56,8 @@ class World:
             self.backend: str | None = None
             self.groups: dict[int, tuple[ProcessGroup, GroupInfo]] = {}
             self.group_count = 0
+            # member ranks -> local-sync groups of them made so far (local_group_name)
+            self.local_group_counts: dict[tuple[int, ...], int] = {}
             self.owned_store = False
             # torch's default group while it runs over ours (plugdist._torch.bridge.share_world)
             self.torch_default: Any = None
@@ -81,6 +84,17 @@ class World:
         with self._lock:
             self.group_count += 1
             return str(self.group_count)
+
+    def local_group_name(self, ranks: tuple[int, ...]) -> str:
+        """The name of a group made by its members alone (``use_local_synchronization``):
+        derived from its ranks and how many such groups of those ranks this process made
+        before, the same on every member; the call-order counter is left alone, as the other
+        ranks do not see the call."""
+        with self._lock:
+            made = self.local_group_counts.get(ranks, 0)
+            self.local_group_counts[ranks] = made + 1
+        digest = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
+        return f"local-{digest}-{made}"
 
     def add(self, pg: ProcessGroup, info: GroupInfo) -> None:
         with self._lock:

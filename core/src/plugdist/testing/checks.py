@@ -591,6 +591,28 @@ def check_subgroups(rank: int, ws: int) -> None:
 
 
 @check
+def check_local_sync_groups(rank: int, ws: int) -> None:
+    """Groups made by their members alone (``use_local_synchronization``), then one made by
+    every rank: the latter pairs with the right peers only if the former left the call-order
+    naming alone."""
+    pair = [0, 1] if ws > 1 else [0]
+    if rank in pair:
+        first = dist.new_group(pair, use_local_synchronization=True)
+        second = dist.new_group(pair, use_local_synchronization=True)  # same ranks, its own
+        for g in (second, first):
+            t = torch.tensor([float(rank + 1)])
+            dist.all_reduce(t, group=g)
+            same(t, torch.tensor([float(sum(pair) + len(pair))]), "local-sync group all_reduce")
+        dist.destroy_process_group(second)
+        dist.destroy_process_group(first)
+    everyone = dist.new_group(list(range(ws)))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=everyone)
+    same(t, torch.tensor([float(ws)]), "group made by every rank after local-sync ones")
+    dist.destroy_process_group(everyone)
+
+
+@check
 def check_work_api(rank: int, ws: int) -> None:
     t = torch.ones(4)
     work = _async(dist.all_reduce(t, async_op=True))
