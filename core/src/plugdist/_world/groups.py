@@ -604,20 +604,27 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = No
 def new_subgroups(group_size: int | None = None, group: Any = None,
                   timeout: timedelta | None = None,
                   backend: str | None = None, pg_options: Any = None) -> tuple[Any, list[Any]]:
-    """Split the world into consecutive subgroups of ``group_size`` ranks (default: the ranks of
-    one node, LOCAL_WORLD_SIZE). Returns (this rank's subgroup, every subgroup handle)."""
+    """Split ``group``'s ranks (default: the world's) into consecutive subgroups of
+    ``group_size`` ranks (default: the ranks of one node, LOCAL_WORLD_SIZE). Returns (this
+    rank's subgroup, every subgroup handle). Splitting the world, every rank calls it; splitting
+    another group, its members do (a non-member's call is a ValueError, as torch's), and the
+    subgroups are made with ``use_local_synchronization``, so the other ranks need not call."""
     world.require("new_subgroups")
     if group_size is None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
         if env is None:
             raise ValueError("new_subgroups: pass group_size= (LOCAL_WORLD_SIZE is not set)")
         group_size = int(env)
-    if group_size <= 0 or world.size % group_size:
-        raise ValueError(f"new_subgroups: group_size={group_size} must divide the world size "
-                         f"{world.size}")
-    enumeration = [list(range(s, s + group_size)) for s in range(0, world.size, group_size)]
-    return new_subgroups_by_enumeration(enumeration, timeout=timeout, backend=backend,
-                                        pg_options=pg_options)
+    whole = group is None or group is world.default
+    if group is _NON_MEMBER:
+        raise ValueError(f"new_subgroups: this rank ({world.rank}) is not a member of group; "
+                         f"only the group's members split it")
+    ranks = list(range(world.size)) if whole else get_process_group_ranks(group)
+    if group_size <= 0 or len(ranks) % group_size:
+        raise ValueError(f"new_subgroups: group_size={group_size} must divide the "
+                         f"{'world' if whole else 'group'} size {len(ranks)}")
+    enumeration = [ranks[s:s + group_size] for s in range(0, len(ranks), group_size)]
+    return _subgroups(enumeration, timeout, backend, pg_options, local=not whole)
 
 
 def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]],
@@ -625,6 +632,13 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
                                  pg_options: Any = None) -> tuple[Any, list[Any]]:
     """One group per listed rank set (sets must not overlap). Returns (this rank's subgroup or
     None, every subgroup handle)."""
+    return _subgroups(ranks_per_subgroup_list, timeout, backend, pg_options, local=False)
+
+
+def _subgroups(ranks_per_subgroup_list: Sequence[Sequence[int]], timeout: timedelta | None,
+               backend: str | None, pg_options: Any, local: bool) -> tuple[Any, list[Any]]:
+    """``new_subgroups_by_enumeration``; ``local``: each made with
+    ``use_local_synchronization``."""
     seen: set[int] = set()
     for ranks in ranks_per_subgroup_list:
         overlap = seen & set(ranks)
@@ -634,7 +648,8 @@ def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]
         seen |= set(ranks)
     subgroups, mine = [], None
     for ranks in ranks_per_subgroup_list:
-        handle = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options)
+        handle = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options,
+                           use_local_synchronization=local)
         subgroups.append(handle)
         if world.rank in ranks:
             mine = handle

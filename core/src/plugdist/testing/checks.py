@@ -613,6 +613,31 @@ def check_local_sync_groups(rank: int, ws: int) -> None:
 
 
 @check
+def check_subgroups_of_a_group(rank: int, ws: int) -> None:
+    """``new_subgroups(group=G)`` splits G's ranks, called by G's members only."""
+    if ws < 3:
+        return
+    members = list(range(1, ws))
+    g = dist.new_group(members)
+    if rank == 0:
+        expect_error(ValueError, "not a member", functools.partial(
+            dist.new_subgroups, 1, group=g))
+    else:
+        mine, subs = dist.new_subgroups(1, group=g)
+        assert len(subs) == len(members) and dist.get_process_group_ranks(mine) == [rank]
+        whole, subs = dist.new_subgroups(len(members), group=g)
+        assert len(subs) == 1 and dist.get_process_group_ranks(whole) == members
+        t = torch.ones(1)
+        dist.all_reduce(t, group=whole)
+        same(t, torch.tensor([float(len(members))]), "subgroup of a group all_reduce")
+        expect_error(ValueError, "divide the group size", functools.partial(
+            dist.new_subgroups, ws, group=g))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=dist.new_group(list(range(ws))))  # names still in step
+    same(t, torch.tensor([float(ws)]), "group made by every rank after subgroups of a group")
+
+
+@check
 def check_work_api(rank: int, ws: int) -> None:
     t = torch.ones(4)
     work = _async(dist.all_reduce(t, async_op=True))
