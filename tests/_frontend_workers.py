@@ -115,7 +115,8 @@ def destroy_with_an_op_pending(rank: int, world_size: int, op: str, grace: float
     """On a group of both ranks (its timeout, and its grace for confirming a failure,
     ``grace`` seconds), rank 0 leaves an op pending that rank 1 never joins — a receive, or an
     all_reduce it stopped waiting for after half a second — then destroys that group while
-    rank 1 waits in a world barrier (alive: no failure to confirm). Returns, on rank 0,
+    rank 1 waits in a world barrier (alive: no failure to confirm); or a barrier whose own
+    timeout (half a second) bounds its wait. Returns, on rank 0,
     whether the group was monitored, how long the destroy took and the op's error."""
     group = dist.new_group([0, 1], timeout=timedelta(seconds=grace))
     out: dict = {}
@@ -124,6 +125,12 @@ def destroy_with_an_op_pending(rank: int, world_size: int, op: str, grace: float
         out["monitored"], signal.confirm_grace = signal.monitored, grace
         if op == "recv":
             work = dist.irecv(torch.zeros(3), src=1, group=group)
+        elif op == "barrier":
+            work = dist.barrier(group=group, async_op=True, timeout=timedelta(seconds=0.5))
+            try:
+                work.wait()  # bounded by the barrier's timeout, not the group's
+            except dist.DistTimeoutError:
+                out["timed_out"] = True
         else:
             work = dist.all_reduce(torch.ones(3), group=group, async_op=True)
             try:

@@ -161,7 +161,7 @@ def test_plugdist_and_torch_distributed_side_by_side() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("backend", "op"), [("toy", "recv"), ("gloo", "recv"),
-                                             ("gloo", "all_reduce")])
+                                             ("gloo", "all_reduce"), ("gloo", "barrier")])
 def test_destroying_a_group_fails_its_pending_ops_at_once(backend: str, op: str) -> None:
     """An op pending when its group is destroyed fails, its error saying the group was shut
     down, and the destroy does not wait for it: not for the grace a transport error gets for
@@ -174,5 +174,5 @@ def test_destroying_a_group_fails_its_pending_ops_at_once(backend: str, op: str)
     assert got["destroy_s"] < 50, got
     assert got["error"] is not None and got["error"].startswith("DistError:"), got
     assert "shut down" in got["error"], got
-    assert got.get("timed_out") == (True if op == "all_reduce" else None), got
+    assert got.get("timed_out") == (True if op in ("all_reduce", "barrier") else None), got
     assert results[1] == {}

@@ -196,6 +196,11 @@ class Work:
                 lifecycle("completion_callback_failed", group=self.group, group_rank=self.rank,
                           backend=self.backend, level="warning", op=self.op, error=repr(exc))
 
+    def synchronize(self) -> None:
+        """torch's (deprecated) ``Work.synchronize``: order the caller's current device stream
+        after the op. The op's tensors here are in host memory, where there is nothing to
+        order: a no-op, as torch's on the CPU."""
+
     def result(self) -> Any:
         """The op's output tensors, after a successful ``wait``."""
         self.wait()

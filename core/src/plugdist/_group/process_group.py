@@ -110,6 +110,8 @@ class ProcessGroup(GroupIdentity):
     # the flight recorder's record of this group, set by its add_group (absent on a group built
     # by hand until the recorder first sees it)
     _flight_group: Any
+    # torch's description of the group (new_group(group_desc=)); "default_pg" for the world
+    group_desc: str = "undefined"
 
     def __init__(self, backends: BackendBase | Mapping[str, BackendBase], *legacy: Any) -> None:
         """The group over ``backends``: one backend (it serves every type in its
@@ -176,6 +178,11 @@ class ProcessGroup(GroupIdentity):
 
     @property
     def backend(self) -> str:
+        return self.backend_name
+
+    def name(self) -> str:
+        """The backend's name, as torch's ``ProcessGroup.name()`` (``group_name`` names the
+        group)."""
         return self.backend_name
 
     @property

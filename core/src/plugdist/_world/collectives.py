@@ -192,11 +192,22 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     return None
 
 
-def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Work | None:
+def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None,
+            timeout: timedelta | None = None) -> Work | None:
+    """Block until every member of ``group`` has entered it. ``timeout`` (default: the
+    group's) bounds this barrier: its wait, or the returned Work's ``wait()`` with
+    ``async_op``."""
     pg = resolve_group(group, "barrier")
     if pg is None:
         return None
-    return _call(pg, async_op, "barrier")
+    if timeout is None:
+        return _call(pg, async_op, "barrier")
+    work = pg.barrier()
+    work.timeout = timeout
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 _VERDICT_GRACE = timedelta(seconds=5)

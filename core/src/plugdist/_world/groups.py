@@ -52,6 +52,7 @@ from plugdist.store._worldkeys import (
 __all__ = [
     "init_world", "destroy", "is_initialized", "is_available",
     "new_group", "new_subgroups", "new_subgroups_by_enumeration", "get_rank", "get_world_size",
+    "get_pg_count",
     "get_backend", "get_global_rank", "get_group_rank", "get_process_group_ranks",
     "get_node_local_rank", "is_backend_available", "is_gloo_available", "is_mpi_available",
     "is_nccl_available", "is_torchelastic_launched", "get_default_backend_for_device",
@@ -255,6 +256,7 @@ def init_world(backend: str | None = None, init_method: str | None = None,
         _close_store()
         world.reset()
         raise
+    pg.group_desc = "default_pg"
     world.default = pg
     return pg
 
@@ -577,7 +579,8 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = No
     With ``use_local_synchronization``, only the members must call it (in the same order among
     themselves): its name comes from its ranks (``World.local_group_name``), not the call
     order, and a non-member's call does nothing. Blocks until every member has built its side
-    (bounded by ``timeout``)."""
+    (bounded by ``timeout``). ``group_desc``: the group's ``group_desc``, a description for
+    people (``"undefined"`` by default, as torch's)."""
     world.require("new_group")
     members = tuple(sorted(range(world.size) if ranks is None else ranks))
     if len(set(members)) != len(members):
@@ -597,13 +600,17 @@ def new_group(ranks: Sequence[int] | None = None, timeout: timedelta | None = No
         if world.rank not in members:
             return _NON_MEMBER
     default_info = world.info(world.require("new_group"))
-    return _build_group(Backend(backend) if backend else default_info.backend, members, name,
-                        timeout or default_info.timeout, pg_options)
+    pg = _build_group(Backend(backend) if backend else default_info.backend, members, name,
+                      timeout or default_info.timeout, pg_options)
+    if group_desc is not None:
+        pg.group_desc = group_desc
+    return pg
 
 
 def new_subgroups(group_size: int | None = None, group: Any = None,
                   timeout: timedelta | None = None,
-                  backend: str | None = None, pg_options: Any = None) -> tuple[Any, list[Any]]:
+                  backend: str | None = None, pg_options: Any = None,
+                  group_desc: str | None = None) -> tuple[Any, list[Any]]:
     """Split ``group``'s ranks (default: the world's) into consecutive subgroups of
     ``group_size`` ranks (default: the ranks of one node, LOCAL_WORLD_SIZE). Returns (this
     rank's subgroup, every subgroup handle). Splitting the world, every rank calls it; splitting
@@ -624,19 +631,22 @@ def new_subgroups(group_size: int | None = None, group: Any = None,
         raise ValueError(f"new_subgroups: group_size={group_size} must divide the "
                          f"{'world' if whole else 'group'} size {len(ranks)}")
     enumeration = [ranks[s:s + group_size] for s in range(0, len(ranks), group_size)]
-    return _subgroups(enumeration, timeout, backend, pg_options, local=not whole)
+    return _subgroups(enumeration, timeout, backend, pg_options, group_desc, local=not whole)
 
 
 def new_subgroups_by_enumeration(ranks_per_subgroup_list: Sequence[Sequence[int]],
                                  timeout: timedelta | None = None, backend: str | None = None,
-                                 pg_options: Any = None) -> tuple[Any, list[Any]]:
+                                 pg_options: Any = None,
+                                 group_desc: str | None = None) -> tuple[Any, list[Any]]:
     """One group per listed rank set (sets must not overlap). Returns (this rank's subgroup or
-    None, every subgroup handle)."""
-    return _subgroups(ranks_per_subgroup_list, timeout, backend, pg_options, local=False)
+    None, every subgroup handle); ``group_desc`` describes each (see :func:`new_group`)."""
+    return _subgroups(ranks_per_subgroup_list, timeout, backend, pg_options, group_desc,
+                      local=False)
 
 
 def _subgroups(ranks_per_subgroup_list: Sequence[Sequence[int]], timeout: timedelta | None,
-               backend: str | None, pg_options: Any, local: bool) -> tuple[Any, list[Any]]:
+               backend: str | None, pg_options: Any, group_desc: str | None,
+               local: bool) -> tuple[Any, list[Any]]:
     """``new_subgroups_by_enumeration``; ``local``: each made with
     ``use_local_synchronization``."""
     seen: set[int] = set()
@@ -649,7 +659,7 @@ def _subgroups(ranks_per_subgroup_list: Sequence[Sequence[int]], timeout: timede
     subgroups, mine = [], None
     for ranks in ranks_per_subgroup_list:
         handle = new_group(ranks, timeout=timeout, backend=backend, pg_options=pg_options,
-                           use_local_synchronization=local)
+                           use_local_synchronization=local, group_desc=group_desc)
         subgroups.append(handle)
         if world.rank in ranks:
             mine = handle
@@ -685,6 +695,13 @@ def get_backend(group: Any = None) -> str:
     if pg is None:
         raise ValueError("get_backend: this process is not a member of the group")
     return world.info(pg).backend
+
+
+def get_pg_count() -> int:
+    """How many groups this process's world has named in call order: the default group and
+    every ``new_group`` call (non-members' included, local-sync groups not), as torch's."""
+    world.require("get_pg_count")
+    return world.group_count + 1
 
 
 def get_process_group_ranks(group: Any) -> list[int]:

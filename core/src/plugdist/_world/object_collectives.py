@@ -64,14 +64,16 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
 
 
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None,
-                  group: Any = None) -> None:
-    """On ``dst`` (global rank, default the group's first), fill ``object_gather_list``."""
+                  group: Any = None, group_dst: int | None = None) -> None:
+    """On ``dst`` (global rank; or ``group_dst``, a group rank; default the group's first),
+    fill ``object_gather_list``."""
     pg = resolve_group(group, "gather_object")
     if pg is None:
         return
     gathered: list[Any] = [None] * pg.size()
-    dst_group = c._group_rank(pg, dst if dst is not None else world.info(pg).global_ranks[0],
-                              None, "dst", "gather_object")
+    if dst is None and group_dst is None:
+        dst = world.info(pg).global_ranks[0]
+    dst_group = c._group_rank(pg, dst, group_dst, "dst", "gather_object")
     if pg.rank() == dst_group and (object_gather_list is None or
                                    len(object_gather_list) != pg.size()):
         raise ValueError(f"{pg.where('gather_object')} object_gather_list needs {pg.size()} slots "

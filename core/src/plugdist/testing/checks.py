@@ -638,6 +638,29 @@ def check_subgroups_of_a_group(rank: int, ws: int) -> None:
 
 
 @check
+def check_torch_keywords(rank: int, ws: int) -> None:
+    """Smaller parts of torch.distributed's API: a barrier's timeout, gather_object's
+    group_dst, get_pg_count, ProcessGroup.name(), Work.synchronize(), group_desc."""
+    assert dist.barrier(timeout=timedelta(seconds=30)) is None
+    _async(dist.barrier(async_op=True, timeout=timedelta(seconds=30))).wait()
+    got: list[Any] | None = [None] * ws if rank == ws - 1 else None
+    dist.gather_object(rank * 10, got, group_dst=ws - 1)
+    if rank == ws - 1:
+        assert got == [r * 10 for r in range(ws)], got
+    world = _world()
+    assert world.name() == world.backend_name and world.group_desc == "default_pg"
+    _async(dist.all_reduce(torch.ones(1), async_op=True)).synchronize()  # exists, as torch's
+    before = dist.get_pg_count()
+    g = dist.new_group(list(range(ws)), group_desc="everyone")
+    assert dist.get_pg_count() == before + 1 and g.group_desc == "everyone"
+    mine, _ = dist.new_subgroups(1, group_desc="singles")
+    assert mine.group_desc == "singles"
+    mine, _ = dist.new_subgroups_by_enumeration([[r] for r in range(ws)], group_desc="each")
+    assert mine.group_desc == "each" and dist.get_pg_count() == before + 1 + 2 * ws
+    assert dist.new_group(list(range(ws))).group_desc == "undefined"
+
+
+@check
 def check_work_api(rank: int, ws: int) -> None:
     t = torch.ones(4)
     work = _async(dist.all_reduce(t, async_op=True))

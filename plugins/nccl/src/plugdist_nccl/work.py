@@ -240,6 +240,11 @@ class NCCLWork(Work):
             raise exc
         return True
 
+    def synchronize(self) -> None:
+        """Order the caller's current stream after the op, as ``wait()`` does (which blocks
+        the host too in blocking mode or for a barrier)."""
+        self.wait()
+
     def _block(self, timeout: timedelta | float | None) -> None:
         seconds = self.timeout_seconds(timeout)
         deadline = time.monotonic() + (seconds if seconds is not None else float("inf"))
