@@ -42,12 +42,23 @@ def _from_tensor(t: torch.Tensor, size: int) -> Any:
     return pickle.loads(t[:size].cpu().numpy().tobytes())
 
 
+def _items_to_tensor(items: list[Any], device: torch.device) -> torch.Tensor:
+    """``items`` each pickled on its own, as torch does: the receiver's items share no
+    object even where the sender's list holds one object twice."""
+    return _to_tensor([pickle.dumps(item) for item in items], device)
+
+
+def _items_from_tensor(t: torch.Tensor, size: int) -> list[Any]:
+    return [pickle.loads(data) for data in _from_tensor(t, size)]
+
+
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
-    """Fill ``object_list`` (one slot per group rank) with every rank's ``obj``. Blocking."""
+    """Fill ``object_list``'s first slots (one per group rank; more are left alone, as by
+    torch) with every rank's ``obj``. Blocking."""
     pg = resolve_group(group, "all_gather_object")
     if pg is None:
         return
-    if len(object_list) != pg.size():
+    if len(object_list) < pg.size():
         raise ValueError(f"{pg.where('all_gather_object')} object_list needs {pg.size()} slots, "
                          f"has {len(object_list)}")
     dev = _device(pg)
@@ -93,7 +104,7 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
         src = world.info(pg).global_ranks[0]
     root = c._group_rank(pg, src, group_src, "src", "broadcast_object_list")
     dev = _device(pg, device)
-    payload = _to_tensor(list(object_list), dev) if pg.rank() == root else None
+    payload = _items_to_tensor(list(object_list), dev) if pg.rank() == root else None
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64,
                         device=dev)
     pg.broadcast(size, root).wait()
@@ -101,7 +112,7 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
            else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
     pg.broadcast(buf, root).wait()
     if pg.rank() != root:
-        received = _from_tensor(buf, int(size.item()))
+        received = _items_from_tensor(buf, int(size.item()))
         if len(received) != len(object_list):
             raise ValueError(f"{pg.where('broadcast_object_list')} object_list has "
                              f"{len(object_list)} slots here but {len(received)} on the source")
@@ -140,7 +151,7 @@ def send_object_list(object_list: list[Any], dst: int | None = None, group: Any 
         return
     peer = c._group_rank(pg, dst, group_dst, "dst", "send_object_list")
     dev = _device(pg, device)
-    payload = _to_tensor(list(object_list), dev)
+    payload = _items_to_tensor(list(object_list), dev)
     pg.send(torch.tensor([payload.numel()], dtype=torch.int64, device=dev), peer).wait()
     pg.send(payload, peer).wait()
 
@@ -161,6 +172,6 @@ def recv_object_list(object_list: list[Any], src: int | None = None, group: Any 
     sender = work.source_rank() if peer is None else peer
     buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
     pg.recv(buf, sender).wait()
-    received = _from_tensor(buf, int(size.item()))
+    received = _items_from_tensor(buf, int(size.item()))
     object_list[: len(received)] = received
     return world.info(pg).global_ranks[sender]

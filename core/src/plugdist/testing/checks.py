@@ -513,6 +513,20 @@ def check_object_collectives(rank: int, ws: int) -> None:
     gathered: list[Any] = [None] * ws
     dist.all_gather_object(gathered, ("x" * rank, rank))
     assert gathered == [("x" * r, r) for r in range(ws)], gathered
+    longer: list[Any] = ["spare"] * (ws + 1)  # as torch: the first slots filled, the rest kept
+    dist.all_gather_object(longer, rank)
+    assert longer == [*range(ws), "spare"], longer
+    shared = [1]
+    items: list[Any] = [shared, shared] if rank == 0 else [None, None]
+    dist.broadcast_object_list(items, src=0)  # each item pickled on its own, as by torch
+    assert items == [[1], [1]] and (items[0] is not items[1] or rank == 0), items
+    if ws > 1:
+        if rank == 0:
+            dist.send_object_list([shared, shared], dst=1)
+        elif rank == 1:
+            pair: list[Any] = [None, None]
+            dist.recv_object_list(pair, src=0)
+            assert pair == [[1], [1]] and pair[0] is not pair[1], pair
     dst = ws - 1
     glist: list[Any] | None = [None] * ws if rank == dst else None
     dist.gather_object({"r": rank}, glist, dst=dst)
