@@ -65,6 +65,21 @@ def check_collectives(tag: str) -> list[str]:
     return bad
 
 
+def check_local_group(tag: str) -> list[str]:
+    """A group of the last two ranks made by them alone (use_local_synchronization): its name
+    comes from its ranks and how many such groups of them this process made, counted afresh in
+    each epoch, so that a joiner's pairs with a survivor's. The wrong result, described."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    pair = [size - 2, size - 1]
+    if rank not in pair:
+        return []
+    g = dist.new_group(pair, use_local_synchronization=True)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=g)
+    dist.destroy_process_group(g)
+    return [] if t.item() == 2.0 else [f"{tag} local-sync group: rank {rank} got {t.item()}"]
+
+
 def _store() -> Any:
     from plugdist._world.state import world
 
@@ -148,7 +163,7 @@ def kill_shrink_grow() -> None:
         t0 = time.time()
         dist.init_process_group(backend, timeout=TIMEOUT)
         admitted = time.time()
-        bad = check_collectives("joined")
+        bad = check_collectives("joined") + check_local_group("joined")
         _write(f"joiner-{os.getpid()}", {"role": "joiner", "rank": dist.get_rank(),
                                          "size": dist.get_world_size(), "bad": bad,
                                          "init_s": admitted - t0, "torch": torch_view(),
@@ -158,7 +173,7 @@ def kill_shrink_grow() -> None:
     # INIT_METHOD: a store URL (etcd://...) instead of env://
     dist.init_process_group(backend, init_method=os.environ.get("INIT_METHOD"), timeout=TIMEOUT)
     rank = dist.get_rank()
-    bad = check_collectives("start")
+    bad = check_collectives("start") + check_local_group("start")
     step, err = _until_failure(victims, kill_at=3)
     seen = time.time()
     store = _store()
@@ -177,7 +192,7 @@ def kill_shrink_grow() -> None:
               "torch_shrunk": torch_view(), "fr_watched_shrunk": fr_watched()}
     if grow_back:
         result["grow_s"] = _grow_to(grow_back)
-        result["bad"] += check_collectives("grown")
+        result["bad"] += check_collectives("grown") + check_local_group("grown")
         result["grown_size"] = dist.get_world_size()
         result["torch_grown"] = torch_view()
         result["fr_watched_grown"] = fr_watched()

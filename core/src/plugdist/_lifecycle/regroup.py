@@ -188,7 +188,8 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
     world.default = None
     decision = m.enter(decision)
     world.epoch, world.rank, world.size = decision.epoch, m.rank, len(decision.members)
-    world.group_count = 0
+    world.group_count = 0  # names restart in the epoch's store prefix, on joiners too
+    world.local_group_counts.clear()
     if os.environ.get("RANK") is not None:  # scripts that read them see the new world
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(world.rank), str(world.size)
     assert world.backend is not None and world.store is not None
@@ -201,6 +202,7 @@ def _enter(m: Membership, decision: Decision, timeout: timedelta, why: str) -> N
                else _abandoned_if_a_member_fails(m, m.uids_of(ranks), world.backend))
     pg = groups._build_group(world.backend, ranks, name, info_timeout, world.group_options,
                              factory=factory)
+    pg.group_desc = "default_pg"
     world.default = pg
     if world.torch_default is not None:
         from plugdist._torch import bridge as torch_bridge
