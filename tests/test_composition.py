@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from plugdist import GroupOptions, ProcessGroup
+from plugdist import GroupOptions, ProcessGroup, ReduceOp
 from plugdist._group.composition import plan
 from plugdist._group.process_group import OPS
 from plugdist._tools.cli import backend_table
-from plugdist.backend import BackendBase
+from plugdist.backend import BackendBase, completed_work
 from plugdist.errors import DistBackendError
 
 
@@ -54,3 +54,28 @@ def test_info_table_marks_native_composed_unsupported() -> None:
     assert rows["all_reduce"] == ["native", "-"]
     assert rows["all_gather"] == ["composed", "-"]
     assert rows["send"] == ["native", "-"]
+
+
+class _GathersAsRank1Of2(BackendBase):
+    """Rank 1 of 2 with all_gather alone and SUM its only reduction; the peer's all_gather
+    input is ``PEER``'s entries, concatenated (a reduce_scatter composes from it)."""
+
+    native_reduce_ops = frozenset({ReduceOp.SUM})
+    PEER = [torch.tensor([2.0]), torch.tensor([3.0, 5.0])]
+
+    def native_all_gather(self, *, output_tensors, tensor):
+        output_tensors[0].copy_(torch.cat([t.reshape(-1) for t in self.PEER]))
+        output_tensors[1].copy_(tensor)
+        return completed_work(output_tensors)
+
+
+@pytest.mark.parametrize(("op", "want"), [(ReduceOp.SUM, [7.0, 11.0]),
+                                          (ReduceOp.PRODUCT, [12.0, 30.0])])
+def test_uneven_reduce_scatter_composed_from_all_gather(op: ReduceOp, want: list[float]) -> None:
+    """Entries of different sizes (entry r sized for rank r): this rank (1) gets the reduction
+    of every rank's entry 1, through a composed all_reduce (SUM) or the gathered reduction of
+    one the backend lacks (PRODUCT)."""
+    pg = ProcessGroup(_GathersAsRank1Of2(1, 2, GroupOptions(group_name="g", global_ranks=(0, 1))))
+    out = torch.zeros(2)
+    pg.reduce_scatter(out, [torch.tensor([7.0]), torch.tensor([4.0, 6.0])], op=op).wait()
+    assert out.tolist() == want
