@@ -198,8 +198,9 @@ class Work:
 
     def synchronize(self) -> None:
         """torch's (deprecated) ``Work.synchronize``: order the caller's current device stream
-        after the op. The op's tensors here are in host memory, where there is nothing to
-        order: a no-op, as torch's on the CPU."""
+        after the op. A no-op here, as torch's on the CPU: this Work completes from the host,
+        with nothing left on a stream; a backend whose Works finish on device streams overrides
+        it (plugdist-nccl's)."""
 
     def result(self) -> Any:
         """The op's output tensors, after a successful ``wait``."""
