@@ -621,12 +621,17 @@ class ProcessGroup(GroupIdentity):
             raise ValueError(f"{self.where(op)} ReduceOp.{red.name} is not supported by backend "
                              f"{self.backend_name!r}; use another reduction or another backend")
 
-    def _check_list(self, op: str, name: str, tensors: Sequence[torch.Tensor] | None,
-                    like: torch.Tensor) -> None:
+    def _check_one_per_rank(self, op: str, name: str,
+                            tensors: Sequence[torch.Tensor] | None) -> Sequence[torch.Tensor]:
         if tensors is None or len(tensors) != self.group_size:
             n = "None" if tensors is None else len(tensors)
             raise ValueError(f"{self.where(op)} {name} has {n} tensors; it needs one per rank "
                              f"({self.group_size})")
+        return tensors
+
+    def _check_list(self, op: str, name: str, tensors: Sequence[torch.Tensor] | None,
+                    like: torch.Tensor) -> None:
+        tensors = self._check_one_per_rank(op, name, tensors)
         for i, t in enumerate(tensors):
             self._check_tensor(op, t, f"{name}[{i}]")
             if t.shape != like.shape or t.dtype != like.dtype:
@@ -637,10 +642,7 @@ class ProcessGroup(GroupIdentity):
                            mine: torch.Tensor) -> None:
         """``tensors`` holds one tensor of ``mine``'s dtype per rank, and this rank's entry
         holds as many elements as ``mine``; the others' sizes are their ranks' to match."""
-        if tensors is None or len(tensors) != self.group_size:
-            n = "None" if tensors is None else len(tensors)
-            raise ValueError(f"{self.where(op)} {name} has {n} tensors; it needs one per rank "
-                             f"({self.group_size})")
+        tensors = self._check_one_per_rank(op, name, tensors)
         for i, t in enumerate(tensors):
             self._check_tensor(op, t, f"{name}[{i}]")
             if t.dtype != mine.dtype:
