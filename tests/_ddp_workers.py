@@ -599,14 +599,20 @@ def check_custom_hook_chain(rank: int, ws: int) -> None:
     expect_raises(TypeError, lambda: DDP(mlp()).register_comm_hook(None, 42), "callable")
 
 
+def _uneven_inputs(rank: int, ws: int, seed: int) -> tuple[Any, ...]:
+    """For join(): (the local model, its reference, the local model in DDP with small buckets,
+    each rank's batch count (2 + 2r), the batches, an SGD optimizer on the DDP's parameters)."""
+    local, ref = make_pair(mlp, rank)
+    ddp = DDP(local, bucket_cap_mb=0.002)
+    counts = [2 + 2 * r for r in range(ws)]
+    data = batches("mlp", max(counts), ws, 3, seed=seed)
+    return local, ref, ddp, counts, data, torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+
 def check_join(rank: int, ws: int) -> None:
     """Rank r has 2 + 2r batches; join() keeps everyone in step, ends with equal models."""
     for divide_by_initial in (True, False):
-        local, ref = make_pair(mlp, rank)
-        ddp = DDP(local, bucket_cap_mb=0.002)
-        counts = [2 + 2 * r for r in range(ws)]
-        data = batches("mlp", max(counts), ws, 3, seed=5)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        local, ref, ddp, counts, data, opt = _uneven_inputs(rank, ws, seed=5)
         with ddp.join(divide_by_initial_world_size=divide_by_initial):
             for step in range(counts[rank]):
                 opt.zero_grad()
@@ -629,11 +635,7 @@ def check_join(rank: int, ws: int) -> None:
 def check_join_no_sync(rank: int, ws: int) -> None:
     """Gradient accumulation under join: every other step runs in no_sync; ranks that ran out
     still shadow those steps, and each synchronising step averages over the ranks training."""
-    local, ref = make_pair(mlp, rank)
-    ddp = DDP(local, bucket_cap_mb=0.002)
-    counts = [2 + 2 * r for r in range(ws)]
-    data = batches("mlp", max(counts), ws, 3, seed=21)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    local, ref, ddp, counts, data, opt = _uneven_inputs(rank, ws, seed=21)
     with ddp.join(divide_by_initial_world_size=False):
         for step in range(counts[rank]):
             x, y = data[step][rank]
